@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import torch
+
+from quantkit.errors import QuantkitError
+
+HUB_DATASET = ("wikitext", "wikitext-2-raw-v1")
+
+
+def load_text(source: str | os.PathLike | None = None, split: str = "train") -> str:
+    """The text of a local file, or (source None) a WikiText-2 split from the hub (train to
+    calibrate, test to evaluate)."""
+    if source is None:
+        return hub_text(split)
+    p = Path(source)
+    if not p.is_file():
+        raise QuantkitError(f"{p}: no such file: pass an existing text file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise QuantkitError(f"{p}: not UTF-8 text ({e}): pass a plain text file") from None
+    if not text.strip():
+        raise QuantkitError(f"{p}: the file is empty: pass a file with text to calibrate on")
+    return text
+
+
+def hub_text(split: str) -> str:
+    name, config = HUB_DATASET
+    try:
+        import datasets
+
+        rows = datasets.load_dataset(name, config, split=split)["text"]
+    except Exception as e:  # no network, no `datasets`, a hub error: all mean "use a local file"
+        raise QuantkitError(
+            f"could not load the default calibration set {name}/{config} from the hub ({type(e).__name__}: {e}): "
+            "pass a local text file (--calib-data or --data), or install `datasets` and allow network access"
+        ) from None
+    return "\n\n".join(rows)  # how the GPTQ reference joins the rows
+
+
+def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0) -> torch.Tensor:
+    """n non-overlapping windows of seqlen tokens at seeded random places: LongTensor [n, seqlen]."""
+    if n < 1 or seqlen < 2:
+        raise QuantkitError(f"need at least 1 window of at least 2 tokens, got {n} x {seqlen}")
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    slots = len(ids) // seqlen
+    if slots < n:
+        raise QuantkitError(
+            f"calibration text has {len(ids)} tokens, too few for {n} windows of {seqlen} "
+            f"({n * seqlen} tokens): use a longer text, fewer samples (--calib-samples) or shorter windows (--calib-seqlen)"
+        )
+    picks = sorted(random.Random(seed).sample(range(slots), n))
+    return torch.stack([ids[i * seqlen : (i + 1) * seqlen] for i in picks])

@@ -1,0 +1,173 @@
+"""GPTQ checkpoint format (AutoGPTQ/GPTQModel layout), read by transformers+gptqmodel, vLLM and ExLlama.
+
+Per quantized linear: qweight int32 [K*b/32, N] packed along K, qzeros int32 [ng, N*b/32] packed
+along N, scales fp16 [ng, N], g_idx int32 [K]. Symmetric exports are `checkpoint_format: gptq` (v1,
+zeros stored minus one); asymmetric ones `gptq_v2` (raw zeros), since a v1 zero of 0 would underflow.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from quantkit import __version__
+from quantkit.config import QuantConfig
+from quantkit.errors import QuantkitError
+from quantkit.modelio import Model, load_tokenizer
+from quantkit.pipeline import LINEARS
+from quantkit.qtensor import QuantizedTensor
+
+from .atomic import atomic_dir
+
+
+def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned values [R, C] along R: each run of 32 values is one 32*bits-bit little-endian
+    stream, value i at bit bits*i (3-bit values 10 and 21 straddle words). Returns int32 [R*bits/32, C]."""
+    r, c = values.shape
+    v = values.numpy().astype(np.uint64).reshape(r // 32, 32, c)
+    out = np.zeros((r // 32, bits, c), dtype=np.uint64)
+    for i in range(32):
+        word, off = divmod(bits * i, 32)
+        out[:, word] |= (v[:, i] << np.uint64(off)) & np.uint64(0xFFFFFFFF)
+        if off + bits > 32:
+            out[:, word + 1] |= v[:, i] >> np.uint64(32 - off)
+    return torch.from_numpy(out.reshape(r // 32 * bits, c).astype(np.uint32).view(np.int32))
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of pack: int32 [R*bits/32, C] -> uint8 [R, C]."""
+    p = packed.numpy().view(np.uint32).astype(np.uint64)
+    p = p.reshape(p.shape[0] // bits, bits, p.shape[1])
+    out = np.zeros((p.shape[0], 32, p.shape[2]), dtype=np.uint64)
+    for i in range(32):
+        word, off = divmod(bits * i, 32)
+        x = p[:, word] >> np.uint64(off)
+        if off + bits > 32:
+            x |= p[:, word + 1] << np.uint64(32 - off)
+        out[:, i] = x & np.uint64(2**bits - 1)
+    return torch.from_numpy(out.reshape(-1, p.shape[2]).astype(np.uint8))
+
+
+def check_shapes(module: torch.nn.Module, bits: int) -> None:
+    """Refuse, before any work, linears the layout cannot pack: K a multiple of 32, N*bits too."""
+    for i, layer in enumerate(module.model.layers):
+        for name in LINEARS:
+            n, k = layer.get_submodule(name).weight.shape
+            if k % 32 or (n * bits) % 32:
+                raise QuantkitError(
+                    f"model.layers.{i}.{name} is {n}x{k}: the GPTQ layout needs in_features a multiple of 32 "
+                    f"and out_features*bits a multiple of 32: choose another --format or model"
+                )
+
+
+def quantization_config(qconfig: QuantConfig, act_order: bool) -> dict:
+    fmt = "gptq" if qconfig.sym else "gptq_v2"
+    return {
+        "quant_method": "gptq",
+        "bits": qconfig.bits,
+        "group_size": qconfig.group_size,
+        "desc_act": act_order,
+        "static_groups": False,
+        "sym": qconfig.sym,
+        "lm_head": False,
+        "checkpoint_format": fmt,
+        "format": fmt,
+        "pack_dtype": "int32",
+        "meta": {"quantizer": [f"quantkit:{__version__}"], **qconfig.to_dict()},
+    }
+
+
+def tensors_of(model: Model) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint: packed quantized linears, the rest in float16."""
+    qc = model.qconfig
+    out = {}
+    for name, qt in tqdm(model.tensors.items(), desc="packing", unit="linear", file=sys.stderr):
+        zeros = qt.zeros.T.int() - (1 if qc.sym else 0)
+        out[f"{name}.qweight"] = pack(qt.codes.T.contiguous(), qt.bits)
+        out[f"{name}.qzeros"] = pack(zeros.T.contiguous(), qt.bits).T.contiguous()
+        out[f"{name}.scales"] = qt.scales.T.contiguous()
+        out[f"{name}.g_idx"] = qt.g_idx
+    skip = {f"{name}.weight" for name in model.tensors}
+    if model.module.config.tie_word_embeddings:
+        skip.add("lm_head.weight")
+    for key, t in model.module.state_dict().items():
+        if key not in skip:
+            out[key] = t.half().contiguous() if t.is_floating_point() else t.contiguous()
+    return out
+
+
+def write(model: Model, out: str | Path, overwrite: bool = False) -> Path:
+    if model.qconfig is None or not model.tensors:
+        raise QuantkitError("the model is not quantized: quantize it before exporting")
+    check_shapes(model.module, model.qconfig.bits)
+    act_order = any(qt.act_order for qt in model.tensors.values())
+    tensors = tensors_of(model)
+    qcfg = quantization_config(model.qconfig, act_order)
+    with atomic_dir(out, overwrite) as tmp:
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        size = (tmp / "model.safetensors").stat().st_size
+        print(f"wrote model.safetensors ({size / 2**20:.1f} MiB, {len(tensors)} tensors)", file=sys.stderr)
+        cfg = model.module.config.to_dict()
+        cfg["quantization_config"] = qcfg
+        cfg["dtype"] = "float16"
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        (tmp / "quantize_config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
+        if model.module.generation_config is not None:
+            model.module.generation_config.save_pretrained(tmp)
+        model.tokenizer.save_pretrained(tmp)
+    return Path(out)
+
+
+def read(path: Path) -> Model:
+    """Load a GPTQ checkpoint (ours or another tool's) as a Model with dequantized float weights."""
+    cfg = AutoConfig.from_pretrained(path)
+    qc = cfg.quantization_config
+    del cfg.quantization_config  # transformers would hand it to gptqmodel
+    bits, group_size, sym = qc["bits"], qc["group_size"], qc.get("sym", True)
+    v1 = qc.get("checkpoint_format", qc.get("format", "gptq")) == "gptq"
+    state = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state.update(load_file(f))
+    tensors = {}
+    for key in [k for k in state if k.endswith(".qweight")]:
+        name = key[: -len(".qweight")]
+        try:
+            qweight, qzeros = state.pop(f"{name}.qweight"), state.pop(f"{name}.qzeros")
+            scales, g_idx = state.pop(f"{name}.scales"), state.pop(f"{name}.g_idx")
+        except KeyError as e:
+            raise QuantkitError(f"{path}: {name} lacks {e.args[0]}: the checkpoint is incomplete; re-export it") from None
+        k, n = g_idx.shape[0], scales.shape[1]
+        if qweight.shape != (k * bits // 32, n) or qzeros.shape != (scales.shape[0], n * bits // 32):
+            raise QuantkitError(
+                f"{path}: {name} has qweight {tuple(qweight.shape)} and qzeros {tuple(qzeros.shape)}, which do not fit "
+                f"{bits}-bit {k}x{n} with {scales.shape[0]} groups: the checkpoint is corrupt or its config wrong"
+            )
+        zeros = unpack(qzeros.T.contiguous(), bits).int()
+        if v1:
+            zeros = (zeros + 1) & (2**bits - 1)  # as every v1 loader does
+        qt = QuantizedTensor(
+            codes=unpack(qweight, bits).T.contiguous(),
+            scales=scales.T.contiguous().half(),
+            zeros=zeros.to(torch.uint8),
+            g_idx=g_idx.int(),
+            bits=bits,
+            group_size=group_size,
+            sym=sym,
+        )
+        tensors[name] = qt
+        state[f"{name}.weight"] = qt.dequantize()
+    module = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    missing, unexpected = module.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise QuantkitError(f"{path}: tensors missing {missing[:3]} / unexpected {unexpected[:3]}: re-export the checkpoint")
+    module.tie_weights()
+    meta = qc.get("meta", {})
+    qconfig = QuantConfig(method=meta.get("method", "rtn"), bits=bits, group_size=group_size, sym=sym)
+    return Model(module.eval(), load_tokenizer(path), str(path), tensors, qconfig)

@@ -1,0 +1,10 @@
+"""quantkit: post-training quantization and export for large language models."""
+__version__ = "0.1.0"
+
+from .api import evaluate, export, quantize  # noqa: E402
+from .config import QuantConfig  # noqa: E402
+from .errors import QuantkitError  # noqa: E402
+from .modelio import Model, load  # noqa: E402
+from .qtensor import QuantizedTensor  # noqa: E402
+
+__all__ = ["Model", "QuantConfig", "QuantizedTensor", "QuantkitError", "evaluate", "export", "load", "quantize"]

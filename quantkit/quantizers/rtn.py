@@ -1,0 +1,58 @@
+"""Round-to-nearest onto a uniform grid: min/max per group, the building block of every uniform quantizer."""
+from __future__ import annotations
+
+import torch
+
+from ..qtensor import QuantizedTensor, check_bits_group, group_index
+
+FP16_TINY = 2.0**-24  # smallest positive float16: scales are stored in float16
+
+
+def fit_grid(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point per row of w [N, G] from its range, as the GPTQ reference does.
+
+    The range always includes 0; the scale is rounded to float16 so that what we store is what we use.
+    """
+    maxq = 2**bits - 1
+    w = w.float()
+    lo = w.amin(dim=1).clamp(max=0)
+    hi = w.amax(dim=1).clamp(min=0)
+    if sym:
+        hi = torch.maximum(-lo, hi)
+        lo = torch.where(lo < 0, -hi, lo)
+    empty = (lo == 0) & (hi == 0)
+    lo = torch.where(empty, -1.0, lo)
+    hi = torch.where(empty, 1.0, hi)
+    scale = ((hi - lo) / maxq).clamp(min=FP16_TINY).half().float()
+    if sym:
+        zero = torch.full_like(scale, 2 ** (bits - 1))
+    else:
+        zero = torch.round(-lo / scale).clamp(0, maxq)
+    return scale, zero
+
+
+def round_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """q = clamp(round(w / s) + z, 0, 2^b - 1) with s, z broadcast over w's columns."""
+    return torch.clamp(torch.round(w.float() / scale[:, None]) + zero[:, None], 0, 2**bits - 1)
+
+
+def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True) -> QuantizedTensor:
+    """RTN of w [N, K], group-wise along K; a last group shorter than group_size is allowed."""
+    check_bits_group(bits, group_size)
+    k = w.shape[1]
+    g = k if group_size == -1 else group_size
+    scales, zeros, codes = [], [], []
+    for chunk in torch.split(w, g, dim=1):
+        s, z = fit_grid(chunk, bits, sym)
+        codes.append(round_codes(chunk, s, z, bits))
+        scales.append(s)
+        zeros.append(z)
+    return QuantizedTensor(
+        codes=torch.cat(codes, dim=1).to(torch.uint8),
+        scales=torch.stack(scales, dim=1).half(),
+        zeros=torch.stack(zeros, dim=1).to(torch.uint8),
+        g_idx=group_index(k, group_size),
+        bits=bits,
+        group_size=group_size,
+        sym=sym,
+    )
