@@ -17,7 +17,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from quantkit import __version__
-from quantkit.config import QuantConfig
+from quantkit.config import METHODS, QuantConfig
 from quantkit.errors import QuantkitError
 from quantkit.modelio import Model, load_tokenizer
 from quantkit.pipeline import LINEARS
@@ -73,7 +73,9 @@ def quantization_config(qconfig: QuantConfig, act_order: bool) -> dict:
         "bits": qconfig.bits,
         "group_size": qconfig.group_size,
         "desc_act": act_order,
-        "static_groups": False,
+        "static_groups": qconfig.static_groups,
+        "true_sequential": qconfig.true_sequential,
+        "damp_percent": qconfig.damp,
         "sym": qconfig.sym,
         "lm_head": False,
         "checkpoint_format": fmt,
@@ -88,9 +90,9 @@ def tensors_of(model: Model) -> dict[str, torch.Tensor]:
     qc = model.qconfig
     out = {}
     for name, qt in tqdm(model.tensors.items(), desc="packing", unit="linear", file=sys.stderr):
-        zeros = qt.zeros.T.int() - (1 if qc.sym else 0)
+        zeros = qt.zeros.int() - (1 if qc.sym else 0)  # v1 stores zero - 1
         out[f"{name}.qweight"] = pack(qt.codes.T.contiguous(), qt.bits)
-        out[f"{name}.qzeros"] = pack(zeros.T.contiguous(), qt.bits).T.contiguous()
+        out[f"{name}.qzeros"] = pack(zeros, qt.bits).T.contiguous()
         out[f"{name}.scales"] = qt.scales.T.contiguous()
         out[f"{name}.g_idx"] = qt.g_idx
     skip = {f"{name}.weight" for name in model.tensors}
@@ -168,6 +170,7 @@ def read(path: Path) -> Model:
     if missing or unexpected:
         raise QuantkitError(f"{path}: tensors missing {missing[:3]} / unexpected {unexpected[:3]}: re-export the checkpoint")
     module.tie_weights()
-    meta = qc.get("meta", {})
-    qconfig = QuantConfig(method=meta.get("method", "rtn"), bits=bits, group_size=group_size, sym=sym)
+    method = qc.get("meta", {}).get("method")
+    qconfig = QuantConfig(method if method in METHODS else "gptq", bits, group_size, sym,
+                          act_order=bool(qc.get("desc_act")), static_groups=bool(qc.get("static_groups")))
     return Model(module.eval(), load_tokenizer(path), str(path), tensors, qconfig)

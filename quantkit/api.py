@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -12,18 +13,29 @@ from .config import QuantConfig
 from .modelio import Model, load
 from .pipeline import Hessian, quantize_layers
 from .qtensor import QuantizedTensor
-from .quantizers import rtn
+from .quantizers import gptq, rtn
 
 PathLike = str | os.PathLike
 
 
-def quantizer(qconfig: QuantConfig):
-    """The per-linear core for a method: (name, weight, hessian or None) -> QuantizedTensor."""
+def quantizer(qconfig: QuantConfig, losses: dict[str, float]):
+    """The per-linear core for a method: (name, weight, hessian or None) -> QuantizedTensor.
+    GPTQ's per-linear losses are recorded in losses."""
+    c = qconfig
 
     def quantize_rtn(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
-        return rtn.quantize(w, qconfig.bits, qconfig.group_size, qconfig.sym)
+        return rtn.quantize(w, c.bits, c.group_size, c.sym)
 
-    return {"rtn": quantize_rtn}[qconfig.method]
+    def quantize_gptq(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
+        if h is None or h.count == 0:
+            warnings.warn(f"{name}: no calibration input reached it, so it was quantized with RTN")
+            return quantize_rtn(name, w, h)
+        r = gptq.quantize(w, h.matrix(), c.bits, c.group_size, c.sym, c.damp, c.block_size, c.act_order,
+                          c.static_groups, c.mse, name)
+        losses[name] = r.loss
+        return r.tensor
+
+    return {"rtn": quantize_rtn, "gptq": quantize_gptq}[c.method]
 
 
 def quantize(
@@ -32,6 +44,12 @@ def quantize(
     bits: int = 4,
     group_size: int = 128,
     sym: bool = True,
+    damp: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = False,
+    static_groups: bool = False,
+    true_sequential: bool = True,
+    mse: bool = False,
     calib_data: PathLike | None = None,
     calib_samples: int = 128,
     calib_seqlen: int = 512,
@@ -42,8 +60,9 @@ def quantize(
     progress: bool = True,
 ) -> Model:
     """Quantize a model (a loaded Model is changed in place; a path or None loads one) and,
-    with out, export it. Every check that can fail runs before the long work starts."""
-    qconfig = QuantConfig(method, bits, group_size, sym)
+    with out, export it. Every check that can fail runs before the long work starts.
+    damp, block_size, act_order, static_groups, true_sequential and mse are GPTQ's options."""
+    qconfig = QuantConfig(method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse)
     if out is not None:
         exporters.check_out(out, overwrite)
     m = model if isinstance(model, Model) else load(model)
@@ -53,7 +72,9 @@ def quantize(
     if qconfig.needs_calibration:
         text = calibration.load_text(calib_data)
         windows = calibration.sample_windows(m.tokenizer, text, calib_samples, calib_seqlen, seed)
-    m.tensors = quantize_layers(m, quantizer(qconfig), windows, progress=progress)
+    m.losses = {}
+    m.tensors = quantize_layers(m, quantizer(qconfig, m.losses), windows, sequential=true_sequential,
+                                progress=progress)
     m.qconfig = qconfig
     if out is not None:
         export(m, out, format, overwrite)

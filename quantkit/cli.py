@@ -6,8 +6,10 @@ import sys
 
 import click
 
+from quantkit.exporters import check_out
+
 from . import api
-from .config import METHODS
+from .config import METHODS, QuantConfig
 from .errors import QuantkitError
 from .modelio import load
 
@@ -31,6 +33,13 @@ def cli() -> None:
 @click.option("--bits", type=int, default=4, show_default=True)
 @click.option("--group-size", type=int, default=128, show_default=True, help="-1: per output channel")
 @click.option("--sym/--asym", default=True, show_default=True)
+@click.option("--damp", type=float, default=0.01, show_default=True, help="GPTQ: damping, of the mean Hessian diagonal")
+@click.option("--block-size", type=int, default=128, show_default=True, help="GPTQ: columns per lazy batch")
+@click.option("--act-order/--no-act-order", default=False, show_default=True, help="GPTQ: columns by decreasing Hessian diagonal")
+@click.option("--static-groups", is_flag=True, help="GPTQ: group grids fixed before act-order")
+@click.option("--true-sequential/--no-true-sequential", default=True, show_default=True,
+              help="GPTQ: q/k/v, o, gate/up, down in turn, each on the inputs of the quantized ones")
+@click.option("--mse", is_flag=True, help="GPTQ: search the clipping range")
 @click.option("--out", required=True, type=click.Path(), help="export directory")
 @click.option("--format", "fmt", default="safetensors", show_default=True, help="safetensors: GPTQ checkpoint layout")
 @click.option("--overwrite", is_flag=True, help="replace --out if it exists")
@@ -41,13 +50,17 @@ def cli() -> None:
 @click.option("--eval-data", type=click.Path(), help="also print perplexity before and after on this text file")
 @click.option("--eval-windows", type=int, default=40, show_default=True)
 @click.option("--ctx", type=int, default=512, show_default=True, help="context of the --eval-data perplexity")
-def quantize(model, method, bits, group_size, sym, out, fmt, overwrite, calib_data, calib_samples, calib_seqlen,
-             seed, eval_data, eval_windows, ctx) -> None:
+def quantize(model, method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
+             out, fmt, overwrite, calib_data, calib_samples, calib_seqlen, seed, eval_data, eval_windows, ctx) -> None:
     """Quantize MODEL (a directory, a .gguf file, or by default the embedded SmolLM2-135M-Instruct)."""
+    # options and output path first: a mistake there should not cost a model load
+    QuantConfig(method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse)
+    check_out(out, overwrite)
     m = load(model)
     if eval_data:
         show("before", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))
-    api.quantize(m, method, bits, group_size, sym, calib_data, calib_samples, calib_seqlen, seed, out, fmt, overwrite)
+    api.quantize(m, method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
+                 calib_data, calib_samples, calib_seqlen, seed, out, fmt, overwrite)
     click.echo(f"exported {len(m.tensors)} quantized linears to {out}")
     if eval_data:
         show("after", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))

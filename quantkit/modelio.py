@@ -41,6 +41,7 @@ class Model:
     source: str
     tensors: dict[str, QuantizedTensor] = field(default_factory=dict)
     qconfig: QuantConfig | None = None
+    losses: dict[str, float] = field(default_factory=dict)  # GPTQ's per-linear loss
 
     @property
     def layers(self) -> torch.nn.ModuleList:

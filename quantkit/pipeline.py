@@ -78,10 +78,10 @@ def run_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]]) 
     return out
 
 
-def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]]) -> dict[str, Hessian]:
+def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]], groups) -> dict[str, Hessian]:
     """One Hessian per input shared by a group of linears, filled by running the layer once."""
     hessians, handles = {}, []
-    for group in GROUPS:
+    for group in groups:
         first = layer.get_submodule(group[0])
         h = Hessian(first.in_features)
         handles.append(first.register_forward_pre_hook(lambda m, args, h=h: h.add_batch(args[0])))
@@ -100,22 +100,26 @@ def quantize_layers(
     quantize: QuantizeFn,
     windows: torch.Tensor | None = None,
     batch_size: int = 8,
+    sequential: bool = False,
     progress: bool = True,
 ) -> dict[str, QuantizedTensor]:
     """Quantize every decoder linear in place (weights become their dequantized values).
 
     With windows (LongTensor [n, seqlen]) each linear's quantizer also gets the Hessian of its
-    inputs; without, it gets None and no forward pass is made.
+    inputs; without, it gets None and no forward pass is made. sequential: q/k/v, then o, then
+    gate/up, then down, each group seeing the inputs the already quantized ones produce.
     """
     batches = capture_inputs(model, windows, batch_size) if windows is not None else None
+    stages = [(group,) for group in GROUPS] if sequential else [GROUPS]
     tensors = {}
     for i, layer in enumerate(tqdm(model.layers, desc="quantizing layers", unit="layer", disable=not progress)):
-        hessians = gather_hessians(layer, batches) if batches is not None else {}
-        for name in LINEARS:
-            linear = layer.get_submodule(name)
-            qt = quantize(f"model.layers.{i}.{name}", linear.weight.data, hessians.get(name))
-            linear.weight.data = qt.dequantize(linear.weight.dtype)
-            tensors[f"model.layers.{i}.{name}"] = qt
+        for stage in stages:
+            hessians = gather_hessians(layer, batches, stage) if batches is not None else {}
+            for name in (name for group in stage for name in group):
+                linear = layer.get_submodule(name)
+                qt = quantize(f"model.layers.{i}.{name}", linear.weight.data, hessians.get(name))
+                linear.weight.data = qt.dequantize(linear.weight.dtype)
+                tensors[f"model.layers.{i}.{name}"] = qt
         if batches is not None:
             batches = run_layer(layer, batches)
     return tensors

@@ -1,0 +1,112 @@
+"""GPTQ (Frantar et al. 2022): Optimal Brain Quantization with lazy batch updates.
+
+Columns are quantized one at a time; each one's rounding error, scaled by the inverse Hessian
+(through its upper Cholesky factor), is pushed onto the columns not yet quantized. Updates inside
+a block of columns are applied at once, the rest of the matrix is updated once per block.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import QuantkitError
+from ..qtensor import QuantizedTensor, check_bits_group
+from .rtn import fit_grid, round_codes
+
+
+@dataclass
+class GPTQResult:
+    tensor: QuantizedTensor
+    loss: float  # sum over weights of (w - q)^2 / Hinv_jj^2 / 2: the layer's output error the method minimizes
+
+
+def inverse_hessian_factor(h: torch.Tensor, damp: float, name: str = "layer") -> torch.Tensor:
+    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, raising damping tenfold on failure."""
+    mean_diag = torch.mean(torch.diag(h))
+    for attempt in range(6):
+        d = damp * 10**attempt
+        try:
+            eye = torch.eye(h.shape[0], dtype=h.dtype)
+            lower = torch.linalg.cholesky(h + d * mean_diag * eye)
+            return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+        except torch.linalg.LinAlgError:
+            warnings.warn(f"{name}: Hessian not positive definite with damping {d:g}; raising it to {d * 10:g}")
+    raise QuantkitError(
+        f"{name}: the Hessian stays singular even with damping {d:g}: calibrate on more or more varied text"
+    )
+
+
+def quantize(
+    w: torch.Tensor,
+    h: torch.Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    sym: bool = True,
+    damp: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = False,
+    static_groups: bool = False,
+    mse: bool = False,
+    name: str = "layer",
+) -> GPTQResult:
+    """GPTQ of w [N, K] given the Hessian h [K, K] of its inputs (2 X^T X / n)."""
+    check_bits_group(bits, group_size)
+    n, k = w.shape
+    g = k if group_size == -1 else group_size
+    ng = -(-k // g)
+    w = w.float().clone()
+    h = h.float().clone()
+    dead = torch.diag(h) == 0  # inputs always zero: any value is exact, take 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+
+    scales = torch.zeros(n, ng)
+    zeros = torch.zeros(n, ng)
+    if static_groups:  # fixed before act-order reorders the columns
+        for j in range(ng):
+            scales[:, j], zeros[:, j] = fit_grid(w[:, j * g : (j + 1) * g], bits, sym, mse)
+
+    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(k)
+    w, h = w[:, perm], h[perm][:, perm]
+    # group of each column in quantization order
+    col_group = perm // g if static_groups else torch.arange(k) // g
+    hinv = inverse_hessian_factor(h, damp, name)
+
+    codes = torch.zeros(n, k)
+    losses = torch.zeros(n, k)
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if not static_groups and col % g == 0:
+                # the group's grid from its columns as updated so far (within this block: w1)
+                span = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :g]
+                scales[:, col // g], zeros[:, col // g] = fit_grid(span, bits, sym, mse)
+            s, z = scales[:, col_group[col]], zeros[:, col_group[col]]
+            q = round_codes(w1[:, i : i + 1], s, z, bits)[:, 0]
+            dq = s * (q - z)
+            d = hinv1[i, i]
+            codes[:, col] = q
+            losses[:, col] = (w1[:, i] - dq) ** 2 / d**2 / 2
+            e = (w1[:, i] - dq) / d
+            w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+
+    inv = torch.argsort(perm)
+    g_idx = (col_group[inv]).to(torch.int32)
+    qt = QuantizedTensor(
+        codes=codes[:, inv].to(torch.uint8),
+        scales=scales.half(),
+        zeros=zeros.to(torch.uint8),
+        g_idx=g_idx,
+        bits=bits,
+        group_size=group_size,
+        sym=sym,
+    )
+    return GPTQResult(qt, float(losses.sum()))

@@ -1,0 +1,121 @@
+"""Every bad input is one line naming the problem and the fix, exit status 2, nothing written."""
+import json
+import shutil
+import sys
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from quantkit.cli import main
+
+from .conftest import TEST, make_tiny
+
+
+def run(args, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err.strip().splitlines()
+    return e.value.code, err[-1] if err else ""
+
+
+@pytest.fixture
+def model(tiny_dir, tmp_path):
+    return shutil.copytree(tiny_dir, tmp_path / "model")
+
+
+def quantize_fails(args, capsys, monkeypatch, tmp_path, match):
+    out = tmp_path / "out"
+    code, line = run(["quantize", *args, "--out", out], capsys, monkeypatch)
+    assert code == 2 and line.startswith("error: ") and match in line, line
+    assert "Traceback" not in line
+    assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+def test_missing_path(capsys, monkeypatch, tmp_path):
+    quantize_fails([tmp_path / "nope"], capsys, monkeypatch, tmp_path, "no such file or directory")
+
+
+def test_directory_without_a_model(capsys, monkeypatch, tmp_path):
+    (tmp_path / "empty").mkdir()
+    quantize_fails([tmp_path / "empty"], capsys, monkeypatch, tmp_path, "no config.json")
+
+
+def test_directory_without_weights(model, capsys, monkeypatch, tmp_path):
+    (model / "model.safetensors").unlink()
+    quantize_fails([model], capsys, monkeypatch, tmp_path, "no *.safetensors weights")
+
+
+def test_truncated_safetensors(model, capsys, monkeypatch, tmp_path):
+    data = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(data[: len(data) // 2])
+    quantize_fails([model], capsys, monkeypatch, tmp_path, "corrupt or truncated safetensors")
+
+
+def test_corrupt_safetensors(model, capsys, monkeypatch, tmp_path):
+    (model / "model.safetensors").write_bytes(b"\xff" * 4096)
+    quantize_fails([model], capsys, monkeypatch, tmp_path, "corrupt or truncated safetensors")
+
+
+def test_unsupported_architecture(model, capsys, monkeypatch, tmp_path):
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "model_type": "bloom"}))
+    quantize_fails([model], capsys, monkeypatch, tmp_path, "'bloom' is not supported: quantkit handles llama, mistral, qwen2")
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_nan_or_inf_weights(model, capsys, monkeypatch, tmp_path, bad):
+    state = load_file(model / "model.safetensors")
+    state["model.layers.1.mlp.up_proj.weight"][3, 5] = float(bad)
+    save_file(state, model / "model.safetensors", metadata={"format": "pt"})
+    quantize_fails([model], capsys, monkeypatch, tmp_path, "model.layers.1.mlp.up_proj.weight contains NaN or Inf")
+
+
+@pytest.mark.parametrize("args,match", [(["--bits", "5"], "unsupported bit width 5"),
+                                        (["--group-size", "0"], "group size 0 is invalid"),
+                                        (["--method", "magic"], "unknown method 'magic'"),
+                                        (["--format", "onnx"], "unknown export format 'onnx'")])
+def test_bad_options(model, capsys, monkeypatch, tmp_path, args, match):
+    quantize_fails([model, *args], capsys, monkeypatch, tmp_path, match)
+
+
+def test_shape_the_gptq_layout_cannot_pack(capsys, monkeypatch, tmp_path):
+    odd = make_tiny(tmp_path / "odd", hidden=48, intermediate=96)  # in_features 48: not a multiple of 32
+    quantize_fails([odd], capsys, monkeypatch, tmp_path, "needs in_features a multiple of 32")
+
+
+def test_corrupt_gguf(capsys, monkeypatch, tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 20)
+    quantize_fails([bad], capsys, monkeypatch, tmp_path, "not a readable GGUF file")
+
+
+def test_empty_eval_data(model, capsys, monkeypatch, tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    code, line = run(["eval", model, "--data", tmp_path / "empty.txt"], capsys, monkeypatch)
+    assert code == 2 and "is empty" in line
+
+
+def test_eval_text_shorter_than_a_window(model, capsys, monkeypatch, tmp_path):
+    (tmp_path / "short.txt").write_text(TEST.read_text()[:500])
+    code, line = run(["eval", model, "--data", tmp_path / "short.txt", "--ctx", 512], capsys, monkeypatch)
+    assert code == 2 and "fewer than one window of 512" in line
+
+
+def test_existing_output(model, capsys, monkeypatch, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("keep")
+    code, line = run(["quantize", model, "--out", tmp_path / "out"], capsys, monkeypatch)
+    assert code == 2 and "already exists" in line and (tmp_path / "out" / "x").read_text() == "keep"
+
+
+@pytest.mark.parametrize("text,match", [("", "is empty"), ("a few words only", "too few for 128 windows of 512")])
+def test_calibration_text_too_short_for_gptq(model, capsys, monkeypatch, tmp_path, text, match):
+    (tmp_path / "calib.txt").write_text(text)
+    quantize_fails([model, "--method", "gptq", "--calib-data", tmp_path / "calib.txt"], capsys, monkeypatch, tmp_path,
+                   match)
+
+
+def test_missing_calibration_file(model, capsys, monkeypatch, tmp_path):
+    quantize_fails([model, "--method", "gptq", "--calib-data", tmp_path / "nope.txt"], capsys, monkeypatch, tmp_path,
+                   "no such file")

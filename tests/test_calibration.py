@@ -1,0 +1,51 @@
+import sys
+
+import pytest
+import torch
+
+from quantkit import QuantkitError
+from quantkit.calibration import load_text, sample_windows
+from quantkit.modelio import load_tokenizer
+
+from .conftest import VALID
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    return load_tokenizer(tiny_dir)
+
+
+def test_windows_are_seeded_and_disjoint(tok):
+    text = load_text(VALID)[:100_000]
+    a = sample_windows(tok, text, 8, 64, seed=3)
+    assert a.shape == (8, 64) and a.dtype == torch.long
+    assert torch.equal(a, sample_windows(tok, text, 8, 64, seed=3))
+    assert not torch.equal(a, sample_windows(tok, text, 8, 64, seed=4))
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    starts = []
+    for w in a:  # each window is a slice of the text at a multiple of 64: no overlaps
+        hits = [s for s in range(0, len(ids) - 63, 64) if torch.equal(ids[s : s + 64], w)]
+        assert hits
+        starts.append(hits[0])
+    assert len(set(starts)) == 8
+
+
+def test_too_little_text_is_an_error(tok, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("just a few words of text\n")
+    with pytest.raises(QuantkitError, match="too few for 4 windows of 64"):
+        sample_windows(tok, load_text(short), 4, 64)
+
+
+def test_empty_and_missing_files(tmp_path):
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(QuantkitError, match="empty"):
+        load_text(tmp_path / "empty.txt")
+    with pytest.raises(QuantkitError, match="no such file"):
+        load_text(tmp_path / "nope.txt")
+
+
+def test_no_network_default_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails as it does without the package
+    with pytest.raises(QuantkitError, match="pass a local text file"):
+        load_text(None)

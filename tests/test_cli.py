@@ -1,0 +1,32 @@
+import json
+import sys
+
+import torch
+
+import quantkit
+from quantkit.cli import main
+
+from .conftest import TEST, VALID
+
+
+def run(args, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
+    main()
+
+
+def test_quantize_then_eval_the_export(tiny_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "q"
+    run(["quantize", tiny_dir, "--bits", 3, "--group-size", 32, "--asym", "--out", out,
+         "--calib-data", VALID, "--eval-data", TEST, "--eval-windows", 2, "--ctx", 128], monkeypatch)
+    printed = capsys.readouterr().out
+    assert "before: perplexity" in printed and "after: perplexity" in printed
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["checkpoint_format"] == "gptq_v2"
+    run(["eval", out, "--data", TEST, "--ctx", 128, "--max-windows", 3, "--json"], monkeypatch)
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["windows"] == 3 and result["tokens"] == 3 * 63 and result["protocol"] == "llamacpp"
+    # the CLI's figure is the API's figure on the reloaded export
+    api = quantkit.evaluate(quantkit.load(out), TEST, "llamacpp", 128, 3, progress=False)
+    assert result["perplexity"] == api.perplexity
+    after = float(printed.split("after: perplexity ")[1].split()[0])
+    assert abs(after - quantkit.evaluate(out, TEST, "llamacpp", 128, 2, progress=False).perplexity) < 0.01 * after
+    assert torch.isfinite(torch.tensor(result["perplexity"]))

@@ -1,0 +1,45 @@
+"""The embedded SmolLM2-135M-Instruct, end to end (minutes on 2 cores)."""
+import pytest
+import torch
+
+import quantkit
+from quantkit.modelio import default_gguf
+
+from .conftest import TEST
+
+pytestmark = pytest.mark.slow
+
+LLAMA_CPP_F16 = 22.50  # llama-perplexity -c 512 --chunks 40 on the f16 GGUF export of these weights
+
+
+@pytest.fixture(scope="module")
+def base():
+    return quantkit.load()
+
+
+def test_perplexity_agrees_with_llama_cpp(base):
+    r = quantkit.evaluate(base, TEST, "llamacpp", ctx=512, max_windows=40, progress=False)
+    assert (r.windows, r.tokens) == (40, 40 * 255)
+    assert abs(r.perplexity / LLAMA_CPP_F16 - 1) < 0.01, r.perplexity
+
+
+def test_gguf_tokenizer_splits_digits_like_llama_cpp():
+    m = quantkit.load(default_gguf())
+    tokens = m.tokenizer.convert_ids_to_tokens(m.tokenizer(" 4 ½ months in 1996")["input_ids"])
+    # llama.cpp's "smollm" pre-tokenizer isolates every \p{N} character, "½" included
+    assert tokens == ["Ġ", "4", "Ġ", "Â½", "Ġmonths", "Ġin", "Ġ", "1", "9", "9", "6"]
+    assert not m.tokenizer("a")["input_ids"][0] == m.tokenizer.bos_token_id  # add_bos_token is false
+
+
+def test_rtn_export_of_the_embedded_model(tmp_path):
+    q = quantkit.quantize(None, bits=4, group_size=128, sym=True, out=tmp_path / "q", progress=False)
+    name = "model.layers.0.self_attn.q_proj"
+    assert q.tensors[name].n_groups == 5  # 576 = 4.5 x 128: the last group holds 64 columns
+    back = quantkit.load(tmp_path / "q")
+    for n, qt in q.tensors.items():
+        assert torch.equal(back.module.get_submodule(n).weight, qt.dequantize()), n
+    base = quantkit.evaluate(None, TEST, max_windows=4, progress=False).perplexity
+    ours = quantkit.evaluate(q, TEST, max_windows=4, progress=False).perplexity
+    reloaded = quantkit.evaluate(back, TEST, max_windows=4, progress=False).perplexity
+    assert base < ours < 2 * base
+    assert abs(reloaded / ours - 1) < 0.01  # only the unquantized tensors changed, to float16

@@ -1,0 +1,99 @@
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import quantkit
+from quantkit import QuantkitError
+from quantkit.exporters import gptq
+from quantkit.qtensor import QuantizedTensor
+
+from .conftest import autogptq_quantlinear
+
+
+def quantized(tiny_dir, **kw):
+    return quantkit.quantize(str(tiny_dir), progress=False, **kw)
+
+
+@pytest.mark.parametrize("bits,group_size,sym", [(4, 32, True), (4, 32, False), (3, 64, True), (2, -1, False),
+                                                 (8, 48, True), (8, 128, False)])
+def test_export_reloads_bit_identical(tiny_dir, tmp_path, bits, group_size, sym):
+    m = quantized(tiny_dir, bits=bits, group_size=group_size, sym=sym)
+    out = quantkit.export(m, tmp_path / "q")
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["checkpoint_format"] == ("gptq" if sym else "gptq_v2")
+    assert (cfg["bits"], cfg["group_size"], cfg["sym"], cfg["desc_act"]) == (bits, group_size, sym, False)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    assert (out / "tokenizer.json").is_file()
+    back = quantkit.load(out)
+    assert back.tensors.keys() == m.tensors.keys()
+    for name, qt in m.tensors.items():
+        assert torch.equal(back.tensors[name].dequantize(), qt.dequantize()), name
+        assert torch.equal(back.module.get_submodule(name).weight, m.module.get_submodule(name).weight)
+    # the rest is stored as float16
+    for key, t in m.module.state_dict().items():
+        if key.removesuffix(".weight") in m.tensors:
+            continue
+        assert torch.equal(back.module.state_dict()[key], t.half().float()), key
+    assert back.tokenizer("hello world")["input_ids"] == m.tokenizer("hello world")["input_ids"]
+
+
+def test_act_order_g_idx_round_trips(tiny_dir, tmp_path):
+    m = quantized(tiny_dir, bits=4, group_size=32)
+    name = "model.layers.0.mlp.down_proj"
+    qt = m.tensors[name]
+    perm = torch.randperm(qt.shape[1], generator=torch.Generator().manual_seed(0))
+    g_idx = torch.empty_like(qt.g_idx)
+    g_idx[perm] = (torch.arange(qt.shape[1]) // 32).int()  # group = position in the act-order // G
+    m.tensors[name] = QuantizedTensor(qt.codes, qt.scales, qt.zeros, g_idx, 4, 32, True)
+    out = quantkit.export(m, tmp_path / "q")
+    assert json.loads((out / "quantize_config.json").read_text())["desc_act"] is True
+    back = quantkit.load(out)
+    assert torch.equal(back.tensors[name].g_idx, g_idx)
+    assert torch.equal(back.tensors[name].dequantize(), m.tensors[name].dequantize())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_autogptq_forward_reads_our_export(tiny_dir, tmp_path, bits):
+    """auto-gptq's own CPU forward over our qweight/qzeros/scales gives our dequantized matmul."""
+    m = quantized(tiny_dir, bits=bits, group_size=32, sym=True)
+    out = quantkit.export(m, tmp_path / "q")
+    name = "model.layers.1.mlp.down_proj"
+    n, k = m.tensors[name].shape
+    ql = autogptq_quantlinear()(bits, 32, k, n, bias=False, weight_dtype=torch.float32)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        for part in ("qweight", "qzeros", "scales", "g_idx"):
+            getattr(ql, part).copy_(f.get_tensor(f"{name}.{part}"))
+    x = torch.randn(5, k)
+    expected = x @ m.tensors[name].dequantize().T
+    torch.testing.assert_close(ql(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_failed_export_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
+    m = quantized(tiny_dir)
+
+    def broken(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(gptq, "save_file", broken)
+    with pytest.raises(OSError):
+        quantkit.export(m, tmp_path / "q")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_output_is_not_overwritten_by_default(tiny_dir, tmp_path):
+    m = quantized(tiny_dir)
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q" / "keep").write_text("mine")
+    with pytest.raises(QuantkitError, match="already exists"):
+        quantkit.export(m, tmp_path / "q")
+    quantkit.export(m, tmp_path / "q", overwrite=True)
+    assert not (tmp_path / "q" / "keep").exists() and (tmp_path / "q" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
+
+
+def test_unquantized_model_cannot_be_exported(tiny_dir, tmp_path):
+    with pytest.raises(QuantkitError, match="not quantized"):
+        quantkit.export(quantkit.load(tiny_dir), tmp_path / "q")

@@ -1,0 +1,90 @@
+import torch
+
+import quantkit
+from quantkit.calibration import load_text, sample_windows
+from quantkit.pipeline import GROUPS, LINEARS, quantize_layers
+from quantkit.quantizers import rtn
+
+from .conftest import TEST, VALID
+
+
+def hessians_of(module, windows, layer_ids, groups):
+    """2 X^T X / n of the inputs of the given linears, from one full forward pass."""
+    out, handles = {}, []
+    for i in layer_ids:
+        for g in groups:
+            name = f"model.layers.{i}.{g[0]}"
+
+            def hook(m, args, name=name):
+                x = args[0].reshape(-1, args[0].shape[-1]).double()
+                out[name] = 2 * x.T @ x / x.shape[0]
+
+            handles.append(module.get_submodule(name).register_forward_pre_hook(hook))
+    with torch.no_grad():
+        module(windows, use_cache=False)
+    for h in handles:
+        h.remove()
+    return out
+
+
+def test_hessians_follow_the_quantized_layers(tiny_dir):
+    m = quantkit.load(tiny_dir)
+    windows = sample_windows(m.tokenizer, load_text(VALID), 6, 64, seed=1)
+    before = hessians_of(m.module, windows, [0], GROUPS)
+    seen = {}
+
+    def record(name, w, h):
+        seen[name] = h.matrix()
+        return rtn.quantize(w, 3, 32, sym=True)
+
+    tensors = quantize_layers(m, record, windows, batch_size=4, progress=False)
+    assert set(tensors) == {f"model.layers.{i}.{n}" for i in range(2) for n in LINEARS}
+    # layer 0 sees the float model's activations
+    for name, h in before.items():
+        torch.testing.assert_close(seen[name], h.float(), rtol=1e-4, atol=1e-5)
+    # layer 1's first group sees the outputs of the quantized layer 0, as the final model does
+    after = hessians_of(m.module, windows, [1], GROUPS[:1])
+    for name, h in after.items():
+        torch.testing.assert_close(seen[name], h.float(), rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(seen[name], hessians_of(quantkit.load(tiny_dir).module, windows, [1], GROUPS[:1])[name].float(), rtol=1e-4, atol=1e-5)
+    # linears that share an input share its statistics
+    assert torch.equal(seen["model.layers.0.self_attn.q_proj"], seen["model.layers.0.self_attn.v_proj"])
+
+
+def test_rtn_without_calibration_quantizes_each_weight(tiny_dir):
+    m = quantkit.load(tiny_dir)
+    original = {n: m.module.get_submodule(n).weight.clone() for n in (f"model.layers.{i}.{l}" for i in range(2) for l in LINEARS)}
+    q = quantkit.quantize(m, bits=4, group_size=32, progress=False)
+    for name, w in original.items():
+        ref = rtn.quantize(w, 4, 32, True)
+        assert torch.equal(q.tensors[name].codes, ref.codes)
+        assert torch.equal(q.module.get_submodule(name).weight, ref.dequantize())
+
+
+def test_true_sequential_feeds_quantized_outputs_within_a_layer(tiny_dir):
+    m = quantkit.load(tiny_dir)
+    windows = sample_windows(m.tokenizer, load_text(VALID), 4, 64, seed=2)
+    seen = {}
+
+    def record(name, w, h):
+        seen[name] = h.matrix()
+        return rtn.quantize(w, 3, 32, sym=True)
+
+    quantize_layers(m, record, windows, batch_size=4, sequential=True, progress=False)
+    # every group, in every layer, saw what the finished quantized model feeds it
+    final = hessians_of(m.module, windows, [0, 1], GROUPS)
+    for name, h in final.items():
+        torch.testing.assert_close(seen[name], h.float(), rtol=1e-4, atol=1e-5)
+
+
+def test_gptq_through_the_pipeline_beats_rtn(tiny_dir):
+    base = quantkit.load(tiny_dir)
+    ref = quantkit.evaluate(base, TEST, "wikitext", 128, 8, progress=False).perplexity
+    errors = {}
+    for method in ("rtn", "gptq"):
+        m = quantkit.quantize(str(tiny_dir), method=method, bits=3, group_size=32, calib_data=VALID,
+                              calib_samples=16, calib_seqlen=128, progress=False)
+        errors[method] = quantkit.evaluate(m, TEST, "wikitext", 128, 8, progress=False).perplexity
+        if method == "gptq":
+            assert len(m.losses) == 14 and all(v > 0 for v in m.losses.values())
+    assert abs(errors["gptq"] - ref) < abs(errors["rtn"] - ref), (ref, errors)
