@@ -20,7 +20,8 @@ def load_text(source: str | os.PathLike | None = None, split: str = "train") -> 
     if not p.is_file():
         raise QuantkitError(f"{p}: no such file: pass an existing text file")
     try:
-        text = p.read_text(encoding="utf-8")
+        with open(p, encoding="utf-8", newline="") as f:  # keep "\r\n": llama.cpp reads the bytes as they are
+            text = f.read()
     except UnicodeDecodeError as e:
         raise QuantkitError(f"{p}: not UTF-8 text ({e}): pass a plain text file") from None
     if not text.strip():

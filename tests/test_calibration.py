@@ -49,3 +49,9 @@ def test_no_network_default_says_so(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import fails as it does without the package
     with pytest.raises(QuantkitError, match="pass a local text file"):
         load_text(None)
+
+
+def test_text_is_read_byte_for_byte(tmp_path):
+    """wiki.test.raw has CRLF line ends; llama.cpp tokenizes them, so we must not translate them."""
+    (tmp_path / "crlf.txt").write_bytes(b"one\r\ntwo\r\n")
+    assert load_text(tmp_path / "crlf.txt") == "one\r\ntwo\r\n"

