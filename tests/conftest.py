@@ -1,10 +1,9 @@
-import importlib.util
-import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
+
+from .refs import autogptq
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -43,22 +42,6 @@ def make_tiny(path: Path, hidden: int = 64, intermediate: int = 128, layers: int
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny") / "model")
-
-
-def autogptq(module: str):
-    """A module of auto-gptq 0.7.1 (the reference implementation) without its package __init__,
-    which fails under transformers 5: empty stand-in packages, then the one module."""
-    if "auto_gptq" not in sys.modules:
-        spec = importlib.util.find_spec("auto_gptq")
-        if spec is None:
-            pytest.fail("auto-gptq is a test dependency: BUILD_CUDA_EXT=0 pip install --no-deps auto-gptq==0.7.1")
-        root = Path(spec.submodule_search_locations[0])
-        for name in ("auto_gptq", "auto_gptq.nn_modules", "auto_gptq.nn_modules.qlinear", "auto_gptq.quantization"):
-            pkg = types.ModuleType(name)
-            pkg.__path__ = [str(root.joinpath(*name.split(".")[1:]))]
-            sys.modules[name] = pkg
-        torch.cuda.synchronize = lambda *a, **k: None  # its GPTQ calls this between steps
-    return importlib.import_module(f"auto_gptq.{module}")
 
 
 def autogptq_quantlinear():

@@ -4,7 +4,7 @@ import torch
 from quantkit import QuantkitError
 from quantkit.quantizers import gptq, rtn
 
-from .conftest import autogptq
+from .refs import autogptq
 
 
 def problem(n=64, k=256, seed=0):
