@@ -1,6 +1,7 @@
 """The pipeline as plain function calls; the CLI is a thin layer over these."""
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -72,12 +73,19 @@ def quantize(
     if qconfig.needs_calibration:
         text = calibration.load_text(calib_data)
         windows = calibration.sample_windows(m.tokenizer, text, calib_samples, calib_seqlen, seed)
+    resume = None
+    if out is not None and windows is not None:  # saved beside the output: an interrupted run goes on
+        data = windows.numpy().tobytes() if windows is not None else b""
+        key = hashlib.sha256(f"{m.source}|{qconfig}".encode() + data).hexdigest()
+        resume = (Path(out).with_name(f".{Path(out).name}.progress.pt"), key)
     m.losses = {}
     m.tensors = quantize_layers(m, quantizer(qconfig, m.losses), windows, sequential=true_sequential,
-                                progress=progress)
+                                progress=progress, resume=resume)
     m.qconfig = qconfig
     if out is not None:
         export(m, out, format, overwrite)
+        if resume:
+            resume[0].unlink(missing_ok=True)
     return m
 
 

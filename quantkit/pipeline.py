@@ -6,6 +6,9 @@ Only one layer's activations are alive at a time.
 """
 from __future__ import annotations
 
+import sys
+from dataclasses import asdict
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -94,6 +97,30 @@ def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, di
     return hessians
 
 
+def save_progress(path: Path, key: str, next_layer: int, tensors: dict, batches) -> None:
+    state = {"key": key, "next_layer": next_layer, "tensors": {n: asdict(qt) for n, qt in tensors.items()},
+             "batches": batches}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def load_progress(path: Path, key: str) -> dict | None:
+    """The state saved after the last finished layer of the same run (same model, config, data)."""
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as e:  # a file cut short by a kill: start afresh
+        print(f"ignoring unreadable progress file {path} ({type(e).__name__})", file=sys.stderr)
+        return None
+    if state.get("key") != key:
+        print(f"ignoring progress file {path}: it is from another model, configuration or calibration set",
+              file=sys.stderr)
+        return None
+    return state
+
+
 @torch.no_grad()
 def quantize_layers(
     model: Model,
@@ -102,17 +129,32 @@ def quantize_layers(
     batch_size: int = 8,
     sequential: bool = False,
     progress: bool = True,
+    resume: tuple[Path, str] | None = None,
 ) -> dict[str, QuantizedTensor]:
     """Quantize every decoder linear in place (weights become their dequantized values).
 
     With windows (LongTensor [n, seqlen]) each linear's quantizer also gets the Hessian of its
     inputs; without, it gets None and no forward pass is made. sequential: q/k/v, then o, then
     gate/up, then down, each group seeing the inputs the already quantized ones produce.
+    resume (path, key): after each layer the state is saved there; a run with the same key
+    starts after the last finished layer.
     """
-    batches = capture_inputs(model, windows, batch_size) if windows is not None else None
+    tensors, start = {}, 0
+    state = load_progress(*resume) if resume else None
+    if state is not None:
+        start, batches = state["next_layer"], state["batches"]
+        tensors = {name: QuantizedTensor(**d) for name, d in state["tensors"].items()}
+        for name, qt in tensors.items():
+            linear = model.module.get_submodule(name)
+            linear.weight.data = qt.dequantize(linear.weight.dtype)
+        print(f"resuming after layer {start}/{len(model.layers)} from {resume[0]}", file=sys.stderr)
+    else:
+        batches = capture_inputs(model, windows, batch_size) if windows is not None else None
     stages = [(group,) for group in GROUPS] if sequential else [GROUPS]
-    tensors = {}
-    for i, layer in enumerate(tqdm(model.layers, desc="quantizing layers", unit="layer", disable=not progress)):
+    bar = tqdm(range(start, len(model.layers)), desc="quantizing layers", unit="layer", initial=start,
+               total=len(model.layers), disable=not progress)
+    for i in bar:
+        layer = model.layers[i]
         for stage in stages:
             hessians = gather_hessians(layer, batches, stage) if batches is not None else {}
             for name in (name for group in stage for name in group):
@@ -122,4 +164,6 @@ def quantize_layers(
                 tensors[f"model.layers.{i}.{name}"] = qt
         if batches is not None:
             batches = run_layer(layer, batches)
+        if resume:
+            save_progress(resume[0], resume[1], i + 1, tensors, batches)
     return tensors

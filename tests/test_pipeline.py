@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 import quantkit
@@ -88,3 +89,33 @@ def test_gptq_through_the_pipeline_beats_rtn(tiny_dir):
         if method == "gptq":
             assert len(m.losses) == 14 and all(v > 0 for v in m.losses.values())
     assert abs(errors["gptq"] - ref) < abs(errors["rtn"] - ref), (ref, errors)
+
+
+def test_an_interrupted_run_resumes_after_the_last_finished_layer(tiny_dir, tmp_path, capsys):
+    windows = sample_windows(quantkit.load(tiny_dir).tokenizer, load_text(VALID), 4, 64, seed=5)
+    progress = (tmp_path / "progress.pt", "run-1")
+    calls, killed = [], []
+
+    def quantize(name, w, h):
+        calls.append(name)
+        if name == "model.layers.1.self_attn.o_proj" and not killed:
+            killed.append(name)
+            raise KeyboardInterrupt  # killed in the middle of layer 1
+        return rtn.quantize(w, 3, 32, sym=True)
+
+    with pytest.raises(KeyboardInterrupt):
+        quantize_layers(quantkit.load(tiny_dir), quantize, windows, sequential=True, progress=False, resume=progress)
+    calls.clear()
+    resumed = quantkit.load(tiny_dir)
+    tensors = quantize_layers(resumed, quantize, windows, sequential=True, progress=False, resume=progress)
+    assert "resuming after layer 1/2" in capsys.readouterr().err
+    assert all(name.startswith("model.layers.1.") for name in calls) and len(calls) == len(LINEARS)
+    fresh = quantkit.load(tiny_dir)
+    expected = quantize_layers(fresh, lambda n, w, h: rtn.quantize(w, 3, 32, sym=True), windows, sequential=True,
+                               progress=False)
+    for name, qt in expected.items():
+        assert torch.equal(tensors[name].codes, qt.codes), name
+    assert torch.equal(resumed.module.model.layers[0].mlp.down_proj.weight, fresh.module.model.layers[0].mlp.down_proj.weight)
+    # another run's progress file is not used
+    quantize_layers(quantkit.load(tiny_dir), quantize, windows, progress=False, resume=(progress[0], "run-2"))
+    assert "from another model" in capsys.readouterr().err
