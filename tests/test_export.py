@@ -97,3 +97,25 @@ def test_existing_output_is_not_overwritten_by_default(tiny_dir, tmp_path):
 def test_unquantized_model_cannot_be_exported(tiny_dir, tmp_path):
     with pytest.raises(QuantkitError, match="not quantized"):
         quantkit.export(quantkit.load(tiny_dir), tmp_path / "q")
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_other_supported_architectures(tiny_dir, tmp_path, arch):
+    """Mistral and Qwen2 (q/k/v with bias) quantize, export and reload like Llama."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    cfg = AutoConfig.for_model(arch, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                               tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(tmp_path / "m")
+    m = quantkit.quantize(str(tmp_path / "m"), bits=4, group_size=32, out=tmp_path / "q", progress=False)
+    back = quantkit.load(tmp_path / "q")
+    assert back.module.config.model_type == arch and len(back.tensors) == 14
+    for name, qt in m.tensors.items():
+        assert torch.equal(back.module.get_submodule(name).weight, qt.dequantize())
+    bias = "model.layers.0.self_attn.q_proj.bias"
+    if arch == "qwen2":
+        assert torch.equal(back.module.state_dict()[bias], m.module.state_dict()[bias].half().float())
+    assert torch.equal(back.module.lm_head.weight, m.module.lm_head.weight.half().float())

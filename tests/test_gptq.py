@@ -121,3 +121,35 @@ def test_mse_clipping_search_lowers_the_error():
     plain = gptq.quantize(w, h, 3, -1, False).tensor.dequantize()
     clipped = gptq.quantize(w, h, 3, -1, False, mse=True).tensor.dequantize()
     assert layer_error(w, h, clipped) < layer_error(w, h, plain)
+
+
+def test_a_linear_without_calibration_input_is_reported():
+    from quantkit.api import quantizer
+    from quantkit.config import QuantConfig
+    from quantkit.pipeline import Hessian
+
+    w, _ = problem(seed=4)
+    quantize = quantizer(QuantConfig("gptq", 4, 128), {})
+    with pytest.warns(UserWarning, match="no calibration input reached it, so it was quantized with RTN"):
+        qt = quantize("model.layers.3.mlp.up_proj", w, Hessian(w.shape[1]))
+    assert torch.equal(qt.codes, rtn.quantize(w, 4, 128, True).codes)
+
+
+def test_act_order_export_reloads_bit_identical(tiny_dir, tmp_path):
+    import json
+
+    import quantkit
+
+    from .conftest import VALID
+
+    m = quantkit.quantize(str(tiny_dir), method="gptq", bits=4, group_size=32, act_order=True, calib_data=VALID,
+                          calib_samples=8, calib_seqlen=64, out=tmp_path / "q", progress=False)
+    assert any(qt.act_order for qt in m.tensors.values())
+    cfg = json.loads((tmp_path / "q" / "quantize_config.json").read_text())
+    assert cfg["desc_act"] is True and cfg["meta"]["method"] == "gptq" and cfg["damp_percent"] == 0.01
+    back = quantkit.load(tmp_path / "q")
+    assert back.qconfig.method == "gptq" and back.qconfig.act_order
+    for name, qt in m.tensors.items():
+        assert torch.equal(back.tensors[name].g_idx, qt.g_idx)
+        assert torch.equal(back.module.get_submodule(name).weight, qt.dequantize())
+    assert not (tmp_path / ".q.progress.pt").exists()  # the resume file goes once the export is complete
