@@ -31,8 +31,9 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float]):
         if h is None or h.count == 0:
             warnings.warn(f"{name}: no calibration input reached it, so it was quantized with RTN")
             return quantize_rtn(name, w, h)
-        r = gptq.quantize(w, h.matrix(), c.bits, c.group_size, c.sym, c.damp, c.block_size, c.act_order,
-                          c.static_groups, c.mse, name)
+        r = gptq.quantize(w, h.matrix(), c.bits, c.group_size, c.sym, damp=c.damp, block_size=c.block_size,
+                          act_order=c.act_order, static_groups=c.static_groups, mse=c.mse,
+                          group_aware=c.group_aware, name=name)
         losses[name] = r.loss
         return r.tensor
 
@@ -51,6 +52,7 @@ def quantize(
     static_groups: bool = False,
     true_sequential: bool = True,
     mse: bool = False,
+    group_aware: bool = False,
     calib_data: PathLike | None = None,
     calib_samples: int = 128,
     calib_seqlen: int = 512,
@@ -62,8 +64,9 @@ def quantize(
 ) -> Model:
     """Quantize a model (a loaded Model is changed in place; a path or None loads one) and,
     with out, export it. Every check that can fail runs before the long work starts.
-    damp, block_size, act_order, static_groups, true_sequential and mse are GPTQ's options."""
-    qconfig = QuantConfig(method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse)
+    damp, block_size, act_order, static_groups, true_sequential, mse and group_aware are GPTQ's."""
+    qconfig = QuantConfig(method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential,
+                          mse, group_aware)
     if out is not None:
         exporters.check_out(out, overwrite)
     m = model if isinstance(model, Model) else load(model)

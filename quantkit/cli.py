@@ -40,6 +40,8 @@ def cli() -> None:
 @click.option("--true-sequential/--no-true-sequential", default=True, show_default=True,
               help="GPTQ: q/k/v, o, gate/up, down in turn, each on the inputs of the quantized ones")
 @click.option("--mse", is_flag=True, help="GPTQ: search the clipping range")
+@click.option("--group-aware", is_flag=True,
+              help="GPTQ: act-order within groups, groups by importance; keeps the plain g_idx layout")
 @click.option("--out", required=True, type=click.Path(), help="export directory")
 @click.option("--format", "fmt", default="safetensors", show_default=True, help="safetensors: GPTQ checkpoint layout")
 @click.option("--overwrite", is_flag=True, help="replace --out if it exists")
@@ -51,16 +53,17 @@ def cli() -> None:
 @click.option("--eval-windows", type=int, default=40, show_default=True)
 @click.option("--ctx", type=int, default=512, show_default=True, help="context of the --eval-data perplexity")
 def quantize(model, method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
-             out, fmt, overwrite, calib_data, calib_samples, calib_seqlen, seed, eval_data, eval_windows, ctx) -> None:
+             group_aware, out, fmt, overwrite, calib_data, calib_samples, calib_seqlen, seed, eval_data, eval_windows, ctx) -> None:
     """Quantize MODEL (a directory, a .gguf file, or by default the embedded SmolLM2-135M-Instruct)."""
     # options and output path first: a mistake there should not cost a model load
-    QuantConfig(method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse)
+    QuantConfig(method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
+                group_aware)
     check_out(out, overwrite)
     m = load(model)
     if eval_data:
         show("before", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))
     api.quantize(m, method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
-                 calib_data, calib_samples, calib_seqlen, seed, out, fmt, overwrite)
+                 group_aware, calib_data, calib_samples, calib_seqlen, seed, out, fmt, overwrite)
     click.echo(f"exported {len(m.tensors)} quantized linears to {out}")
     if eval_data:
         show("after", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))

@@ -22,6 +22,7 @@ class QuantConfig:
     static_groups: bool = False
     true_sequential: bool = True
     mse: bool = False  # search the clipping range
+    group_aware: bool = False  # act-order inside groups, groups by importance; no g_idx permutation
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -29,6 +30,8 @@ class QuantConfig:
         check_bits_group(self.bits, self.group_size)
         if not 0 < self.damp < 1:
             raise QuantkitError(f"damping {self.damp} is out of range: use a fraction such as 0.01")
+        if self.act_order and self.group_aware:
+            raise QuantkitError("act-order and group-aware ordering exclude each other: choose one")
         if self.block_size < 1:
             raise QuantkitError(f"block size {self.block_size} is invalid: use a positive number of columns such as 128")
 

@@ -7,9 +7,10 @@ Only one layer's activations are alive at a time.
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -81,20 +82,50 @@ def run_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]]) 
     return out
 
 
-def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]], groups) -> dict[str, Hessian]:
-    """One Hessian per input shared by a group of linears, filled by running the layer once."""
-    hessians, handles = {}, []
+def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]], groups,
+                    keep: str | None = None) -> tuple[dict[str, Hessian], list[torch.Tensor]]:
+    """One Hessian per input shared by a group of linears, filled by running the layer once;
+    the run stops at the last group's input, since nothing after it is needed. The inputs of the
+    linear named keep are returned too."""
+    hessians, handles, kept = {}, [], []
     for group in groups:
         first = layer.get_submodule(group[0])
         h = Hessian(first.in_features)
-        handles.append(first.register_forward_pre_hook(lambda m, args, h=h: h.add_batch(args[0])))
+
+        def hook(module, args, h=h, last=group is groups[-1], keep=group[0] == keep):
+            h.add_batch(args[0])
+            if keep:
+                kept.append(args[0])
+            if last:
+                raise _Captured
+
+        handles.append(first.register_forward_pre_hook(hook))
         hessians.update({name: h for name in group})
     try:
-        run_layer(layer, batches)
+        for hidden, kwargs in batches:
+            try:
+                layer(hidden, **kwargs)
+            except _Captured:
+                pass
     finally:
         for handle in handles:
             handle.remove()
-    return hessians
+    return hessians, kept
+
+
+@contextmanager
+def replaying_attention(layer: torch.nn.Module, outputs: list[torch.Tensor] | None) -> Iterator[None]:
+    """Once q/k/v/o are quantized the attention block's output is fixed: hand out the cached
+    outputs, batch by batch, instead of recomputing q/k/v and attention on every later pass."""
+    if outputs is None:
+        yield
+        return
+    queue = iter(outputs)
+    layer.self_attn.forward = lambda *args, **kwargs: (next(queue), None)
+    try:
+        yield
+    finally:
+        del layer.self_attn.forward  # the class's forward again
 
 
 def save_progress(path: Path, key: str, next_layer: int, tensors: dict, batches) -> None:
@@ -155,15 +186,24 @@ def quantize_layers(
                total=len(model.layers), disable=not progress)
     for i in bar:
         layer = model.layers[i]
+        attention = None  # the attention block's outputs, once they are final
         for stage in stages:
-            hessians = gather_hessians(layer, batches, stage) if batches is not None else {}
+            hessians, o_inputs = {}, []
+            if batches is not None:
+                # o_proj's inputs are final when q/k/v were quantized in an earlier stage
+                keep = "self_attn.o_proj" if stage == (("self_attn.o_proj",),) else None
+                with replaying_attention(layer, attention):
+                    hessians, o_inputs = gather_hessians(layer, batches, stage, keep)
             for name in (name for group in stage for name in group):
                 linear = layer.get_submodule(name)
                 qt = quantize(f"model.layers.{i}.{name}", linear.weight.data, hessians.get(name))
                 linear.weight.data = qt.dequantize(linear.weight.dtype)
                 tensors[f"model.layers.{i}.{name}"] = qt
+            if o_inputs:
+                attention = [layer.self_attn.o_proj(x) for x in o_inputs]
         if batches is not None:
-            batches = run_layer(layer, batches)
+            with replaying_attention(layer, attention):
+                batches = run_layer(layer, batches)
         if resume:
             save_progress(resume[0], resume[1], i + 1, tensors, batches)
     return tensors

@@ -153,3 +153,18 @@ def test_act_order_export_reloads_bit_identical(tiny_dir, tmp_path):
         assert torch.equal(back.tensors[name].g_idx, qt.g_idx)
         assert torch.equal(back.module.get_submodule(name).weight, qt.dequantize())
     assert not (tmp_path / ".q.progress.pt").exists()  # the resume file goes once the export is complete
+
+
+def test_group_aware_order_keeps_the_plain_layout_and_beats_rtn():
+    w, h = problem(k=320, seed=8)  # 2.5 groups of 128: the short group may come first
+    order = gptq.column_order(torch.diag(h), 128, act_order=False, group_aware=True)
+    groups = (order // 128).tolist()
+    runs = [groups[0]] + [b for a, b in zip(groups, groups[1:]) if a != b]
+    assert sorted(runs) == [0, 1, 2]  # each group's columns are visited together
+    r = gptq.quantize(w, h, 3, 128, False, group_aware=True).tensor
+    assert not r.act_order and r.n_groups == 3
+    plain = gptq.quantize(w, h, 3, 128, False).tensor
+    assert layer_error(w, h, r.dequantize()) < layer_error(w, h, rtn.quantize(w, 3, 128, False).dequantize())
+    assert layer_error(w, h, r.dequantize()) != layer_error(w, h, plain.dequantize())
+    with pytest.raises(QuantkitError, match="exclude each other"):
+        gptq.quantize(w, h, 3, 128, False, act_order=True, group_aware=True)

@@ -38,6 +38,20 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float, name: str = "layer") ->
     )
 
 
+def column_order(diag: torch.Tensor, g: int, act_order: bool, group_aware: bool) -> torch.Tensor:
+    """The order in which columns are quantized."""
+    k = diag.shape[0]
+    if act_order:
+        return torch.argsort(diag, descending=True)
+    if not group_aware:
+        return torch.arange(k)
+    gid = torch.arange(k) // g
+    score = torch.zeros(int(gid[-1]) + 1).scatter_reduce(0, gid, diag, "amax", include_self=False)
+    rank = torch.argsort(torch.argsort(score, descending=True))  # 0 for the most important group
+    by_column = torch.argsort(diag, descending=True, stable=True)
+    return by_column[torch.argsort(rank[gid[by_column]], stable=True)]
+
+
 def quantize(
     w: torch.Tensor,
     h: torch.Tensor,
@@ -49,9 +63,17 @@ def quantize(
     act_order: bool = False,
     static_groups: bool = False,
     mse: bool = False,
+    group_aware: bool = False,
     name: str = "layer",
 ) -> GPTQResult:
-    """GPTQ of w [N, K] given the Hessian h [K, K] of its inputs (2 X^T X / n)."""
+    """GPTQ of w [N, K] given the Hessian h [K, K] of its inputs (2 X^T X / n).
+
+    act_order: columns by decreasing Hessian diagonal, groups formed in that order (g_idx).
+    group_aware: groups keep their columns (g_idx stays k // G, the layout fast kernels want),
+    but are visited most important first, and within a group its columns by importance too.
+    """
+    if act_order and group_aware:
+        raise QuantkitError("act-order and group-aware ordering exclude each other: choose one")
     check_bits_group(bits, group_size)
     n, k = w.shape
     g = k if group_size == -1 else group_size
@@ -68,10 +90,10 @@ def quantize(
         for j in range(ng):
             scales[:, j], zeros[:, j] = fit_grid(w[:, j * g : (j + 1) * g], bits, sym, mse)
 
-    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(k)
+    perm = column_order(torch.diag(h), g, act_order, group_aware)
     w, h = w[:, perm], h[perm][:, perm]
-    # group of each column in quantization order
-    col_group = perm // g if static_groups else torch.arange(k) // g
+    # group of each column in quantization order; each group's columns are contiguous in it
+    col_group = torch.arange(k) // g if act_order and not static_groups else perm // g
     hinv = inverse_hessian_factor(h, damp, name)
 
     codes = torch.zeros(n, k)
@@ -83,11 +105,12 @@ def quantize(
         hinv1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if not static_groups and col % g == 0:
+            grp = int(col_group[col])
+            if not static_groups and (col == 0 or grp != col_group[col - 1]):
                 # the group's grid from its columns as updated so far (within this block: w1)
-                span = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :g]
-                scales[:, col // g], zeros[:, col // g] = fit_grid(span, bits, sym, mse)
-            s, z = scales[:, col_group[col]], zeros[:, col_group[col]]
+                span = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, : min(g, k - grp * g)]
+                scales[:, grp], zeros[:, grp] = fit_grid(span, bits, sym, mse)
+            s, z = scales[:, grp], zeros[:, grp]
             q = round_codes(w1[:, i : i + 1], s, z, bits)[:, 0]
             dq = s * (q - z)
             d = hinv1[i, i]
