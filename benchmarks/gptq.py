@@ -3,12 +3,15 @@
     python benchmarks/gptq.py table [--samples 128] [--seqlen 512] [--windows 40]
     python benchmarks/gptq.py speed [--samples 32] [--bits 3] [--group-size 128] [--windows 20]
 
-`table`: base, RTN and GPTQ perplexity (llama.cpp protocol, ctx 512, first --windows windows of
-the wikitext-2 test file) at w4 g128, w3 g128 and w4 per channel, sym and asym; GPTQ calibrated on
---samples seeded windows of --seqlen tokens of the validation file; the share of RTN's gap to the
-base that GPTQ closes. `speed`: our GPTQ and auto-gptq 0.7.1's GPTQ driven over the same layers
-with the same windows (true-sequential, as auto-gptq does for Llama), each in its own process:
-quantization wall time and peak RSS as ours / theirs, and both perplexities.
+`table`: base, RTN and GPTQ (act-order and MSE clipping) perplexity (llama.cpp protocol, ctx 512,
+first --windows windows of the wikitext-2 test file) at w4 g128, w3 g128 and w4 per channel, sym
+and asym; GPTQ calibrated on --samples seeded windows of --seqlen tokens of the validation file;
+the share of RTN's gap to the base that GPTQ closes.
+`speed`: our GPTQ and auto-gptq 0.7.1's GPTQ, both with the reference's defaults (true-sequential,
+no act-order), driven over the same layers with the same windows: quantization wall time and peak
+RSS as ours / theirs, and both perplexities; then ours with act-order and MSE clipping against
+GPTQModel 7.7's figures at the same settings, which the issue measured on this kind of machine
+(GPTQModel needs torch 2.15 and its CUDA packages, so it is not re-run here).
 Each run is a child process (`run`), so that peak RSS is that run's own.
 """
 from __future__ import annotations
@@ -25,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 VALID = DATA / "wikitext-2" / "wiki.valid.tokens"
 TEST = DATA / "wikitext-2-raw" / "wiki.test.raw"
+GPTQMODEL = {"perplexity": 100.3, "seconds": 346.0, "peak_rss_gib": 1.43e9 / 2**30}  # w3 g128 sym, 32 x 512, 20 windows
+BEST = dict(act_order=True, mse=True)
 SETTINGS = [(4, 128, True), (4, 128, False), (3, 128, True), (3, 128, False), (4, -1, True), (4, -1, False)]
 
 
@@ -70,7 +75,7 @@ def run(a) -> dict:
             windows = sample_windows(m.tokenizer, load_text(VALID), a.samples, a.seqlen, seed=0)
             autogptq_quantize(m, windows, a.bits, a.group_size, a.sym, a.act_order)
     elif a.method != "base":
-        quantkit.quantize(m, a.method, a.bits, a.group_size, a.sym, act_order=a.act_order, calib_data=VALID,
+        quantkit.quantize(m, a.method, a.bits, a.group_size, a.sym, act_order=a.act_order, mse=a.mse, calib_data=VALID,
                           calib_samples=a.samples, calib_seqlen=a.seqlen, seed=0, progress=False)
     seconds = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
@@ -88,13 +93,13 @@ def table(a) -> None:
     common = dict(samples=a.samples, seqlen=a.seqlen, windows=a.windows)
     base = child(method="base", **common)["perplexity"]
     print(f"base perplexity {base:.3f}  (llama.cpp protocol, ctx 512, {a.windows} windows; "
-          f"GPTQ on {a.samples} x {a.seqlen} calibration tokens, act-order, true-sequential)")
+          f"GPTQ on {a.samples} x {a.seqlen} calibration tokens, act-order, MSE clipping, true-sequential)")
     print("| setting | RTN | GPTQ | GPTQ / RTN | gap to base closed |")
     print("| --- | --- | --- | --- | --- |")
     for bits, group_size, sym in SETTINGS:
         kw = dict(bits=bits, group_size=group_size, sym=sym, **common)
         rtn = child(method="rtn", **kw)["perplexity"]
-        gptq = child(method="gptq", act_order=True, **kw)["perplexity"]
+        gptq = child(method="gptq", **BEST, **kw)["perplexity"]
         name = f"w{bits} {'g' + str(group_size) if group_size > 0 else 'per-channel'} {'sym' if sym else 'asym'}"
         print(f"| {name} | {rtn:.3f} | {gptq:.3f} | {gptq / rtn:.3f} | {(rtn - gptq) / (rtn - base):.0%} |", flush=True)
 
@@ -107,7 +112,16 @@ def speed(a) -> None:
     print(f"w{a.bits} g{a.group_size} sym, {a.samples} x {a.seqlen} calibration tokens, true-sequential, no act-order")
     for who, r in (("quantkit", ours), ("auto-gptq 0.7.1", theirs)):
         print(f"{who}: {r['seconds']:.1f} s, peak RSS {r['peak_rss_gib']:.2f} GiB, perplexity {r['perplexity']:.3f}")
-    print(f"ours / auto-gptq: time {ours['seconds'] / theirs['seconds']:.2f}, "
+    ratios(ours, theirs, "ours / auto-gptq")
+    best = child(impl="ours", **BEST, **kw)
+    print(f"quantkit, act-order + MSE clipping: {best['seconds']:.1f} s, peak RSS {best['peak_rss_gib']:.2f} GiB, "
+          f"perplexity {best['perplexity']:.3f}")
+    if (a.bits, a.group_size, a.samples, a.windows) == (3, 128, 32, 20):
+        ratios(best, GPTQMODEL, "ours (act-order + MSE) / GPTQModel 7.7 as measured in the issue")
+
+
+def ratios(ours: dict, theirs: dict, label: str) -> None:
+    print(f"{label}: time {ours['seconds'] / theirs['seconds']:.2f}, "
           f"peak RSS {ours['peak_rss_gib'] / theirs['peak_rss_gib']:.2f}, "
           f"perplexity {ours['perplexity'] / theirs['perplexity']:.3f}")
 
@@ -121,6 +135,7 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--sym", type=lambda s: s == "True", default=True)
     p.add_argument("--act-order", type=lambda s: s == "True", default=False)
+    p.add_argument("--mse", type=lambda s: s == "True", default=False)
     p.add_argument("--samples", type=int)
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--windows", type=int)

@@ -25,7 +25,7 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float]):
     c = qconfig
 
     def quantize_rtn(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
-        return rtn.quantize(w, c.bits, c.group_size, c.sym)
+        return rtn.quantize(w, c.bits, c.group_size, c.sym, c.mse)
 
     def quantize_gptq(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
         if h is None or h.count == 0:
@@ -64,7 +64,8 @@ def quantize(
 ) -> Model:
     """Quantize a model (a loaded Model is changed in place; a path or None loads one) and,
     with out, export it. Every check that can fail runs before the long work starts.
-    damp, block_size, act_order, static_groups, true_sequential, mse and group_aware are GPTQ's."""
+    damp, block_size, act_order, static_groups, true_sequential and group_aware are GPTQ's; mse
+    (search the clipping range) serves RTN and GPTQ."""
     qconfig = QuantConfig(method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential,
                           mse, group_aware)
     if out is not None:

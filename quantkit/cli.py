@@ -39,7 +39,7 @@ def cli() -> None:
 @click.option("--static-groups", is_flag=True, help="GPTQ: group grids fixed before act-order")
 @click.option("--true-sequential/--no-true-sequential", default=True, show_default=True,
               help="GPTQ: q/k/v, o, gate/up, down in turn, each on the inputs of the quantized ones")
-@click.option("--mse", is_flag=True, help="GPTQ: search the clipping range")
+@click.option("--mse", is_flag=True, help="search the clipping range (RTN and GPTQ)")
 @click.option("--group-aware", is_flag=True,
               help="GPTQ: act-order within groups, groups by importance; keeps the plain g_idx layout")
 @click.option("--out", required=True, type=click.Path(), help="export directory")

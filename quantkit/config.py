@@ -21,7 +21,7 @@ class QuantConfig:
     act_order: bool = False
     static_groups: bool = False
     true_sequential: bool = True
-    mse: bool = False  # search the clipping range
+    mse: bool = False  # search the clipping range (RTN too)
     group_aware: bool = False  # act-order inside groups, groups by importance; no g_idx permutation
 
     def __post_init__(self) -> None:

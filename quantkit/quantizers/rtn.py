@@ -52,14 +52,14 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torc
     return scale[:, None] * (q - zero[:, None])
 
 
-def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True) -> QuantizedTensor:
+def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True, mse: bool = False) -> QuantizedTensor:
     """RTN of w [N, K], group-wise along K; a last group shorter than group_size is allowed."""
     check_bits_group(bits, group_size)
     k = w.shape[1]
     g = k if group_size == -1 else group_size
     scales, zeros, codes = [], [], []
     for chunk in torch.split(w, g, dim=1):
-        s, z = fit_grid(chunk, bits, sym)
+        s, z = fit_grid(chunk, bits, sym, mse)
         codes.append(round_codes(chunk, s, z, bits))
         scales.append(s)
         zeros.append(z)
