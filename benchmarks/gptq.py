@@ -51,7 +51,8 @@ def autogptq_quantize(m, windows, bits, group_size, sym, act_order) -> None:
                 objs[name] = g = GPTQ(linear)
                 g.quantizer.configure(bits, perchannel=True, sym=sym, mse=False)
                 handles.append(linear.register_forward_hook(lambda mod, i, o, g=g: g.add_batch(i[0].data, o.data)))
-            run_layer(layer, batches)
+            for hidden, kwargs in batches:
+                layer(hidden, **kwargs)
             for h in handles:
                 h.remove()
             for g in objs.values():

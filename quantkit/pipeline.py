@@ -75,11 +75,11 @@ def capture_inputs(model: Model, windows: torch.Tensor, batch_size: int) -> list
 
 
 def run_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]]) -> list[tuple[torch.Tensor, dict]]:
-    out = []
-    for hidden, kwargs in batches:
+    """Replace each batch's hidden states by the layer's output, in place: one copy alive at a time."""
+    for j, (hidden, kwargs) in enumerate(batches):
         y = layer(hidden, **kwargs)
-        out.append((y[0] if isinstance(y, tuple) else y, kwargs))
-    return out
+        batches[j] = (y[0] if isinstance(y, tuple) else y, kwargs)
+    return batches
 
 
 def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]], groups,
@@ -177,7 +177,7 @@ def quantize_layers(
         tensors = {name: QuantizedTensor(**d) for name, d in state["tensors"].items()}
         for name, qt in tensors.items():
             linear = model.module.get_submodule(name)
-            linear.weight.data = qt.dequantize(linear.weight.dtype)
+            linear.weight.data.copy_(qt.dequantize())
         print(f"resuming after layer {start}/{len(model.layers)} from {resume[0]}", file=sys.stderr)
     else:
         batches = capture_inputs(model, windows, batch_size) if windows is not None else None
@@ -197,7 +197,7 @@ def quantize_layers(
             for name in (name for group in stage for name in group):
                 linear = layer.get_submodule(name)
                 qt = quantize(f"model.layers.{i}.{name}", linear.weight.data, hessians.get(name))
-                linear.weight.data = qt.dequantize(linear.weight.dtype)
+                linear.weight.data.copy_(qt.dequantize())  # in place: no second copy of the layer
                 tensors[f"model.layers.{i}.{name}"] = qt
             if o_inputs:
                 attention = [layer.self_attn.o_proj(x) for x in o_inputs]

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import QuantkitError
 from ..qtensor import QuantizedTensor, check_bits_group
-from .rtn import fit_grid, round_codes
+from .rtn import fit_grid
 
 
 @dataclass
@@ -96,29 +96,31 @@ def quantize(
     col_group = torch.arange(k) // g if act_order and not static_groups else perm // g
     hinv = inverse_hessian_factor(h, damp, name)
 
+    maxq = 2**bits - 1
+    groups = col_group.tolist()
     codes = torch.zeros(n, k)
-    losses = torch.zeros(n, k)
+    loss = 0.0
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
         w1 = w[:, i1:i2].clone()
         err1 = torch.zeros_like(w1)
         hinv1 = hinv[i1:i2, i1:i2]
+        diag = hinv1.diagonal().tolist()
         for i in range(i2 - i1):
             col = i1 + i
-            grp = int(col_group[col])
-            if not static_groups and (col == 0 or grp != col_group[col - 1]):
-                # the group's grid from its columns as updated so far (within this block: w1)
-                span = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, : min(g, k - grp * g)]
-                scales[:, grp], zeros[:, grp] = fit_grid(span, bits, sym, mse)
-            s, z = scales[:, grp], zeros[:, grp]
-            q = round_codes(w1[:, i : i + 1], s, z, bits)[:, 0]
-            dq = s * (q - z)
-            d = hinv1[i, i]
+            grp = groups[col]
+            if col == 0 or grp != groups[col - 1]:
+                if not static_groups:
+                    # the group's grid from its columns as updated so far (within this block: w1)
+                    span = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, : min(g, k - grp * g)]
+                    scales[:, grp], zeros[:, grp] = fit_grid(span, bits, sym, mse)
+                s, z = scales[:, grp], zeros[:, grp]
+            q = torch.round(w1[:, i] / s).add_(z).clamp_(0, maxq)
             codes[:, col] = q
-            losses[:, col] = (w1[:, i] - dq) ** 2 / d**2 / 2
-            e = (w1[:, i] - dq) / d
+            e = (w1[:, i] - (q - z) * s) / diag[i]
             w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
             err1[:, i] = e
+        loss += float(err1.square().sum()) / 2  # (w - q)^2 / Hinv_jj^2 / 2 = e^2 / 2
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
 
     inv = torch.argsort(perm)
@@ -132,4 +134,4 @@ def quantize(
         group_size=group_size,
         sym=sym,
     )
-    return GPTQResult(qt, float(losses.sum()))
+    return GPTQResult(qt, loss)
