@@ -4,24 +4,44 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from quantkit.config import CODEBOOK_METHODS, QuantConfig
 from quantkit.errors import QuantkitError
 
 from .atomic import atomic_dir, check_out
 
-FORMATS = ("safetensors",)  # safetensors: the GPTQ checkpoint layout
+# safetensors: the GPTQ checkpoint layout for integer grids, bitsandbytes' 4-bit layout for NF4/FP4;
+# awq: AutoAWQ's GEMM layout (4-bit, group-wise)
+FORMATS = ("safetensors", "awq")
 
 
-def check_format(fmt: str, module, bits: int) -> None:
-    """Refuse, before quantizing, a format that cannot hold this model at this bit width."""
+def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
+    """Refuse, before quantizing, a format that cannot hold this model quantized this way."""
     if fmt not in FORMATS:
         raise QuantkitError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
-    from . import gptq
+    if fmt == "awq":
+        from . import awq
 
-    gptq.check_shapes(module, bits)
+        if qconfig.method in CODEBOOK_METHODS:
+            raise QuantkitError(f"the AWQ layout holds integer grids, not {qconfig.method}: use --format safetensors")
+        awq.check(module, qconfig)
+    elif qconfig.method not in CODEBOOK_METHODS:
+        from . import gptq
+
+        gptq.check_shapes(module, qconfig.bits)
 
 
 def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: bool = False) -> Path:
-    check_format(fmt, model.module, model.qconfig.bits if model.qconfig else 4)
+    if model.qconfig is None or not model.tensors:
+        raise QuantkitError("the model is not quantized: quantize it before exporting")
+    check_format(fmt, model.module, model.qconfig)
+    if fmt == "awq":
+        from . import awq
+
+        return awq.write(model, out, overwrite)
+    if model.qconfig.method in CODEBOOK_METHODS:
+        from . import bnb
+
+        return bnb.write(model, out, overwrite)
     from . import gptq
 
     return gptq.write(model, out, overwrite)

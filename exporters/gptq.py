@@ -6,15 +6,13 @@ zeros stored minus one); asymmetric ones `gptq_v2` (raw zeros), since a v1 zero 
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from quantkit import __version__
 from quantkit.config import METHODS, QuantConfig
@@ -23,7 +21,7 @@ from quantkit.modelio import Model, load_tokenizer
 from quantkit.pipeline import LINEARS
 from quantkit.qtensor import QuantizedTensor
 
-from .atomic import atomic_dir
+from . import checkpoint
 
 
 def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -95,13 +93,7 @@ def tensors_of(model: Model) -> dict[str, torch.Tensor]:
         out[f"{name}.qzeros"] = pack(zeros, qt.bits).T.contiguous()
         out[f"{name}.scales"] = qt.scales.T.contiguous()
         out[f"{name}.g_idx"] = qt.g_idx
-    skip = {f"{name}.weight" for name in model.tensors}
-    if model.module.config.tie_word_embeddings:
-        skip.add("lm_head.weight")
-    for key, t in model.module.state_dict().items():
-        if key not in skip:
-            out[key] = t.half().contiguous() if t.is_floating_point() else t.contiguous()
-    return out
+    return out | checkpoint.plain_tensors(model, torch.float16)
 
 
 def write(model: Model, out: str | Path, overwrite: bool = False) -> Path:
@@ -109,21 +101,9 @@ def write(model: Model, out: str | Path, overwrite: bool = False) -> Path:
         raise QuantkitError("the model is not quantized: quantize it before exporting")
     check_shapes(model.module, model.qconfig.bits)
     act_order = any(qt.act_order for qt in model.tensors.values())
-    tensors = tensors_of(model)
     qcfg = quantization_config(model.qconfig, act_order)
-    with atomic_dir(out, overwrite) as tmp:
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        size = (tmp / "model.safetensors").stat().st_size
-        print(f"wrote model.safetensors ({size / 2**20:.1f} MiB, {len(tensors)} tensors)", file=sys.stderr)
-        cfg = model.module.config.to_dict()
-        cfg["quantization_config"] = qcfg
-        cfg["dtype"] = "float16"
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        (tmp / "quantize_config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
-        if model.module.generation_config is not None:
-            model.module.generation_config.save_pretrained(tmp)
-        model.tokenizer.save_pretrained(tmp)
-    return Path(out)
+    return checkpoint.write(model, out, overwrite, tensors_of(model), qcfg, torch.float16,
+                            {"quantize_config.json": qcfg})
 
 
 def read(path: Path) -> Model:
@@ -133,9 +113,7 @@ def read(path: Path) -> Model:
     del cfg.quantization_config  # transformers would hand it to gptqmodel
     bits, group_size, sym = qc["bits"], qc["group_size"], qc.get("sym", True)
     v1 = qc.get("checkpoint_format", qc.get("format", "gptq")) == "gptq"
-    state = {}
-    for f in sorted(path.glob("*.safetensors")):
-        state.update(load_file(f))
+    state = checkpoint.read_tensors(path)
     tensors = {}
     for key in [k for k in state if k.endswith(".qweight")]:
         name = key[: -len(".qweight")]
@@ -164,13 +142,8 @@ def read(path: Path) -> Model:
         )
         tensors[name] = qt
         state[f"{name}.weight"] = qt.dequantize()
-    module = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    missing, unexpected = module.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
-    if missing or unexpected:
-        raise QuantkitError(f"{path}: tensors missing {missing[:3]} / unexpected {unexpected[:3]}: re-export the checkpoint")
-    module.tie_weights()
+    module = checkpoint.build(path, cfg, state)
     method = qc.get("meta", {}).get("method")
     qconfig = QuantConfig(method if method in METHODS else "gptq", bits, group_size, sym,
                           act_order=bool(qc.get("desc_act")), static_groups=bool(qc.get("static_groups")))
-    return Model(module.eval(), load_tokenizer(path), str(path), tensors, qconfig)
+    return Model(module, load_tokenizer(path), str(path), tensors, qconfig)

@@ -32,9 +32,9 @@ def cli() -> None:
 @click.option("--method", default="rtn", show_default=True, help=f"one of {', '.join(METHODS)}")
 @click.option("--bits", type=int, default=4, show_default=True)
 @click.option("--group-size", type=int, default=128, show_default=True, help="-1: per output channel")
-@click.option("--sym/--asym", default=True, show_default=True)
+@click.option("--sym/--asym", default=None, help="symmetric grid [default: asym for awq, sym otherwise]")
 @click.option("--damp", type=float, default=0.01, show_default=True, help="GPTQ: damping, of the mean Hessian diagonal")
-@click.option("--block-size", type=int, default=128, show_default=True, help="GPTQ: columns per lazy batch")
+@click.option("--block-size", type=int, help="GPTQ: columns per lazy batch [128]; NF4/FP4: values per absmax block [64]")
 @click.option("--act-order/--no-act-order", default=False, show_default=True, help="GPTQ: columns by decreasing Hessian diagonal")
 @click.option("--static-groups", is_flag=True, help="GPTQ: group grids fixed before act-order")
 @click.option("--true-sequential/--no-true-sequential", default=True, show_default=True,
@@ -42,8 +42,11 @@ def cli() -> None:
 @click.option("--mse", is_flag=True, help="search the clipping range (RTN and GPTQ)")
 @click.option("--group-aware", is_flag=True,
               help="GPTQ: act-order within groups, groups by importance; keeps the plain g_idx layout")
+@click.option("--double-quant", is_flag=True, help="NF4/FP4: quantize the absmax values to 8 bits too")
+@click.option("--duo-scaling", is_flag=True, help="AWQ: scales from activations and weights (AutoAWQ's default)")
 @click.option("--out", required=True, type=click.Path(), help="export directory")
-@click.option("--format", "fmt", default="safetensors", show_default=True, help="safetensors: GPTQ checkpoint layout")
+@click.option("--format", "fmt", default="safetensors", show_default=True,
+              help="safetensors: GPTQ checkpoint layout (bitsandbytes' for nf4/fp4); awq: AutoAWQ GEMM layout")
 @click.option("--overwrite", is_flag=True, help="replace --out if it exists")
 @click.option("--calib-data", type=click.Path(), help="text file to calibrate on (default: WikiText-2 train from the hub)")
 @click.option("--calib-samples", type=int, default=128, show_default=True)
@@ -53,17 +56,17 @@ def cli() -> None:
 @click.option("--eval-windows", type=int, default=40, show_default=True)
 @click.option("--ctx", type=int, default=512, show_default=True, help="context of the --eval-data perplexity")
 def quantize(model, method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
-             group_aware, out, fmt, overwrite, calib_data, calib_samples, calib_seqlen, seed, eval_data, eval_windows, ctx) -> None:
+             group_aware, double_quant, duo_scaling, out, fmt, overwrite, calib_data, calib_samples, calib_seqlen, seed, eval_data, eval_windows, ctx) -> None:
     """Quantize MODEL (a directory, a .gguf file, or by default the embedded SmolLM2-135M-Instruct)."""
     # options and output path first: a mistake there should not cost a model load
     QuantConfig(method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
-                group_aware)
+                group_aware, double_quant, duo_scaling)
     check_out(out, overwrite)
     m = load(model)
     if eval_data:
         show("before", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))
     api.quantize(m, method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
-                 group_aware, calib_data, calib_samples, calib_seqlen, seed, out, fmt, overwrite)
+                 group_aware, double_quant, duo_scaling, calib_data, calib_samples, calib_seqlen, seed, out, fmt, overwrite)
     click.echo(f"exported {len(m.tensors)} quantized linears to {out}")
     if eval_data:
         show("after", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))

@@ -5,8 +5,10 @@ from dataclasses import asdict, dataclass
 
 from .errors import QuantkitError
 from .qtensor import check_bits_group
+from .quantizers import nf4
 
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "awq", "nf4", "fp4")
+CODEBOOK_METHODS = ("nf4", "fp4")  # 4-bit code tables in flat blocks, bitsandbytes' layout
 
 
 @dataclass
@@ -14,20 +16,34 @@ class QuantConfig:
     method: str = "rtn"
     bits: int = 4
     group_size: int = 128  # -1: per output channel
-    sym: bool = True
+    sym: bool | None = None  # default: asymmetric for AWQ (zero points, as AWQ does), symmetric otherwise
     # GPTQ
     damp: float = 0.01  # of the mean Hessian diagonal
-    block_size: int = 128  # columns per lazy batch
+    block_size: int | None = None  # GPTQ: columns per lazy batch (128); NF4/FP4: values per absmax block (64)
     act_order: bool = False
     static_groups: bool = False
     true_sequential: bool = True
     mse: bool = False  # search the clipping range (RTN too)
     group_aware: bool = False  # act-order inside groups, groups by importance; no g_idx permutation
+    double_quant: bool = False  # NF4/FP4: absmax values quantized to 8 bits
+    duo_scaling: bool = False  # AWQ: s = mean|x|^a / mean|w|^(1-a) (AutoAWQ's default) instead of mean|x|^a
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise QuantkitError(f"unknown method {self.method!r}: use one of {', '.join(METHODS)}")
         check_bits_group(self.bits, self.group_size)
+        if self.sym is None:
+            self.sym = self.method != "awq"
+        if self.duo_scaling and self.method != "awq":
+            raise QuantkitError("duo scaling is an AWQ option: use it with --method awq")
+        if self.block_size is None:
+            self.block_size = 64 if self.method in CODEBOOK_METHODS else 128
+        if self.method in CODEBOOK_METHODS:
+            nf4.check(self.method, self.block_size)
+            if self.bits != 4:
+                raise QuantkitError(f"{self.method} is a 4-bit type, not {self.bits}-bit: use --bits 4 or another method")
+        elif self.double_quant:
+            raise QuantkitError("double quantization is for --method nf4 or fp4")
         if not 0 < self.damp < 1:
             raise QuantkitError(f"damping {self.damp} is out of range: use a fraction such as 0.01")
         if self.act_order and self.group_aware:
@@ -37,7 +53,7 @@ class QuantConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method != "rtn"
+        return self.method not in ("rtn", *CODEBOOK_METHODS)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -106,14 +106,15 @@ def load_dir(path: Path) -> Model:
         check_safetensors(w)
     qc = cfg.get("quantization_config")
     if qc is not None:
-        if qc.get("quant_method") != "gptq":
+        from quantkit.exporters import awq, bnb, gptq
+
+        readers = {"gptq": gptq.read, "awq": awq.read, "bitsandbytes": bnb.read}
+        if qc.get("quant_method") not in readers:
             raise QuantkitError(
                 f"{path}: already quantized with {qc.get('quant_method')!r}: quantkit reads full-precision "
-                "checkpoints and its own GPTQ exports"
+                "checkpoints and GPTQ, AWQ (GEMM) and bitsandbytes 4-bit ones"
             )
-        from quantkit.exporters import gptq
-
-        return gptq.read(path)
+        return readers[qc["quant_method"]](path)
     module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
     model = Model(module.eval(), load_tokenizer(path), str(path))
     check_finite(model.module, model.source)

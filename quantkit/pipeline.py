@@ -15,8 +15,10 @@ from typing import Callable, Iterator
 import torch
 from tqdm import tqdm
 
+from .errors import QuantkitError
 from .modelio import Model
 from .qtensor import QuantizedTensor
+from .quantizers import awq
 
 # Linears of a decoder layer, grouped by the input they share.
 GROUPS = (
@@ -28,6 +30,8 @@ GROUPS = (
 LINEARS = tuple(name for group in GROUPS for name in group)
 
 QuantizeFn = Callable[[str, torch.Tensor, "Hessian | None"], QuantizedTensor]
+# a whole layer at once (AWQ): (index, layer, its input batches) -> quantized tensors by name
+LayerFn = Callable[[int, torch.nn.Module, list], dict[str, QuantizedTensor]]
 
 
 class Hessian:
@@ -113,6 +117,130 @@ def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, di
     return hessians, kept
 
 
+def linear_inputs(layer: torch.nn.Module, batches, names) -> dict[str, list[torch.Tensor]]:
+    """Each named linear's inputs, batch by batch, from one run of the layer."""
+    inputs, handles = {name: [] for name in names}, []
+    for name in names:
+        hook = lambda module, args, name=name: inputs[name].append(args[0].detach())  # noqa: E731
+        handles.append(layer.get_submodule(name).register_forward_pre_hook(hook))
+    try:
+        for hidden, kwargs in batches:
+            layer(hidden, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return inputs
+
+
+def kv_channels(attn: torch.nn.Module) -> torch.Tensor:
+    """For each input channel of o_proj, the output channel of v_proj it reads (grouped-query attention:
+    query heads share a kv head), so a scale folded into v_proj is shared by those o_proj channels."""
+    hd, n_kv = attn.head_dim, attn.v_proj.out_features // attn.head_dim
+    heads = attn.o_proj.in_features // hd
+    kv_head = torch.arange(heads) // (heads // n_kv)
+    return (kv_head[:, None] * hd + torch.arange(hd)).reshape(-1)
+
+
+def fold(prev: torch.nn.Module, linears: list[torch.nn.Linear], s: torch.Tensor, s_full: torch.Tensor) -> None:
+    """Scale the linears' input channels by s_full and the op that feeds them (a norm's weight, or a
+    linear's output rows) by 1/s: the float function is unchanged."""
+    if isinstance(prev, torch.nn.Linear):
+        prev.weight.data /= s[:, None]
+        if prev.bias is not None:
+            prev.bias.data /= s
+    else:
+        prev.weight.data /= s
+    for lin in linears:
+        lin.weight.data *= s_full
+
+
+AWQ_LAYOUT = ("input_layernorm", "post_attention_layernorm", *LINEARS)
+
+
+def search_group(prev: torch.nn.Module, linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: list[dict],
+                 block: Callable, channels: torch.Tensor | None, bits: int, group_size: int, sym: bool,
+                 duo: bool = False, n_grid: int = 20, search_tokens: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ's scale search for linears sharing the inputs xs (one tensor per batch), judged by
+    block(x, kwargs)'s output on the first batches that hold search_tokens tokens (the mean |x| uses
+    them all). channels maps each input channel to the output channel of prev that feeds it
+    (grouped-query attention), or None. Returns prev's scales and the linears' scales."""
+    x_mean = sum(x.abs().reshape(-1, x.shape[-1]).sum(0) for x in xs) / sum(x[..., 0].numel() for x in xs)
+    w_mean = awq.weight_mean([lin.weight for lin in linears], group_size) if duo else None
+    if channels is not None:  # one scale per output channel of prev: average what shares it
+        count = torch.bincount(channels).float()
+        x_mean = torch.zeros(len(count)).index_add_(0, channels, x_mean) / count
+        w_mean = torch.zeros(len(count)).index_add_(0, channels, w_mean) / count if duo else None
+    full = (lambda s: s[channels]) if channels is not None else (lambda s: s)
+    tokens = torch.tensor([x[..., 0].numel() for x in xs]).cumsum(0)
+    n = max(1, int((tokens <= search_tokens).sum()))  # each candidate costs a block forward per token
+    xs, kwargs = xs[:n], kwargs[:n]
+    reference = [block(x, kw) for x, kw in zip(xs, kwargs)]
+
+    def loss(s: torch.Tensor) -> float:
+        originals = [lin.weight.data for lin in linears]
+        for lin in linears:
+            lin.weight.data = awq.fake_quantize(lin.weight * full(s), bits, group_size, sym) / full(s)
+        err = sum((block(x, kw) - ref).pow(2).sum().item() for x, kw, ref in zip(xs, kwargs, reference))
+        for lin, w in zip(linears, originals):
+            lin.weight.data = w
+        return err / sum(ref.numel() for ref in reference)
+
+    s, _, _ = awq.search_scale(x_mean, loss, n_grid, w_mean)
+    return s, full(s)
+
+
+def awq_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, sym: bool, duo: bool = False,
+              n_grid: int = 20, clip_tokens: int = 512, prefix: str = "") -> dict[str, QuantizedTensor]:
+    """AWQ on one decoder layer in place: search and fold the scales of each group of linears that
+    share an input, search each linear's clipping (not q/k: their errors pass through softmax),
+    quantize. Returns the quantized tensors by full name."""
+    missing = [name for name in AWQ_LAYOUT if not hasattr_path(layer, name)]
+    if missing:
+        raise QuantkitError(f"AWQ does not know this layer's norm/linear pairing (no {', '.join(missing)}): it "
+                            "supports Llama, Mistral and Qwen2-style decoders")
+    attn, mlp = layer.self_attn, layer.mlp
+    inputs = linear_inputs(layer, batches, ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"))
+    kwargs = [kw for _, kw in batches]
+
+    def attention(x, kw):
+        return attn(hidden_states=x, **{k: v for k, v in kw.items() if k != "hidden_states"})[0]
+
+    groups = [  # op whose output feeds the linears, the linears, their inputs, the block judged, channel map
+        (layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], "self_attn.q_proj", attention, None),
+        (attn.v_proj, [attn.o_proj], "self_attn.o_proj", lambda x, kw: attn.o_proj(x), kv_channels(attn)),
+        (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], "mlp.gate_proj", lambda x, kw: mlp(x), None),
+        (mlp.up_proj, [mlp.down_proj], "mlp.down_proj", lambda x, kw: mlp.down_proj(x), None),
+    ]
+    chosen = [(prev, linears, key, *search_group(prev, linears, inputs[key], kwargs, block, channels, bits,
+                                                 group_size, sym, duo, n_grid))
+              for prev, linears, key, block, channels in groups]
+    for prev, linears, key, s, s_full in chosen:  # folded after all searches, as the reference does
+        fold(prev, linears, s, s_full)
+        inputs[key] = [x / s_full for x in inputs[key]]
+    tensors = {}
+    for key, names in (("self_attn.q_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                       ("self_attn.o_proj", ("self_attn.o_proj",)), ("mlp.gate_proj", ("mlp.gate_proj", "mlp.up_proj")),
+                       ("mlp.down_proj", ("mlp.down_proj",))):
+        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[key]])
+        x = x[:: max(1, len(x) // clip_tokens)]
+        for name in names:
+            linear = layer.get_submodule(name)
+            bound = None if name in ("self_attn.q_proj", "self_attn.k_proj") else \
+                awq.search_clip(linear.weight.data, x, bits, group_size)
+            qt = awq.quantize(linear.weight.data, bits, group_size, sym, bound)
+            linear.weight.data.copy_(qt.dequantize())
+            tensors[f"{prefix}{name}"] = qt
+    return tensors
+
+
+def hasattr_path(module: torch.nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
 @contextmanager
 def replaying_attention(layer: torch.nn.Module, outputs: list[torch.Tensor] | None) -> Iterator[None]:
     """Once q/k/v/o are quantized the attention block's output is fixed: hand out the cached
@@ -128,9 +256,9 @@ def replaying_attention(layer: torch.nn.Module, outputs: list[torch.Tensor] | No
         del layer.self_attn.forward  # the class's forward again
 
 
-def save_progress(path: Path, key: str, next_layer: int, tensors: dict, batches) -> None:
+def save_progress(path: Path, key: str, next_layer: int, tensors: dict, batches, other: dict) -> None:
     state = {"key": key, "next_layer": next_layer, "tensors": {n: asdict(qt) for n, qt in tensors.items()},
-             "batches": batches}
+             "batches": batches, "other": other}
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     tmp.replace(path)
@@ -155,12 +283,13 @@ def load_progress(path: Path, key: str) -> dict | None:
 @torch.no_grad()
 def quantize_layers(
     model: Model,
-    quantize: QuantizeFn,
+    quantize: QuantizeFn | None,
     windows: torch.Tensor | None = None,
     batch_size: int = 8,
     sequential: bool = False,
     progress: bool = True,
     resume: tuple[Path, str] | None = None,
+    layer_fn: LayerFn | None = None,
 ) -> dict[str, QuantizedTensor]:
     """Quantize every decoder linear in place (weights become their dequantized values).
 
@@ -168,16 +297,17 @@ def quantize_layers(
     inputs; without, it gets None and no forward pass is made. sequential: q/k/v, then o, then
     gate/up, then down, each group seeing the inputs the already quantized ones produce.
     resume (path, key): after each layer the state is saved there; a run with the same key
-    starts after the last finished layer.
+    starts after the last finished layer. layer_fn, when given, quantizes each layer whole instead.
     """
     tensors, start = {}, 0
     state = load_progress(*resume) if resume else None
     if state is not None:
         start, batches = state["next_layer"], state["batches"]
-        tensors = {name: QuantizedTensor(**d) for name, d in state["tensors"].items()}
+        tensors = {name: QuantizedTensor.from_dict(d) for name, d in state["tensors"].items()}
         for name, qt in tensors.items():
             linear = model.module.get_submodule(name)
             linear.weight.data.copy_(qt.dequantize())
+        model.module.load_state_dict(state["other"], strict=False)  # norms and biases AWQ rescaled
         print(f"resuming after layer {start}/{len(model.layers)} from {resume[0]}", file=sys.stderr)
     else:
         batches = capture_inputs(model, windows, batch_size) if windows is not None else None
@@ -187,7 +317,9 @@ def quantize_layers(
     for i in bar:
         layer = model.layers[i]
         attention = None  # the attention block's outputs, once they are final
-        for stage in stages:
+        if layer_fn is not None:
+            tensors.update(layer_fn(i, layer, batches))
+        for stage in stages if layer_fn is None else ():
             hessians, o_inputs = {}, []
             if batches is not None:
                 # o_proj's inputs are final when q/k/v were quantized in an earlier stage
@@ -205,5 +337,7 @@ def quantize_layers(
             with replaying_attention(layer, attention):
                 batches = run_layer(layer, batches)
         if resume:
-            save_progress(resume[0], resume[1], i + 1, tensors, batches)
+            other = {k: v for k, v in model.module.state_dict().items()
+                     if k.startswith("model.layers.") and k.removesuffix(".weight") not in tensors}
+            save_progress(resume[0], resume[1], i + 1, tensors, batches, other)
     return tensors

@@ -26,24 +26,34 @@ def group_index(in_features: int, group_size: int) -> torch.Tensor:
 
 @dataclass
 class QuantizedTensor:
-    """W[n, k] = scales[n, g_idx[k]] * (codes[n, k] - zeros[n, g_idx[k]]).
+    """Integer grids (RTN, GPTQ, AWQ): W[n, k] = scales[n, g_idx[k]] * (codes[n, k] - zeros[n, g_idx[k]]).
+    Codebook formats (NF4, FP4): W.flatten()[i] = scales[i // G] * codebook[codes.flatten()[i]], the
+    blocks of G running over the row-major flattened weight as bitsandbytes' do (flat).
 
     codes are kept in the original column order; act-order (a permutation of the columns
     during quantization) shows only in g_idx, as in the GPTQ checkpoint format.
     """
 
     codes: torch.Tensor  # uint8 [N, K], 0 .. 2^bits - 1
-    scales: torch.Tensor  # float16 [N, ng]
-    zeros: torch.Tensor  # uint8 [N, ng]; symmetric: 2^(bits-1)
-    g_idx: torch.Tensor  # int32 [K]
+    scales: torch.Tensor  # float16 [N, ng]; flat: float32 [ceil(N*K/G)], bitsandbytes' absmax
+    zeros: torch.Tensor | None  # uint8 [N, ng]; symmetric: 2^(bits-1); None with a codebook
+    g_idx: torch.Tensor | None  # int32 [K]; None when flat
     bits: int
     group_size: int  # -1: one group per row
     sym: bool
+    codebook: torch.Tensor | None = None  # float32 [2^bits]: the value of each code
+    flat: bool = False
+    nested: QuantizedTensor | None = None  # double quantization: scales = nested.dequantize() + offset
+    offset: float = 0.0
 
     def __post_init__(self) -> None:
         check_bits_group(self.bits, self.group_size)
         n, k = self.codes.shape
         ng = self.n_groups
+        if self.flat:
+            if self.codebook is None or self.scales.shape != (ng,):
+                raise QuantkitError(f"a flat-block tensor needs a codebook and {ng} scales, got {tuple(self.scales.shape)}")
+            return
         if self.scales.shape != (n, ng) or self.zeros.shape != (n, ng):
             raise QuantkitError(
                 f"quantized tensor of shape {(n, k)} with group size {self.group_size} needs scales and zeros "
@@ -52,20 +62,40 @@ class QuantizedTensor:
         if self.g_idx.shape != (k,) or (k and int(self.g_idx.max()) >= ng):
             raise QuantkitError(f"g_idx must have {k} entries below {ng}, got shape {tuple(self.g_idx.shape)}")
 
+    @classmethod
+    def from_dict(cls, d: dict) -> QuantizedTensor:
+        """Inverse of dataclasses.asdict (which turns a nested tensor into a dict too)."""
+        nested = d.get("nested")
+        return cls(**{**d, "nested": cls.from_dict(nested) if nested is not None else None})
+
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
     @property
     def n_groups(self) -> int:
-        k = self.codes.shape[1]
+        n, k = self.codes.shape
+        if self.flat:
+            return math.ceil(n * k / self.group_size)
         return 1 if self.group_size == -1 else math.ceil(k / self.group_size)
 
     @property
     def act_order(self) -> bool:
-        return not torch.equal(self.g_idx, group_index(self.codes.shape[1], self.group_size))
+        return not self.flat and not torch.equal(self.g_idx, group_index(self.codes.shape[1], self.group_size))
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Storage per weight: codes, scales (or their double quantization) and zero points."""
+        scales = self.nested.bits_per_weight * self.nested.codes.numel() + 32 if self.nested is not None \
+            else self.scales.numel() * self.scales.element_size() * 8
+        zeros = self.zeros.numel() * self.bits if self.zeros is not None else 0
+        return self.bits + (scales + zeros) / self.codes.numel()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.flat:
+            n, k = self.codes.shape
+            s = self.scales.float().repeat_interleave(self.group_size)[: n * k].view(n, k)
+            return (self.codebook[self.codes.long()] * s).to(dtype)
         g = self.g_idx.long()
         s = self.scales.to(torch.float32)[:, g]
         z = self.zeros.to(torch.float32)[:, g]

@@ -56,3 +56,33 @@ def test_rtn_export_of_the_embedded_model(tmp_path):
     reloaded = quantkit.evaluate(back, TEST, max_windows=4, progress=False).perplexity
     assert base < ours < 2 * base
     assert abs(reloaded / ours - 1) < 0.01  # only the unquantized tensors changed, to float16
+
+
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+def test_nf4_bit_exact_on_real_weights(base, kind):
+    from .test_nf4 import assert_matches_bnb
+
+    layer = base.layers[3]
+    for w in (layer.self_attn.k_proj.weight, layer.mlp.down_proj.weight):  # 192 x 576, 576 x 1536
+        for dtype in (torch.float32, torch.bfloat16):
+            for block_size in (32, 64, 128, 256, 512, 1024, 2048, 4096):
+                for double in (False, True):
+                    assert_matches_bnb(w.detach().to(dtype), kind, block_size, double)
+
+
+def test_awq_beats_rtn_on_the_embedded_model(base):
+    """w3 g64: AWQ (8 calibration windows) against RTN with the same zero-point grid, on 8 test windows."""
+    from .conftest import VALID
+
+    original = {k: v.clone() for k, v in base.module.state_dict().items()}
+    try:
+        ppl = {}
+        for method in ("rtn", "awq"):
+            base.module.load_state_dict(original)
+            quantkit.quantize(base, method, bits=3, group_size=64, sym=False, calib_data=VALID, calib_samples=8,
+                              progress=False)
+            ppl[method] = quantkit.evaluate(base, TEST, max_windows=8, progress=False).perplexity
+    finally:
+        base.module.load_state_dict(original)
+        base.tensors, base.qconfig = {}, None
+    assert ppl["awq"] < 0.8 * ppl["rtn"], ppl

@@ -1,0 +1,146 @@
+"""AWQ on the embedded SmolLM2-135M: perplexity against RTN and GPTQ, and search time against autoawq.
+(Not named awq.py: that would shadow the autoawq package it imports.)
+
+    python benchmarks/awq_bench.py table [--samples 128] [--windows 40] [--duo True]
+    python benchmarks/awq_bench.py speed [--samples 16] [--bits 4]
+
+`table`: base, RTN (asymmetric), AWQ (--duo: with duo scaling) and GPTQ (act-order, MSE clipping)
+perplexity at w4 g64 and w3 g64 (llama.cpp protocol, ctx 512, first --windows windows of the wikitext-2 test file),
+calibrated on --samples seeded windows of 512 tokens of the validation file.
+`speed`: our AWQ and autoawq 0.2.9's search (its AwqQuantizer methods driven over the same layers
+with the same windows, its Llama layer groups; float outputs passed on, as it does), wall time as
+ours / theirs, and both perplexities. Each run is a child process (`run`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+VALID = DATA / "wikitext-2" / "wiki.valid.tokens"
+TEST = DATA / "wikitext-2-raw" / "wiki.test.raw"
+
+
+def autoawq_quantize(m, windows, bits: int, group_size: int) -> None:
+    """autoawq's own per-layer flow: input features from the float layer (whose outputs feed the next
+    layer), scale search per group, folding, clipping search, then its round-to-nearest."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from tests.refs import autoawq, cpu_snapshots_copied
+
+    from quantkit.pipeline import LINEARS, capture_inputs
+
+    scale = autoawq("quantize.scale")
+    q = autoawq("quantize.quantizer").AwqQuantizer.__new__(autoawq("quantize.quantizer").AwqQuantizer)
+    q.w_bit, q.group_size, q.zero_point, q.duo_scaling = bits, group_size, True, True
+    q.max_chunk_memory, q.n_parallel_calib_samples = 2**30, None
+    ((inps, kwargs),) = capture_inputs(m, windows, len(windows))
+    kwargs = {k: v for k, v in kwargs.items() if k in ("position_embeddings", "attention_mask", "position_ids")}
+    with cpu_snapshots_copied():
+        for layer in m.layers:
+            named = {name: layer.get_submodule(name) for name in LINEARS}
+            feats, handles = {name: [] for name in named}, []
+            for name, lin in named.items():
+                handles.append(lin.register_forward_hook(lambda mod, i, o, name=name: feats[name].append(i[0])))
+            out = layer(inps, **kwargs)
+            inps = out[0] if isinstance(out, tuple) else out
+            for h in handles:
+                h.remove()
+            feat = {name: torch.cat(v, dim=0) for name, v in feats.items()}
+            attn, mlp = layer.self_attn, layer.mlp
+            groups = [dict(prev_op=layer.input_layernorm, layers=[attn.q_proj, attn.k_proj, attn.v_proj],
+                           inp=feat["self_attn.q_proj"], module2inspect=attn, kwargs=kwargs)]
+            if attn.v_proj.weight.shape == attn.o_proj.weight.shape:  # its Llama config skips o under GQA
+                groups.append(dict(prev_op=attn.v_proj, layers=[attn.o_proj], inp=feat["self_attn.o_proj"]))
+            groups += [dict(prev_op=layer.post_attention_layernorm, layers=[mlp.gate_proj, mlp.up_proj],
+                            inp=feat["mlp.gate_proj"], module2inspect=mlp),
+                       dict(prev_op=mlp.up_proj, layers=[mlp.down_proj], inp=feat["mlp.down_proj"])]
+            scales = [q._search_best_scale(layer, **g) for g in groups]
+            scale.apply_scale(layer, scales, input_feat_dict=feat)
+            scale.apply_clip(layer, q._search_best_clip(layer, named, feat))
+            for lin in named.values():
+                lin.weight.data = q.pseudo_quantize_tensor(lin.weight.data)[0]
+
+
+def run(a) -> dict:
+    import torch
+
+    import quantkit
+    from quantkit.calibration import load_text, sample_windows
+
+    torch.manual_seed(0)
+    m = quantkit.load()
+    start = time.perf_counter()
+    with torch.no_grad():
+        if a.impl == "autoawq":
+            windows = sample_windows(m.tokenizer, load_text(VALID), a.samples, 512, seed=0)
+            autoawq_quantize(m, windows, a.bits, a.group_size)
+        elif a.method != "base":
+            extra = dict(act_order=True, mse=True) if a.method == "gptq" else {}
+            quantkit.quantize(m, a.method, a.bits, a.group_size, sym=False, calib_data=VALID, calib_samples=a.samples,
+                              calib_seqlen=512, seed=0, progress=False, duo_scaling=a.duo, **extra)
+    seconds = time.perf_counter() - start
+    ppl = quantkit.evaluate(m, TEST, "llamacpp", 512, a.windows, progress=False).perplexity
+    return {"seconds": seconds, "perplexity": ppl}
+
+
+def child(**kw) -> dict:
+    args = [sys.executable, __file__, "run"] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def table(a) -> None:
+    common = dict(samples=a.samples, windows=a.windows)
+    base = child(method="base", **common)["perplexity"]
+    print(f"base perplexity {base:.3f} (llama.cpp protocol, ctx 512, {a.windows} windows; "
+          f"calibration {a.samples} x 512 tokens)")
+    print("| setting | RTN asym | AWQ | GPTQ (act-order, MSE) | AWQ / RTN | AWQ time | GPTQ time |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for bits in (4, 3):
+        kw = dict(bits=bits, group_size=64, **common)
+        rtn, awq, gptq = child(method="rtn", **kw), child(method="awq", duo=a.duo, **kw), child(method="gptq", **kw)
+        print(f"| w{bits} g64 | {rtn['perplexity']:.3f} | {awq['perplexity']:.3f} | {gptq['perplexity']:.3f} | "
+              f"{awq['perplexity'] / rtn['perplexity']:.3f} | {awq['seconds']:.0f} s | {gptq['seconds']:.0f} s |",
+              flush=True)
+
+
+def speed(a) -> None:
+    kw = dict(method="awq", bits=a.bits, group_size=64, samples=a.samples, windows=a.windows)
+    ours, theirs = child(impl="ours", duo=True, **kw), child(impl="autoawq", **kw)
+    print(f"w{a.bits} g64 asym, {a.samples} x 512 calibration tokens, duo scaling (autoawq's default)")
+    for who, r in (("quantkit", ours), ("autoawq 0.2.9", theirs)):
+        print(f"{who}: {r['seconds']:.1f} s, perplexity {r['perplexity']:.3f}")
+    print(f"ours / autoawq: time {ours['seconds'] / theirs['seconds']:.2f}, "
+          f"perplexity {ours['perplexity'] / theirs['perplexity']:.3f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["table", "speed", "run"])
+    p.add_argument("--impl", choices=["ours", "autoawq"], default="ours")
+    p.add_argument("--method", default="awq")
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--duo", type=lambda s: s == "True", default=False)
+    p.add_argument("--samples", type=int)
+    p.add_argument("--windows", type=int, default=40)
+    a = p.parse_args()
+    if a.mode == "run":
+        print(json.dumps(run(a)))
+    elif a.mode == "table":
+        a.samples = a.samples or 128
+        table(a)
+    else:
+        a.samples = a.samples or 16
+        speed(a)
+
+
+if __name__ == "__main__":
+    main()

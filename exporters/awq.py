@@ -1,0 +1,107 @@
+"""AutoAWQ's GEMM checkpoint layout (quant_method "awq", version "gemm"), read by transformers with
+autoawq or gptqmodel, and by vLLM's `awq`.
+
+Per quantized linear: qweight int32 [K, N/8] and qzeros int32 [K/G, N/8], both packed along N in
+AWQ's interleaved order (nibble i of word c holds column 8c + ORDER[i]), scales fp16 [K/G, N].
+4-bit only, no g_idx, so no act-order and no shorter last group.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from quantkit.config import QuantConfig
+from quantkit.errors import QuantkitError
+from quantkit.modelio import Model, load_tokenizer
+from quantkit.pipeline import LINEARS
+from quantkit.qtensor import QuantizedTensor, group_index
+
+from . import checkpoint
+
+ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def pack(values: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, N] (4-bit values) -> int32 [R, N/8], interleaved as AutoAWQ packs."""
+    v = values.to(torch.int64).view(values.shape[0], -1, 8)[:, :, list(ORDER)]
+    words = (v << (4 * torch.arange(8))).sum(dim=-1)
+    return (words - (words >> 31 << 32)).to(torch.int32)  # as signed 32-bit words
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    w = packed.to(torch.int64) & 0xFFFFFFFF
+    nibbles = (w[:, :, None] >> (4 * torch.arange(8))) & 15  # [R, N/8, 8] in packed order
+    out = torch.empty_like(nibbles)
+    out[:, :, list(ORDER)] = nibbles
+    return out.reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
+    """Refuse, before any work, what the layout cannot hold."""
+    if qconfig.bits != 4:
+        raise QuantkitError(f"the AWQ GEMM layout holds 4-bit weights only, not {qconfig.bits}-bit: "
+                            "use --bits 4 or --format safetensors")
+    if qconfig.group_size == -1:
+        raise QuantkitError("the AWQ GEMM layout needs one group size for every linear: use --group-size 64 "
+                            "(or 32, 128) or --format safetensors")
+    if qconfig.act_order:
+        raise QuantkitError("the AWQ GEMM layout has no g_idx, so no act-order: drop --act-order or use --format safetensors")
+    for i, layer in enumerate(module.model.layers):
+        for name in LINEARS:
+            n, k = layer.get_submodule(name).weight.shape
+            if k % qconfig.group_size or n % 8:
+                raise QuantkitError(
+                    f"model.layers.{i}.{name} is {n}x{k}: the AWQ GEMM layout needs the group size to divide "
+                    f"in_features and out_features a multiple of 8: choose --group-size {64 if k % 64 == 0 else 32} "
+                    "or --format safetensors (the GPTQ layout allows a shorter last group)")
+
+
+def tensors_of(model: Model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, qt in model.tensors.items():
+        if qt.act_order or qt.codebook is not None:
+            raise QuantkitError(f"{name}: the AWQ GEMM layout holds plain group-wise integer grids only")
+        out[f"{name}.qweight"] = pack(qt.codes.T.contiguous())
+        out[f"{name}.qzeros"] = pack(qt.zeros.T.contiguous())
+        out[f"{name}.scales"] = qt.scales.T.contiguous()
+    return out | checkpoint.plain_tensors(model, torch.float16)
+
+
+def quantization_config(qconfig: QuantConfig) -> dict:
+    return {"quant_method": "awq", "bits": 4, "group_size": qconfig.group_size, "zero_point": True, "version": "gemm",
+            "modules_to_not_convert": None}
+
+
+def write(model: Model, out: str | Path, overwrite: bool = False) -> Path:
+    check(model.module, model.qconfig)
+    return checkpoint.write(model, out, overwrite, tensors_of(model), quantization_config(model.qconfig), torch.float16)
+
+
+def read(path: Path) -> Model:
+    """Load an AWQ GEMM checkpoint (ours or AutoAWQ's) with dequantized float weights."""
+    cfg = AutoConfig.from_pretrained(path)
+    qc = cfg.quantization_config
+    del cfg.quantization_config
+    bits, group_size = qc.get("bits", qc.get("w_bit", 4)), qc.get("group_size", qc.get("q_group_size", 128))
+    if bits != 4 or str(qc.get("version", "gemm")).lower() != "gemm":
+        raise QuantkitError(f"{path}: AWQ {bits}-bit {qc.get('version')}: quantkit reads the 4-bit GEMM layout")
+    state = checkpoint.read_tensors(path)
+    tensors = {}
+    for key in [k for k in state if k.endswith(".qweight")]:
+        name = key.removesuffix(".qweight")
+        try:
+            qweight, qzeros, scales = state.pop(key), state.pop(f"{name}.qzeros"), state.pop(f"{name}.scales")
+        except KeyError as e:
+            raise QuantkitError(f"{path}: {name} lacks {e.args[0]}: the checkpoint is incomplete; re-export it") from None
+        codes, zeros = unpack(qweight).T.contiguous(), unpack(qzeros).T.contiguous()
+        k = codes.shape[1]
+        if zeros.shape != scales.T.shape or k % group_size:
+            raise QuantkitError(f"{path}: {name} has qzeros {tuple(qzeros.shape)} and scales {tuple(scales.shape)}, which "
+                                f"do not fit {k} inputs in groups of {group_size}: the checkpoint is corrupt")
+        qt = QuantizedTensor(codes, scales.T.contiguous().half(), zeros, group_index(k, group_size), 4, group_size, False)
+        tensors[name] = qt
+        state[f"{name}.weight"] = qt.dequantize()
+    module = checkpoint.build(path, cfg, state)
+    return Model(module, load_tokenizer(path), str(path), tensors, QuantConfig("awq", 4, group_size, sym=False))
