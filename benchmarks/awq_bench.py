@@ -2,23 +2,25 @@
 (Not named awq.py: that would shadow the autoawq package it imports.)
 
     python benchmarks/awq_bench.py table [--samples 128] [--windows 40] [--duo True]
-    python benchmarks/awq_bench.py speed [--samples 16] [--bits 4]
+    python benchmarks/awq_bench.py speed [--samples 16] [--bits 4] [--layers 30]
 
 `table`: base, RTN (asymmetric), AWQ (--duo: with duo scaling) and GPTQ (act-order, MSE clipping)
 perplexity at w4 g64 and w3 g64 (llama.cpp protocol, ctx 512, first --windows windows of the wikitext-2 test file),
 calibrated on --samples seeded windows of 512 tokens of the validation file.
 `speed`: our AWQ and autoawq 0.2.9's search (its AwqQuantizer methods driven over the same layers
 with the same windows, its Llama layer groups; float outputs passed on, as it does), wall time as
-ours / theirs, and both perplexities. Each run is a child process (`run`).
+ours / theirs, and both perplexities. --layers limits both to the first N layers (autoawq's clipping
+search takes minutes per layer on a CPU). Each run is a child process (`run`).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from children import child, flag
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -26,7 +28,7 @@ VALID = DATA / "wikitext-2" / "wiki.valid.tokens"
 TEST = DATA / "wikitext-2-raw" / "wiki.test.raw"
 
 
-def autoawq_quantize(m, windows, bits: int, group_size: int) -> None:
+def autoawq_quantize(m, windows, bits: int, group_size: int, layers: int) -> None:
     """autoawq's own per-layer flow: input features from the float layer (whose outputs feed the next
     layer), scale search per group, folding, clipping search, then its round-to-nearest."""
     import torch
@@ -43,7 +45,7 @@ def autoawq_quantize(m, windows, bits: int, group_size: int) -> None:
     ((inps, kwargs),) = capture_inputs(m, windows, len(windows))
     kwargs = {k: v for k, v in kwargs.items() if k in ("position_embeddings", "attention_mask", "position_ids")}
     with cpu_snapshots_copied():
-        for layer in m.layers:
+        for layer in m.layers[:layers]:
             named = {name: layer.get_submodule(name) for name in LINEARS}
             feats, handles = {name: [] for name in named}, []
             for name, lin in named.items():
@@ -80,7 +82,15 @@ def run(a) -> dict:
     with torch.no_grad():
         if a.impl == "autoawq":
             windows = sample_windows(m.tokenizer, load_text(VALID), a.samples, 512, seed=0)
-            autoawq_quantize(m, windows, a.bits, a.group_size)
+            autoawq_quantize(m, windows, a.bits, a.group_size, a.layers)
+        elif a.layers < len(m.layers):  # our search over the same first layers
+            from quantkit.pipeline import awq_layer, capture_inputs, run_layer
+
+            windows = sample_windows(m.tokenizer, load_text(VALID), a.samples, 512, seed=0)
+            batches = capture_inputs(m, windows, 8)
+            for layer in m.layers[: a.layers]:
+                awq_layer(layer, batches, a.bits, a.group_size, False, a.duo)
+                batches = run_layer(layer, batches)
         elif a.method != "base":
             extra = dict(act_order=True, mse=True) if a.method == "gptq" else {}
             quantkit.quantize(m, a.method, a.bits, a.group_size, sym=False, calib_data=VALID, calib_samples=a.samples,
@@ -90,31 +100,28 @@ def run(a) -> dict:
     return {"seconds": seconds, "perplexity": ppl}
 
 
-def child(**kw) -> dict:
-    args = [sys.executable, __file__, "run"] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
-    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
-
 
 def table(a) -> None:
     common = dict(samples=a.samples, windows=a.windows)
-    base = child(method="base", **common)["perplexity"]
+    base = child(__file__, method="base", **common)["perplexity"]
     print(f"base perplexity {base:.3f} (llama.cpp protocol, ctx 512, {a.windows} windows; "
           f"calibration {a.samples} x 512 tokens)")
     print("| setting | RTN asym | AWQ | GPTQ (act-order, MSE) | AWQ / RTN | AWQ time | GPTQ time |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for bits in (4, 3):
         kw = dict(bits=bits, group_size=64, **common)
-        rtn, awq, gptq = child(method="rtn", **kw), child(method="awq", duo=a.duo, **kw), child(method="gptq", **kw)
+        rtn, awq = child(__file__, method="rtn", **kw), child(__file__, method="awq", duo=a.duo, **kw)
+        gptq = child(__file__, method="gptq", **kw)
         print(f"| w{bits} g64 | {rtn['perplexity']:.3f} | {awq['perplexity']:.3f} | {gptq['perplexity']:.3f} | "
               f"{awq['perplexity'] / rtn['perplexity']:.3f} | {awq['seconds']:.0f} s | {gptq['seconds']:.0f} s |",
               flush=True)
 
 
 def speed(a) -> None:
-    kw = dict(method="awq", bits=a.bits, group_size=64, samples=a.samples, windows=a.windows)
-    ours, theirs = child(impl="ours", duo=True, **kw), child(impl="autoawq", **kw)
-    print(f"w{a.bits} g64 asym, {a.samples} x 512 calibration tokens, duo scaling (autoawq's default)")
+    kw = dict(method="awq", bits=a.bits, group_size=64, samples=a.samples, windows=a.windows, layers=a.layers)
+    ours, theirs = child(__file__, impl="ours", duo=True, **kw), child(__file__, impl="autoawq", **kw)
+    print(f"w{a.bits} g64 asym, {a.samples} x 512 calibration tokens, duo scaling (autoawq's default), "
+          f"first {a.layers} layers")
     for who, r in (("quantkit", ours), ("autoawq 0.2.9", theirs)):
         print(f"{who}: {r['seconds']:.1f} s, perplexity {r['perplexity']:.3f}")
     print(f"ours / autoawq: time {ours['seconds'] / theirs['seconds']:.2f}, "
@@ -128,9 +135,10 @@ def main() -> None:
     p.add_argument("--method", default="awq")
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=64)
-    p.add_argument("--duo", type=lambda s: s == "True", default=False)
+    p.add_argument("--duo", type=flag, default=False)
     p.add_argument("--samples", type=int)
     p.add_argument("--windows", type=int, default=40)
+    p.add_argument("--layers", type=int, default=30, help="speed: quantize only the first N decoder layers")
     a = p.parse_args()
     if a.mode == "run":
         print(json.dumps(run(a)))

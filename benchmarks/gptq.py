@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from children import child, flag
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -84,23 +85,18 @@ def run(a) -> dict:
     return {"seconds": seconds, "peak_rss_gib": rss, "perplexity": ppl}
 
 
-def child(**kw) -> dict:
-    args = [sys.executable, __file__, "run"] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
-    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
-
 
 def table(a) -> None:
     common = dict(samples=a.samples, seqlen=a.seqlen, windows=a.windows)
-    base = child(method="base", **common)["perplexity"]
+    base = child(__file__, method="base", **common)["perplexity"]
     print(f"base perplexity {base:.3f}  (llama.cpp protocol, ctx 512, {a.windows} windows; "
           f"GPTQ on {a.samples} x {a.seqlen} calibration tokens, act-order, MSE clipping, true-sequential)")
     print("| setting | RTN | GPTQ | GPTQ / RTN | gap to base closed |")
     print("| --- | --- | --- | --- | --- |")
     for bits, group_size, sym in SETTINGS:
         kw = dict(bits=bits, group_size=group_size, sym=sym, **common)
-        rtn = child(method="rtn", **kw)["perplexity"]
-        gptq = child(method="gptq", **BEST, **kw)["perplexity"]
+        rtn = child(__file__, method="rtn", **kw)["perplexity"]
+        gptq = child(__file__, method="gptq", **BEST, **kw)["perplexity"]
         name = f"w{bits} {'g' + str(group_size) if group_size > 0 else 'per-channel'} {'sym' if sym else 'asym'}"
         print(f"| {name} | {rtn:.3f} | {gptq:.3f} | {gptq / rtn:.3f} | {(rtn - gptq) / (rtn - base):.0%} |", flush=True)
 
@@ -108,13 +104,13 @@ def table(a) -> None:
 def speed(a) -> None:
     kw = dict(method="gptq", bits=a.bits, group_size=a.group_size, sym=True, samples=a.samples, seqlen=a.seqlen,
               windows=a.windows)
-    ours = child(impl="ours", **kw)
-    theirs = child(impl="autogptq", **kw)
+    ours = child(__file__, impl="ours", **kw)
+    theirs = child(__file__, impl="autogptq", **kw)
     print(f"w{a.bits} g{a.group_size} sym, {a.samples} x {a.seqlen} calibration tokens, true-sequential, no act-order")
     for who, r in (("quantkit", ours), ("auto-gptq 0.7.1", theirs)):
         print(f"{who}: {r['seconds']:.1f} s, peak RSS {r['peak_rss_gib']:.2f} GiB, perplexity {r['perplexity']:.3f}")
     ratios(ours, theirs, "ours / auto-gptq")
-    best = child(impl="ours", **BEST, **kw)
+    best = child(__file__, impl="ours", **BEST, **kw)
     print(f"quantkit, act-order + MSE clipping: {best['seconds']:.1f} s, peak RSS {best['peak_rss_gib']:.2f} GiB, "
           f"perplexity {best['perplexity']:.3f}")
     if (a.bits, a.group_size, a.samples, a.windows) == (3, 128, 32, 20):
@@ -134,9 +130,9 @@ def main() -> None:
     p.add_argument("--method", default="gptq")
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--sym", type=lambda s: s == "True", default=True)
-    p.add_argument("--act-order", type=lambda s: s == "True", default=False)
-    p.add_argument("--mse", type=lambda s: s == "True", default=False)
+    p.add_argument("--sym", type=flag, default=True)
+    p.add_argument("--act-order", type=flag, default=False)
+    p.add_argument("--mse", type=flag, default=False)
     p.add_argument("--samples", type=int)
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--windows", type=int)

@@ -1,7 +1,7 @@
 """NF4/FP4 on the embedded SmolLM2-135M: perplexity and bits per weight next to RTN w4 g64, and
 quantization time against bitsandbytes' own quantize_4bit on the same tensors.
 
-    python benchmarks/nf4.py [--windows 40] [--repeats 5]
+    python benchmarks/nf4.py [speed|table] [--windows 40] [--repeats 5]     # both when neither is named
 
 Perplexity: llama.cpp protocol, ctx 512, first --windows windows of the wikitext-2 test file.
 Bits per weight: codes, scales (float16 for RTN, float32 absmax for NF4/FP4, or their 8-bit codes
@@ -75,11 +75,14 @@ def speed(repeats: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("part", nargs="?", choices=["speed", "table"])
     p.add_argument("--windows", type=int, default=40)
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args()
-    speed(a.repeats)
-    perplexities(a.windows)
+    if a.part != "table":
+        speed(a.repeats)
+    if a.part != "speed":
+        perplexities(a.windows)
 
 
 if __name__ == "__main__":

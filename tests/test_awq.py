@@ -180,3 +180,29 @@ def test_unknown_layer_layout_is_refused(layer_and_batches):
             awq_layer(layer, batches, 4, 32, False)
     finally:
         layer.post_attention_layernorm = saved
+
+
+def test_interrupted_awq_resumes_with_its_folded_norms(tiny_dir, tmp_path):
+    from quantkit.calibration import load_text, sample_windows
+    from quantkit.pipeline import quantize_layers
+
+    windows = sample_windows(load(tiny_dir).tokenizer, load_text(VALID), 4, 48, seed=1)
+    progress = (tmp_path / "progress.pt", "awq")
+    seen = []
+
+    def layer_fn(i, layer, batches):
+        if i == 1 and not seen:
+            seen.append(i)
+            raise KeyboardInterrupt
+        return awq_layer(layer, batches, 4, 32, False, prefix=f"model.layers.{i}.")
+
+    with pytest.raises(KeyboardInterrupt):
+        quantize_layers(load(tiny_dir), None, windows, progress=False, resume=progress, layer_fn=layer_fn)
+    resumed = load(tiny_dir)
+    tensors = quantize_layers(resumed, None, windows, progress=False, resume=progress, layer_fn=layer_fn)
+    fresh = load(tiny_dir)
+    expected = quantize_layers(fresh, None, windows, progress=False, layer_fn=layer_fn)
+    for name, qt in expected.items():
+        assert torch.equal(tensors[name].codes, qt.codes), name
+    for key, value in fresh.module.state_dict().items():  # norms folded in layer 0 came back from the file
+        assert torch.equal(resumed.module.state_dict()[key], value), key

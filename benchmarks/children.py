@@ -1,0 +1,18 @@
+"""Each benchmark measurement runs in its own child process, so its time and peak RSS are its own."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def child(script: str, **kw) -> dict:
+    """Run `script run --key=value ...` and return the JSON object its last line prints."""
+    args = [sys.executable, script, "run"] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def flag(s: str) -> bool:
+    """A child's True/False argument."""
+    return s == "True"
