@@ -18,6 +18,7 @@ from quantkit.config import QuantConfig
 from quantkit.errors import QuantkitError
 from quantkit.modelio import Model, load_tokenizer
 from quantkit.qtensor import QuantizedTensor
+from quantkit.quantizers import nf4
 
 from . import checkpoint
 
@@ -38,8 +39,6 @@ def unpack(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
 
 
 def kind_of(qt: QuantizedTensor) -> str:
-    from quantkit.quantizers import nf4
-
     for kind, table in nf4.CODEBOOKS.items():
         if torch.equal(qt.codebook, table):
             return kind
