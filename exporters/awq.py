@@ -75,7 +75,7 @@ def quantization_config(qconfig: QuantConfig) -> dict:
 
 
 def write(model: Model, out: str | Path, overwrite: bool = False) -> Path:
-    check(model.module, model.qconfig)
+    """Called by exporters.export, which has run check."""
     return checkpoint.write(model, out, overwrite, tensors_of(model), quantization_config(model.qconfig), torch.float16)
 
 

@@ -71,8 +71,7 @@ def quantization_config(qc: QuantConfig, dtype: torch.dtype) -> dict:
 
 
 def write(model: Model, out: str | Path, overwrite: bool = False) -> Path:
-    if model.qconfig is None or not model.tensors:
-        raise QuantkitError("the model is not quantized: quantize it before exporting")
+    """Called by exporters.export, which has checked the model."""
     dtype = model.module.dtype
     return checkpoint.write(model, out, overwrite, tensors_of(model, dtype), quantization_config(model.qconfig, dtype), dtype)
 
@@ -93,7 +92,7 @@ def read(path: Path) -> Model:
             packed, absmax, table = state.pop(p), state.pop(f"{p}.absmax"), state.pop(f"{p}.quant_map")
             n, k = meta["shape"]
             nested = None
-            if "nested_absmax" in meta or f"{p}.nested_absmax" in state:
+            if f"{p}.nested_absmax" in state:
                 nested = QuantizedTensor(absmax.to(torch.uint8)[None], state.pop(f"{p}.nested_absmax"), None, None, 8,
                                          meta["nested_blocksize"], True, codebook=state.pop(f"{p}.nested_quant_map"),
                                          flat=True)

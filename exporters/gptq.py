@@ -97,9 +97,7 @@ def tensors_of(model: Model) -> dict[str, torch.Tensor]:
 
 
 def write(model: Model, out: str | Path, overwrite: bool = False) -> Path:
-    if model.qconfig is None or not model.tensors:
-        raise QuantkitError("the model is not quantized: quantize it before exporting")
-    check_shapes(model.module, model.qconfig.bits)
+    """Called by exporters.export, which has checked the model and the shapes."""
     act_order = any(qt.act_order for qt in model.tensors.values())
     qcfg = quantization_config(model.qconfig, act_order)
     return checkpoint.write(model, out, overwrite, tensors_of(model), qcfg, torch.float16,

@@ -86,8 +86,7 @@ def quantize(
         windows = calibration.sample_windows(m.tokenizer, text, calib_samples, calib_seqlen, seed)
     resume = None
     if out is not None and windows is not None:  # saved beside the output: an interrupted run goes on
-        data = windows.numpy().tobytes() if windows is not None else b""
-        key = hashlib.sha256(f"{m.source}|{qconfig}".encode() + data).hexdigest()
+        key = hashlib.sha256(f"{m.source}|{qconfig}".encode() + windows.numpy().tobytes()).hexdigest()
         resume = (Path(out).with_name(f".{Path(out).name}.progress.pt"), key)
     m.losses = {}
     layer_fn = None

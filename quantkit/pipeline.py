@@ -199,31 +199,29 @@ def awq_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, sym: 
         raise QuantkitError(f"AWQ does not know this layer's norm/linear pairing (no {', '.join(missing)}): it "
                             "supports Llama, Mistral and Qwen2-style decoders")
     attn, mlp = layer.self_attn, layer.mlp
-    inputs = linear_inputs(layer, batches, ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"))
+    inputs = linear_inputs(layer, batches, [group[0] for group in GROUPS])  # a group's input is its first linear's
     kwargs = [kw for _, kw in batches]
 
     def attention(x, kw):
         return attn(hidden_states=x, **{k: v for k, v in kw.items() if k != "hidden_states"})[0]
 
-    groups = [  # op whose output feeds the linears, the linears, their inputs, the block judged, channel map
-        (layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], "self_attn.q_proj", attention, None),
-        (attn.v_proj, [attn.o_proj], "self_attn.o_proj", lambda x, kw: attn.o_proj(x), kv_channels(attn)),
-        (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], "mlp.gate_proj", lambda x, kw: mlp(x), None),
-        (mlp.up_proj, [mlp.down_proj], "mlp.down_proj", lambda x, kw: mlp.down_proj(x), None),
-    ]
-    chosen = [(prev, linears, key, *search_group(prev, linears, inputs[key], kwargs, block, channels, bits,
-                                                 group_size, sym, duo, n_grid))
-              for prev, linears, key, block, channels in groups]
-    for prev, linears, key, s, s_full in chosen:  # folded after all searches, as the reference does
-        fold(prev, linears, s, s_full)
-        inputs[key] = [x / s_full for x in inputs[key]]
+    # for each of GROUPS: the op whose output feeds it, the block whose output judges it, the channel map
+    feeders = [(layer.input_layernorm, attention, None),
+               (attn.v_proj, lambda x, kw: attn.o_proj(x), kv_channels(attn)),
+               (layer.post_attention_layernorm, lambda x, kw: mlp(x), None),
+               (mlp.up_proj, lambda x, kw: mlp.down_proj(x), None)]
+    linears = [[layer.get_submodule(name) for name in group] for group in GROUPS]
+    scales = [search_group(prev, lins, inputs[group[0]], kwargs, block, channels, bits, group_size, sym, duo, n_grid)
+              for group, lins, (prev, block, channels) in zip(GROUPS, linears, feeders)]
+    # folded after all searches, as the reference does
+    for group, lins, (prev, _, _), (s, s_full) in zip(GROUPS, linears, feeders, scales):
+        fold(prev, lins, s, s_full)
+        inputs[group[0]] = [x / s_full for x in inputs[group[0]]]
     tensors = {}
-    for key, names in (("self_attn.q_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                       ("self_attn.o_proj", ("self_attn.o_proj",)), ("mlp.gate_proj", ("mlp.gate_proj", "mlp.up_proj")),
-                       ("mlp.down_proj", ("mlp.down_proj",))):
-        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[key]])
+    for group in GROUPS:
+        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[group[0]]])
         x = x[:: max(1, len(x) // clip_tokens)]
-        for name in names:
+        for name in group:
             linear = layer.get_submodule(name)
             bound = None if name in ("self_attn.q_proj", "self_attn.k_proj") else \
                 awq.search_clip(linear.weight.data, x, bits, group_size)

@@ -60,7 +60,7 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int, n_
         best, best_err = full, None
         for i in range(int(max_shrink * n_grid)):
             bound = full * (1 - i / n_grid)
-            q = fake_quantize(torch.maximum(torch.minimum(wc, bound), -bound), bits, -1)
+            q = fake_quantize(wc.clamp(-bound, bound), bits, -1)
             err = (xc @ (q - wc).T).pow(2).mean(dim=0)[:, None]
             if best_err is None:
                 best_err = err
@@ -73,8 +73,7 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int, n_
 
 def clip(w: torch.Tensor, bound: torch.Tensor, group_size: int) -> torch.Tensor:
     g = w.shape[1] if group_size == -1 else group_size
-    return torch.cat([torch.maximum(torch.minimum(c, bound[:, j : j + 1]), -bound[:, j : j + 1])
-                      for j, c in enumerate(w.split(g, dim=1))], dim=1)
+    return torch.cat([c.clamp(-b, b) for c, b in zip(w.split(g, dim=1), bound.split(1, dim=1))], dim=1)
 
 
 def quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool = False, bound: torch.Tensor | None = None) -> QuantizedTensor:
