@@ -7,18 +7,23 @@ from pathlib import Path
 from quantkit.config import CODEBOOK_METHODS, QuantConfig
 from quantkit.errors import QuantkitError
 
+from . import gguf
 from .atomic import atomic_dir, check_out
 
 # safetensors: the GPTQ checkpoint layout for integer grids, bitsandbytes' 4-bit layout for NF4/FP4;
-# awq: AutoAWQ's GEMM layout (4-bit, group-wise)
-FORMATS = ("safetensors", "awq")
+# awq: AutoAWQ's GEMM layout (4-bit, group-wise); gguf: llama.cpp's file, blocks of its types
+FORMATS = ("safetensors", "awq", "gguf")
 
 
 def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
     """Refuse, before quantizing, a format that cannot hold this model quantized this way."""
     if fmt not in FORMATS:
         raise QuantkitError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
-    if fmt == "awq":
+    if (fmt == "gguf") != (qconfig.gguf_type is not None):
+        raise QuantkitError("a GGUF type goes with --format gguf and --format gguf needs one: pass both or neither")
+    if fmt == "gguf":
+        gguf.check(module, qconfig.gguf_type)
+    elif fmt == "awq":
         from . import awq
 
         if qconfig.method in CODEBOOK_METHODS:
@@ -34,6 +39,8 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
     if model.qconfig is None or not model.tensors:
         raise QuantkitError("the model is not quantized: quantize it before exporting")
     check_format(fmt, model.module, model.qconfig)
+    if fmt == "gguf":
+        return gguf.write(model, out, model.qconfig.gguf_type, overwrite)
     if fmt == "awq":
         from . import awq
 
@@ -47,4 +54,4 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
     return gptq.write(model, out, overwrite)
 
 
-__all__ = ["FORMATS", "atomic_dir", "check_format", "check_out", "export"]
+__all__ = ["FORMATS", "gguf", "atomic_dir", "check_format", "check_out", "export"]

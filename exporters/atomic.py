@@ -38,3 +38,17 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path
         shutil.rmtree(old) if old.is_dir() else old.unlink()
     else:
         tmp.rename(out)
+
+
+@contextmanager
+def atomic_file(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling of out to write; it replaces out only when the block completes."""
+    check_out(out, overwrite)
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.replace(out)

@@ -11,18 +11,33 @@ import torch
 from quantkit import calibration, evals, exporters
 
 from .config import QuantConfig
+from .errors import QuantkitError
 from .modelio import Model, load
 from .pipeline import Hessian, awq_layer, quantize_layers
 from .qtensor import QuantizedTensor
-from .quantizers import gptq, nf4, rtn
+from .quantizers import ggml, gptq, nf4, rtn
 
 PathLike = str | os.PathLike
 
 
-def quantizer(qconfig: QuantConfig, losses: dict[str, float]):
+def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, str] | None = None):
     """The per-linear core for a method: (name, weight, hessian or None) -> QuantizedTensor; None for
-    AWQ, which quantizes whole layers. GPTQ's per-linear losses are recorded in losses."""
+    AWQ, which quantizes whole layers. GPTQ's per-linear losses are recorded in losses. types: each
+    linear's GGUF type when quantizing for GGUF."""
     c = qconfig
+    if types is not None:
+        def quantize_ggml(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
+            if h is None or h.count == 0:
+                if c.needs_calibration:
+                    warnings.warn(f"{name}: no calibration input reached it, so it was quantized without it")
+                return ggml.quantize(w, types[name])
+            if c.method == "rtn":
+                return ggml.quantize(w, types[name], h.matrix().diagonal())
+            r = ggml.gptq(w, h.matrix(), types[name], h.matrix().diagonal(), c.damp, name)
+            losses[name] = r.loss
+            return r.tensor
+
+        return quantize_ggml
 
     def quantize_rtn(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
         return rtn.quantize(w, c.bits, c.group_size, c.sym, c.mse)
@@ -58,6 +73,9 @@ def quantize(
     group_aware: bool = False,
     double_quant: bool = False,
     duo_scaling: bool = False,
+    gguf_type: str | None = None,
+    imatrix: bool = False,
+    pure: bool = False,
     calib_data: PathLike | None = None,
     calib_samples: int = 128,
     calib_seqlen: int = 512,
@@ -72,9 +90,13 @@ def quantize(
     damp, act_order, static_groups, true_sequential and group_aware are GPTQ's; mse (search the
     clipping range) serves RTN and GPTQ; block_size is GPTQ's columns per lazy batch (128) or
     NF4/FP4's values per absmax block (64); double_quant is NF4/FP4's, duo_scaling AWQ's. sym=None
-    is asymmetric for AWQ (as AWQ does), symmetric otherwise."""
+    is asymmetric for AWQ (as AWQ does), symmetric otherwise. format "gguf" fills llama.cpp's block types
+    for the mix gguf_type (default Q4_K_M; pure: every tensor the mix's main type) by RTN (imatrix:
+    weighted by the calibration inputs' mean squares) or GPTQ; bits and group_size do not apply."""
+    if format == "gguf" and gguf_type is None:
+        gguf_type = "Q4_K_M"
     qconfig = QuantConfig(method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential,
-                          mse, group_aware, double_quant, duo_scaling)
+                          mse, group_aware, double_quant, duo_scaling, gguf_type, imatrix)
     if out is not None:
         exporters.check_out(out, overwrite)
     m = model if isinstance(model, Model) else load(model)
@@ -96,8 +118,16 @@ def quantize(
         def layer_fn(i, layer, batches):
             return awq_layer(layer, batches, c.bits, c.group_size, c.sym, c.duo_scaling, prefix=f"model.layers.{i}.")
 
-    m.tensors = quantize_layers(m, quantizer(qconfig, m.losses), windows, sequential=true_sequential,
+    types = None
+    if gguf_type is not None:
+        exporters.gguf.check(m.module, gguf_type)
+        types = exporters.gguf.tensor_types(m.module, gguf_type, pure, imatrix)
+    m.tensors = quantize_layers(m, quantizer(qconfig, m.losses, types), windows, sequential=true_sequential,
                                 progress=progress, resume=resume, layer_fn=layer_fn)
+    for name in set(types or ()) - set(m.tensors):  # the embedding (and an untied output matrix)
+        weight = m.module.get_submodule(name).weight
+        m.tensors[name] = ggml.quantize(weight.data, types[name])
+        weight.data.copy_(m.tensors[name].dequantize())
     m.qconfig = qconfig
     if out is not None:
         export(m, out, format, overwrite)
@@ -122,3 +152,25 @@ def evaluate(
 
 def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: bool = False) -> Path:
     return exporters.export(model, out, format, overwrite)
+
+
+def export_gguf(model: Model, out: PathLike, gguf_type: str | None = None, overwrite: bool = False,
+                progress: bool = True) -> Path:
+    """GGUF of a model: a quantized checkpoint whose grids are GGUF blocks keeps its codes (the other
+    weights in F16); a float model is rounded to nearest in gguf_type (F16 by default)."""
+    if not model.tensors:
+        quantize(model, "rtn", gguf_type=gguf_type or "F16", out=out, format="gguf", overwrite=overwrite,
+                 progress=progress)
+        return Path(out)
+    if gguf_type is not None:
+        raise QuantkitError(f"{model.source} is already quantized, so its grids decide the GGUF types: drop --gguf-type")
+    tensors = {name: ggml.from_grid(qt, name) for name, qt in model.tensors.items()}
+    kinds = sorted({qt.ggml for qt in tensors.values()})
+    if len(kinds) != 1:
+        raise QuantkitError(f"{model.source}: linears of several GGUF types {kinds}: the checkpoint is inconsistent")
+    for name, module in model.module.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and name not in tensors:
+            if not (name == "lm_head" and model.module.config.tie_word_embeddings):
+                tensors[name] = ggml.quantize(module.weight.data, "F16")
+    qconfig = QuantConfig("rtn", gguf_type=kinds[0])
+    return exporters.export(Model(model.module, model.tokenizer, model.source, tensors, qconfig), out, "gguf", overwrite)

@@ -44,9 +44,13 @@ def cli() -> None:
               help="GPTQ: act-order within groups, groups by importance; keeps the plain g_idx layout")
 @click.option("--double-quant", is_flag=True, help="NF4/FP4: quantize the absmax values to 8 bits too")
 @click.option("--duo-scaling", is_flag=True, help="AWQ: scales from activations and weights (AutoAWQ's default)")
-@click.option("--out", required=True, type=click.Path(), help="export directory")
+@click.option("--out", required=True, type=click.Path(), help="export directory (a .gguf file for --format gguf)")
 @click.option("--format", "fmt", default="safetensors", show_default=True,
-              help="safetensors: GPTQ checkpoint layout (bitsandbytes' for nf4/fp4); awq: AutoAWQ GEMM layout")
+              help="safetensors: GPTQ checkpoint layout (bitsandbytes' for nf4/fp4); awq: AutoAWQ GEMM layout; "
+                   "gguf: llama.cpp")
+@click.option("--gguf-type", help="GGUF: the mix (Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, Q2_K, Q8_0, Q4_0, ...) [Q4_K_M]")
+@click.option("--imatrix", is_flag=True, help="GGUF with RTN: weight the block search by the calibration inputs")
+@click.option("--pure", is_flag=True, help="GGUF: every tensor the mix's main type (llama-quantize --pure)")
 @click.option("--overwrite", is_flag=True, help="replace --out if it exists")
 @click.option("--calib-data", type=click.Path(), help="text file to calibrate on (default: WikiText-2 train from the hub)")
 @click.option("--calib-samples", type=int, default=128, show_default=True)
@@ -56,20 +60,36 @@ def cli() -> None:
 @click.option("--eval-windows", type=int, default=40, show_default=True)
 @click.option("--ctx", type=int, default=512, show_default=True, help="context of the --eval-data perplexity")
 def quantize(model, method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
-             group_aware, double_quant, duo_scaling, out, fmt, overwrite, calib_data, calib_samples, calib_seqlen, seed, eval_data, eval_windows, ctx) -> None:
+             group_aware, double_quant, duo_scaling, out, fmt, gguf_type, imatrix, pure, overwrite, calib_data, calib_samples, calib_seqlen, seed, eval_data, eval_windows, ctx) -> None:
     """Quantize MODEL (a directory, a .gguf file, or by default the embedded SmolLM2-135M-Instruct)."""
     # options and output path first: a mistake there should not cost a model load
+    if fmt == "gguf" and gguf_type is None:
+        gguf_type = "Q4_K_M"
     QuantConfig(method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
-                group_aware, double_quant, duo_scaling)
+                group_aware, double_quant, duo_scaling, gguf_type, imatrix)
     check_out(out, overwrite)
     m = load(model)
     if eval_data:
         show("before", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))
     api.quantize(m, method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
-                 group_aware, double_quant, duo_scaling, calib_data, calib_samples, calib_seqlen, seed, out, fmt, overwrite)
-    click.echo(f"exported {len(m.tensors)} quantized linears to {out}")
+                 group_aware, double_quant, duo_scaling, gguf_type, imatrix, pure, calib_data, calib_samples,
+                 calib_seqlen, seed, out, fmt, overwrite)
+    click.echo(f"exported {len(m.tensors)} quantized tensors to {out}")
     if eval_data:
         show("after", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))
+
+
+@cli.command()
+@click.argument("model", required=False)
+@click.option("--out", required=True, type=click.Path(), help="the .gguf file to write")
+@click.option("--gguf-type", help="for a float model: the mix to round to nearest (F16, Q8_0, Q4_K_M, ...) [F16]")
+@click.option("--overwrite", is_flag=True, help="replace --out if it exists")
+def export(model, out, gguf_type, overwrite) -> None:
+    """Write MODEL as GGUF: a quantkit checkpoint whose grids are GGUF blocks (4-bit or 8-bit, groups
+    of 32, no act-order) keeps its codes exactly; a float model is rounded to --gguf-type."""
+    check_out(out, overwrite)
+    api.export_gguf(load(model), out, gguf_type, overwrite)
+    click.echo(f"wrote {out}")
 
 
 @cli.command("eval")

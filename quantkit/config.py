@@ -27,6 +27,8 @@ class QuantConfig:
     group_aware: bool = False  # act-order inside groups, groups by importance; no g_idx permutation
     double_quant: bool = False  # NF4/FP4: absmax values quantized to 8 bits
     duo_scaling: bool = False  # AWQ: s = mean|x|^a / mean|w|^(1-a) (AutoAWQ's default) instead of mean|x|^a
+    gguf_type: str | None = None  # GGUF mix (Q4_K_M, Q8_0, ...): blocks of llama.cpp's types instead of our grids
+    imatrix: bool = False  # GGUF with RTN: weight the block search by each input's mean square (calibration)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -48,12 +50,17 @@ class QuantConfig:
             raise QuantkitError(f"damping {self.damp} is out of range: use a fraction such as 0.01")
         if self.act_order and self.group_aware:
             raise QuantkitError("act-order and group-aware ordering exclude each other: choose one")
+        if self.gguf_type is not None and self.method not in ("rtn", "gptq"):
+            raise QuantkitError(f"GGUF types are filled by RTN or GPTQ, not {self.method}: use --method rtn or gptq")
+        if self.imatrix and (self.gguf_type is None or self.method != "rtn"):
+            raise QuantkitError("--imatrix weights GGUF round-to-nearest: use it with --method rtn --format gguf "
+                                "(GPTQ always weighs by the Hessian)")
         if self.block_size < 1:
             raise QuantkitError(f"block size {self.block_size} is invalid: use a positive number of columns such as 128")
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method not in ("rtn", *CODEBOOK_METHODS)
+        return self.method not in ("rtn", *CODEBOOK_METHODS) or self.imatrix
 
     def to_dict(self) -> dict:
         return asdict(self)

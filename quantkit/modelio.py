@@ -135,7 +135,8 @@ def load_gguf(path: Path) -> Model:
         reader = gguf.GGUFReader(path)
         arch = reader.fields["general.architecture"].contents()
     except (ValueError, KeyError, IndexError, OSError) as e:
-        raise QuantkitError(f"{path}: not a readable GGUF file ({e or type(e).__name__}): re-download it") from None
+        raise QuantkitError(f"{path}: not a readable GGUF file, corrupt or truncated ({e or type(e).__name__}): "
+                            "re-download or re-export it") from None
     if arch not in GGUF_ARCHS:
         raise QuantkitError(f"{path}: GGUF architecture {arch!r} is not supported: quantkit reads {', '.join(GGUF_ARCHS)}")
     module = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)

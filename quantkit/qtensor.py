@@ -4,7 +4,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from .errors import QuantkitError
 
@@ -32,6 +34,9 @@ class QuantizedTensor:
 
     codes are kept in the original column order; act-order (a permutation of the columns
     during quantization) shows only in g_idx, as in the GPTQ checkpoint format.
+
+    GGUF block types (ggml: "Q4_K", ...): codes are the blocks' bytes as llama.cpp stores them,
+    [N, bytes per row]; scales, zeros and g_idx are None (the blocks hold their own).
     """
 
     codes: torch.Tensor  # uint8 [N, K], 0 .. 2^bits - 1
@@ -45,8 +50,15 @@ class QuantizedTensor:
     flat: bool = False
     nested: QuantizedTensor | None = None  # double quantization: scales = nested.dequantize() + offset
     offset: float = 0.0
+    ggml: str | None = None
 
     def __post_init__(self) -> None:
+        if self.ggml is not None:
+            if self.ggml not in GGMLQuantizationType.__members__:
+                raise QuantkitError(f"unknown GGUF tensor type {self.ggml!r}")
+            if self.codes.dtype != torch.uint8 or self.codes.dim() != 2 or self.codes.shape[1] % self.block_bytes:
+                raise QuantkitError(f"{self.ggml} rows must be whole blocks of {self.block_bytes} bytes")
+            return
         check_bits_group(self.bits, self.group_size)
         n, k = self.codes.shape
         ng = self.n_groups
@@ -69,8 +81,15 @@ class QuantizedTensor:
         return cls(**{**d, "nested": cls.from_dict(nested) if nested is not None else None})
 
     @property
+    def block_bytes(self) -> int:
+        return GGML_QUANT_SIZES[GGMLQuantizationType[self.ggml]][1]
+
+    @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
+        n, k = self.codes.shape
+        if self.ggml is not None:
+            return n, k // self.block_bytes * self.group_size
+        return n, k
 
     @property
     def n_groups(self) -> int:
@@ -86,12 +105,17 @@ class QuantizedTensor:
     @property
     def bits_per_weight(self) -> float:
         """Storage per weight: codes, scales (or their double quantization) and zero points."""
+        if self.ggml is not None:
+            return 8 * self.block_bytes / self.group_size
         scales = self.nested.bits_per_weight * self.nested.codes.numel() + 32 if self.nested is not None \
             else self.scales.numel() * self.scales.element_size() * 8
         zeros = self.zeros.numel() * self.bits if self.zeros is not None else 0
         return self.bits + (scales + zeros) / self.codes.numel()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.ggml is not None:
+            w = quants.dequantize(self.codes.numpy(), GGMLQuantizationType[self.ggml])
+            return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(dtype)
         if self.flat:
             n, k = self.codes.shape
             s = self.scales.float().repeat_interleave(self.group_size)[: n * k].view(n, k)

