@@ -8,7 +8,9 @@ llamacpp: as `llama-perplexity -c ctx`: windows of ctx tokens, the first replace
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from typing import Iterator
 
 import torch
 from tqdm import tqdm
@@ -35,6 +37,21 @@ def adds_bos(tokenizer) -> bool:
     if tokenizer.bos_token_id is None:
         return False
     return tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id]
+
+
+@contextmanager
+def llamacpp_arithmetic(module: torch.nn.Module, types: dict[str, str]) -> Iterator[None]:
+    """Within: each linear's input rounded as llama.cpp's CPU backend rounds it for the GGUF type of the
+    linear's weight (types: module name -> type), so a GGUF file scores as llama-perplexity scores it."""
+    from quantkit.quantizers.ggml import round_activations
+
+    hooks = [module.get_submodule(name).register_forward_pre_hook(
+        lambda mod, args, t=t: (round_activations(args[0], t), *args[1:])) for name, t in types.items()]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.evals import adds_bos
 from quantkit.modelio import Model
 from quantkit.quantizers import ggml
 
@@ -178,8 +179,7 @@ def add_tokenizer(w: gguf.GGUFWriter, tokenizer, vocab_size: int) -> None:
         if token is not None:
             getattr(w, {"unk": "add_unk_token_id", "pad": "add_pad_token_id"}.get(kind, f"add_{kind}_token_id"))(
                 tokenizer.convert_tokens_to_ids(token))
-    ids = tokenizer("a")["input_ids"]
-    w.add_add_bos_token(bool(ids) and ids[0] == tokenizer.bos_token_id)
+    w.add_add_bos_token(adds_bos(tokenizer))
     if tokenizer.chat_template:
         w.add_chat_template(tokenizer.chat_template)
 

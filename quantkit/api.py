@@ -147,6 +147,9 @@ def evaluate(
     """Perplexity of a model (or a model path, or the embedded default) on a text file."""
     m = model if isinstance(model, Model) else load(model)
     text = calibration.load_text(data, split="test")
+    if protocol == "llamacpp" and m.gguf_types:  # a GGUF file, scored with llama.cpp's arithmetic
+        with evals.llamacpp_arithmetic(m.module, m.gguf_types):
+            return evals.perplexity(m.module, m.tokenizer, text, protocol, ctx, max_windows, progress=progress)
     return evals.perplexity(m.module, m.tokenizer, text, protocol, ctx, max_windows, progress=progress)
 
 

@@ -42,6 +42,7 @@ class Model:
     tensors: dict[str, QuantizedTensor] = field(default_factory=dict)
     qconfig: QuantConfig | None = None
     losses: dict[str, float] = field(default_factory=dict)  # GPTQ's per-linear loss
+    gguf_types: dict[str, str] = field(default_factory=dict)  # read from a GGUF: each linear's block type
 
     @property
     def layers(self) -> torch.nn.ModuleList:
@@ -153,9 +154,22 @@ def load_gguf(path: Path) -> Model:
             [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
         )
-    model = Model(module.eval(), tokenizer, str(path))
+    model = Model(module.eval(), tokenizer, str(path), gguf_types=linear_types(module, reader))
     check_finite(model.module, model.source)
     return model
+
+
+def linear_types(module: torch.nn.Module, reader) -> dict[str, str]:
+    """Each linear's GGUF block type (a tied lm_head's is token_embd's)."""
+    from quantkit.exporters.gguf import gguf_name
+
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    out = {}
+    for name, mod in module.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            key = "output.weight" if name == "lm_head" else gguf_name(f"{name}.weight")
+            out[name] = types.get(key, types["token_embd.weight"] if name == "lm_head" else "F32")
+    return out
 
 
 def default_gguf() -> Path:

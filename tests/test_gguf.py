@@ -120,6 +120,20 @@ def test_grids_gguf_cannot_hold_are_refused(tiny256, tmp_path):
         ggml.quantize(weights(8, 96), "Q4_K")
 
 
+def test_activations_round_as_llama_cpp_rounds_them():
+    """Blocks of 32 for the 32-value types, of 256 for the K-quants, each at most 255 levels with the
+    largest magnitude at 127 steps; float16 scales for the former; no change for F32 weights."""
+    x = weights(4, 512)
+    for kind, block in (("Q4_0", 32), ("Q4_K", 256)):
+        y = ggml.round_activations(x, kind).view(-1, block)
+        step = y.abs().amax(dim=1, keepdim=True) / 127
+        assert torch.allclose(y / step, (y / step).round(), atol=1e-3)
+        assert (y - x.view(-1, block)).abs().max() <= step.max() / 2 * 1.01
+    assert torch.equal((x.view(-1, 32).abs().amax(1) / 127).half().float(),
+                       ggml.round_activations(x, "Q4_0").view(-1, 32).abs().amax(1) / 127)
+    assert torch.equal(ggml.round_activations(x, "F32"), x)
+
+
 def test_truncated_gguf_is_a_clear_error(tiny256, tmp_path):
     m = quantkit.quantize(tiny256, "rtn", format="gguf", gguf_type="Q8_0", out=tmp_path / "m.gguf", progress=False)
     data = (tmp_path / "m.gguf").read_bytes()
@@ -188,20 +202,20 @@ def test_q4_1_export_reproduces_the_shipped_file(embedded, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mix,pure", [("F16", False), ("BF16", False), ("Q8_0", False), ("Q4_1", False),
-                                      ("Q5_1", True), ("Q2_K", True), ("Q3_K_M", True), ("Q4_K_M", False),
-                                      ("Q5_K_M", True), ("Q6_K", True)])
+@pytest.mark.parametrize("mix,pure", [("F16", False), ("BF16", False), ("Q4_1", False), ("Q2_K", True),
+                                      ("Q3_K_M", True), ("Q4_K_M", False), ("Q5_K_M", True)])
 def test_llama_perplexity_agrees_with_ours(embedded, tmp_path, mix, pure):
-    """llama.cpp loads every type we write (the pure mixes put each K-quant on ffn_down and each
-    32-value type on the rest) and its perplexity of the file is within 1% of ours on the same file
-    (llama.cpp also rounds activations to 8 bits in its quantized matmuls)."""
+    """llama.cpp loads every type we write (F16, BF16, Q4_1, and in the mixes Q8_0, Q4_0, Q5_0, Q5_1 and
+    each K-quant) and its perplexity of the file is within 1% of ours on the same file. Ours rounds each
+    matmul's activations as llama.cpp's CPU backend does (8-bit blocks for quantized weights); without
+    that the two differ by 1-2% at Q2_K."""
     from . import llamacpp
 
     out = tmp_path / "m.gguf"
     quantkit.quantize(quantkit.load(), "rtn", format="gguf", gguf_type=mix, pure=pure, out=out, progress=False)
     kinds = {t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
-    theirs = llamacpp.perplexity(out, TEST, 4)
-    ours = quantkit.evaluate(out, TEST, max_windows=4, progress=False).perplexity
+    theirs = llamacpp.perplexity(out, TEST, 16)
+    ours = quantkit.evaluate(out, TEST, max_windows=16, progress=False).perplexity
     assert abs(ours / theirs - 1) < 0.01, (kinds, ours, theirs)
 
 

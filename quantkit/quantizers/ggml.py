@@ -549,3 +549,27 @@ def from_grid(qt: QuantizedTensor, name: str = "tensor") -> QuantizedTensor:
         fields["m"] = (-qt.scales.float() * qt.zeros.float()).reshape(-1).half()
     f = Fit(qt.scales.float(), None, 0, 2**qt.bits - 1, qt.codes.reshape(-1, 32).float(), fields)
     return tensor(kind, pack(kind, f), n)
+
+
+# llama.cpp's CPU matmul rounds the activations to the weight type's partner before the dot product
+VEC_DOT = {**{t: "Q8_0" for t in LEGACY_TYPES}, **{t: "Q8_K" for t in K_TYPES}, "F16": "F16", "BF16": "BF16"}
+
+
+def round_activations(x: torch.Tensor, weight_type: str) -> torch.Tensor:
+    """x [..., K] as llama.cpp's x86 CPU backend hands it to a matmul with a weight of weight_type:
+    8-bit blocks of 32 with a float16 scale (Q8_0, Q8_1) for the 32-value types, of 256 with a
+    float32 scale (Q8_K) for the K-quants, float16 or bfloat16 for those weights."""
+    kind = VEC_DOT.get(weight_type)
+    if kind in ("F16", "BF16"):
+        return x.to(torch.float16 if kind == "F16" else torch.bfloat16).to(x.dtype)
+    if kind is None:
+        return x
+    rows = x.detach().float().reshape(-1, 32 if kind == "Q8_0" else 256)
+    if kind == "Q8_0":  # the x86 SIMD rows: times 127 / amax, rounded half to even
+        amax = rows.abs().amax(dim=1, keepdim=True)
+        q = torch.round(rows * torch.where(amax > 0, over(127, nonzero(amax)), 0.0))
+        return ((amax / 127).half().float() * q).reshape(x.shape).to(x.dtype)
+    mx = rows.gather(1, rows.abs().argmax(dim=1, keepdim=True))
+    iscale = torch.where(mx == 0, 0.0, over(-127, nonzero(mx)))
+    q = torch.round(iscale * rows).clamp_(max=127)
+    return (torch.where(mx == 0, 0.0, over(1, nonzero(iscale))) * q).reshape(x.shape).to(x.dtype)
