@@ -37,6 +37,7 @@ NAMES = {
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 }
 EMBED, HEAD = "model.embed_tokens", "lm_head"
+DEFAULT_MIX = "Q4_K_M"
 
 
 def check(module: torch.nn.Module, mix: str) -> None:
@@ -232,8 +233,8 @@ def tensor_data(model: Model) -> list[tuple[str, np.ndarray, gguf.GGMLQuantizati
 
 
 def write(model: Model, out: str | os.PathLike, mix: str, overwrite: bool = False) -> Path:
-    """The GGUF file; written under a temporary name and renamed when complete."""
-    check(model.module, mix)
+    """The GGUF file; written under a temporary name and renamed when complete. Called by
+    exporters.export, which has run check."""
     tensors = tensor_data(model)
     with atomic_file(out, overwrite) as tmp:
         w = gguf.GGUFWriter(tmp, "llama")

@@ -31,9 +31,10 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, s
                 if c.needs_calibration:
                     warnings.warn(f"{name}: no calibration input reached it, so it was quantized without it")
                 return ggml.quantize(w, types[name])
+            hm = h.matrix()
             if c.method == "rtn":
-                return ggml.quantize(w, types[name], h.matrix().diagonal())
-            r = ggml.gptq(w, h.matrix(), types[name], h.matrix().diagonal(), c.damp, name)
+                return ggml.quantize(w, types[name], hm.diagonal())
+            r = ggml.gptq(w, hm, types[name], hm.diagonal(), c.damp, name)
             losses[name] = r.loss
             return r.tensor
 
@@ -94,7 +95,7 @@ def quantize(
     for the mix gguf_type (default Q4_K_M; pure: every tensor the mix's main type) by RTN (imatrix:
     weighted by the calibration inputs' mean squares) or GPTQ; bits and group_size do not apply."""
     if format == "gguf" and gguf_type is None:
-        gguf_type = "Q4_K_M"
+        gguf_type = exporters.gguf.DEFAULT_MIX
     qconfig = QuantConfig(method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential,
                           mse, group_aware, double_quant, duo_scaling, gguf_type, imatrix)
     if out is not None:
@@ -171,9 +172,7 @@ def export_gguf(model: Model, out: PathLike, gguf_type: str | None = None, overw
     kinds = sorted({qt.ggml for qt in tensors.values()})
     if len(kinds) != 1:
         raise QuantkitError(f"{model.source}: linears of several GGUF types {kinds}: the checkpoint is inconsistent")
-    for name, module in model.module.named_modules():
-        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and name not in tensors:
-            if not (name == "lm_head" and model.module.config.tie_word_embeddings):
-                tensors[name] = ggml.quantize(module.weight.data, "F16")
+    for name in exporters.gguf.tensor_types(model.module, "F16").keys() - tensors.keys():
+        tensors[name] = ggml.quantize(model.module.get_submodule(name).weight.data, "F16")
     qconfig = QuantConfig("rtn", gguf_type=kinds[0])
     return exporters.export(Model(model.module, model.tokenizer, model.source, tensors, qconfig), out, "gguf", overwrite)

@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from quantkit import exporters
 from quantkit.exporters import check_out
 
 from . import api
@@ -64,7 +65,7 @@ def quantize(model, method, bits, group_size, sym, damp, block_size, act_order, 
     """Quantize MODEL (a directory, a .gguf file, or by default the embedded SmolLM2-135M-Instruct)."""
     # options and output path first: a mistake there should not cost a model load
     if fmt == "gguf" and gguf_type is None:
-        gguf_type = "Q4_K_M"
+        gguf_type = exporters.gguf.DEFAULT_MIX
     QuantConfig(method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
                 group_aware, double_quant, duo_scaling, gguf_type, imatrix)
     check_out(out, overwrite)

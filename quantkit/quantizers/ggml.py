@@ -53,15 +53,15 @@ class Fit:
     codes: torch.Tensor  # [R, B] the type's own rounding (kept where a sub-block's scale is 0)
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def round(self, x: torch.Tensor, sub: int) -> torch.Tensor:
-        """Codes of x [R] in sub-block sub: nearest grid point (GPTQ's step)."""
-        s = self.scale[:, sub]
+    def nearest(self, x: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+        """Codes of x on the grid of scale s and min m (broadcast against x)."""
         safe = torch.where(s == 0, 1.0, s)
-        if self.min is None:
-            q = torch.round(x / safe) + self.off
-        else:
-            q = torch.round((x + self.min[:, sub]) / safe)
+        q = torch.round(x / safe) + self.off if m is None else torch.round((x + m) / safe)
         return q.clamp_(0, self.nmax)
+
+    def round(self, x: torch.Tensor, sub: int) -> torch.Tensor:
+        """Codes of x [R] in sub-block sub (GPTQ's step)."""
+        return self.nearest(x, self.scale[:, sub], None if self.min is None else self.min[:, sub])
 
     def value(self, q: torch.Tensor, sub: int) -> torch.Tensor:
         v = self.scale[:, sub] * (q - self.off)
@@ -234,14 +234,8 @@ def to_half(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def requantize(x: torch.Tensor, f: Fit, sub: int) -> torch.Tensor:
     """The K-quants' last step: every code again from the final (float16-rounded) sub-block scales."""
     r = x.shape[0]
-    xs = x.reshape(r, -1, sub)
     s = f.scale[:, :, None]
-    safe = torch.where(s == 0, 1.0, s)
-    if f.min is None:
-        q = torch.round(xs / safe) + f.off
-    else:
-        q = torch.round((xs + f.min[:, :, None]) / safe)
-    q = q.clamp_(0, f.nmax)
+    q = f.nearest(x.reshape(r, -1, sub), s, None if f.min is None else f.min[:, :, None])
     return torch.where(s == 0, f.codes.reshape(r, -1, sub), q).reshape(r, -1)
 
 
@@ -471,8 +465,14 @@ def fit_blocks(t: str, w: torch.Tensor, importance: torch.Tensor | None) -> Fit:
     b = sizes(t)[0]
     x = w.reshape(-1, b)
     qw = None if importance is None else importance.float().reshape(1, k // b, b).expand(n, -1, -1).reshape(-1, b)
-    sigma2 = (row_total(w * w) / k).repeat_interleave(k // b)  # the legacy types weight by the whole row's
-    return FITS[t](x, qw, sigma2)
+    sigma2 = row_sigma2(t, w, importance)
+    return FITS[t](x, qw, None if sigma2 is None else sigma2.repeat_interleave(k // b))
+
+
+def row_sigma2(t: str, w: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor | None:
+    """Each row's mean square: what the legacy types' importance weighting adds x^2 to (the K-quants
+    take theirs per block; nothing else needs it)."""
+    return row_total(w * w) / w.shape[1] if t in LEGACY_TYPES and importance is not None else None
 
 
 def tensor(t: str, blocks: np.ndarray, n: int) -> QuantizedTensor:
@@ -513,7 +513,8 @@ def gptq(w: torch.Tensor, h: torch.Tensor, t: str, importance: torch.Tensor | No
         w1 = w[:, c0:c0 + b].clone()
         err = torch.zeros_like(w1)
         hinv1 = hinv[c0:c0 + b, c0:c0 + b]
-        f = FITS[t](w1, None if importance is None else importance[c0:c0 + b].float().expand(n, -1), row_total(w * w) / k)
+        qw = None if importance is None else importance[c0:c0 + b].float().expand(n, -1)
+        f = FITS[t](w1, qw, row_sigma2(t, w, importance))
         for i in range(b):
             q = f.round(w1[:, i], i // sub)
             codes[:, c0 + i] = q
@@ -569,7 +570,7 @@ def round_activations(x: torch.Tensor, weight_type: str) -> torch.Tensor:
         amax = rows.abs().amax(dim=1, keepdim=True)
         q = torch.round(rows * torch.where(amax > 0, over(127, nonzero(amax)), 0.0))
         return ((amax / 127).half().float() * q).reshape(x.shape).to(x.dtype)
-    mx = rows.gather(1, rows.abs().argmax(dim=1, keepdim=True))
+    mx = largest_in_row(rows)[:, None]
     iscale = torch.where(mx == 0, 0.0, over(-127, nonzero(mx)))
     q = torch.round(iscale * rows).clamp_(max=127)
     return (torch.where(mx == 0, 0.0, over(1, nonzero(iscale))) * q).reshape(x.shape).to(x.dtype)
