@@ -86,7 +86,9 @@ def perplexity(
         if bos:
             windows[:, 0] = tokenizer.bos_token_id
     nll, count = 0.0, 0
+    device = next(module.parameters()).device
     for batch in tqdm(windows.split(batch_size), desc="perplexity", unit="batch", disable=not progress):
+        batch = batch.to(device)
         logits = module(batch, use_cache=False).logits[:, first:-1].double()
         targets = batch[:, first + 1 :]
         nll -= torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).sum().item()

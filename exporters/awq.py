@@ -14,8 +14,9 @@ from transformers import AutoConfig
 
 from quantkit.config import QuantConfig
 from quantkit.errors import QuantkitError
-from quantkit.modelio import Model, load_tokenizer
+from quantkit.modelio import Model
 from quantkit.pipeline import LINEARS
+from quantkit.qlinear import GPTQLinear
 from quantkit.qtensor import QuantizedTensor, group_index
 
 from . import checkpoint
@@ -79,8 +80,9 @@ def write(model: Model, out: str | Path, overwrite: bool = False) -> Path:
     return checkpoint.write(model, out, overwrite, tensors_of(model), quantization_config(model.qconfig), torch.float16)
 
 
-def read(path: Path) -> Model:
-    """Load an AWQ GEMM checkpoint (ours or AutoAWQ's) with dequantized float weights."""
+def read(path: Path, packed: bool = False) -> Model:
+    """Load an AWQ GEMM checkpoint (ours or AutoAWQ's): with dequantized float weights, or packed, its
+    grids repacked into GPTQLinear layers (the kernels read the GPTQ layout)."""
     cfg = AutoConfig.from_pretrained(path)
     qc = cfg.quantization_config
     del cfg.quantization_config
@@ -88,7 +90,7 @@ def read(path: Path) -> Model:
     if bits != 4 or str(qc.get("version", "gemm")).lower() != "gemm":
         raise QuantkitError(f"{path}: AWQ {bits}-bit {qc.get('version')}: quantkit reads the 4-bit GEMM layout")
     state = checkpoint.read_tensors(path)
-    tensors = {}
+    layers = {}
     for key in [k for k in state if k.endswith(".qweight")]:
         name = key.removesuffix(".qweight")
         try:
@@ -101,7 +103,5 @@ def read(path: Path) -> Model:
             raise QuantkitError(f"{path}: {name} has qzeros {tuple(qzeros.shape)} and scales {tuple(scales.shape)}, which "
                                 f"do not fit {k} inputs in groups of {group_size}: the checkpoint is corrupt")
         qt = QuantizedTensor(codes, scales.T.contiguous().half(), zeros, group_index(k, group_size), 4, group_size, False)
-        tensors[name] = qt
-        state[f"{name}.weight"] = qt.dequantize()
-    module = checkpoint.build(path, cfg, state)
-    return Model(module, load_tokenizer(path), str(path), tensors, QuantConfig("awq", 4, group_size, sym=False))
+        layers[name] = GPTQLinear.from_tensor(qt, state.pop(f"{name}.bias", None), name=f"{path}: {name}")
+    return checkpoint.model(path, cfg, state, layers, QuantConfig("awq", 4, group_size, sym=False), packed)

@@ -16,26 +16,12 @@ from transformers import AutoConfig, BitsAndBytesConfig
 
 from quantkit.config import QuantConfig
 from quantkit.errors import QuantkitError
-from quantkit.modelio import Model, load_tokenizer
+from quantkit.modelio import Model
+from quantkit.qlinear import NF4Linear
 from quantkit.qtensor import QuantizedTensor
 from quantkit.quantizers import nf4
 
 from . import checkpoint
-
-
-def pack(qt: QuantizedTensor) -> torch.Tensor:
-    """Row-major codes two per byte, first in the high nibble; an odd count is padded with the code of 0."""
-    codes = qt.codes.reshape(-1)
-    if codes.numel() % 2:
-        pad = torch.argmin(qt.codebook.abs()).to(torch.uint8)
-        codes = torch.cat([codes, pad[None]])
-    return ((codes[::2] << 4) | codes[1::2])[:, None]
-
-
-def unpack(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    p = packed.reshape(-1)
-    codes = torch.stack([p >> 4, p & 15], dim=1).reshape(-1)
-    return codes[: shape[0] * shape[1]].view(shape)
 
 
 def kind_of(qt: QuantizedTensor) -> str:
@@ -49,18 +35,17 @@ def tensors_of(model: Model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     out = {}
     for name, qt in model.tensors.items():
         kind = kind_of(qt)
+        layer = NF4Linear.from_tensor(qt, name=name)
         p = f"{name}.weight"
         state = {"quant_type": kind, "blocksize": qt.group_size, "dtype": str(dtype).removeprefix("torch."),
                  "shape": list(qt.shape)}
-        out[p] = pack(qt)
-        out[f"{p}.quant_map"] = qt.codebook.float().clone()  # one table per tensor, as bitsandbytes stores it
-        if qt.nested is None:
-            out[f"{p}.absmax"] = qt.scales.float()
-        else:
-            out[f"{p}.absmax"] = qt.nested.codes.reshape(-1)
-            out[f"{p}.nested_absmax"] = qt.nested.scales.float()
-            out[f"{p}.nested_quant_map"] = qt.nested.codebook.float().clone()
-            state |= {"nested_blocksize": qt.nested.group_size, "nested_dtype": "float32", "nested_offset": qt.offset}
+        out[p] = layer.packed[:, None]
+        out[f"{p}.absmax"] = layer.absmax
+        out[f"{p}.quant_map"] = layer.quant_map  # one table per tensor, as bitsandbytes stores it
+        if layer.nested_absmax is not None:
+            out[f"{p}.nested_absmax"] = layer.nested_absmax
+            out[f"{p}.nested_quant_map"] = layer.nested_map
+            state |= {"nested_blocksize": layer.nested_blocksize, "nested_dtype": "float32", "nested_offset": layer.offset}
         out[f"{p}.quant_state.bitsandbytes__{kind}"] = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
     return out | checkpoint.plain_tensors(model, dtype)
 
@@ -76,36 +61,30 @@ def write(model: Model, out: str | Path, overwrite: bool = False) -> Path:
     return checkpoint.write(model, out, overwrite, tensors_of(model, dtype), quantization_config(model.qconfig, dtype), dtype)
 
 
-def read(path: Path) -> Model:
-    """Load a bitsandbytes 4-bit checkpoint (ours or transformers') with dequantized float weights."""
+def read(path: Path, packed: bool = False) -> Model:
+    """Load a bitsandbytes 4-bit checkpoint (ours or transformers'): with dequantized float weights,
+    or packed, its linears NF4Linear layers that hold the file's tensors as they are."""
     cfg = AutoConfig.from_pretrained(path)
     qc = cfg.quantization_config
     del cfg.quantization_config
     if not qc.get("load_in_4bit"):
         raise QuantkitError(f"{path}: an 8-bit bitsandbytes checkpoint: quantkit reads the 4-bit ones")
     state = checkpoint.read_tensors(path)
-    tensors = {}
+    layers = {}
     for key in [k for k in state if ".weight.quant_state.bitsandbytes__" in k]:
         p = key.split(".quant_state.")[0]
+        name = p.removesuffix(".weight")
         meta = json.loads(bytes(state.pop(key).tolist()))
         try:
-            packed, absmax, table = state.pop(p), state.pop(f"{p}.absmax"), state.pop(f"{p}.quant_map")
-            n, k = meta["shape"]
-            nested = None
-            if f"{p}.nested_absmax" in state:
-                nested = QuantizedTensor(absmax.to(torch.uint8)[None], state.pop(f"{p}.nested_absmax"), None, None, 8,
-                                         meta["nested_blocksize"], True, codebook=state.pop(f"{p}.nested_quant_map"),
-                                         flat=True)
-                absmax = nested.dequantize().view(-1) + torch.tensor(meta["nested_offset"], dtype=torch.float32)
-            qt = QuantizedTensor(unpack(packed, (n, k)), absmax.float(), None, None, 4, meta["blocksize"], True,
-                                 codebook=table.float(), flat=True, nested=nested,
-                                 offset=meta.get("nested_offset", 0.0))
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise QuantkitError(f"{path}: {p} is incomplete or inconsistent ({e}): re-export the checkpoint") from None
-        name = p.removesuffix(".weight")
-        tensors[name] = qt
-        state[p] = qt.dequantize()
-    module = checkpoint.build(path, cfg, state)
+            nested = f"{p}.nested_absmax" in state
+            layers[name] = NF4Linear(
+                state.pop(p), state.pop(f"{p}.absmax"), state.pop(f"{p}.quant_map"), tuple(meta["shape"]),
+                meta["blocksize"], state.pop(f"{p}.nested_absmax") if nested else None,
+                state.pop(f"{p}.nested_quant_map") if nested else None, meta.get("nested_blocksize", nf4.NESTED_BLOCK),
+                meta.get("nested_offset", 0.0), bias=state.pop(f"{name}.bias", None), name=f"{path}: {name}")
+        except (KeyError, ValueError, TypeError) as e:
+            raise QuantkitError(f"{path}: {p} is incomplete or inconsistent ({e!r}): re-export the checkpoint") from None
+    block_size = next(iter(layers.values())).blocksize if layers else 64
     qconfig = QuantConfig(qc["bnb_4bit_quant_type"], 4, double_quant=bool(qc.get("bnb_4bit_use_double_quant")),
-                          block_size=next(iter(tensors.values())).group_size if tensors else 64)
-    return Model(module, load_tokenizer(path), str(path), tensors, qconfig)
+                          block_size=block_size)
+    return checkpoint.model(path, cfg, state, layers, qconfig, packed)

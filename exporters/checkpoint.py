@@ -11,7 +11,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from quantkit.errors import QuantkitError
-from quantkit.modelio import Model
+from quantkit.config import QuantConfig
+from quantkit.modelio import Model, load_tokenizer
+from quantkit.qlinear import QuantLinear
 
 from .atomic import atomic_dir
 
@@ -52,12 +54,38 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def build(path: Path, cfg, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A float32 model from a config (its quantization_config removed) and a full state dict."""
-    module = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    missing, unexpected = module.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+def model(path: Path, cfg, state: dict[str, torch.Tensor], layers: dict[str, QuantLinear], qconfig: QuantConfig,
+          packed: bool) -> Model:
+    """A Model from a checkpoint's plain tensors and its quantized linears (validated packed layers):
+    installed as they are (packed), or unpacked into QuantizedTensors and dequantized float weights."""
+    tensors = {}
+    if not packed:
+        for name, layer in layers.items():
+            tensors[name] = layer.to_tensor()
+            state[f"{name}.weight"] = tensors[name].dequantize()
+            if layer.bias is not None:
+                state[f"{name}.bias"] = layer.bias.data
+        layers = {}
+    return Model(build(path, cfg, state, layers), load_tokenizer(path), str(path), tensors, qconfig)
+
+
+def build(path: Path, cfg, state: dict[str, torch.Tensor], layers: dict[str, torch.nn.Module]) -> torch.nn.Module:
+    """A float32 model from a config (its quantization_config removed), a state dict and the modules
+    that replace some linears. Made on the meta device and filled from state, so no weight is
+    allocated twice; the buffers checkpoints do not hold (rotary frequencies) are made again."""
+    with torch.device("meta"):
+        module = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    for name, layer in layers.items():
+        module.set_submodule(name, layer)
+    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if m.rsplit(".", 1)[0] not in layers
+               and not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
         raise QuantkitError(f"{path}: tensors missing {missing[:3]} / unexpected {unexpected[:3]}: re-export the checkpoint")
     module.tie_weights()
+    module.model.rotary_emb = type(module.model.rotary_emb)(config=module.config)
+    left = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if left:
+        raise QuantkitError(f"{path}: {left[:3]} were not in the checkpoint: re-export it")
     return module.eval()

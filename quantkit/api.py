@@ -144,9 +144,19 @@ def evaluate(
     ctx: int = 512,
     max_windows: int | None = None,
     progress: bool = True,
+    packed: bool = True,
+    device: str | None = None,
 ) -> evals.Perplexity:
-    """Perplexity of a model (or a model path, or the embedded default) on a text file."""
-    m = model if isinstance(model, Model) else load(model)
+    """Perplexity of a model (or a model path, or the embedded default) on a text file. A quantized
+    checkpoint loaded from a path runs packed, its linears reading the exported tensors through
+    quantkit.qlinear (Triton on CUDA, torch on the CPU); packed=False evaluates a dequantized copy.
+    device: where a model loaded from a path runs (default: CUDA, in float16, when there is a GPU);
+    a Model passed in is moved only when device is given."""
+    m = model if isinstance(model, Model) else load(model, packed=packed)
+    if device is not None or not isinstance(model, Model):
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # float16 on a GPU, except a GGUF scored with llama.cpp's float32 arithmetic
+        m.module.to(dev, torch.float16 if dev.type == "cuda" and not m.gguf_types else torch.float32)
     text = calibration.load_text(data, split="test")
     if protocol == "llamacpp" and m.gguf_types:  # a GGUF file, scored with llama.cpp's arithmetic
         with evals.llamacpp_arithmetic(m.module, m.gguf_types):

@@ -100,9 +100,12 @@ def export(model, out, gguf_type, overwrite) -> None:
 @click.option("--ctx", type=int, default=512, show_default=True)
 @click.option("--max-windows", type=int, help="score only the first N windows")
 @click.option("--json", "as_json", is_flag=True, help="end with one JSON line")
-def evaluate(model, data, protocol, ctx, max_windows, as_json) -> None:
-    """Perplexity of MODEL (a directory, an export, a .gguf file, or the embedded model)."""
-    ppl = api.evaluate(model, data, protocol, ctx, max_windows)
+@click.option("--dequantized", is_flag=True, help="a quantized export: evaluate a dequantized copy, not the packed model")
+@click.option("--device", help="cpu or cuda [cuda, in float16, when there is a GPU]")
+def evaluate(model, data, protocol, ctx, max_windows, as_json, dequantized, device) -> None:
+    """Perplexity of MODEL (a directory, an export, a .gguf file, or the embedded model). A quantized
+    export runs packed: Triton kernels on a GPU, a torch fallback on the CPU."""
+    ppl = api.evaluate(model, data, protocol, ctx, max_windows, packed=not dequantized, device=device)
     show(model or "embedded model", ppl)
     if as_json:
         click.echo(json.dumps({**ppl.to_dict(), "model": model}))

@@ -32,8 +32,9 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 class Model:
     """A causal LM with its tokenizer; after quantization, its quantized linears too.
 
-    module's weights are always usable floats: for a quantized model they are the
-    dequantized values (fake quantization), so evaluation needs no special kernels.
+    module's weights are usable floats: for a quantized model the dequantized values (fake
+    quantization), so evaluation needs no special kernels. A checkpoint loaded packed instead has
+    quantkit.qlinear layers in place of its quantized linears, and no tensors.
     """
 
     module: PreTrainedModel
@@ -78,8 +79,10 @@ def check_safetensors(path: Path) -> None:
         raise QuantkitError(f"{path}: corrupt or truncated safetensors file ({e}): re-download or re-export it") from None
 
 
-def load(path: str | os.PathLike | None = None) -> Model:
-    """Load a model directory, a .gguf file, or (path None) the embedded default model."""
+def load(path: str | os.PathLike | None = None, packed: bool = False) -> Model:
+    """Load a model directory, a .gguf file, or (path None) the embedded default model. packed: a
+    quantized checkpoint keeps its packed weights in quantkit.qlinear layers (for running it)
+    instead of dequantized float weights (for re-exporting it)."""
     p = Path(path) if path is not None else default_model_dir()
     if not p.exists():
         raise QuantkitError(
@@ -87,10 +90,10 @@ def load(path: str | os.PathLike | None = None) -> Model:
         )
     if p.is_file():
         return load_gguf(p)
-    return load_dir(p)
+    return load_dir(p, packed)
 
 
-def load_dir(path: Path) -> Model:
+def load_dir(path: Path, packed: bool = False) -> Model:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise QuantkitError(f"{path}: no config.json, so not a model directory: pass a directory saved by save_pretrained")
@@ -115,7 +118,7 @@ def load_dir(path: Path) -> Model:
                 f"{path}: already quantized with {qc.get('quant_method')!r}: quantkit reads full-precision "
                 "checkpoints and GPTQ, AWQ (GEMM) and bitsandbytes 4-bit ones"
             )
-        return readers[qc["quant_method"]](path)
+        return readers[qc["quant_method"]](path, packed)
     module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
     model = Model(module.eval(), load_tokenizer(path), str(path))
     check_finite(model.module, model.source)

@@ -1,26 +1,261 @@
-"""A linear layer whose weight is a frozen QuantizedTensor, the base of QLoRA-style training."""
+"""Linear layers that keep their weight packed, as the exports store it, and multiply through it:
+Triton kernels on a GPU (quantkit.kernels), a torch fallback that dequantizes a slice of rows at a
+time elsewhere. No float copy of the weight is kept between calls, and the weight is not a
+parameter: gradients reach the input (and any adapter on top), never the quantized weight.
+
+Every shape and setting is checked when a layer is built, so a checkpoint that disagrees with its
+config fails at load time, before any kernel reads out of bounds.
+"""
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
-from .qtensor import QuantizedTensor
+from . import kernels
+from .errors import QuantkitError
+from .packing import pack, pack_nibbles, unpack, unpack_nibbles
+from .qtensor import BITS, QuantizedTensor
+from .quantizers import nf4
+
+BACKENDS = ("auto", "triton", "torch")
+CHUNK = 1 << 18  # weights dequantized at a time by the torch fallback: a slice that stays in cache
 
 
 class QuantLinear(torch.nn.Module):
-    """y = x W^T + b with W dequantized on the fly in each forward, so no float copy of the weight
-    is kept between calls. W is not a parameter: gradients reach the input (and any adapter on
-    top), never the quantized weight."""
+    """y = x W^T + b with W held packed. backend: "auto" runs the Triton kernels on CUDA tensors and
+    the torch fallback on the CPU; "triton" asks for the kernels anywhere (on the CPU they need
+    TRITON_INTERPRET=1); "torch" the fallback anywhere."""
 
-    def __init__(self, qt: QuantizedTensor, bias: torch.Tensor | None = None):
+    PACKED: tuple[str, ...] = ()  # buffers that keep their dtype when the model is cast
+    FORMAT: int  # kernels.GPTQ or kernels.NF4
+
+    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None):
         super().__init__()
-        self.qt = qt
-        self.out_features, self.in_features = qt.shape
+        self.out_features, self.in_features = out_features, in_features
         self.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+        self.backend = "auto"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.qt.dequantize(x.dtype), self.bias)
+        if self.backend not in BACKENDS:
+            raise QuantkitError(f"unknown kernel backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
+        triton = self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
+        if triton and not (torch.is_grad_enabled() and x.requires_grad):
+            y = kernels.matmul(x, self)
+        elif triton:  # the kernels have no backward: dequantize with them, multiply with torch
+            y = F.linear(x, kernels.dequantize(self, x.dtype))
+        else:
+            rows = self.rows_per_chunk()
+            y = torch.cat([F.linear(x, self.dequantize(x.dtype, r, min(r + rows, self.out_features)))
+                           for r in range(0, self.out_features, rows)], dim=-1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def rows_per_chunk(self) -> int:
+        return max(CHUNK // self.in_features, 1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows start:stop of W [N, K] in dtype, computed in float32 (the kernels' reference)."""
+        raise NotImplementedError
+
+    def kernel_args(self) -> tuple:
+        """(five tensors, a float, two ints, NESTED) as quantkit.kernels' weight tile reads them."""
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .half(), .cuda() move packed buffers but never cast them: fp16 scales would not survive bf16
+        packed = {name: self._buffers.pop(name) for name in self.PACKED if self._buffers.get(name) is not None}
+        super()._apply(fn, recurse)
+        for name, t in packed.items():
+            self.register_buffer(name, t.to(fn(t.new_empty(0)).device))
+        return self
 
     def extra_repr(self) -> str:
-        kind = "codebook" if self.qt.codebook is not None else "int"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.qt.bits}-bit {kind}, group {self.qt.group_size}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class GPTQLinear(QuantLinear):
+    """The GPTQ checkpoint layout (exporters/gptq.py): qweight int32 [K*b/32, N] and qzeros int32
+    [G, N*b/32] packed along K and N, scales fp16 [G, N], g_idx int32 [K];
+    W[n, k] = scales[g, n] * (q[k, n] - z[g, n]) with g = g_idx[k]. v1 checkpoints store z - 1."""
+
+    PACKED = ("qweight", "qzeros", "scales", "g_idx")
+    FORMAT = kernels.GPTQ
+
+    def __init__(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+                 bits: int, group_size: int, v1: bool, sym: bool = True, bias: torch.Tensor | None = None,
+                 name: str = "linear"):
+        k, n = g_idx.shape[0], scales.shape[-1]
+        if bits not in BITS:
+            raise QuantkitError(f"{name}: {bits}-bit weights are not supported: the kernels read {', '.join(map(str, BITS))}")
+        if group_size != -1 and group_size < 1:
+            raise QuantkitError(f"{name}: group size {group_size} is not supported: use -1 (per channel) or a positive size")
+        groups = 1 if group_size == -1 else math.ceil(k / group_size)
+        want = {"qweight": (k * bits // 32, n), "qzeros": (groups, n * bits // 32), "scales": (groups, n)}
+        got = {"qweight": qweight, "qzeros": qzeros, "scales": scales}
+        for key, t in got.items():
+            if tuple(t.shape) != want[key] or (key != "scales") != (t.dtype == torch.int32):
+                raise QuantkitError(
+                    f"{name}: {key} is {t.dtype} {tuple(t.shape)}, but {bits}-bit weights of {k} inputs and {n} outputs "
+                    f"in groups of {group_size} need {'int32' if key != 'scales' else 'float'} {want[key]}: "
+                    "the checkpoint is corrupt or its quantization_config is wrong")
+        if k % 32 or n * bits % 32 or (k and not 0 <= int(g_idx.min()) <= int(g_idx.max()) < groups):
+            raise QuantkitError(f"{name}: {k} inputs, {n} outputs and g_idx in [{int(g_idx.min())}, {int(g_idx.max())}] "
+                                f"do not fit the GPTQ layout of {groups} groups: the checkpoint is corrupt")
+        super().__init__(n, k, bias)
+        self.bits, self.group_size, self.v1, self.sym = bits, group_size, v1, sym
+        for key, t in {**got, "g_idx": g_idx.to(torch.int32)}.items():
+            self.register_buffer(key, t.contiguous())
+        # groups of whole columns in order (no act-order, K a multiple of the group size)
+        self.plain_order = group_size == -1 or (k % group_size == 0 and torch.equal(
+            self.g_idx.cpu(), torch.arange(k, dtype=torch.int32) // group_size))
+
+    @classmethod
+    def from_tensor(cls, qt: QuantizedTensor, bias: torch.Tensor | None = None, name: str = "linear") -> GPTQLinear:
+        """Pack an integer grid; symmetric grids as v1 (zero - 1 stored), as exporters/gptq.py writes them."""
+        if qt.codebook is not None or qt.ggml is not None:
+            raise QuantkitError(f"{name}: the GPTQ layout holds integer grids, not codebook or GGUF blocks")
+        n, k = qt.shape
+        if k % 32 or n * qt.bits % 32:
+            raise QuantkitError(f"{name} is {n}x{k}: the GPTQ layout needs in_features a multiple of 32 "
+                                "and out_features*bits a multiple of 32")
+        zeros = (qt.zeros.int() - int(qt.sym)) & ((1 << qt.bits) - 1)
+        return cls(pack(qt.codes.T, qt.bits), pack(zeros, qt.bits).T.contiguous(), qt.scales.T.contiguous().half(),
+                   qt.g_idx, qt.bits, qt.group_size, v1=qt.sym, sym=qt.sym, bias=bias, name=name)
+
+    def packed(self) -> dict[str, torch.Tensor]:
+        return {key: getattr(self, key) for key in self.PACKED}
+
+    def zeros(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The zero points of output rows start:stop (start a multiple of 32), int32 [rows, G]."""
+        stop = self.out_features if stop is None else stop
+        words = self.qzeros[:, start * self.bits // 32: math.ceil(stop * self.bits / 32)].T.contiguous()
+        return (unpack(words, self.bits)[: stop - start] + int(self.v1)) & ((1 << self.bits) - 1)
+
+    def to_tensor(self) -> QuantizedTensor:
+        return QuantizedTensor(unpack(self.qweight, self.bits).T.to(torch.uint8).contiguous(),
+                               self.scales.T.contiguous().half(), self.zeros().to(torch.uint8), self.g_idx.clone(),
+                               self.bits, self.group_size, self.sym)
+
+    def rows_per_chunk(self) -> int:
+        return max(super().rows_per_chunk() // 32, 1) * 32  # zeros unpack in whole runs of 32 outputs
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Computed as W^T [K, rows], the packed layout's own order, and returned as its transpose."""
+        stop = self.out_features if stop is None else stop
+        q = unpack(self.qweight[:, start:stop], self.bits)  # [K, rows]
+        z = self.zeros(start, stop).T  # [G, rows]
+        s = self.scales[:, start:stop].float()
+        g = self.in_features if self.group_size == -1 else self.group_size
+        if self.plain_order:  # column k in group k // g: broadcast the groups' scales and zeros
+            w = (q.view(-1, g, stop - start) - z[:, None]).float().mul_(s[:, None]).view_as(q)
+        else:
+            idx = self.g_idx.long()
+            w = (q - z[idx]).float().mul_(s[idx])
+        return w.to(dtype).T
+
+    def kernel_args(self) -> tuple:
+        return (self.qweight, self.qzeros, self.scales, self.g_idx, self.g_idx, 0.0,
+                self.qzeros.shape[1], int(self.v1), False)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self.bits}-bit, group {self.group_size}"
+
+
+class NF4Linear(QuantLinear):
+    """bitsandbytes' 4-bit layout (exporters/bnb.py): the row-major codes two per byte (first in the
+    high nibble), one absmax per block of blocksize values, a 16-entry code table (NF4 or FP4);
+    with double quantization the absmax values are uint8 codes of nested_map in blocks of
+    nested_blocksize, plus offset. W.flatten()[i] = quant_map[code i] * absmax[i // blocksize]."""
+
+    PACKED = ("packed", "absmax", "quant_map", "nested_absmax", "nested_map")
+    FORMAT = kernels.NF4
+    bits = 4
+
+    def __init__(self, packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, shape: tuple[int, int],
+                 blocksize: int, nested_absmax: torch.Tensor | None = None, nested_map: torch.Tensor | None = None,
+                 nested_blocksize: int = nf4.NESTED_BLOCK, offset: float = 0.0, bias: torch.Tensor | None = None,
+                 name: str = "linear"):
+        n, k = shape
+        if blocksize not in nf4.BLOCK_SIZES:
+            raise QuantkitError(f"{name}: block size {blocksize} is not supported: use one of "
+                                f"{', '.join(map(str, nf4.BLOCK_SIZES))}")
+        nested = nested_absmax is not None
+        blocks = math.ceil(n * k / blocksize)
+        want = {"packed": ((n * k + 1) // 2, torch.uint8), "absmax": (blocks, torch.uint8 if nested else torch.float32),
+                "quant_map": (16, torch.float32)}
+        got = {"packed": packed.reshape(-1), "absmax": absmax.reshape(-1), "quant_map": quant_map.reshape(-1)}
+        if nested:
+            want |= {"nested_absmax": (math.ceil(blocks / nested_blocksize), torch.float32), "nested_map": (256, torch.float32)}
+            got |= {"nested_absmax": nested_absmax.reshape(-1), "nested_map": nested_map.reshape(-1)}
+        for key, t in got.items():
+            if (t.numel(), t.dtype) != want[key]:
+                raise QuantkitError(
+                    f"{name}: {key} is {t.dtype} with {t.numel()} values, but a {n}x{k} weight in blocks of {blocksize} "
+                    f"needs {want[key][1]} with {want[key][0]}: the checkpoint is corrupt or its quant_state wrong")
+        super().__init__(n, k, bias)
+        self.blocksize, self.nested_blocksize, self.offset = blocksize, nested_blocksize, float(offset)
+        for key in self.PACKED:
+            self.register_buffer(key, got[key].contiguous() if key in got else None)
+
+    @classmethod
+    def from_tensor(cls, qt: QuantizedTensor, bias: torch.Tensor | None = None, name: str = "linear") -> NF4Linear:
+        if not qt.flat:
+            raise QuantkitError(f"{name}: the bitsandbytes layout holds NF4/FP4 blocks, not {qt.bits}-bit integer grids")
+        pad = int(torch.argmin(qt.codebook.abs()))  # an odd count ends with the code of 0
+        if qt.nested is None:
+            return cls(pack_nibbles(qt.codes, pad), qt.scales.float(), qt.codebook.float().clone(), qt.shape,
+                       qt.group_size, bias=bias, name=name)
+        return cls(pack_nibbles(qt.codes, pad), qt.nested.codes.reshape(-1), qt.codebook.float().clone(), qt.shape,
+                   qt.group_size, qt.nested.scales.float(), qt.nested.codebook.float().clone(), qt.nested.group_size,
+                   qt.offset, bias=bias, name=name)
+
+    def to_tensor(self) -> QuantizedTensor:
+        n, k = self.out_features, self.in_features
+        nested = None
+        if self.nested_absmax is not None:
+            nested = QuantizedTensor(self.absmax[None].clone(), self.nested_absmax.clone(), None, None, 8,
+                                     self.nested_blocksize, True, codebook=self.nested_map.clone(), flat=True)
+        codes = unpack_nibbles(self.packed, n * k).view(n, k).clone()
+        return QuantizedTensor(codes, self.scales(0, self.absmax.numel()), None, None, 4, self.blocksize, True,
+                               codebook=self.quant_map.clone(), flat=True, nested=nested, offset=self.offset)
+
+    def scales(self, first: int, last: int) -> torch.Tensor:
+        """The absmax of blocks first:last, float32 (double quantization: decoded, plus the offset)."""
+        if self.nested_absmax is None:
+            return self.absmax[first:last]
+        j = torch.arange(first, last, device=self.absmax.device)
+        return (self.nested_map[self.absmax[first:last].long()] * self.nested_absmax[j // self.nested_blocksize]
+                + torch.tensor(self.offset, dtype=torch.float32))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        stop = self.out_features if stop is None else stop
+        lo, hi, b = start * self.in_features, stop * self.in_features, self.blocksize
+        # both codes of a byte in one lookup: the table's value pair for each of the 256 bytes
+        pairs = torch.stack([self.quant_map.repeat_interleave(16), self.quant_map.repeat(16)], dim=1)
+        values = pairs[self.packed[lo // 2: (hi + 1) // 2].long()].view(-1)[lo % 2: lo % 2 + hi - lo]
+        first, last = lo // b, (hi + b - 1) // b
+        if lo % b == 0 and hi % b == 0:  # whole blocks: broadcast each block's absmax
+            w = values.view(-1, b) * self.scales(first, last)[:, None]
+        else:
+            w = values * self.scales(first, last).repeat_interleave(b)[lo - first * b: hi - first * b]
+        return w.view(stop - start, self.in_features).to(dtype)
+
+    def kernel_args(self) -> tuple:
+        nested = self.nested_absmax is not None
+        return (self.packed, self.absmax, self.quant_map, self.nested_absmax if nested else self.absmax,
+                self.nested_map if nested else self.quant_map, self.offset, self.blocksize, self.nested_blocksize, nested)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, 4-bit codebook, block {self.blocksize}, nested {self.nested_absmax is not None}"
+
+
+def from_tensor(qt: QuantizedTensor, bias: torch.Tensor | None = None, name: str = "linear") -> QuantLinear:
+    return (NF4Linear if qt.flat else GPTQLinear).from_tensor(qt, bias, name)
+
+
+def install(module: torch.nn.Module, tensors: dict[str, QuantizedTensor]) -> None:
+    """Replace each quantized nn.Linear of module (tensors: name -> its quantized weight) by a packed layer."""
+    for name, qt in tensors.items():
+        linear = module.get_submodule(name)
+        module.set_submodule(name, from_tensor(qt, linear.bias, name))

@@ -7,7 +7,7 @@ import torch
 import quantkit
 from quantkit import QuantkitError
 from quantkit.config import QuantConfig
-from quantkit.qlinear import QuantLinear
+from quantkit.qlinear import NF4Linear
 from quantkit.quantizers import nf4
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -23,9 +23,7 @@ def reference_dequantize(q, absmax, code, block_size, shape, dtype):
 
 
 def packed(qt):
-    from quantkit.exporters import bnb as layout
-
-    return layout.pack(qt).view(-1)
+    return NF4Linear.from_tensor(qt).packed  # what the export writes
 
 
 def assert_matches_bnb(w, kind, block_size, double):
@@ -159,7 +157,7 @@ def test_quant_linear_is_a_frozen_base():
     torch.manual_seed(0)
     w = torch.randn(48, 64)
     qt = nf4.quantize(w, "nf4", 64, double_quant=True)
-    layer = QuantLinear(qt, bias=torch.randn(48))
+    layer = NF4Linear.from_tensor(qt, bias=torch.randn(48))
     assert not any(p.requires_grad for p in layer.parameters())
     x = torch.randn(5, 64, requires_grad=True)
     y = layer(x)

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from quantkit.exporters.gptq import pack, unpack
+from quantkit.packing import pack, unpack
+from quantkit.qlinear import GPTQLinear
 from quantkit.quantizers import rtn
 
 from .conftest import autogptq_quantlinear
@@ -13,7 +14,14 @@ def test_unpack_inverts_pack(bits):
     v = torch.randint(0, 2**bits, (96, 40), dtype=torch.uint8)
     packed = pack(v, bits)
     assert packed.dtype == torch.int32 and packed.shape == (96 * bits // 32, 40)
-    assert torch.equal(unpack(packed, bits), v)
+    assert torch.equal(unpack(packed, bits), v.int())
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_rows_in_whole_words_not_whole_runs(bits):
+    """Zero points are packed along N: 40 outputs fill whole words at 4 bits, not a run of 32."""
+    v = torch.randint(0, 2**bits, (32 // bits * 5, 3), dtype=torch.uint8)
+    assert torch.equal(unpack(pack(v, bits), bits), v.int())
 
 
 def test_3bit_values_straddle_words():
@@ -43,9 +51,9 @@ def test_symmetric_pack_equals_autogptq(bits, group_size):
     torch.manual_seed(bits + group_size)
     qt = rtn.quantize(torch.randn(64, 256), bits, group_size, sym=True)
     ref = reference_pack(qt, bits, group_size, qt.zeros)
-    assert torch.equal(pack(qt.codes.T.contiguous(), bits), ref.qweight)
-    # v1 checkpoints store zero - 1
-    assert torch.equal(pack(qt.zeros.int() - 1, bits).T, ref.qzeros)
+    layer = GPTQLinear.from_tensor(qt)  # what the export writes
+    assert torch.equal(layer.qweight, ref.qweight)
+    assert torch.equal(layer.qzeros, ref.qzeros)  # v1 checkpoints store zero - 1
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -54,5 +62,6 @@ def test_asymmetric_v2_zeros_equal_autogptq(bits):
     torch.manual_seed(bits)
     qt = rtn.quantize(torch.randn(64, 128), bits, 32, sym=False)
     ref = reference_pack(qt, bits, 32, qt.zeros.int() + 1)
-    assert torch.equal(pack(qt.codes.T.contiguous(), bits), ref.qweight)
-    assert torch.equal(pack(qt.zeros.int(), bits).T, ref.qzeros)
+    layer = GPTQLinear.from_tensor(qt)
+    assert torch.equal(layer.qweight, ref.qweight)
+    assert torch.equal(layer.qzeros, ref.qzeros)

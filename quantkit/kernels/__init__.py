@@ -1,0 +1,96 @@
+"""Launching the Triton kernels of jit.py on a packed layer (quantkit.qlinear).
+
+They run on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (set before triton is first
+imported), which is how the tests check them on any machine. triton is imported on first use, so
+the torch fallback never needs it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from quantkit.errors import QuantkitError
+
+GPTQ, NF4 = 0, 1  # jit.py's FMT
+GEMV_ROWS = 4  # up to this many rows of x take the GEMV: a tensor-core tile would be mostly padding
+GEMV_TILE = (64, 64)  # outputs, inputs per step
+GEMM_TILE = (64, 32)  # outputs, inputs per step; rows of x: 16, 32 or 64 by M
+
+
+def _jit():
+    try:
+        from . import jit
+    except ImportError as e:
+        raise QuantkitError(f"the Triton kernels need triton ({e}): pip install triton, or use the torch backend") from None
+    return jit
+
+
+def _check(t: torch.Tensor) -> None:
+    if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise QuantkitError("the Triton kernels run on CUDA tensors (on the CPU only under TRITON_INTERPRET=1): "
+                            "move the model to a GPU or use the torch backend")
+
+
+def _layout(layer) -> tuple[tuple, dict]:
+    """The layer's kernel arguments: (w0..w4, fparam, i0, i1) and the compile-time constants."""
+    *args, nested = layer.kernel_args()
+    return tuple(args), {"FMT": layer.FORMAT, "BITS": layer.bits, "NESTED": nested}
+
+
+def dequantize(layer, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """W [N, K] in dtype, equal to layer.dequantize(dtype) bit for bit."""
+    n, k = layer.out_features, layer.in_features
+    args, consts = _layout(layer)
+    _check(args[0])
+    out = torch.empty(n, k, dtype=dtype, device=args[0].device)
+    grid = (cdiv(n, 32), cdiv(k, 64))
+    # no fused multiply-add, so that the nested absmax rounds as the torch reference rounds it
+    _jit().dequantize_kernel[grid](out, *args, n, k, **consts, BN=32, BK=64, enable_fp_fusion=False)
+    return out
+
+
+@functools.cache
+def multiprocessors(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_for(x: torch.Tensor, programs: int, k: int) -> int:
+    """Slices of K for the GEMV: enough programs to fill a GPU (two per multiprocessor), one on the CPU."""
+    if not x.is_cuda:
+        return 1
+    return max(1, min(2 * multiprocessors(x.device.index or 0) // programs, cdiv(k, GEMV_TILE[1])))
+
+
+def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T in x's dtype, accumulated in float32, W never written out. split: slices of
+    K for the GEMV (None: by the device)."""
+    _check(x)
+    n, k = layer.out_features, layer.in_features
+    if x.shape[-1] != k:
+        raise QuantkitError(f"input of {x.shape[-1]} features for a layer of {k}")
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    args, consts = _layout(layer)
+    jit = _jit()
+    if m <= GEMV_ROWS:
+        bn, bk = GEMV_TILE
+        split = split or split_for(x, cdiv(n, bn) * m, k)
+        k_split = cdiv(cdiv(k, split), bk) * bk
+        split = cdiv(k, k_split)
+        y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1 else x2.new_empty(m, n)
+        jit.gemv_kernel[(cdiv(n, bn), split, m)](x2, y, *args, n, k, k_split, **consts, BN=bn, BK=bk, ATOMIC=split > 1)
+    else:
+        bn, bk = GEMM_TILE
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        y = x2.new_empty(m, n)
+        precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: no tf32 rounding of x
+        upcast = not x.is_cuda and x.dtype == torch.bfloat16
+        jit.gemm_kernel[(cdiv(m, bm), cdiv(n, bn))](x2, y, *args, m, n, k, **consts, BM=bm, BN=bn, BK=bk,
+                                                    PRECISION=precision, UPCAST=upcast)
+    return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,120 @@
+"""Triton kernels over the packed layouts: dequantize, a GEMV for decode (few rows of x) and a tiled
+GEMM for prefill. All three read the weight through one tile function, so a layout is described
+once; the matmuls accumulate in float32 and never write W to memory.
+
+A layout's buffers arrive as five pointers (w0..w4), a float and two ints (quantkit.qlinear's
+kernel_args); FMT picks the layout at compile time.
+"""
+import triton
+import triton.language as tl
+
+GPTQ, NF4 = 0, 1
+
+
+@triton.jit
+def _stream(ptr, i, base, step, BITS: tl.constexpr, mask):
+    """Value i of a GPTQ bit stream (32 values in BITS int32 words) whose words lie at base + word * step."""
+    pos = (i % 32) * BITS
+    word = (i // 32) * BITS + pos // 32
+    off = (pos % 32).to(tl.uint32)
+    v = tl.load(ptr + base + word * step, mask=mask, other=0).to(tl.uint32, bitcast=True) >> off
+    if BITS == 3:  # values 10 and 21 of a run straddle two words
+        spill = off > 29
+        hi = tl.load(ptr + base + (word + 1) * step, mask=mask & spill, other=0).to(tl.uint32, bitcast=True)
+        v = v | tl.where(spill, hi << ((32 - off) & 31), 0)
+    return (v & ((1 << BITS) - 1)).to(tl.int32)
+
+
+@triton.jit
+def _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k, n, K, N, mask,
+            FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr):
+    """W[n, k] in float32 for index tensors k and n (broadcast together).
+    GPTQ: w0 qweight, w1 qzeros, w2 scales, w3 g_idx; i0 int32 words per qzeros row, i1 added to stored zeros.
+    NF4: w0 nibbles, w1 absmax (uint8 codes if NESTED), w2 code table, w3 nested absmax, w4 nested table;
+    i0 block size, i1 nested block size, fparam the offset of the nested absmax."""
+    if FMT == 0:
+        q = _stream(w0, k, n, N, BITS, mask)
+        g = tl.load(w3 + k, mask=mask, other=0)
+        z = (_stream(w1, n, g * i0, 1, BITS, mask) + i1) & ((1 << BITS) - 1)
+        s = tl.load(w2 + g * N + n, mask=mask, other=0.0).to(tl.float32)
+        w = s * (q - z).to(tl.float32)
+    else:
+        i = n * K + k
+        byte = tl.load(w0 + i // 2, mask=mask, other=0).to(tl.int32)
+        v = tl.load(w2 + tl.where(i % 2 == 0, byte >> 4, byte & 15), mask=mask, other=0.0)
+        j = i // i0
+        if NESTED:
+            code = tl.load(w1 + j, mask=mask, other=0).to(tl.int32)
+            a = tl.load(w4 + code, mask=mask, other=0.0) * tl.load(w3 + j // i1, mask=mask, other=0.0) + fparam
+        else:
+            a = tl.load(w1 + j, mask=mask, other=0.0)
+        w = v * a
+    return w
+
+
+@triton.jit
+def _round(w, DTYPE: tl.constexpr):
+    """float32 w in DTYPE, rounded to nearest even; bfloat16 by integer arithmetic, which the
+    interpreter (whose cast truncates) and the GPU agree on."""
+    if DTYPE == tl.bfloat16:
+        b = w.to(tl.uint32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16)
+        out = r.to(tl.bfloat16, bitcast=True)
+    else:
+        out = w.to(DTYPE)
+    return out
+
+
+@triton.jit
+def dequantize_kernel(out, w0, w1, w2, w3, w4, fparam, i0, i1, N, K,
+                      FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    n = tl.program_id(0) * BN + tl.arange(0, BN)[:, None]
+    k = tl.program_id(1) * BK + tl.arange(0, BK)[None, :]
+    mask = (n < N) & (k < K)
+    w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k, n, K, N, mask, FMT, BITS, NESTED)
+    tl.store(out + n * K + k, _round(w, out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gemv_kernel(x, y, w0, w1, w2, w3, w4, fparam, i0, i1, N, K, K_SPLIT,
+                FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                ATOMIC: tl.constexpr):
+    """One row of x against BN outputs over one K_SPLIT slice of the inputs; with several slices
+    the partial sums meet in a float32 y by atomic adds."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    start = tl.program_id(1) * K_SPLIT
+    row = tl.program_id(2)
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for k0 in range(0, K_SPLIT, BK):
+        k = start + k0 + tl.arange(0, BK)
+        xk = tl.load(x + row * K + k, mask=k < K, other=0.0)
+        mask = (k[:, None] < K) & (n[None, :] < N)
+        w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k[:, None], n[None, :], K, N, mask, FMT, BITS, NESTED)
+        # W rounded to x's dtype first, as x @ dequantize(W, x.dtype)^T would see it
+        acc += tl.sum(xk.to(tl.float32)[:, None] * _round(w, xk.dtype).to(tl.float32), axis=0)
+    if ATOMIC:
+        tl.atomic_add(y + row * N + n, acc, mask=n < N)
+    else:
+        tl.store(y + row * N + n, _round(acc, y.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
+def gemm_kernel(x, y, w0, w1, w2, w3, w4, fparam, i0, i1, M, N, K,
+                FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """UPCAST: multiply in float32 (exact products of bfloat16 values), for the interpreter, whose
+    dot cannot take bfloat16."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        a = tl.load(x + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        mask = (k[:, None] < K) & (n[None, :] < N)
+        w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k[:, None], n[None, :], K, N, mask, FMT, BITS, NESTED)
+        w = _round(w, a.dtype)
+        if UPCAST:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    tl.store(y + m[:, None] * N + n[None, :], _round(acc, y.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))

@@ -1,0 +1,270 @@
+"""Triton kernels and packed layers against the torch reference. Without a GPU the kernels run in
+Triton's interpreter (conftest sets TRITON_INTERPRET=1); with one, on it.
+
+Dequantization must be exact. A matmul must equal the float32 product of x and the dequantized W
+(in x's dtype) rounded to x's dtype, within one unit in the last place of that dtype (the kernels
+sum in a different order), plus 1e-5 of the largest output for cancellation in float32 sums.
+"""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import quantkit
+from quantkit import QuantkitError, kernels
+from quantkit.qlinear import GPTQLinear, NF4Linear
+from quantkit.quantizers import nf4, rtn
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+OUTPUTS = {2: 48, 3: 96, 4: 40, 8: 44}  # out_features: whole words of zeros, not multiples of the tiles
+IN = 160  # in_features: a multiple of 32 (the layout), not of the 64-input tiles nor of groups of 64 or 128
+
+
+def grid(bits: int, group_size: int, act_order: bool, seed: int = 0, n: int | None = None, k: int = IN):
+    g = torch.Generator().manual_seed(seed)
+    qt = rtn.quantize(torch.randn(n or OUTPUTS[bits], k, generator=g), bits, group_size, sym=bits % 2 == 0)
+    if act_order:
+        qt.g_idx = qt.g_idx[torch.randperm(k, generator=g)].contiguous()
+    return qt
+
+
+def assert_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    ref = (x.float() @ w.float().T).to(x.dtype).float()
+    eps = torch.finfo(x.dtype).eps
+    torch.testing.assert_close(y.float(), ref, rtol=eps, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group_size", [-1, 32, 64, 128])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_dequantize_exact(bits, group_size, act_order):
+    qt = grid(bits, group_size, act_order)
+    layer = GPTQLinear.from_tensor(qt).to(DEVICE)
+    for dtype in (torch.float16, torch.bfloat16):
+        ref = qt.dequantize(dtype)
+        assert torch.equal(layer.dequantize(dtype).cpu(), ref)  # the torch fallback
+        assert torch.equal(kernels.dequantize(layer, dtype).cpu(), ref)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group_size", [-1, 32, 64, 128])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_matmul(bits, group_size, act_order):
+    qt = grid(bits, group_size, act_order, seed=1)
+    layer = GPTQLinear.from_tensor(qt).to(DEVICE)
+    g = torch.Generator().manual_seed(2)
+    for rows in (1, 3, 21):  # GEMV, GEMV over 3 rows, GEMM with a partial tile
+        x = torch.randn(rows, IN, generator=g).half().to(DEVICE)
+        assert_product(kernels.matmul(x, layer), x, qt.dequantize(torch.float16).to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 2, 70])
+def test_matmul_dtypes_and_split(dtype, rows):
+    """Every activation dtype; K split across programs (atomic float32 sums); 70 rows: two GEMM tiles."""
+    qt = grid(4, 64, True, seed=3, n=136, k=416)
+    layer = GPTQLinear.from_tensor(qt).to(DEVICE)
+    x = torch.randn(rows, 416, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)
+    w = qt.dequantize(dtype).to(DEVICE)
+    assert_product(kernels.matmul(x, layer), x, w)
+    if rows <= kernels.GEMV_ROWS:
+        assert_product(kernels.matmul(x, layer, split=3), x, w)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+@pytest.mark.parametrize("block_size,double_quant", [(64, False), (64, True), (128, True), (256, False)])
+def test_nf4_dequantize_exact_and_matmul(kind, block_size, double_quant):
+    w = torch.randn(37, 333, generator=torch.Generator().manual_seed(block_size))  # odd count: a padded nibble
+    qt = nf4.quantize(w, kind, block_size, double_quant)
+    layer = NF4Linear.from_tensor(qt).to(DEVICE)
+    for dtype in (torch.float16, torch.bfloat16):
+        ref = qt.dequantize(dtype)
+        assert torch.equal(layer.dequantize(dtype).cpu(), ref)
+        assert torch.equal(kernels.dequantize(layer, dtype).cpu(), ref)
+    for rows in (1, 19):
+        x = torch.randn(rows, 333, generator=torch.Generator().manual_seed(rows)).half().to(DEVICE)
+        assert_product(kernels.matmul(x, layer), x, qt.dequantize(torch.float16).to(DEVICE))
+
+
+def test_torch_fallback_slices_rows(monkeypatch):
+    """The fallback dequantizes a slice of rows at a time; slices must meet exactly."""
+    import quantkit.qlinear as ql
+
+    monkeypatch.setattr(ql, "CHUNK", 32 * IN)  # 32 rows of W per slice
+    qt = grid(3, 64, True, n=96)
+    layer = GPTQLinear.from_tensor(qt, bias=torch.randn(96))
+    layer.backend = "torch"
+    x = torch.randn(2, 5, IN)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, qt.dequantize(), layer.bias), rtol=1e-6, atol=1e-5)
+    q4 = nf4.quantize(torch.randn(45, 63), "nf4", 64, True)
+    monkeypatch.setattr(ql, "CHUNK", 7 * 63)  # slices that start inside a byte and inside an absmax block
+    l4 = NF4Linear.from_tensor(q4)
+    assert torch.equal(torch.cat([l4.dequantize(torch.float32, r, min(r + 7, 45)) for r in range(0, 45, 7)]),
+                       q4.dequantize())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_quant_linear_module(backend):
+    qt = grid(4, 32, False, n=72)
+    layer = GPTQLinear.from_tensor(qt, bias=torch.randn(72)).to(DEVICE)
+    layer.backend = backend
+    x = torch.randn(2, 3, IN, device=DEVICE, requires_grad=True)
+    y = layer(x)  # with a gradient wanted: the kernels dequantize, torch multiplies
+    ref_x = x.detach().clone().requires_grad_()
+    ref = torch.nn.functional.linear(ref_x, qt.dequantize().to(DEVICE), layer.bias)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    ref.square().sum().backward()
+    # float32 sums in another order: 1e-5 of the largest gradient
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-5, atol=1e-5 * ref_x.grad.abs().max().item())
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
+    assert not any(p.requires_grad for p in layer.parameters())
+
+
+def test_casting_keeps_packed_buffers():
+    """model.to(bfloat16) must not round the fp16 scales; only the bias follows the model's dtype."""
+    qt = grid(4, 32, False)
+    layer = GPTQLinear.from_tensor(qt, bias=torch.randn(OUTPUTS[4]))
+    scales = layer.scales.clone()
+    layer.to(torch.bfloat16)
+    assert layer.scales.dtype == torch.float16 and torch.equal(layer.scales, scales)
+    assert layer.bias.dtype == torch.bfloat16 and layer.qweight.dtype == torch.int32
+    nf = NF4Linear.from_tensor(nf4.quantize(torch.randn(8, 64), "nf4", 64, True)).half()
+    assert nf.absmax.dtype == torch.uint8 and nf.nested_absmax.dtype == torch.float32
+
+
+def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
+    if DEVICE == "cuda":
+        pytest.skip("a GPU runs the kernels")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    layer = GPTQLinear.from_tensor(grid(4, 32, False))
+    layer.backend = "triton"
+    with pytest.raises(QuantkitError, match="CUDA tensors"):
+        layer(torch.randn(1, IN))
+
+
+@pytest.mark.parametrize("method,fmt", [("rtn", "safetensors"), ("nf4", "safetensors"), ("awq", "awq")])
+def test_load_packed(tiny_dir, tmp_path, method, fmt):
+    """A packed load holds the file's tensors in packed layers, no float weight, and computes what
+    the dequantized load computes."""
+    from .conftest import VALID
+
+    kw = {"rtn": {"group_size": 32}, "nf4": {"double_quant": True},
+          "awq": {"group_size": 32, "calib_data": VALID, "calib_samples": 4, "calib_seqlen": 64}}[method]
+    m = quantkit.quantize(str(tiny_dir), method, out=tmp_path / "q", format=fmt, progress=False, **kw)
+    packed = quantkit.load(tmp_path / "q", packed=True)
+    plain = quantkit.load(tmp_path / "q")
+    kind = NF4Linear if method == "nf4" else GPTQLinear
+    for name in m.tensors:
+        assert isinstance(packed.module.get_submodule(name), kind)
+        assert f"{name}.weight" not in packed.module.state_dict()
+    assert not packed.tensors and packed.qconfig.method == m.qconfig.method
+    if fmt == "safetensors":  # the file's own bytes, not a repacking
+        state = load_file(tmp_path / "q" / "model.safetensors")
+        name = next(iter(m.tensors))
+        layer = packed.module.get_submodule(name)
+        if method == "rtn":
+            assert torch.equal(layer.qweight, state[f"{name}.qweight"])
+        else:
+            assert torch.equal(layer.packed, state[f"{name}.weight"].reshape(-1))
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(packed.module(ids).logits, plain.module(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def edit_checkpoint(path, tensors=None, config=None):
+    f = path / "model.safetensors"
+    state = load_file(f)
+    for key, fn in (tensors or {}).items():
+        state[key] = fn(state[key])
+    save_file(state, f, metadata={"format": "pt"})
+    if config:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["quantization_config"].update(config)
+        (path / "config.json").write_text(json.dumps(cfg))
+
+
+NAME = "model.layers.1.mlp.down_proj"
+
+
+@pytest.mark.parametrize("tensors,config,match", [
+    ({f"{NAME}.qweight": lambda t: t[:-4]}, None, "qweight is torch.int32"),
+    ({f"{NAME}.scales": lambda t: t[:-1]}, None, "scales is"),
+    ({f"{NAME}.g_idx": lambda t: t + 7}, None, "g_idx in"),
+    ({f"{NAME}.qzeros": lambda t: t.float()}, None, "qzeros is torch.float32"),
+    (None, {"bits": 5}, "5-bit weights are not supported"),
+    (None, {"group_size": 0}, "group size 0 is not supported"),
+    (None, {"group_size": 64}, "in groups of 64"),
+])
+@pytest.mark.parametrize("packed", [True, False])
+def test_bad_gptq_checkpoint_fails_at_load(tiny_dir, tmp_path, tensors, config, match, packed):
+    quantkit.quantize(str(tiny_dir), bits=4, group_size=32, out=tmp_path / "q", progress=False)
+    edit_checkpoint(tmp_path / "q", tensors, config)
+    with pytest.raises(QuantkitError, match=match) as e:
+        quantkit.load(tmp_path / "q", packed=packed)
+    assert "model.layers" in str(e.value) and "checkpoint" in str(e.value)
+
+
+@pytest.mark.parametrize("tensors,state,match", [
+    ({f"{NAME}.weight.absmax": lambda t: t[:-1]}, None, "absmax is"),
+    ({f"{NAME}.weight": lambda t: t[:-1]}, None, "packed is"),
+    (None, {"blocksize": 48}, "block size 48 is not supported"),
+    (None, {"shape": [128, 48]}, "128x48 weight"),
+])
+def test_bad_nf4_checkpoint_fails_at_load(tiny_dir, tmp_path, tensors, state, match):
+    quantkit.quantize(str(tiny_dir), "nf4", out=tmp_path / "q", progress=False)
+    if state:
+        key = f"{NAME}.weight.quant_state.bitsandbytes__nf4"
+        tensors = {key: lambda t: torch.tensor(list(json.dumps(json.loads(bytes(t.tolist())) | state).encode()),
+                                               dtype=torch.uint8)}
+    edit_checkpoint(tmp_path / "q", tensors)
+    with pytest.raises(QuantkitError, match=match):
+        quantkit.load(tmp_path / "q", packed=True)
+
+
+@pytest.fixture(scope="module")
+def embedded_w4(tmp_path_factory):
+    out = tmp_path_factory.mktemp("embedded") / "w4g128"
+    quantkit.quantize(None, "rtn", bits=4, group_size=128, out=out, progress=False)
+    return out
+
+
+@pytest.mark.slow
+def test_packed_perplexity_equals_fake_quantized(embedded_w4):
+    """The embedded model at 4 bits, g128: the packed model scores what the dequantized copy scores.
+    On the CPU both run float32 (the torch fallback), so only summation order may differ: 1e-5
+    relative. On a GPU both run float16 (Triton against cuBLAS), each layer's outputs rounded to
+    float16 (2^-11 relative) in a different way: 2e-3 relative."""
+    from .conftest import TEST
+
+    fake = quantkit.evaluate(embedded_w4, TEST, max_windows=8, progress=False, packed=False, device=DEVICE)
+    packed = quantkit.evaluate(embedded_w4, TEST, max_windows=8, progress=False, device=DEVICE)
+    assert abs(packed.perplexity - fake.perplexity) <= (1e-5 if DEVICE == "cpu" else 2e-3) * fake.perplexity
+
+
+@pytest.mark.slow
+def test_kernels_on_the_embedded_models_layers(embedded_w4):
+    """Every linear of two decoder layers, on its real inputs (one window of 16 tokens and one
+    decode row): the Triton kernels give the torch fallback's product (the interpreter is too slow
+    to run all 30 layers on the CPU; on a GPU the perplexity test above runs them)."""
+    from .conftest import TEST
+
+    m = quantkit.load(embedded_w4, packed=True)
+    ids = m.tokenizer(TEST.read_text()[:2000], return_tensors="pt")["input_ids"][:, :16]
+    inputs = {}
+
+    def keep(mod, args):
+        inputs[mod] = args[0][0]
+
+    hooks = [layer.register_forward_pre_hook(keep)
+             for i in (0, 17) for layer in m.module.model.layers[i].modules() if isinstance(layer, GPTQLinear)]
+    with torch.no_grad():
+        m.module(ids)
+    for h in hooks:
+        h.remove()
+    assert len(inputs) == 14
+    for layer, x in inputs.items():
+        for rows in (x, x[-1:]):
+            assert_product(kernels.matmul(rows.to(DEVICE), layer.to(DEVICE)), rows.to(DEVICE), layer.dequantize().to(DEVICE))
