@@ -41,11 +41,12 @@ def layers(n: int, k: int, device: str):
 
 def cpu(batches: list[int], repeats: int) -> None:
     print(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print("| shape (out x in) | batch | format | ours (torch fallback) | dequantize, then matmul | ours / baseline |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| shape (out x in) | batch | format | ours (torch fallback) | dequantize, then matmul | ours / baseline "
+          "| dense float32 matmul |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for n, k in SHAPES:
-        _, gptq, nf = layers(n, k, "cpu")
-        for layer, label in ((gptq, "4-bit g128"), (nf, "NF4 dq")):
+        w, gptq, nf = layers(n, k, "cpu")
+        for layer, label in ((gptq, "4-bit g128 act-order"), (nf, "NF4 dq")):
             layer.backend = "torch"
             for b in batches:
                 x = torch.randn(b, k)
@@ -56,10 +57,13 @@ def cpu(batches: list[int], repeats: int) -> None:
                 def baseline():
                     return F.linear(x, layer.dequantize(torch.float32))
 
+                def dense():
+                    return F.linear(x, w)
+
                 torch.testing.assert_close(ours(), baseline(), rtol=1e-4, atol=1e-4)
-                t = {f: best(f, repeats) for f in (ours, baseline)}
+                t = {f: best(f, repeats) for f in (ours, baseline, dense)}
                 print(f"| {n}x{k} | {b} | {label} | {t[ours] * 1e3:.1f} ms | {t[baseline] * 1e3:.1f} ms | "
-                      f"{t[ours] / t[baseline]:.2f} |", flush=True)
+                      f"{t[ours] / t[baseline]:.2f} | {t[dense] * 1e3:.1f} ms |", flush=True)
 
 
 def best(fn, repeats: int) -> float:

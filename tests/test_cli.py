@@ -24,9 +24,12 @@ def test_quantize_then_eval_the_export(tiny_dir, tmp_path, monkeypatch, capsys):
     run(["eval", out, "--data", TEST, "--ctx", 128, "--max-windows", 3, "--json"], monkeypatch)
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["windows"] == 3 and result["tokens"] == 3 * 63 and result["protocol"] == "llamacpp"
-    # the CLI's figure is the API's figure on the reloaded export
-    api = quantkit.evaluate(quantkit.load(out), TEST, "llamacpp", 128, 3, progress=False)
+    # the CLI's figure is the API's figure on the reloaded export, which runs packed
+    api = quantkit.evaluate(quantkit.load(out, packed=True), TEST, "llamacpp", 128, 3, progress=False)
     assert result["perplexity"] == api.perplexity
+    run(["eval", out, "--data", TEST, "--ctx", 128, "--max-windows", 3, "--json", "--dequantized"], monkeypatch)
+    fake = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["perplexity"]
+    assert abs(fake - result["perplexity"]) <= 1e-5 * fake  # float32 both ways: summation order only
     after = float(printed.split("after: perplexity ")[1].split()[0])
     assert abs(after - quantkit.evaluate(out, TEST, "llamacpp", 128, 2, progress=False).perplexity) < 0.01 * after
     assert torch.isfinite(torch.tensor(result["perplexity"]))

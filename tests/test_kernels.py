@@ -6,6 +6,10 @@ Dequantization must be exact. A matmul must equal the float32 product of x and t
 sum in a different order), plus 1e-5 of the largest output for cancellation in float32 sums.
 """
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,6 +226,17 @@ def test_bad_nf4_checkpoint_fails_at_load(tiny_dir, tmp_path, tensors, state, ma
     edit_checkpoint(tmp_path / "q", tensors)
     with pytest.raises(QuantkitError, match=match):
         quantkit.load(tmp_path / "q", packed=True)
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_a_gpu():
+    """Triton's compiler, with its own ptxas and no GPU, takes every kernel variant to Hopper machine
+    code: what the interpreter runs here is also code a GPU can run."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_kernels.py")), "90"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("compiled") == 6
 
 
 @pytest.fixture(scope="module")

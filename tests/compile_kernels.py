@@ -1,0 +1,44 @@
+"""Compile every kernel variant to GPU machine code without a GPU (Triton's bundled ptxas), so that a
+kernel the interpreter accepts but the compiler rejects fails here. Run without TRITON_INTERPRET:
+
+    python tests/compile_kernels.py [capability ...]        # default: 90 (Hopper)
+"""
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from quantkit.kernels import GPTQ, NF4, jit
+
+LAYOUTS = [  # FMT, BITS, NESTED, the five weight pointers' types
+    (GPTQ, bits, False, ["*i32", "*i32", "*fp16", "*i32", "*i32"]) for bits in (2, 3, 4, 8)
+] + [(NF4, 4, nested, ["*u8", "*u8" if nested else "*fp32", "*fp32", "*fp32", "*fp32"]) for nested in (False, True)]
+
+
+def compile_one(fn, types: dict, consts: dict, capability: int) -> None:
+    names = fn.arg_names
+    sig = {n: types.get(n, "constexpr") for n in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4, "num_stages": 3})
+
+
+def main(capabilities: list[int]) -> None:
+    for cap in capabilities:
+        for fmt, bits, nested, w in LAYOUTS:
+            args = dict(zip(["w0", "w1", "w2", "w3", "w4"], w)) | {
+                "fparam": "fp32", "i0": "i32", "i1": "i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32"}
+            c = {"FMT": fmt, "BITS": bits, "NESTED": nested}
+            for dt in ("fp16", "bf16", "fp32"):
+                compile_one(jit.dequantize_kernel, args | {"out": f"*{dt}"}, c | {"BN": 32, "BK": 64}, cap)
+                for atomic in (False, True):
+                    compile_one(jit.gemv_kernel, args | {"x": f"*{dt}", "y": "*fp32" if atomic else f"*{dt}"},
+                                c | {"BN": 64, "BK": 64, "ATOMIC": atomic}, cap)
+                compile_one(jit.gemm_kernel, args | {"x": f"*{dt}", "y": f"*{dt}"},
+                            c | {"BM": 64, "BN": 64, "BK": 32, "PRECISION": "ieee" if dt == "fp32" else "tf32",
+                                 "UPCAST": False}, cap)
+            print(f"sm_{cap}: FMT {fmt}, {bits} bits, nested {nested}: compiled", flush=True)
+
+
+if __name__ == "__main__":
+    main([int(c) for c in sys.argv[1:]] or [90])
