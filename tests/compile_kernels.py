@@ -11,9 +11,9 @@ from triton.compiler import ASTSource
 
 from quantkit.kernels import GPTQ, NF4, jit
 
-LAYOUTS = [  # FMT, BITS, NESTED, the five weight pointers' types
-    (GPTQ, bits, False, ["*i32", "*i32", "*fp16", "*i32", "*i32"]) for bits in (2, 3, 4, 8)
-] + [(NF4, 4, nested, ["*u8", "*u8" if nested else "*fp32", "*fp32", "*fp32", "*fp32"]) for nested in (False, True)]
+LAYOUTS = [  # FMT, BITS, NESTED, GROUP, the five weight pointers' types
+    (GPTQ, bits, False, group, ["*i32", "*i32", "*fp16", "*i32", "*i32"]) for bits in (2, 3, 4, 8) for group in (0, 128)
+] + [(NF4, 4, nested, 0, ["*u8", "*u8" if nested else "*fp32", "*fp32", "*fp32", "*fp32"]) for nested in (False, True)]
 
 
 def compile_one(fn, types: dict, consts: dict, capability: int) -> None:
@@ -25,10 +25,10 @@ def compile_one(fn, types: dict, consts: dict, capability: int) -> None:
 
 def main(capabilities: list[int]) -> None:
     for cap in capabilities:
-        for fmt, bits, nested, w in LAYOUTS:
+        for fmt, bits, nested, group, w in LAYOUTS:
             args = dict(zip(["w0", "w1", "w2", "w3", "w4"], w)) | {
                 "fparam": "fp32", "i0": "i32", "i1": "i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32"}
-            c = {"FMT": fmt, "BITS": bits, "NESTED": nested}
+            c = {"FMT": fmt, "BITS": bits, "NESTED": nested, "GROUP": group}
             for dt in ("fp16", "bf16", "fp32"):
                 compile_one(jit.dequantize_kernel, args | {"out": f"*{dt}"}, c | {"BN": 32, "BK": 64}, cap)
                 for atomic in (False, True):
@@ -37,7 +37,7 @@ def main(capabilities: list[int]) -> None:
                 compile_one(jit.gemm_kernel, args | {"x": f"*{dt}", "y": f"*{dt}"},
                             c | {"BM": 64, "BN": 64, "BK": 32, "PRECISION": "ieee" if dt == "fp32" else "tf32",
                                  "UPCAST": False}, cap)
-            print(f"sm_{cap}: FMT {fmt}, {bits} bits, nested {nested}: compiled", flush=True)
+            print(f"sm_{cap}: FMT {fmt}, {bits} bits, nested {nested}, group {group}: compiled", flush=True)
 
 
 if __name__ == "__main__":

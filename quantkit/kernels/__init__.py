@@ -15,6 +15,7 @@ from quantkit.errors import QuantkitError
 
 GPTQ, NF4 = 0, 1  # jit.py's FMT
 GEMV_ROWS = 4  # up to this many rows of x take the GEMV: a tensor-core tile would be mostly padding
+DEQUANT_TILE = (32, 64)  # outputs, inputs
 GEMV_TILE = (64, 64)  # outputs, inputs per step
 GEMM_TILE = (64, 32)  # outputs, inputs per step; rows of x: 16, 32 or 64 by M
 
@@ -33,21 +34,29 @@ def _check(t: torch.Tensor) -> None:
                             "move the model to a GPU or use the torch backend")
 
 
-def _layout(layer) -> tuple[tuple, dict]:
-    """The layer's kernel arguments: (w0..w4, fparam, i0, i1) and the compile-time constants."""
+ALL = 1 << 30  # GROUP for one group per row
+
+
+def _layout(layer, bk: int) -> tuple[tuple, dict]:
+    """The layer's kernel arguments: (w0..w4, fparam, i0, i1), and the compile-time constants for
+    tiles of bk inputs: GROUP is the group size where every tile lies in one group (see jit._weight)."""
     *args, nested = layer.kernel_args()
-    return tuple(args), {"FMT": layer.FORMAT, "BITS": layer.bits, "NESTED": nested}
+    group = 0
+    if layer.FORMAT == GPTQ and layer.plain_order:
+        group = ALL if layer.group_size == -1 else layer.group_size if layer.group_size % bk == 0 else 0
+    return tuple(args), {"FMT": layer.FORMAT, "BITS": layer.bits, "NESTED": nested, "GROUP": group}
 
 
 def dequantize(layer, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """W [N, K] in dtype, equal to layer.dequantize(dtype) bit for bit."""
     n, k = layer.out_features, layer.in_features
-    args, consts = _layout(layer)
+    bn, bk = DEQUANT_TILE
+    args, consts = _layout(layer, bk)
     _check(args[0])
     out = torch.empty(n, k, dtype=dtype, device=args[0].device)
-    grid = (cdiv(n, 32), cdiv(k, 64))
     # no fused multiply-add, so that the nested absmax rounds as the torch reference rounds it
-    _jit().dequantize_kernel[grid](out, *args, n, k, **consts, BN=32, BK=64, enable_fp_fusion=False)
+    _jit().dequantize_kernel[(cdiv(n, bn), cdiv(k, bk))](out, *args, n, k, **consts, BN=bn, BK=bk,
+                                                         enable_fp_fusion=False)
     return out
 
 
@@ -72,10 +81,10 @@ def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
         raise QuantkitError(f"input of {x.shape[-1]} features for a layer of {k}")
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
-    args, consts = _layout(layer)
     jit = _jit()
     if m <= GEMV_ROWS:
         bn, bk = GEMV_TILE
+        args, consts = _layout(layer, bk)
         split = split or split_for(x, cdiv(n, bn) * m, k)
         k_split = cdiv(cdiv(k, split), bk) * bk
         split = cdiv(k, k_split)
@@ -83,6 +92,7 @@ def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
         jit.gemv_kernel[(cdiv(n, bn), split, m)](x2, y, *args, n, k, k_split, **consts, BN=bn, BK=bk, ATOMIC=split > 1)
     else:
         bn, bk = GEMM_TILE
+        args, consts = _layout(layer, bk)
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
         y = x2.new_empty(m, n)
         precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: no tf32 rounding of x

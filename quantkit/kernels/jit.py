@@ -26,17 +26,24 @@ def _stream(ptr, i, base, step, BITS: tl.constexpr, mask):
 
 
 @triton.jit
-def _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k, n, K, N, mask,
-            FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr):
-    """W[n, k] in float32 for index tensors k and n (broadcast together).
-    GPTQ: w0 qweight, w1 qzeros, w2 scales, w3 g_idx; i0 int32 words per qzeros row, i1 added to stored zeros.
+def _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k, n, K, N, mask, k0,
+            FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr):
+    """W[n, k] in float32 for index tensors k and n (broadcast together), k0 the tile's first column.
+    GPTQ: w0 qweight, w1 qzeros, w2 scales, w3 g_idx; i0 int32 words per qzeros row, i1 added to stored
+    zeros. GROUP > 0: the tile lies in group k0 // GROUP (no act-order, groups whole tiles), so scales
+    and zeros are read once per output, not per weight; GROUP 0: each column's group from g_idx.
     NF4: w0 nibbles, w1 absmax (uint8 codes if NESTED), w2 code table, w3 nested absmax, w4 nested table;
     i0 block size, i1 nested block size, fparam the offset of the nested absmax."""
     if FMT == 0:
         q = _stream(w0, k, n, N, BITS, mask)
-        g = tl.load(w3 + k, mask=mask, other=0)
-        z = (_stream(w1, n, g * i0, 1, BITS, mask) + i1) & ((1 << BITS) - 1)
-        s = tl.load(w2 + g * N + n, mask=mask, other=0.0).to(tl.float32)
+        if GROUP > 0:
+            g = k0 // GROUP
+            gmask = n < N
+        else:
+            g = tl.load(w3 + k, mask=mask, other=0)
+            gmask = mask
+        z = (_stream(w1, n, g * i0, 1, BITS, gmask) + i1) & ((1 << BITS) - 1)
+        s = tl.load(w2 + g * N + n, mask=gmask, other=0.0).to(tl.float32)
         w = s * (q - z).to(tl.float32)
     else:
         i = n * K + k
@@ -67,29 +74,33 @@ def _round(w, DTYPE: tl.constexpr):
 
 @triton.jit
 def dequantize_kernel(out, w0, w1, w2, w3, w4, fparam, i0, i1, N, K,
-                      FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                      FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)[:, None]
-    k = tl.program_id(1) * BK + tl.arange(0, BK)[None, :]
+    k0 = tl.program_id(1) * BK
+    k = k0 + tl.arange(0, BK)[None, :]
     mask = (n < N) & (k < K)
-    w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k, n, K, N, mask, FMT, BITS, NESTED)
+    w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k, n, K, N, mask, k0, FMT, BITS, NESTED, GROUP)
     tl.store(out + n * K + k, _round(w, out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def gemv_kernel(x, y, w0, w1, w2, w3, w4, fparam, i0, i1, N, K, K_SPLIT,
-                FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                ATOMIC: tl.constexpr):
+                FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr, ATOMIC: tl.constexpr):
     """One row of x against BN outputs over one K_SPLIT slice of the inputs; with several slices
     the partial sums meet in a float32 y by atomic adds."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     start = tl.program_id(1) * K_SPLIT
     row = tl.program_id(2)
     acc = tl.zeros((BN,), dtype=tl.float32)
-    for k0 in range(0, K_SPLIT, BK):
-        k = start + k0 + tl.arange(0, BK)
+    for step in range(0, K_SPLIT, BK):
+        k0 = start + step
+        k = k0 + tl.arange(0, BK)
         xk = tl.load(x + row * K + k, mask=k < K, other=0.0)
         mask = (k[:, None] < K) & (n[None, :] < N)
-        w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k[:, None], n[None, :], K, N, mask, FMT, BITS, NESTED)
+        w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k[:, None], n[None, :], K, N, mask, k0,
+                    FMT, BITS, NESTED, GROUP)
         # W rounded to x's dtype first, as x @ dequantize(W, x.dtype)^T would see it
         acc += tl.sum(xk.to(tl.float32)[:, None] * _round(w, xk.dtype).to(tl.float32), axis=0)
     if ATOMIC:
@@ -100,8 +111,8 @@ def gemv_kernel(x, y, w0, w1, w2, w3, w4, fparam, i0, i1, N, K, K_SPLIT,
 
 @triton.jit
 def gemm_kernel(x, y, w0, w1, w2, w3, w4, fparam, i0, i1, M, N, K,
-                FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """UPCAST: multiply in float32 (exact products of bfloat16 values), for the interpreter, whose
     dot cannot take bfloat16."""
     m = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -111,7 +122,8 @@ def gemm_kernel(x, y, w0, w1, w2, w3, w4, fparam, i0, i1, M, N, K,
         k = k0 + tl.arange(0, BK)
         a = tl.load(x + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         mask = (k[:, None] < K) & (n[None, :] < N)
-        w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k[:, None], n[None, :], K, N, mask, FMT, BITS, NESTED)
+        w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k[:, None], n[None, :], K, N, mask, k0,
+                    FMT, BITS, NESTED, GROUP)
         w = _round(w, a.dtype)
         if UPCAST:
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
