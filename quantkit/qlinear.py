@@ -29,7 +29,6 @@ class QuantLinear(torch.nn.Module):
     TRITON_INTERPRET=1); "torch" the fallback anywhere."""
 
     PACKED: tuple[str, ...] = ()  # buffers that keep their dtype when the model is cast
-    FORMAT: int  # kernels.GPTQ or kernels.NF4
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None):
         super().__init__()
@@ -58,8 +57,9 @@ class QuantLinear(torch.nn.Module):
         """Rows start:stop of W [N, K] in dtype, computed in float32 (the kernels' reference)."""
         raise NotImplementedError
 
-    def kernel_args(self) -> tuple:
-        """(five tensors, a float, two ints, NESTED) as quantkit.kernels' weight tile reads them."""
+    def kernel_args(self, tile_k: int) -> tuple[tuple, dict]:
+        """What quantkit.kernels.jit's weight tile reads, for tiles of tile_k inputs: (w0..w4, fparam,
+        i0, i1) and the compile-time constants FMT, BITS, NESTED, GROUP."""
         raise NotImplementedError
 
     def _apply(self, fn, recurse=True):
@@ -80,7 +80,6 @@ class GPTQLinear(QuantLinear):
     W[n, k] = scales[g, n] * (q[k, n] - z[g, n]) with g = g_idx[k]. v1 checkpoints store z - 1."""
 
     PACKED = ("qweight", "qzeros", "scales", "g_idx")
-    FORMAT = kernels.GPTQ
 
     def __init__(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                  bits: int, group_size: int, v1: bool, sym: bool = True, bias: torch.Tensor | None = None,
@@ -154,9 +153,13 @@ class GPTQLinear(QuantLinear):
             w = (q - z[idx]).float().mul_(s[idx])
         return w.to(dtype).T
 
-    def kernel_args(self) -> tuple:
-        return (self.qweight, self.qzeros, self.scales, self.g_idx, self.g_idx, 0.0,
-                self.qzeros.shape[1], int(self.v1), False)
+    def kernel_args(self, tile_k: int) -> tuple[tuple, dict]:
+        # GROUP: the group size where every tile lies in one group, so scales and zeros are read per tile
+        group = 0
+        if self.plain_order:
+            group = kernels.ALL if self.group_size == -1 else self.group_size if self.group_size % tile_k == 0 else 0
+        return ((self.qweight, self.qzeros, self.scales, self.g_idx, self.g_idx, 0.0, self.qzeros.shape[1],
+                 int(self.v1)), {"FMT": kernels.GPTQ, "BITS": self.bits, "NESTED": False, "GROUP": group})
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self.bits}-bit, group {self.group_size}"
@@ -169,8 +172,6 @@ class NF4Linear(QuantLinear):
     nested_blocksize, plus offset. W.flatten()[i] = quant_map[code i] * absmax[i // blocksize]."""
 
     PACKED = ("packed", "absmax", "quant_map", "nested_absmax", "nested_map")
-    FORMAT = kernels.NF4
-    bits = 4
 
     def __init__(self, packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, shape: tuple[int, int],
                  blocksize: int, nested_absmax: torch.Tensor | None = None, nested_map: torch.Tensor | None = None,
@@ -241,10 +242,11 @@ class NF4Linear(QuantLinear):
             w = values * self.scales(first, last).repeat_interleave(b)[lo - first * b: hi - first * b]
         return w.view(stop - start, self.in_features).to(dtype)
 
-    def kernel_args(self) -> tuple:
+    def kernel_args(self, tile_k: int) -> tuple[tuple, dict]:
         nested = self.nested_absmax is not None
-        return (self.packed, self.absmax, self.quant_map, self.nested_absmax if nested else self.absmax,
-                self.nested_map if nested else self.quant_map, self.offset, self.blocksize, self.nested_blocksize, nested)
+        return ((self.packed, self.absmax, self.quant_map, self.nested_absmax if nested else self.absmax,
+                 self.nested_map if nested else self.quant_map, self.offset, self.blocksize, self.nested_blocksize),
+                {"FMT": kernels.NF4, "BITS": 4, "NESTED": nested, "GROUP": 0})
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, 4-bit codebook, block {self.blocksize}, nested {self.nested_absmax is not None}"

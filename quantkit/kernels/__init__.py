@@ -34,24 +34,14 @@ def _check(t: torch.Tensor) -> None:
                             "move the model to a GPU or use the torch backend")
 
 
-ALL = 1 << 30  # GROUP for one group per row
-
-
-def _layout(layer, bk: int) -> tuple[tuple, dict]:
-    """The layer's kernel arguments: (w0..w4, fparam, i0, i1), and the compile-time constants for
-    tiles of bk inputs: GROUP is the group size where every tile lies in one group (see jit._weight)."""
-    *args, nested = layer.kernel_args()
-    group = 0
-    if layer.FORMAT == GPTQ and layer.plain_order:
-        group = ALL if layer.group_size == -1 else layer.group_size if layer.group_size % bk == 0 else 0
-    return tuple(args), {"FMT": layer.FORMAT, "BITS": layer.bits, "NESTED": nested, "GROUP": group}
+ALL = 1 << 30  # jit._weight's GROUP for one group per row
 
 
 def dequantize(layer, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """W [N, K] in dtype, equal to layer.dequantize(dtype) bit for bit."""
     n, k = layer.out_features, layer.in_features
     bn, bk = DEQUANT_TILE
-    args, consts = _layout(layer, bk)
+    args, consts = layer.kernel_args(bk)
     _check(args[0])
     out = torch.empty(n, k, dtype=dtype, device=args[0].device)
     # no fused multiply-add, so that the nested absmax rounds as the torch reference rounds it
@@ -84,7 +74,7 @@ def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
     jit = _jit()
     if m <= GEMV_ROWS:
         bn, bk = GEMV_TILE
-        args, consts = _layout(layer, bk)
+        args, consts = layer.kernel_args(bk)
         split = split or split_for(x, cdiv(n, bn) * m, k)
         k_split = cdiv(cdiv(k, split), bk) * bk
         split = cdiv(k, k_split)
@@ -92,7 +82,7 @@ def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
         jit.gemv_kernel[(cdiv(n, bn), split, m)](x2, y, *args, n, k, k_split, **consts, BN=bn, BK=bk, ATOMIC=split > 1)
     else:
         bn, bk = GEMM_TILE
-        args, consts = _layout(layer, bk)
+        args, consts = layer.kernel_args(bk)
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
         y = x2.new_empty(m, n)
         precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: no tf32 rounding of x
