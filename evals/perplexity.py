@@ -34,7 +34,7 @@ class Perplexity:
 
 def adds_bos(tokenizer) -> bool:
     """Whether the tokenizer puts BOS in front of a text (llama.cpp's tokenizer.ggml.add_bos_token)."""
-    if tokenizer.bos_token_id is None:
+    if getattr(tokenizer, "bos_token_id", None) is None:
         return False
     return tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id]
 

@@ -12,7 +12,7 @@ from quantkit import calibration, evals, exporters
 
 from .config import QuantConfig
 from .errors import QuantkitError
-from .modelio import Model, load
+from .modelio import Model, linear_types, load
 from .pipeline import Hessian, awq_layer, quantize_layers
 from .qtensor import QuantizedTensor
 from .quantizers import ggml, gptq, nf4, rtn
@@ -129,6 +129,8 @@ def quantize(
         weight = m.module.get_submodule(name).weight
         m.tensors[name] = ggml.quantize(weight.data, types[name])
         weight.data.copy_(m.tensors[name].dequantize())
+    if types is not None:  # evaluate() then scores with llama.cpp's arithmetic, as it scores the file
+        m.gguf_types = linear_types(m.module, {exporters.gguf.gguf_name(f"{n}.weight"): t for n, t in types.items()})
     m.qconfig = qconfig
     if out is not None:
         export(m, out, format, overwrite)
@@ -158,7 +160,7 @@ def evaluate(
         # float16 on a GPU, except a GGUF scored with llama.cpp's float32 arithmetic
         m.module.to(dev, torch.float16 if dev.type == "cuda" and not m.gguf_types else torch.float32)
     text = calibration.load_text(data, split="test")
-    if protocol == "llamacpp" and m.gguf_types:  # a GGUF file, scored with llama.cpp's arithmetic
+    if protocol == "llamacpp" and m.gguf_types:  # GGUF blocks, scored with llama.cpp's arithmetic
         with evals.llamacpp_arithmetic(m.module, m.gguf_types):
             return evals.perplexity(m.module, m.tokenizer, text, protocol, ctx, max_windows, progress=progress)
     return evals.perplexity(m.module, m.tokenizer, text, protocol, ctx, max_windows, progress=progress)

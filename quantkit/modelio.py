@@ -43,7 +43,7 @@ class Model:
     tensors: dict[str, QuantizedTensor] = field(default_factory=dict)
     qconfig: QuantConfig | None = None
     losses: dict[str, float] = field(default_factory=dict)  # GPTQ's per-linear loss
-    gguf_types: dict[str, str] = field(default_factory=dict)  # read from a GGUF: each linear's block type
+    gguf_types: dict[str, str] = field(default_factory=dict)  # each linear's GGUF block type (a file's, or a GGUF quantization's)
 
     @property
     def layers(self) -> torch.nn.ModuleList:
@@ -147,6 +147,14 @@ def load_gguf(path: Path) -> Model:
     # transformers marks GGUF-loaded models as quantized and refuses to save them; the weights are plain floats.
     del module.config.quantization_config
     module.hf_quantizer, module.is_quantized, module.quantization_method = None, False, None
+    types = linear_types(module, {t.name: t.tensor_type.name for t in reader.tensors})
+    model = Model(module.eval(), gguf_tokenizer(path, reader), str(path), gguf_types=types)
+    check_finite(model.module, model.source)
+    return model
+
+
+def gguf_tokenizer(path: Path, reader):
+    """The tokenizer of a GGUF file, pre-tokenizing as llama.cpp does."""
     tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
     pre = reader.fields.get("tokenizer.ggml.pre")
     if pre is not None and pre.contents() in DIGIT_SPLIT_PRE:
@@ -157,16 +165,13 @@ def load_gguf(path: Path) -> Model:
             [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
         )
-    model = Model(module.eval(), tokenizer, str(path), gguf_types=linear_types(module, reader))
-    check_finite(model.module, model.source)
-    return model
+    return tokenizer
 
 
-def linear_types(module: torch.nn.Module, reader) -> dict[str, str]:
-    """Each linear's GGUF block type (a tied lm_head's is token_embd's)."""
+def linear_types(module: torch.nn.Module, types: dict[str, str]) -> dict[str, str]:
+    """Each linear's GGUF block type, from the types by GGUF tensor name (a tied lm_head's is token_embd's)."""
     from quantkit.exporters.gguf import gguf_name
 
-    types = {t.name: t.tensor_type.name for t in reader.tensors}
     out = {}
     for name, mod in module.named_modules():
         if isinstance(mod, torch.nn.Linear):

@@ -282,9 +282,9 @@ def test_packed_perplexity_equals_fake_quantized(embedded_w4):
 
 @pytest.mark.slow
 def test_kernels_on_the_embedded_models_layers(embedded_w4):
-    """Every linear of two decoder layers, on its real inputs (one window of 16 tokens and one
-    decode row): the Triton kernels give the torch fallback's product (the interpreter is too slow
-    to run all 30 layers on the CPU; on a GPU the perplexity test above runs them)."""
+    """Every linear of a decoder layer (each of the model's shapes), on its real inputs (one window
+    of 16 tokens and one decode row): the Triton kernels give the torch fallback's product (the
+    interpreter is too slow to run all 30 layers on the CPU; on a GPU the perplexity test above runs them)."""
     from .conftest import TEST
 
     m = quantkit.load(embedded_w4, packed=True)
@@ -295,12 +295,12 @@ def test_kernels_on_the_embedded_models_layers(embedded_w4):
         inputs[mod] = args[0][0]
 
     hooks = [layer.register_forward_pre_hook(keep)
-             for i in (0, 17) for layer in m.module.model.layers[i].modules() if isinstance(layer, GPTQLinear)]
+             for layer in m.module.model.layers[0].modules() if isinstance(layer, GPTQLinear)]
     with torch.no_grad():
         m.module(ids)
     for h in hooks:
         h.remove()
-    assert len(inputs) == 14
+    assert len(inputs) == 7
     for layer, x in inputs.items():
         for rows in (x, x[-1:]):
             assert_product(kernels.matmul(rows.to(DEVICE), layer.to(DEVICE)), rows.to(DEVICE), layer.dequantize().to(DEVICE))

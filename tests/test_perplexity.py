@@ -1,4 +1,3 @@
-import importlib
 import math
 
 import pytest
@@ -7,6 +6,7 @@ import torch
 import quantkit
 from quantkit import QuantkitError
 from quantkit.evals import perplexity
+from quantkit.evals.perplexity import adds_bos
 
 from .conftest import TEST
 
@@ -40,16 +40,31 @@ def test_llamacpp_protocol_scores_the_second_half(tiny, text):
     assert r.perplexity == pytest.approx(math.exp(nll.item()), rel=1e-6)
 
 
-def test_bos_replaces_the_first_token_only_when_the_tokenizer_adds_it(tiny, text, monkeypatch):
-    ppl = importlib.import_module("quantkit.evals.perplexity")  # the module, not the function of that name
-    base = perplexity(tiny.module, tiny.tokenizer, text, "llamacpp", ctx=64, max_windows=2, progress=False)
-    seen = []
-    forward = tiny.module.forward
-    monkeypatch.setattr(tiny.module, "forward", lambda ids, **kw: seen.append(ids[:, 0].tolist()) or forward(ids, **kw))
-    monkeypatch.setattr(ppl, "adds_bos", lambda tok: True)
-    monkeypatch.setattr(tiny.tokenizer, "bos_token_id", 7, raising=False)
-    with_bos = perplexity(tiny.module, tiny.tokenizer, text, "llamacpp", ctx=64, max_windows=2, progress=False)
-    assert seen == [[7, 7]] and with_bos.tokens == base.tokens and with_bos.perplexity != base.perplexity
+def tokenizer_adding_bos(path):
+    """A fresh copy of the tiny tokenizer that puts BOS (<|endoftext|>, id 0) in front of a text."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.bos_token = "<|endoftext|>"
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", tok.bos_token_id)])
+    return tok
+
+
+def test_bos_replaces_the_first_token_only_when_the_tokenizer_adds_it(tiny, tiny_dir, text):
+    with_bos_tok = tokenizer_adding_bos(tiny_dir)  # the shared fixture's tokenizer is left as it is
+    assert adds_bos(with_bos_tok) and not adds_bos(tiny.tokenizer)
+    firsts = []
+    hook = tiny.module.model.embed_tokens.register_forward_pre_hook(lambda mod, args: firsts.append(args[0][:, 0].tolist()))
+    try:
+        base = perplexity(tiny.module, tiny.tokenizer, text, "llamacpp", ctx=64, max_windows=2, progress=False)
+        with_bos = perplexity(tiny.module, with_bos_tok, text, "llamacpp", ctx=64, max_windows=2, progress=False)
+    finally:
+        hook.remove()
+    bos = with_bos_tok.bos_token_id
+    assert bos not in firsts[0] and firsts[1] == [bos, bos]
+    assert with_bos.tokens == base.tokens and with_bos.perplexity != base.perplexity
 
 
 def test_too_short_text_and_bad_protocol(tiny):
