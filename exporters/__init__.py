@@ -9,6 +9,7 @@ from quantkit.errors import QuantkitError
 
 from . import gguf
 from .atomic import atomic_dir, check_out
+from .shards import DEFAULT_MAX_SIZE, parse_size
 
 # safetensors: the GPTQ checkpoint layout for integer grids, bitsandbytes' 4-bit layout for NF4/FP4;
 # awq: AutoAWQ's GEMM layout (4-bit, group-wise); gguf: llama.cpp's file, blocks of its types
@@ -35,7 +36,10 @@ def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
         gptq.check_shapes(module, qconfig.bits)
 
 
-def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: bool = False) -> Path:
+def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: bool = False,
+           max_shard_size: int | str = DEFAULT_MAX_SIZE) -> Path:
+    """Write a quantized model; the safetensors layouts in shards of at most max_shard_size bytes
+    of tensor data ("5GB", "500MiB", or an int)."""
     if model.qconfig is None or not model.tensors:
         raise QuantkitError("the model is not quantized: quantize it before exporting")
     check_format(fmt, model.module, model.qconfig)
@@ -44,14 +48,14 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
     if fmt == "awq":
         from . import awq
 
-        return awq.write(model, out, overwrite)
+        return awq.write(model, out, overwrite, max_shard_size)
     if model.qconfig.method in CODEBOOK_METHODS:
         from . import bnb
 
-        return bnb.write(model, out, overwrite)
+        return bnb.write(model, out, overwrite, max_shard_size)
     from . import gptq
 
-    return gptq.write(model, out, overwrite)
+    return gptq.write(model, out, overwrite, max_shard_size)
 
 
-__all__ = ["FORMATS", "gguf", "atomic_dir", "check_format", "check_out", "export"]
+__all__ = ["DEFAULT_MAX_SIZE", "FORMATS", "gguf", "atomic_dir", "check_format", "check_out", "export", "parse_size"]

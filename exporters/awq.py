@@ -20,6 +20,7 @@ from quantkit.qlinear import GPTQLinear
 from quantkit.qtensor import QuantizedTensor, group_index
 
 from . import checkpoint
+from .shards import DEFAULT_MAX_SIZE
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -75,9 +76,10 @@ def quantization_config(qconfig: QuantConfig) -> dict:
             "modules_to_not_convert": None}
 
 
-def write(model: Model, out: str | Path, overwrite: bool = False) -> Path:
+def write(model: Model, out: str | Path, overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SIZE) -> Path:
     """Called by exporters.export, which has run check."""
-    return checkpoint.write(model, out, overwrite, tensors_of(model), quantization_config(model.qconfig), torch.float16)
+    return checkpoint.write(model, out, overwrite, tensors_of(model), quantization_config(model.qconfig), torch.float16,
+                            max_shard_size=max_shard_size)
 
 
 def read(path: Path, packed: bool = False) -> Model:

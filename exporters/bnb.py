@@ -22,6 +22,7 @@ from quantkit.qtensor import QuantizedTensor
 from quantkit.quantizers import nf4
 
 from . import checkpoint
+from .shards import DEFAULT_MAX_SIZE
 
 
 def kind_of(qt: QuantizedTensor) -> str:
@@ -55,10 +56,11 @@ def quantization_config(qc: QuantConfig, dtype: torch.dtype) -> dict:
                               bnb_4bit_compute_dtype=dtype).to_dict()
 
 
-def write(model: Model, out: str | Path, overwrite: bool = False) -> Path:
+def write(model: Model, out: str | Path, overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SIZE) -> Path:
     """Called by exporters.export, which has checked the model."""
     dtype = model.module.dtype
-    return checkpoint.write(model, out, overwrite, tensors_of(model, dtype), quantization_config(model.qconfig, dtype), dtype)
+    return checkpoint.write(model, out, overwrite, tensors_of(model, dtype), quantization_config(model.qconfig, dtype), dtype,
+                            max_shard_size=max_shard_size)
 
 
 def read(path: Path, packed: bool = False) -> Model:

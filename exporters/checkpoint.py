@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from quantkit.errors import QuantkitError
@@ -16,6 +16,7 @@ from quantkit.modelio import Model, load_tokenizer
 from quantkit.qlinear import QuantLinear
 
 from .atomic import atomic_dir
+from .shards import DEFAULT_MAX_SIZE, ShardWriter
 
 
 def plain_tensors(model: Model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -28,13 +29,17 @@ def plain_tensors(model: Model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def write(model: Model, out: str | Path, overwrite: bool, tensors: dict[str, torch.Tensor], qcfg: dict,
-          dtype: torch.dtype, extra: dict[str, dict] | None = None) -> Path:
-    """One model.safetensors, config.json (with qcfg), the tokenizer and generation config, and
-    extra JSON files; written to a temporary directory that becomes out when complete."""
+          dtype: torch.dtype, extra: dict[str, dict] | None = None, max_shard_size: int | str = DEFAULT_MAX_SIZE) -> Path:
+    """Safetensors shards of at most max_shard_size (with their index when there are several),
+    config.json (with qcfg), the tokenizer and generation config, and extra JSON files; written to
+    a temporary directory that becomes out when complete."""
     with atomic_dir(out, overwrite) as tmp:
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        size = (tmp / "model.safetensors").stat().st_size
-        print(f"wrote model.safetensors ({size / 2**20:.1f} MiB, {len(tensors)} tensors)", file=sys.stderr)
+        shards = ShardWriter(tmp, max_shard_size)
+        for name, t in tensors.items():
+            shards.add(name, t)
+        files = shards.close()
+        size = sum(f.stat().st_size for f in files)
+        print(f"wrote {len(tensors)} tensors in {len(files)} file(s), {size / 2**20:.1f} MiB", file=sys.stderr)
         cfg = model.module.config.to_dict()
         cfg["quantization_config"] = qcfg
         cfg["dtype"] = str(dtype).removeprefix("torch.")

@@ -21,6 +21,7 @@ from quantkit.pipeline import LINEARS
 from quantkit.qlinear import GPTQLinear
 
 from . import checkpoint
+from .shards import DEFAULT_MAX_SIZE
 
 
 def check_shapes(module: torch.nn.Module, bits: int) -> None:
@@ -63,12 +64,12 @@ def tensors_of(model: Model) -> dict[str, torch.Tensor]:
     return out | checkpoint.plain_tensors(model, torch.float16)
 
 
-def write(model: Model, out: str | Path, overwrite: bool = False) -> Path:
+def write(model: Model, out: str | Path, overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SIZE) -> Path:
     """Called by exporters.export, which has checked the model and the shapes."""
     act_order = any(qt.act_order for qt in model.tensors.values())
     qcfg = quantization_config(model.qconfig, act_order)
     return checkpoint.write(model, out, overwrite, tensors_of(model), qcfg, torch.float16,
-                            {"quantize_config.json": qcfg})
+                            {"quantize_config.json": qcfg}, max_shard_size=max_shard_size)
 
 
 def read(path: Path, packed: bool = False) -> Model:

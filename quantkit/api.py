@@ -84,6 +84,7 @@ def quantize(
     out: PathLike | None = None,
     format: str = "safetensors",
     overwrite: bool = False,
+    max_shard_size: int | str = exporters.DEFAULT_MAX_SIZE,
     progress: bool = True,
 ) -> Model:
     """Quantize a model (a loaded Model is changed in place; a path or None loads one) and,
@@ -93,13 +94,15 @@ def quantize(
     NF4/FP4's values per absmax block (64); double_quant is NF4/FP4's, duo_scaling AWQ's. sym=None
     is asymmetric for AWQ (as AWQ does), symmetric otherwise. format "gguf" fills llama.cpp's block types
     for the mix gguf_type (default Q4_K_M; pure: every tensor the mix's main type) by RTN (imatrix:
-    weighted by the calibration inputs' mean squares) or GPTQ; bits and group_size do not apply."""
+    weighted by the calibration inputs' mean squares) or GPTQ; bits and group_size do not apply.
+    max_shard_size: the safetensors layouts' largest shard ("5GB", "500MiB" or bytes)."""
     if format == "gguf" and gguf_type is None:
         gguf_type = exporters.gguf.DEFAULT_MIX
     qconfig = QuantConfig(method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential,
                           mse, group_aware, double_quant, duo_scaling, gguf_type, imatrix)
     if out is not None:
         exporters.check_out(out, overwrite)
+        exporters.parse_size(max_shard_size)
     m = model if isinstance(model, Model) else load(model)
     if out is not None:
         exporters.check_format(format, m.module, qconfig)
@@ -133,7 +136,7 @@ def quantize(
         m.gguf_types = linear_types(m.module, {exporters.gguf.gguf_name(f"{n}.weight"): t for n, t in types.items()})
     m.qconfig = qconfig
     if out is not None:
-        export(m, out, format, overwrite)
+        export(m, out, format, overwrite, max_shard_size)
         if resume:
             resume[0].unlink(missing_ok=True)
     return m
@@ -166,8 +169,9 @@ def evaluate(
     return evals.perplexity(m.module, m.tokenizer, text, protocol, ctx, max_windows, progress=progress)
 
 
-def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: bool = False) -> Path:
-    return exporters.export(model, out, format, overwrite)
+def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: bool = False,
+           max_shard_size: int | str = exporters.DEFAULT_MAX_SIZE) -> Path:
+    return exporters.export(model, out, format, overwrite, max_shard_size)
 
 
 def export_gguf(model: Model, out: PathLike, gguf_type: str | None = None, overwrite: bool = False,

@@ -53,6 +53,8 @@ def cli() -> None:
 @click.option("--imatrix", is_flag=True, help="GGUF with RTN: weight the block search by the calibration inputs")
 @click.option("--pure", is_flag=True, help="GGUF: every tensor the mix's main type (llama-quantize --pure)")
 @click.option("--overwrite", is_flag=True, help="replace --out if it exists")
+@click.option("--max-shard-size", default=exporters.DEFAULT_MAX_SIZE, show_default=True,
+              help="safetensors: the largest shard, e.g. 5GB or 500MiB; more than one come with an index")
 @click.option("--calib-data", type=click.Path(), help="text file to calibrate on (default: WikiText-2 train from the hub)")
 @click.option("--calib-samples", type=int, default=128, show_default=True)
 @click.option("--calib-seqlen", type=int, default=512, show_default=True)
@@ -61,7 +63,8 @@ def cli() -> None:
 @click.option("--eval-windows", type=int, default=40, show_default=True)
 @click.option("--ctx", type=int, default=512, show_default=True, help="context of the --eval-data perplexity")
 def quantize(model, method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
-             group_aware, double_quant, duo_scaling, out, fmt, gguf_type, imatrix, pure, overwrite, calib_data, calib_samples, calib_seqlen, seed, eval_data, eval_windows, ctx) -> None:
+             group_aware, double_quant, duo_scaling, out, fmt, gguf_type, imatrix, pure, overwrite, max_shard_size,
+             calib_data, calib_samples, calib_seqlen, seed, eval_data, eval_windows, ctx) -> None:
     """Quantize MODEL (a directory, a .gguf file, or by default the embedded SmolLM2-135M-Instruct)."""
     # options and output path first: a mistake there should not cost a model load
     if fmt == "gguf" and gguf_type is None:
@@ -69,12 +72,13 @@ def quantize(model, method, bits, group_size, sym, damp, block_size, act_order, 
     QuantConfig(method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
                 group_aware, double_quant, duo_scaling, gguf_type, imatrix)
     check_out(out, overwrite)
+    exporters.parse_size(max_shard_size)
     m = load(model)
     if eval_data:
         show("before", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))
     api.quantize(m, method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
                  group_aware, double_quant, duo_scaling, gguf_type, imatrix, pure, calib_data, calib_samples,
-                 calib_seqlen, seed, out, fmt, overwrite)
+                 calib_seqlen, seed, out, fmt, overwrite, max_shard_size)
     click.echo(f"exported {len(m.tensors)} quantized tensors to {out}")
     if eval_data:
         show("after", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))

@@ -6,7 +6,7 @@ from safetensors import safe_open
 
 import quantkit
 from quantkit import QuantkitError
-from quantkit.exporters import checkpoint, gptq
+from quantkit.exporters import gptq, shards
 from quantkit.qtensor import QuantizedTensor
 
 from .conftest import autogptq_quantlinear
@@ -77,7 +77,7 @@ def test_failed_export_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
     def broken(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint, "save_file", broken)
+    monkeypatch.setattr(shards.ShardWriter, "flush", broken)
     with pytest.raises(OSError):
         quantkit.export(m, tmp_path / "q")
     assert list(tmp_path.iterdir()) == []

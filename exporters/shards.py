@@ -1,0 +1,102 @@
+"""Safetensors shards written tensor by tensor, as a streaming export needs: no shard is held in memory.
+
+Each tensor's bytes are appended to a spill file as it arrives; when the next tensor would take the
+shard past max_size, the shard is written (8-byte header length, JSON header, the spilled data) and a
+new one begins. close() names the shards as transformers does: `model.safetensors` when there is one,
+else `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json` mapping tensors to files.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import torch
+
+from quantkit.errors import QuantkitError
+
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+DEFAULT_MAX_SIZE = "5GB"
+INDEX = "model.safetensors.index.json"
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string such as "5GB" (10^9) or "500MiB" (2^20), as transformers reads them."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B|)\s*", str(size), re.IGNORECASE)
+        if m is None:
+            raise QuantkitError(f"shard size {size!r} is not a size: use bytes or a number with a unit, such as 5GB or 500MiB")
+        n = int(float(m[1]) * UNITS[m[2].upper()])
+    if n < 1:
+        raise QuantkitError(f"shard size {size!r} is not positive: use a size such as 5GB")
+    return n
+
+
+class ShardWriter:
+    """Safetensors shards in directory, each holding at most max_size bytes of tensor data (a tensor
+    larger than that gets a shard of its own)."""
+
+    def __init__(self, directory: Path, max_size: int | str = DEFAULT_MAX_SIZE, metadata: dict[str, str] | None = None):
+        self.dir, self.max_size = Path(directory), parse_size(max_size)
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self.shards: list[tuple[Path, list[str]]] = []  # written, under temporary names
+        self.entries: dict[str, dict] = {}  # the open shard's header
+        self.spill = None
+        self.used = 0  # data bytes in the open shard
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.entries or any(name in names for _, names in self.shards):
+            raise ValueError(f"tensor {name} written twice")
+        if tensor.dtype not in DTYPES:
+            raise QuantkitError(f"tensor {name} has dtype {tensor.dtype}, which safetensors cannot hold")
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        if self.entries and self.used + data.numel() > self.max_size:
+            self.flush()
+        if self.spill is None:
+            self.spill = open(self.dir / f".spill-{len(self.shards)}", "w+b")
+        self.spill.write(data.numpy().data)
+        self.entries[name] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                              "data_offsets": [self.used, self.used + data.numel()]}
+        self.used += data.numel()
+        self.total += data.numel()
+
+    def flush(self) -> None:
+        """Write the open shard: header, then its spilled data."""
+        header = json.dumps({"__metadata__": self.metadata, **self.entries}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        path = self.dir / f".shard-{len(self.shards)}.safetensors"
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(header)) + header)
+            if self.spill is not None:
+                self.spill.seek(0)
+                shutil.copyfileobj(self.spill, f, 2**24)
+        if self.spill is not None:
+            self.spill.close()
+            Path(self.spill.name).unlink()
+        self.shards.append((path, list(self.entries)))
+        self.entries, self.spill, self.used = {}, None, 0
+
+    def close(self) -> list[Path]:
+        """Write the last shard, give the shards their final names and write the index; the files."""
+        if self.entries or not self.shards:
+            self.flush()
+        n = len(self.shards)
+        names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        for (path, _), name in zip(self.shards, names):
+            path.rename(self.dir / name)
+        files = [self.dir / name for name in names]
+        if n > 1:
+            weight_map = {t: name for (_, tensors), name in zip(self.shards, names) for t in tensors}
+            index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+            (self.dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            files.append(self.dir / INDEX)
+        return files
