@@ -49,12 +49,13 @@ class ShardWriter:
         self.metadata = {"format": "pt", **(metadata or {})}
         self.shards: list[tuple[Path, list[str]]] = []  # written, under temporary names
         self.entries: dict[str, dict] = {}  # the open shard's header
+        self.names: set[str] = set()  # every tensor written so far
         self.spill = None
         self.used = 0  # data bytes in the open shard
         self.total = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self.entries or any(name in names for _, names in self.shards):
+        if name in self.names:
             raise ValueError(f"tensor {name} written twice")
         if tensor.dtype not in DTYPES:
             raise QuantkitError(f"tensor {name} has dtype {tensor.dtype}, which safetensors cannot hold")
@@ -66,6 +67,7 @@ class ShardWriter:
         self.spill.write(data.numpy().data)
         self.entries[name] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape),
                               "data_offsets": [self.used, self.used + data.numel()]}
+        self.names.add(name)
         self.used += data.numel()
         self.total += data.numel()
 
