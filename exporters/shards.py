@@ -44,9 +44,8 @@ class ShardWriter:
     """Safetensors shards in directory, each holding at most max_size bytes of tensor data (a tensor
     larger than that gets a shard of its own)."""
 
-    def __init__(self, directory: Path, max_size: int | str = DEFAULT_MAX_SIZE, metadata: dict[str, str] | None = None):
+    def __init__(self, directory: Path, max_size: int | str = DEFAULT_MAX_SIZE):
         self.dir, self.max_size = Path(directory), parse_size(max_size)
-        self.metadata = {"format": "pt", **(metadata or {})}
         self.shards: list[tuple[Path, list[str]]] = []  # written, under temporary names
         self.entries: dict[str, dict] = {}  # the open shard's header
         self.names: set[str] = set()  # every tensor written so far
@@ -73,7 +72,7 @@ class ShardWriter:
 
     def flush(self) -> None:
         """Write the open shard: header, then its spilled data."""
-        header = json.dumps({"__metadata__": self.metadata, **self.entries}, separators=(",", ":")).encode()
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
         header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         path = self.dir / f".shard-{len(self.shards)}.safetensors"
         with open(path, "wb") as f:
