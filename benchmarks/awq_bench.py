@@ -93,7 +93,7 @@ def run(a) -> dict:
                 batches = run_layer(layer, batches)
         elif a.method != "base":
             extra = dict(act_order=True, mse=True) if a.method == "gptq" else {}
-            quantkit.quantize(m, a.method, a.bits, a.group_size, sym=False, calib_data=VALID, calib_samples=a.samples,
+            quantkit.quantize(m, method=a.method, bits=a.bits, group_size=a.group_size, sym=False, calib_data=VALID, calib_samples=a.samples,
                               calib_seqlen=512, seed=0, progress=False, duo_scaling=a.duo, **extra)
     seconds = time.perf_counter() - start
     ppl = quantkit.evaluate(m, TEST, "llamacpp", 512, a.windows, progress=False).perplexity

@@ -60,7 +60,7 @@ def main() -> None:
             m = quantkit.load(f16)
             out = tmp / f"{label}-{kind}.gguf"
             t0 = time.perf_counter()
-            quantkit.quantize(m, method, format="gguf", gguf_type=kind, imatrix=imatrix, out=out,
+            quantkit.quantize(m, method=method, format="gguf", gguf_type=kind, imatrix=imatrix, out=out,
                               calib_data=VALID, calib_samples=a.samples, progress=False)
             row[f"{label}_time"] = time.perf_counter() - t0
             # plain RTN is llama.cpp's own search: the same bytes, so the same score (checked, not assumed)

@@ -77,7 +77,7 @@ def run(a) -> dict:
             windows = sample_windows(m.tokenizer, load_text(VALID), a.samples, a.seqlen, seed=0)
             autogptq_quantize(m, windows, a.bits, a.group_size, a.sym, a.act_order)
     elif a.method != "base":
-        quantkit.quantize(m, a.method, a.bits, a.group_size, a.sym, act_order=a.act_order, mse=a.mse, calib_data=VALID,
+        quantkit.quantize(m, method=a.method, bits=a.bits, group_size=a.group_size, sym=a.sym, act_order=a.act_order, mse=a.mse, calib_data=VALID,
                           calib_samples=a.samples, calib_seqlen=a.seqlen, seed=0, progress=False)
     seconds = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB

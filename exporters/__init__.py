@@ -8,7 +8,7 @@ from quantkit.config import CODEBOOK_METHODS, QuantConfig
 from quantkit.errors import QuantkitError
 
 from . import gguf
-from .atomic import atomic_dir, check_out
+from .atomic import check_out
 from .shards import DEFAULT_MAX_SIZE, parse_size
 
 # safetensors: the GPTQ checkpoint layout for integer grids, bitsandbytes' 4-bit layout for NF4/FP4;
@@ -36,26 +36,42 @@ def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
         gptq.check_shapes(module, qconfig.bits)
 
 
+def open_writer(model, out: str | os.PathLike, fmt: str, qconfig: QuantConfig, overwrite: bool = False,
+                max_shard_size: int | str = DEFAULT_MAX_SIZE, types: dict[str, str] | None = None):
+    """The writer (quantkit.pipeline.Writer) of a format, for a model quantized with qconfig; types:
+    each 2-D weight's GGUF type by module name, for GGUF. Nothing is written before start()."""
+    check_format(fmt, model.module, qconfig)
+    if fmt == "gguf":
+        return gguf.Writer(model, out, qconfig.gguf_type, types, overwrite)
+    if fmt == "awq":
+        from . import awq as layout
+    elif qconfig.method in CODEBOOK_METHODS:
+        from . import bnb as layout
+    else:
+        from . import gptq as layout
+    return layout.writer(model, out, qconfig, overwrite, max_shard_size)
+
+
 def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: bool = False,
            max_shard_size: int | str = DEFAULT_MAX_SIZE) -> Path:
-    """Write a quantized model; the safetensors layouts in shards of at most max_shard_size bytes
-    of tensor data ("5GB", "500MiB", or an int)."""
+    """Write a quantized model held in memory; the safetensors layouts in shards of at most
+    max_shard_size bytes of tensor data ("5GB", "500MiB", or an int)."""
     if model.qconfig is None or not model.tensors:
         raise QuantkitError("the model is not quantized: quantize it before exporting")
-    check_format(fmt, model.module, model.qconfig)
-    if fmt == "gguf":
-        return gguf.write(model, out, model.qconfig.gguf_type, overwrite)
-    if fmt == "awq":
-        from . import awq
+    types = {name: qt.ggml for name, qt in model.tensors.items()} if fmt == "gguf" else None
+    writer = open_writer(model, out, fmt, model.qconfig, overwrite, max_shard_size, types)
+    try:
+        writer.start()
+        for name, qt in model.tensors.items():
+            writer.add_quantized(name, qt)
+        tied = model.module.config.tie_word_embeddings
+        for key, t in model.module.state_dict().items():
+            if key.removesuffix(".weight") not in model.tensors and not (tied and key == "lm_head.weight"):
+                writer.add(key, t)
+        return writer.close()
+    except BaseException:
+        writer.abort()
+        raise
 
-        return awq.write(model, out, overwrite, max_shard_size)
-    if model.qconfig.method in CODEBOOK_METHODS:
-        from . import bnb
 
-        return bnb.write(model, out, overwrite, max_shard_size)
-    from . import gptq
-
-    return gptq.write(model, out, overwrite, max_shard_size)
-
-
-__all__ = ["DEFAULT_MAX_SIZE", "FORMATS", "gguf", "atomic_dir", "check_format", "check_out", "export", "parse_size"]
+__all__ = ["DEFAULT_MAX_SIZE", "FORMATS", "gguf", "check_format", "check_out", "export", "open_writer", "parse_size"]

@@ -1,10 +1,12 @@
+"""Outputs that appear only when complete: written under a hidden sibling name, locked against a
+second process writing the same output, renamed into place at the end. The sibling outlives a kill
+or a failure, so a resumed run goes on writing it."""
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from quantkit.errors import QuantkitError
 
@@ -18,37 +20,61 @@ def check_out(out: str | os.PathLike, overwrite: bool = False) -> None:
         raise QuantkitError(f"{out.parent}: no such directory: create it or choose another --out")
 
 
-@contextmanager
-def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling of out to write into; it becomes out only when the block completes."""
-    check_out(out, overwrite)
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
     else:
-        tmp.rename(out)
+        path.unlink(missing_ok=True)
 
 
-@contextmanager
-def atomic_file(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling of out to write; it replaces out only when the block completes."""
-    check_out(out, overwrite)
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        yield tmp
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    tmp.replace(out)
+class Staged:
+    """out (a directory, or a file) under construction at .{name}.partial beside it."""
+
+    def __init__(self, out: str | os.PathLike, overwrite: bool = False, directory: bool = True):
+        check_out(out, overwrite)
+        self.out, self.directory = Path(out), directory
+        self.path = self.out.with_name(f".{self.out.name}.partial")
+        self.lock_path = self.out.with_name(f".{self.out.name}.lock")
+        while True:  # the lock file is removed when done: hold it only if it is still the one at lock_path
+            self.lock = open(self.lock_path, "a+")
+            try:
+                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.lock.close()
+                raise QuantkitError(f"{self.out} is being written by another quantkit process: wait for it to "
+                                    "finish or choose another --out") from None
+            try:
+                if os.stat(self.lock_path).st_ino == os.fstat(self.lock.fileno()).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            self.lock.close()
+
+    def fresh(self) -> Path:
+        """Start over: an empty directory (or no file) at path."""
+        remove(self.path)
+        if self.directory:
+            self.path.mkdir()
+        return self.path
+
+    def commit(self) -> Path:
+        if self.out.exists():
+            old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
+            self.out.rename(old)
+            self.path.rename(self.out)
+            remove(old)
+        else:
+            self.path.rename(self.out)
+        self.unlock()
+        return self.out
+
+    def abort(self, keep: bool = False) -> None:
+        """Give up; keep leaves the partial output for a resumed run."""
+        if not keep:
+            remove(self.path)
+        self.unlock()
+
+    def unlock(self) -> None:
+        if not self.lock.closed:
+            self.lock_path.unlink(missing_ok=True)
+            self.lock.close()

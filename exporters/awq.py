@@ -15,7 +15,7 @@ from transformers import AutoConfig
 from quantkit.config import QuantConfig
 from quantkit.errors import QuantkitError
 from quantkit.modelio import Model
-from quantkit.pipeline import LINEARS
+from quantkit.layers import LINEARS
 from quantkit.qlinear import GPTQLinear
 from quantkit.qtensor import QuantizedTensor, group_index
 
@@ -60,15 +60,11 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
                     "or --format safetensors (the GPTQ layout allows a shorter last group)")
 
 
-def tensors_of(model: Model) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, qt in model.tensors.items():
-        if qt.act_order or qt.codebook is not None:
-            raise QuantkitError(f"{name}: the AWQ GEMM layout holds plain group-wise integer grids only")
-        out[f"{name}.qweight"] = pack(qt.codes.T.contiguous())
-        out[f"{name}.qzeros"] = pack(qt.zeros.T.contiguous())
-        out[f"{name}.scales"] = qt.scales.T.contiguous()
-    return out | checkpoint.plain_tensors(model, torch.float16)
+def pack_tensor(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
+    if qt.act_order or qt.codebook is not None:
+        raise QuantkitError(f"{name}: the AWQ GEMM layout holds plain group-wise integer grids only")
+    return {"qweight": pack(qt.codes.T.contiguous()), "qzeros": pack(qt.zeros.T.contiguous()),
+            "scales": qt.scales.T.contiguous()}
 
 
 def quantization_config(qconfig: QuantConfig) -> dict:
@@ -76,10 +72,11 @@ def quantization_config(qconfig: QuantConfig) -> dict:
             "modules_to_not_convert": None}
 
 
-def write(model: Model, out: str | Path, overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SIZE) -> Path:
-    """Called by exporters.export, which has run check."""
-    return checkpoint.write(model, out, overwrite, tensors_of(model), quantization_config(model.qconfig), torch.float16,
-                            max_shard_size=max_shard_size)
+def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool = False,
+           max_shard_size: int | str = DEFAULT_MAX_SIZE) -> checkpoint.CheckpointWriter:
+    """Called by exporters.open_writer, which has run check; the other tensors in float16."""
+    return checkpoint.CheckpointWriter(model, out, overwrite, torch.float16, pack_tensor,
+                                       lambda act_order: quantization_config(qconfig), (), max_shard_size)
 
 
 def read(path: Path, packed: bool = False) -> Model:

@@ -32,23 +32,20 @@ def kind_of(qt: QuantizedTensor) -> str:
     raise QuantkitError("the bitsandbytes format holds NF4 or FP4 tensors only: quantize with --method nf4 or fp4")
 
 
-def tensors_of(model: Model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, qt in model.tensors.items():
-        kind = kind_of(qt)
-        layer = NF4Linear.from_tensor(qt, name=name)
-        p = f"{name}.weight"
-        state = {"quant_type": kind, "blocksize": qt.group_size, "dtype": str(dtype).removeprefix("torch."),
-                 "shape": list(qt.shape)}
-        out[p] = layer.packed[:, None]
-        out[f"{p}.absmax"] = layer.absmax
-        out[f"{p}.quant_map"] = layer.quant_map  # one table per tensor, as bitsandbytes stores it
-        if layer.nested_absmax is not None:
-            out[f"{p}.nested_absmax"] = layer.nested_absmax
-            out[f"{p}.nested_quant_map"] = layer.nested_map
-            state |= {"nested_blocksize": layer.nested_blocksize, "nested_dtype": "float32", "nested_offset": layer.offset}
-        out[f"{p}.quant_state.bitsandbytes__{kind}"] = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
-    return out | checkpoint.plain_tensors(model, dtype)
+def pack(name: str, qt: QuantizedTensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A quantized linear's tensors by suffix of its name: weight, weight.absmax, ..."""
+    kind = kind_of(qt)
+    layer = NF4Linear.from_tensor(qt, name=name)
+    state = {"quant_type": kind, "blocksize": qt.group_size, "dtype": str(dtype).removeprefix("torch."),
+             "shape": list(qt.shape)}
+    out = {"weight": layer.packed[:, None], "weight.absmax": layer.absmax,
+           "weight.quant_map": layer.quant_map}  # one table per tensor, as bitsandbytes stores it
+    if layer.nested_absmax is not None:
+        out["weight.nested_absmax"] = layer.nested_absmax
+        out["weight.nested_quant_map"] = layer.nested_map
+        state |= {"nested_blocksize": layer.nested_blocksize, "nested_dtype": "float32", "nested_offset": layer.offset}
+    out[f"weight.quant_state.bitsandbytes__{kind}"] = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
+    return out
 
 
 def quantization_config(qc: QuantConfig, dtype: torch.dtype) -> dict:
@@ -56,11 +53,13 @@ def quantization_config(qc: QuantConfig, dtype: torch.dtype) -> dict:
                               bnb_4bit_compute_dtype=dtype).to_dict()
 
 
-def write(model: Model, out: str | Path, overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SIZE) -> Path:
-    """Called by exporters.export, which has checked the model."""
+def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool = False,
+           max_shard_size: int | str = DEFAULT_MAX_SIZE) -> checkpoint.CheckpointWriter:
+    """Called by exporters.open_writer. The other tensors keep the model's dtype (the checkpoint's),
+    which is also the dtype the weights dequantize to."""
     dtype = model.module.dtype
-    return checkpoint.write(model, out, overwrite, tensors_of(model, dtype), quantization_config(model.qconfig, dtype), dtype,
-                            max_shard_size=max_shard_size)
+    return checkpoint.CheckpointWriter(model, out, overwrite, dtype, lambda name, qt: pack(name, qt, dtype),
+                                       lambda act_order: quantization_config(qconfig, dtype), (), max_shard_size)
 
 
 def read(path: Path, packed: bool = False) -> Model:

@@ -1,10 +1,12 @@
-"""What every safetensors checkpoint we write shares: the unquantized tensors, config.json with its
-quantization_config, the tokenizer, an atomic directory; and the way back to a model."""
+"""What every safetensors checkpoint we write shares: shards written as tensors arrive, config.json
+with its quantization_config, the tokenizer, a directory that appears when complete; and the way
+back to a model."""
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file
@@ -14,42 +16,70 @@ from quantkit.errors import QuantkitError
 from quantkit.config import QuantConfig
 from quantkit.modelio import Model, load_tokenizer
 from quantkit.qlinear import QuantLinear
+from quantkit.qtensor import QuantizedTensor
 
-from .atomic import atomic_dir
+from .atomic import Staged
 from .shards import DEFAULT_MAX_SIZE, ShardWriter
 
 
-def plain_tensors(model: Model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The tensors that are not quantized linears' weights (a tied lm_head is left out), in dtype."""
-    skip = {f"{name}.weight" for name in model.tensors}
-    if model.module.config.tie_word_embeddings:
-        skip.add("lm_head.weight")
-    return {key: t.to(dtype).contiguous() if t.is_floating_point() else t.contiguous()
-            for key, t in model.module.state_dict().items() if key not in skip}
+class CheckpointWriter:
+    """A safetensors checkpoint written as results arrive (exporters.Writer): shards of at most
+    max_shard_size (with their index when there are several); at close, config.json (with the
+    quantization_config), the tokenizer, the generation config and extra JSON files. pack turns
+    one quantized linear into its tensors by suffix; the other tensors are stored in dtype."""
 
+    def __init__(self, model: Model, out: str | Path, overwrite: bool, dtype: torch.dtype,
+                 pack: Callable[[str, QuantizedTensor], dict[str, torch.Tensor]],
+                 quantization_config: Callable[[bool], dict], extra: tuple[str, ...] = (),
+                 max_shard_size: int | str = DEFAULT_MAX_SIZE):
+        self.staged = Staged(out, overwrite)
+        self.model, self.dtype, self.pack, self.config, self.extra = model, dtype, pack, quantization_config, extra
+        self.max_shard_size = max_shard_size
+        self.shards: ShardWriter | None = None
+        self.act_order = False
 
-def write(model: Model, out: str | Path, overwrite: bool, tensors: dict[str, torch.Tensor], qcfg: dict,
-          dtype: torch.dtype, extra: dict[str, dict] | None = None, max_shard_size: int | str = DEFAULT_MAX_SIZE) -> Path:
-    """Safetensors shards of at most max_shard_size (with their index when there are several),
-    config.json (with qcfg), the tokenizer and generation config, and extra JSON files; written to
-    a temporary directory that becomes out when complete."""
-    with atomic_dir(out, overwrite) as tmp:
-        shards = ShardWriter(tmp, max_shard_size)
-        for name, t in tensors.items():
-            shards.add(name, t)
-        files = shards.close()
+    @property
+    def written(self) -> int:
+        return self.shards.total if self.shards else 0
+
+    def start(self, state: dict | None = None) -> None:
+        if state is None:
+            self.staged.fresh()
+        self.shards = ShardWriter(self.staged.path, self.max_shard_size)
+        if state is not None:
+            self.shards.resume(state["shards"])
+            self.act_order = state["act_order"]
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        self.shards.add(key, tensor.to(self.dtype) if tensor.is_floating_point() else tensor)
+
+    def add_quantized(self, name: str, qt: QuantizedTensor) -> None:
+        self.act_order |= qt.act_order
+        for suffix, t in self.pack(name, qt).items():
+            self.shards.add(f"{name}.{suffix}", t)
+
+    def state(self) -> dict:
+        return {"shards": self.shards.state(), "act_order": self.act_order}
+
+    def close(self) -> Path:
+        tmp = self.staged.path
+        files = self.shards.close()
         size = sum(f.stat().st_size for f in files)
-        print(f"wrote {len(tensors)} tensors in {len(files)} file(s), {size / 2**20:.1f} MiB", file=sys.stderr)
-        cfg = model.module.config.to_dict()
+        print(f"wrote {len(self.shards.names)} tensors in {len(files)} file(s), {size / 2**20:.1f} MiB", file=sys.stderr)
+        qcfg = self.config(self.act_order)
+        cfg = self.model.module.config.to_dict()
         cfg["quantization_config"] = qcfg
-        cfg["dtype"] = str(dtype).removeprefix("torch.")
+        cfg["dtype"] = str(self.dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        for name, content in (extra or {}).items():
-            (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
-        if model.module.generation_config is not None:
-            model.module.generation_config.save_pretrained(tmp)
-        model.tokenizer.save_pretrained(tmp)
-    return Path(out)
+        for name in self.extra:
+            (tmp / name).write_text(json.dumps(qcfg, indent=2) + "\n")
+        if self.model.module.generation_config is not None:
+            self.model.module.generation_config.save_pretrained(tmp)
+        self.model.tokenizer.save_pretrained(tmp)
+        return self.staged.commit()
+
+    def abort(self, keep: bool = False) -> None:
+        self.staged.abort(keep)
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

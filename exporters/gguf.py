@@ -1,9 +1,11 @@
 """GGUF for llama.cpp: metadata, tokenizer, tensor names and the q/k row order llama.cpp expects;
 which block type each tensor gets for a named mix (llama-quantize's rules, src/llama-quant.cpp);
-the file itself through gguf-py's writer, under a temporary name until complete."""
+the file itself, its header through gguf-py's writer, its tensors as they are made, under a
+temporary name until complete."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -14,9 +16,11 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.evals import adds_bos
 from quantkit.modelio import Model
+from quantkit.qtensor import QuantizedTensor
 from quantkit.quantizers import ggml
 
-from .atomic import atomic_file
+from .atomic import Staged
+from .shards import disk_error
 
 ARCHS = ("llama", "mistral")  # both are llama.cpp's "llama"
 # mix -> (general.file_type, the type most tensors get)
@@ -208,41 +212,103 @@ def add_metadata(w: gguf.GGUFWriter, model: Model, mix: str) -> None:
     add_tokenizer(w, model.tokenizer, cfg.vocab_size)
 
 
-def tensor_data(model: Model) -> list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]]:
-    """(GGUF name, data, type) for every tensor, in the model's order: 2-D ones as bytes [rows, row bytes]."""
-    cfg = model.module.config
-    heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
-    out = []
-    for key, t in model.module.state_dict().items():
-        name = key.removesuffix(".weight")
-        if key == f"{HEAD}.weight" and cfg.tie_word_embeddings:
-            continue
-        if name in model.tensors:
-            qt = model.tensors[name]
-            rows, kind = qt.codes.numpy(), qt.ggml
-        elif t.dim() == 1:  # norms: float32 vectors
-            out.append((gguf_name(key), t.float().numpy(), gguf.GGMLQuantizationType.F32))
-            continue
+class Writer:
+    """The GGUF file written as results arrive (exporters.Writer). Metadata and every tensor's info
+    (from the model's shapes and types, the GGUF type of each 2-D weight by module name) go first
+    through gguf-py's writer; each tensor's data is then written at its offset when it comes, in any
+    order, so a resumed run just writes what is missing."""
+
+    def __init__(self, model: Model, out: str | os.PathLike, mix: str, types: dict[str, str], overwrite: bool = False):
+        self.staged = Staged(out, overwrite, directory=False)
+        self.model, self.mix = model, mix
+        cfg = model.module.config
+        self.heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
+        self.plan: dict[str, tuple[tuple[int, ...], str]] = {}  # GGUF name -> (shape, type)
+        for key, t in model.module.state_dict(keep_vars=True).items():
+            if key == f"{HEAD}.weight" and cfg.tie_word_embeddings:
+                continue
+            kind = "F32" if t.dim() == 1 else types.get(key.removesuffix(".weight"))
+            if kind is None:
+                raise QuantkitError(f"{key} has no GGUF type: quantize the model for GGUF first")
+            self.plan[gguf_name(key)] = (tuple(t.shape), kind)
+        self.offsets, offset = {}, 0
+        for name, (shape, kind) in self.plan.items():
+            self.offsets[name] = offset
+            offset += gguf.GGUFWriter.ggml_pad(nbytes(shape, kind), gguf.GGUF_DEFAULT_ALIGNMENT)
+        self.end = offset
+        self.done: set[str] = set()
+        self.file = None
+        self.data_start = 0
+        self.written = 0
+
+    def start(self, state: dict | None = None) -> None:
+        if state is None:
+            self.staged.fresh()
+            w = gguf.GGUFWriter(self.staged.path, "llama")
+            add_metadata(w, self.model, self.mix)
+            for name, (shape, kind) in self.plan.items():
+                w.add_tensor_info(name, [shape[0], nbytes(shape, kind) // shape[0]] if len(shape) == 2 else shape,
+                                  np.dtype(np.uint8) if len(shape) == 2 else np.dtype(np.float32),
+                                  nbytes(shape, kind), gguf.GGMLQuantizationType[kind])
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            w.fout[0].flush()
+            self.data_start = gguf.GGUFWriter.ggml_pad(w.fout[0].tell(), gguf.GGUF_DEFAULT_ALIGNMENT)
+            w.close()
         else:
+            self.data_start, self.done, self.written = state["data_start"], set(state["done"]), state["written"]
+        self.file = open(self.staged.path, "r+b")
+
+    def write(self, name: str, data: np.ndarray) -> None:
+        shape, kind = self.plan[name]
+        if data.nbytes != nbytes(shape, kind):
+            raise QuantkitError(f"{name}: {data.nbytes} bytes where a {kind} tensor of shape {shape} takes "
+                                f"{nbytes(shape, kind)}: quantize it for the same GGUF types")
+        try:
+            self.file.seek(self.data_start + self.offsets[name])
+            self.file.write(np.ascontiguousarray(data).tobytes())
+        except OSError as e:
+            raise disk_error(self.staged.path, e) from None
+        self.done.add(name)
+        self.written += data.nbytes
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        if tensor.dim() != 1:
             raise QuantkitError(f"{key} has no GGUF type: quantize the model for GGUF first")
-        for suffix, n_head in heads.items():
+        self.write(gguf_name(key), tensor.float().cpu().numpy())
+
+    def add_quantized(self, name: str, qt: QuantizedTensor) -> None:
+        if qt.ggml is None:
+            raise QuantkitError(f"{name} is not in GGUF blocks: quantize the model for GGUF (--format gguf)")
+        rows = qt.codes.cpu().numpy()
+        for suffix, n_head in self.heads.items():
             if name.endswith(suffix):
                 rows = permute_rows(rows, n_head)
-        out.append((gguf_name(key), np.ascontiguousarray(rows), gguf.GGMLQuantizationType[kind]))
-    return out
+        key = gguf_name(f"{name}.weight")
+        if self.plan[key][1] != qt.ggml:
+            raise QuantkitError(f"{name} is {qt.ggml} where the {self.mix} file has {self.plan[key][1]}")
+        self.write(key, rows)
+
+    def state(self) -> dict:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        return {"data_start": self.data_start, "done": sorted(self.done), "written": self.written}
+
+    def close(self) -> Path:
+        missing = [name for name in self.plan if name not in self.done]
+        if missing:
+            raise QuantkitError(f"{missing[0]} was never written ({len(missing)} tensors missing): the GGUF is incomplete")
+        self.file.truncate(self.data_start + self.end)  # the last tensor's padding, as gguf-py writes it
+        self.file.close()
+        return self.staged.commit()
+
+    def abort(self, keep: bool = False) -> None:
+        if self.file is not None:
+            self.file.close()
+        self.staged.abort(keep)
 
 
-def write(model: Model, out: str | os.PathLike, mix: str, overwrite: bool = False) -> Path:
-    """The GGUF file; written under a temporary name and renamed when complete. Called by
-    exporters.export, which has run check."""
-    tensors = tensor_data(model)
-    with atomic_file(out, overwrite) as tmp:
-        w = gguf.GGUFWriter(tmp, "llama")
-        add_metadata(w, model, mix)
-        for name, rows, kind in tensors:
-            w.add_tensor(name, rows, raw_dtype=kind if rows.dtype == np.uint8 else None)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file(progress=True)
-        w.close()
-    return Path(out)
+def nbytes(shape: tuple[int, ...], kind: str) -> int:
+    block, size = ggml.sizes(kind)
+    return math.prod(shape[:-1]) * shape[-1] // block * size

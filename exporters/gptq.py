@@ -6,19 +6,18 @@ zeros stored minus one); asymmetric ones `gptq_v2` (raw zeros), since a v1 zero 
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 from transformers import AutoConfig
 
 from quantkit import __version__
 from quantkit.config import METHODS, QuantConfig
 from quantkit.errors import QuantkitError
 from quantkit.modelio import Model
-from quantkit.pipeline import LINEARS
+from quantkit.layers import LINEARS
 from quantkit.qlinear import GPTQLinear
+from quantkit.qtensor import QuantizedTensor
 
 from . import checkpoint
 from .shards import DEFAULT_MAX_SIZE
@@ -55,21 +54,17 @@ def quantization_config(qconfig: QuantConfig, act_order: bool) -> dict:
     }
 
 
-def tensors_of(model: Model) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint: packed quantized linears (symmetric ones as v1, zero - 1
-    stored), the rest in float16."""
-    out = {}
-    for name, qt in tqdm(model.tensors.items(), desc="packing", unit="linear", file=sys.stderr):
-        out |= {f"{name}.{key}": t for key, t in GPTQLinear.from_tensor(qt, name=name).packed().items()}
-    return out | checkpoint.plain_tensors(model, torch.float16)
+def pack(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
+    """A quantized linear's checkpoint tensors (symmetric ones as v1: zero - 1 stored)."""
+    return GPTQLinear.from_tensor(qt, name=name).packed()
 
 
-def write(model: Model, out: str | Path, overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SIZE) -> Path:
-    """Called by exporters.export, which has checked the model and the shapes."""
-    act_order = any(qt.act_order for qt in model.tensors.values())
-    qcfg = quantization_config(model.qconfig, act_order)
-    return checkpoint.write(model, out, overwrite, tensors_of(model), qcfg, torch.float16,
-                            {"quantize_config.json": qcfg}, max_shard_size=max_shard_size)
+def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool = False,
+           max_shard_size: int | str = DEFAULT_MAX_SIZE) -> checkpoint.CheckpointWriter:
+    """Called by exporters.open_writer, which has checked the shapes; the other tensors in float16."""
+    return checkpoint.CheckpointWriter(model, out, overwrite, torch.float16, pack,
+                                       lambda act_order: quantization_config(qconfig, act_order),
+                                       ("quantize_config.json",), max_shard_size)
 
 
 def read(path: Path, packed: bool = False) -> Model:

@@ -2,12 +2,15 @@
 
 Each tensor's bytes are appended to a spill file as it arrives; when the next tensor would take the
 shard past max_size, the shard is written (8-byte header length, JSON header, the spilled data) and a
-new one begins. close() names the shards as transformers does: `model.safetensors` when there is one,
+new one begins. state() (after flushing the spill to disk) and resume(state) let a killed run go on
+where the state was taken. close() names the shards as transformers does: `model.safetensors` when there is one,
 else `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json` mapping tensors to files.
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import shutil
 import struct
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, ResumableError
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -40,6 +43,14 @@ def parse_size(size: int | str) -> int:
     return n
 
 
+def disk_error(where: Path, e: OSError) -> Exception:
+    """A full disk names itself and the way on; other I/O errors pass through."""
+    if e.errno == errno.ENOSPC:
+        return ResumableError(f"out of disk space while writing in {where.parent}: free some space and run the same "
+                             "command again, it resumes after the last finished layer")
+    return e
+
+
 class ShardWriter:
     """Safetensors shards in directory, each holding at most max_size bytes of tensor data (a tensor
     larger than that gets a shard of its own)."""
@@ -52,6 +63,7 @@ class ShardWriter:
         self.spill = None
         self.used = 0  # data bytes in the open shard
         self.total = 0
+        self.saved_shards = 0  # shards when state() was last taken
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.names:
@@ -63,26 +75,55 @@ class ShardWriter:
             self.flush()
         if self.spill is None:
             self.spill = open(self.dir / f".spill-{len(self.shards)}", "w+b")
-        self.spill.write(data.numpy().data)
+        try:
+            self.spill.write(data.numpy().data)
+        except OSError as e:
+            raise disk_error(self.dir, e) from None
         self.entries[name] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape),
                               "data_offsets": [self.used, self.used + data.numel()]}
         self.names.add(name)
         self.used += data.numel()
         self.total += data.numel()
 
+    def state(self) -> dict:
+        """What resume needs, with everything it refers to on disk."""
+        if self.spill is not None:
+            self.spill.flush()
+            os.fsync(self.spill.fileno())
+        # a spill is needed until a state past its shard has been saved: the one before this, at the latest
+        for k in range(self.saved_shards):
+            (self.dir / f".spill-{k}").unlink(missing_ok=True)
+        self.saved_shards = len(self.shards)
+        return {"shards": [[p.name, names] for p, names in self.shards], "entries": self.entries,
+                "used": self.used, "total": self.total}
+
+    def resume(self, state: dict) -> None:
+        """Go on from a state taken by state(): what was written after it is dropped."""
+        self.shards = [(self.dir / name, names) for name, names in state["shards"]]
+        self.entries, self.used, self.total = state["entries"], state["used"], state["total"]
+        self.names = {n for _, names in self.shards for n in names} | set(self.entries)
+        self.saved_shards = len(self.shards)
+        spill = self.dir / f".spill-{len(self.shards)}"
+        if self.entries:
+            self.spill = open(spill, "r+b")
+            self.spill.truncate(self.used)
+            self.spill.seek(self.used)
+
     def flush(self) -> None:
         """Write the open shard: header, then its spilled data."""
         header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
         header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         path = self.dir / f".shard-{len(self.shards)}.safetensors"
-        with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(header)) + header)
-            if self.spill is not None:
-                self.spill.seek(0)
-                shutil.copyfileobj(self.spill, f, 2**24)
+        try:
+            with open(path, "wb") as f:
+                f.write(struct.pack("<Q", len(header)) + header)
+                if self.spill is not None:
+                    self.spill.seek(0)
+                    shutil.copyfileobj(self.spill, f, 2**24)
+        except OSError as e:
+            raise disk_error(self.dir, e) from None
         if self.spill is not None:
-            self.spill.close()
-            Path(self.spill.name).unlink()
+            self.spill.close()  # removed once no saved state can need it
         self.shards.append((path, list(self.entries)))
         self.entries, self.spill, self.used = {}, None, 0
 
@@ -90,6 +131,8 @@ class ShardWriter:
         """Write the last shard, give the shards their final names and write the index; the files."""
         if self.entries or not self.shards:
             self.flush()
+        for spill in self.dir.glob(".spill-*"):
+            spill.unlink()
         n = len(self.shards)
         names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
         for (path, _), name in zip(self.shards, names):

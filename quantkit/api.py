@@ -4,18 +4,20 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from quantkit import calibration, evals, exporters
 
+from . import distributed
 from .config import QuantConfig
-from .errors import QuantkitError
+from .errors import QuantkitError, ResumableError
 from .modelio import Model, linear_types, load
-from .pipeline import Hessian, awq_layer, quantize_layers
+from .pipeline import Hessian, quantize_layers
 from .qtensor import QuantizedTensor
-from .quantizers import ggml, gptq, nf4, rtn
+from .quantizers import awq, ggml, gptq, nf4, rtn
 
 PathLike = str | os.PathLike
 
@@ -27,11 +29,12 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, s
     c = qconfig
     if types is not None:
         def quantize_ggml(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
+            w = w.cpu()  # the block searches pack with numpy
             if h is None or h.count == 0:
                 if c.needs_calibration:
                     warnings.warn(f"{name}: no calibration input reached it, so it was quantized without it")
                 return ggml.quantize(w, types[name])
-            hm = h.matrix()
+            hm = h.matrix().cpu()
             if c.method == "rtn":
                 return ggml.quantize(w, types[name], hm.diagonal())
             r = ggml.gptq(w, hm, types[name], hm.diagonal(), c.damp, name)
@@ -59,24 +62,26 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, s
     return {"rtn": quantize_rtn, "gptq": quantize_gptq, "nf4": quantize_codebook, "fp4": quantize_codebook}.get(c.method)
 
 
+def device_of(device: str | torch.device | None) -> torch.device:
+    """Where layers are quantized: the GPU when there is one, unless told otherwise."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise QuantkitError(f"unknown device {device!r}: use cpu or cuda") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise QuantkitError(f"device {device!r} is not supported: use cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise QuantkitError("--device cuda, but torch sees no CUDA GPU: use --device cpu, or install a CUDA build "
+                            "of torch and check the driver and CUDA_VISIBLE_DEVICES")
+    return dev
+
+
 def quantize(
     model: Model | PathLike | None = None,
-    method: str = "rtn",
-    bits: int = 4,
-    group_size: int = 128,
-    sym: bool | None = None,
-    damp: float = 0.01,
-    block_size: int | None = None,
-    act_order: bool = False,
-    static_groups: bool = False,
-    true_sequential: bool = True,
-    mse: bool = False,
-    group_aware: bool = False,
-    double_quant: bool = False,
-    duo_scaling: bool = False,
-    gguf_type: str | None = None,
-    imatrix: bool = False,
-    pure: bool = False,
+    config: QuantConfig | None = None,
+    *,
     calib_data: PathLike | None = None,
     calib_samples: int = 128,
     calib_seqlen: int = 512,
@@ -85,60 +90,85 @@ def quantize(
     format: str = "safetensors",
     overwrite: bool = False,
     max_shard_size: int | str = exporters.DEFAULT_MAX_SIZE,
+    device: str | torch.device | None = None,
+    keep: bool | None = None,
     progress: bool = True,
+    **options,
 ) -> Model:
-    """Quantize a model (a loaded Model is changed in place; a path or None loads one) and,
-    with out, export it. Every check that can fail runs before the long work starts.
-    damp, act_order, static_groups, true_sequential and group_aware are GPTQ's; mse (search the
-    clipping range) serves RTN and GPTQ; block_size is GPTQ's columns per lazy batch (128) or
-    NF4/FP4's values per absmax block (64); double_quant is NF4/FP4's, duo_scaling AWQ's. sym=None
-    is asymmetric for AWQ (as AWQ does), symmetric otherwise. format "gguf" fills llama.cpp's block types
-    for the mix gguf_type (default Q4_K_M; pure: every tensor the mix's main type) by RTN (imatrix:
-    weighted by the calibration inputs' mean squares) or GPTQ; bits and group_size do not apply.
-    max_shard_size: the safetensors layouts' largest shard ("5GB", "500MiB" or bytes)."""
-    if format == "gguf" and gguf_type is None:
-        gguf_type = exporters.gguf.DEFAULT_MIX
-    qconfig = QuantConfig(method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential,
-                          mse, group_aware, double_quant, duo_scaling, gguf_type, imatrix)
+    """Quantize a model (a Model, a path, or None for the embedded one) with config, or with
+    QuantConfig's fields given as keywords (method="gptq", bits=4, ...), and with out, export it.
+
+    Layers stream: each is read from the checkpoint, quantized on device (default: the GPU when
+    there is one), written to out and dropped, so memory holds one layer. keep (default: when
+    there is no out) leaves the quantized model in memory instead, as dequantized float weights
+    plus model.tensors. An interrupted export resumes after its last finished layer when run
+    again. format: safetensors (GPTQ layout; bitsandbytes' for nf4/fp4), awq, or gguf (default
+    mix Q4_K_M); max_shard_size: the safetensors layouts' largest shard ("5GB", "500MiB" or bytes).
+    Every check that can fail runs before the long work starts."""
+    if config is not None and options:
+        raise TypeError("pass a QuantConfig or its fields as keywords, not both")
+    config = config or QuantConfig(**options)
+    if format == "gguf" and config.gguf_type is None:
+        config = replace(config, gguf_type=exporters.gguf.DEFAULT_MIX)
+    dev = device_of(device)
+    distributed.init(dev)  # under torchrun: this process's part of the job
+    if distributed.world() > 1 and config.method == "awq":
+        raise QuantkitError("AWQ does not split across processes yet: run it as one process (without torchrun)")
+    keep = out is None if keep is None else keep
     if out is not None:
         exporters.check_out(out, overwrite)
         exporters.parse_size(max_shard_size)
     m = model if isinstance(model, Model) else load(model)
+    types = None
+    if config.gguf_type is not None:
+        exporters.gguf.check(m.module, config.gguf_type)
+        types = exporters.gguf.tensor_types(m.module, config.gguf_type, config.pure, config.imatrix)
     if out is not None:
-        exporters.check_format(format, m.module, qconfig)
+        exporters.check_format(format, m.module, config)
     windows = None
-    if qconfig.needs_calibration:
+    if config.needs_calibration:
         text = calibration.load_text(calib_data)
         windows = calibration.sample_windows(m.tokenizer, text, calib_samples, calib_seqlen, seed)
     resume = None
-    if out is not None and windows is not None:  # saved beside the output: an interrupted run goes on
-        key = hashlib.sha256(f"{m.source}|{qconfig}".encode() + windows.numpy().tobytes()).hexdigest()
-        resume = (Path(out).with_name(f".{Path(out).name}.progress.pt"), key)
+    if out is not None and not keep:  # saved beside the output: an interrupted run goes on
+        data = windows.numpy().tobytes() if windows is not None else b""
+        key = hashlib.sha256(f"{m.source}|{config}|{format}|{max_shard_size}".encode() + data).hexdigest()
+        rank = f"-{distributed.rank()}" if distributed.world() > 1 else ""
+        resume = (Path(out).with_name(f".{Path(out).name}.progress{rank}.pt"), key)
     m.losses = {}
-    layer_fn = None
-    if qconfig.method == "awq":
-        c = qconfig
+    def awq_layer(i, layer, batches):  # AWQ quantizes a layer whole: scales, folding, clipping
+        return awq.quantize_layer(layer, batches, config.bits, config.group_size, config.sym, config.duo_scaling,
+                                  prefix=f"model.layers.{i}.")
 
-        def layer_fn(i, layer, batches):
-            return awq_layer(layer, batches, c.bits, c.group_size, c.sym, c.duo_scaling, prefix=f"model.layers.{i}.")
+    def other(name: str, w: torch.Tensor) -> QuantizedTensor | None:  # GGUF: the embedding and output matrix too
+        return ggml.quantize(w.float(), types[name]) if types is not None and name in types else None
 
-    types = None
-    if gguf_type is not None:
-        exporters.gguf.check(m.module, gguf_type)
-        types = exporters.gguf.tensor_types(m.module, gguf_type, pure, imatrix)
-    m.tensors = quantize_layers(m, quantizer(qconfig, m.losses, types), windows, sequential=true_sequential,
-                                progress=progress, resume=resume, layer_fn=layer_fn)
-    for name in set(types or ()) - set(m.tensors):  # the embedding (and an untied output matrix)
-        weight = m.module.get_submodule(name).weight
-        m.tensors[name] = ggml.quantize(weight.data, types[name])
-        weight.data.copy_(m.tensors[name].dequantize())
-    if types is not None:  # evaluate() then scores with llama.cpp's arithmetic, as it scores the file
+    writes = out is not None and distributed.rank() == 0  # under torchrun, rank 0 writes
+    writer = exporters.open_writer(m, out, format, config, overwrite, max_shard_size, types) if writes else None
+    try:
+        m.tensors = quantize_layers(m, quantizer(config, m.losses, types), windows, sequential=config.true_sequential,
+                                    device=dev, writer=writer, other=other if writes or keep else None, keep=keep,
+                                    progress=progress and distributed.rank() == 0,
+                                    resume=resume, layer_fn=awq_layer if config.method == "awq" else None)
+        if writer is not None:
+            writer.close()
+    except BaseException as e:
+        # what a resumed run needs stays, unless the input is at fault: running again would fail the same way
+        resumable = resume is not None and resume[0].exists() and not (
+            isinstance(e, QuantkitError) and not isinstance(e, ResumableError))
+        if writer is not None:
+            writer.abort(keep=resumable)
+        if resume is not None and not resumable:  # every process's, when one of a torchrun job died
+            for f in resume[0].parent.glob(f".{Path(out).name}.progress*.pt"):
+                f.unlink(missing_ok=True)
+        raise
+    if resume is not None:
+        resume[0].unlink(missing_ok=True)
+    if types is not None and keep:  # evaluate() then scores with llama.cpp's arithmetic, as it scores the file
         m.gguf_types = linear_types(m.module, {exporters.gguf.gguf_name(f"{n}.weight"): t for n, t in types.items()})
-    m.qconfig = qconfig
-    if out is not None:
-        export(m, out, format, overwrite, max_shard_size)
-        if resume:
-            resume[0].unlink(missing_ok=True)
+    m.qconfig = config
+    if not keep and m.checkpoint is not None:
+        m.streamed_to = str(out)
     return m
 
 
@@ -158,6 +188,7 @@ def evaluate(
     device: where a model loaded from a path runs (default: CUDA, in float16, when there is a GPU);
     a Model passed in is moved only when device is given."""
     m = model if isinstance(model, Model) else load(model, packed=packed)
+    m.materialize()
     if device is not None or not isinstance(model, Model):
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # float16 on a GPU, except a GGUF scored with llama.cpp's float32 arithmetic
@@ -178,8 +209,9 @@ def export_gguf(model: Model, out: PathLike, gguf_type: str | None = None, overw
                 progress: bool = True) -> Path:
     """GGUF of a model: a quantized checkpoint whose grids are GGUF blocks keeps its codes (the other
     weights in F16); a float model is rounded to nearest in gguf_type (F16 by default)."""
-    if not model.tensors:
-        quantize(model, "rtn", gguf_type=gguf_type or "F16", out=out, format="gguf", overwrite=overwrite,
+    if not model.tensors:  # a copy, so that model stays the float model
+        quantize(Model(model.module, model.tokenizer, model.source, checkpoint=model.checkpoint),
+                 method="rtn", gguf_type=gguf_type or "F16", out=out, format="gguf", overwrite=overwrite,
                  progress=progress)
         return Path(out)
     if gguf_type is not None:
@@ -190,5 +222,5 @@ def export_gguf(model: Model, out: PathLike, gguf_type: str | None = None, overw
         raise QuantkitError(f"{model.source}: linears of several GGUF types {kinds}: the checkpoint is inconsistent")
     for name in exporters.gguf.tensor_types(model.module, "F16").keys() - tensors.keys():
         tensors[name] = ggml.quantize(model.module.get_submodule(name).weight.data, "F16")
-    qconfig = QuantConfig("rtn", gguf_type=kinds[0])
+    qconfig = QuantConfig(method="rtn", gguf_type=kinds[0])
     return exporters.export(Model(model.module, model.tokenizer, model.source, tensors, qconfig), out, "gguf", overwrite)

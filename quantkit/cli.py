@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 
 import click
@@ -9,7 +11,7 @@ import click
 from quantkit import exporters
 from quantkit.exporters import check_out
 
-from . import api
+from . import api, distributed
 from .config import METHODS, QuantConfig
 from .errors import QuantkitError
 from .modelio import load
@@ -62,26 +64,28 @@ def cli() -> None:
 @click.option("--eval-data", type=click.Path(), help="also print perplexity before and after on this text file")
 @click.option("--eval-windows", type=int, default=40, show_default=True)
 @click.option("--ctx", type=int, default=512, show_default=True, help="context of the --eval-data perplexity")
-def quantize(model, method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
-             group_aware, double_quant, duo_scaling, out, fmt, gguf_type, imatrix, pure, overwrite, max_shard_size,
-             calib_data, calib_samples, calib_seqlen, seed, eval_data, eval_windows, ctx) -> None:
-    """Quantize MODEL (a directory, a .gguf file, or by default the embedded SmolLM2-135M-Instruct)."""
+@click.option("--device", help="where layers are quantized: cuda or cpu [cuda when there is a GPU]")
+def quantize(model, out, fmt, overwrite, max_shard_size, calib_data, calib_samples, calib_seqlen, seed, device,
+             eval_data, eval_windows, ctx, **options) -> None:
+    """Quantize MODEL (a directory, a .gguf file, or by default the embedded SmolLM2-135M-Instruct).
+    Layers stream from disk to --out: memory holds one layer at a time."""
     # options and output path first: a mistake there should not cost a model load
-    if fmt == "gguf" and gguf_type is None:
-        gguf_type = exporters.gguf.DEFAULT_MIX
-    QuantConfig(method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
-                group_aware, double_quant, duo_scaling, gguf_type, imatrix)
+    if fmt == "gguf" and options["gguf_type"] is None:
+        options["gguf_type"] = exporters.gguf.DEFAULT_MIX
+    config = QuantConfig(**options)
+    api.device_of(device)
     check_out(out, overwrite)
     exporters.parse_size(max_shard_size)
     m = load(model)
-    if eval_data:
+    if eval_data and int(os.environ.get("RANK", "0")) == 0:
         show("before", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))
-    api.quantize(m, method, bits, group_size, sym, damp, block_size, act_order, static_groups, true_sequential, mse,
-                 group_aware, double_quant, duo_scaling, gguf_type, imatrix, pure, calib_data, calib_samples,
-                 calib_seqlen, seed, out, fmt, overwrite, max_shard_size)
-    click.echo(f"exported {len(m.tensors)} quantized tensors to {out}")
-    if eval_data:
-        show("after", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))
+    api.quantize(m, config, calib_data=calib_data, calib_samples=calib_samples, calib_seqlen=calib_seqlen, seed=seed,
+                 out=out, format=fmt, overwrite=overwrite, max_shard_size=max_shard_size, device=device)
+    if distributed.rank() != 0:  # under torchrun, rank 0 reports
+        return
+    click.echo(f"exported to {out}")
+    if eval_data:  # the export as it loads, packed (GGUF: dequantized, with llama.cpp's arithmetic)
+        show("after", api.evaluate(out, eval_data, "llamacpp", ctx, eval_windows))
 
 
 @cli.command()
@@ -115,9 +119,15 @@ def evaluate(model, data, protocol, ctx, max_windows, as_json, dequantized, devi
         click.echo(json.dumps({**ppl.to_dict(), "model": model}))
 
 
+def terminated(signum, frame) -> None:
+    raise KeyboardInterrupt  # unwinds like Ctrl-C: a partial export and its progress stay for a resumed run
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, terminated)
     try:
         cli.main(standalone_mode=False)
+        distributed.finish()
     except QuantkitError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

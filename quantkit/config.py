@@ -29,6 +29,7 @@ class QuantConfig:
     duo_scaling: bool = False  # AWQ: s = mean|x|^a / mean|w|^(1-a) (AutoAWQ's default) instead of mean|x|^a
     gguf_type: str | None = None  # GGUF mix (Q4_K_M, Q8_0, ...): blocks of llama.cpp's types instead of our grids
     imatrix: bool = False  # GGUF with RTN: weight the block search by each input's mean square (calibration)
+    pure: bool = False  # GGUF: every tensor the mix's main type (llama-quantize --pure)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -55,6 +56,8 @@ class QuantConfig:
         if self.imatrix and (self.gguf_type is None or self.method != "rtn"):
             raise QuantkitError("--imatrix weights GGUF round-to-nearest: use it with --method rtn --format gguf "
                                 "(GPTQ always weighs by the Hessian)")
+        if self.pure and self.gguf_type is None:
+            raise QuantkitError("--pure chooses GGUF types: use it with --format gguf")
         if self.block_size < 1:
             raise QuantkitError(f"block size {self.block_size} is invalid: use a positive number of columns such as 128")
 

@@ -3,3 +3,7 @@ class QuantkitError(Exception):
 
     The CLI prints it as one line and exits with status 2.
     """
+
+
+class ResumableError(QuantkitError):
+    """A failure outside the input (a full disk): what was finished stays, and the same command resumes."""

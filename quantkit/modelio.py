@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from platformdirs import user_cache_dir
 from safetensors import SafetensorError, safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from accelerate.utils import set_module_tensor_to_device
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from .config import QuantConfig
 from .errors import QuantkitError
@@ -35,6 +36,9 @@ class Model:
     module's weights are usable floats: for a quantized model the dequantized values (fake
     quantization), so evaluation needs no special kernels. A checkpoint loaded packed instead has
     quantkit.qlinear layers in place of its quantized linears, and no tensors.
+
+    A float checkpoint loads lazily: module is a skeleton on the meta device and checkpoint reads
+    each part's weights when it is needed (materialize), so a model need not fit in memory.
     """
 
     module: PreTrainedModel
@@ -44,10 +48,118 @@ class Model:
     qconfig: QuantConfig | None = None
     losses: dict[str, float] = field(default_factory=dict)  # GPTQ's per-linear loss
     gguf_types: dict[str, str] = field(default_factory=dict)  # each linear's GGUF block type (a file's, or a GGUF quantization's)
+    checkpoint: Checkpoint | None = None  # where the weights not in memory yet are read from
+    streamed_to: str | None = None  # the export its quantized layers were written to, and dropped from memory
 
     @property
     def layers(self) -> torch.nn.ModuleList:
         return self.module.model.layers
+
+    def materialize(self, prefix: str = "", device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = torch.float32) -> torch.nn.Module:
+        """The submodule at prefix (default: the whole model) with every weight in memory on device:
+        those not read yet come from the checkpoint, in dtype (None: the checkpoint's own)."""
+        module = self.module.get_submodule(prefix)
+        meta = [name for name, t in module.state_dict(keep_vars=True).items() if t.is_meta]
+        if meta and self.streamed_to is not None:
+            raise QuantkitError(f"this model's quantized layers were written to {self.streamed_to} and not kept in "
+                                f"memory: load that export, or quantize with keep=True")
+        if meta:
+            base = f"{prefix}." if prefix else ""
+            for name, t in self.checkpoint.read([base + n for n in meta], device, shapes(module, meta, base)).items():
+                set_module_tensor_to_device(self.module, name, device, t, dtype=dtype)
+            if not prefix:
+                self.module.tie_weights()
+        return module.to(device, dtype) if dtype is not None else module.to(device)
+
+    def release(self, prefix: str) -> None:
+        """Drop the submodule's weights from memory when the checkpoint can give them again."""
+        if self.checkpoint is not None:
+            self.module.get_submodule(prefix).to("meta")
+
+
+def shapes(module: torch.nn.Module, names: list[str], base: str) -> dict[str, tuple[int, ...]]:
+    state = module.state_dict(keep_vars=True)
+    return {base + n: tuple(state[n].shape) for n in names}
+
+
+class Checkpoint:
+    """A float safetensors checkpoint read tensor by tensor: each read maps its shard (mmap) only
+    for as long as it takes, so what was read is not counted against the process afterwards."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise QuantkitError(f"{index}: not a valid shard index ({e}): restore it from the model's files") from None
+            files = sorted({path / f for f in weight_map.values()})
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise QuantkitError(f"{path}: shard {missing[0]} is named by model.safetensors.index.json but missing: "
+                                    "download the whole checkpoint again")
+        else:
+            files = sorted(path.glob("*.safetensors"))
+        self.where: dict[str, Path] = {}
+        self.dtypes: dict[str, str] = {}
+        for f in files:
+            try:
+                with safe_open(str(f), "pt") as sf:
+                    for key in sf.keys():
+                        self.where[key], self.dtypes[key] = f, sf.get_slice(key).get_dtype()
+            except (SafetensorError, OSError) as e:
+                raise QuantkitError(f"{f}: corrupt or truncated safetensors file ({e}): re-download or re-export it") from None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype (the most common float one); a quantized checkpoint is refused, naming its quantizer."""
+        floats = [FLOAT_DTYPES[k] for k in self.dtypes.values() if k in FLOAT_DTYPES]
+        marked = [n for n in self.where if n.endswith(tuple(QUANTIZED_MARKS))]
+        if marked or not floats:
+            kinds = ", ".join(sorted(set(self.dtypes.values())))
+            raise QuantkitError(f"{self.path}: {already_quantized(marked)} (its tensors are {kinds}): quantkit "
+                                "quantizes float checkpoints; pass the original model")
+        return max(set(floats), key=floats.count)
+
+    def read(self, names: list[str], device: str | torch.device = "cpu",
+             expected: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
+        """The named tensors (a tied lm_head reads the embedding), each checked against its expected shape."""
+        out, by_file = {}, {}
+        for name in names:
+            key = name if name in self.where or name != "lm_head.weight" else "model.embed_tokens.weight"
+            if key not in self.where:
+                raise QuantkitError(f"{self.path}: tensor {key} is missing from the checkpoint: download it again")
+            by_file.setdefault(self.where[key], []).append((name, key))
+        for f, pairs in by_file.items():
+            try:
+                with safe_open(str(f), "pt", device=str(device)) as sf:
+                    for name, key in pairs:
+                        out[name] = sf.get_tensor(key)
+            except (SafetensorError, OSError) as e:
+                raise QuantkitError(f"{f}: cannot be read ({e}): the file is damaged or was changed; re-download it") from None
+        for name, t in out.items():
+            if expected is not None and tuple(t.shape) != expected[name]:
+                raise QuantkitError(f"{self.path}: tensor {name} has shape {tuple(t.shape)} but config.json implies "
+                                    f"{expected[name]}: the config and the weights are from different models")
+            if not torch.isfinite(t).all():
+                raise QuantkitError(f"{self.path}: weight {name} contains NaN or Inf: the checkpoint is damaged; "
+                                    "re-download or re-export it")
+        return out
+
+
+FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# tensor name endings that give away a quantized checkpoint whose config does not say so
+QUANTIZED_MARKS = {".qweight": "GPTQ or AWQ", ".absmax": "bitsandbytes", ".weight_packed": "compressed-tensors",
+                   ".weight_scale": "an FP8 or compressed-tensors quantizer", ".SCB": "bitsandbytes 8-bit"}
+
+
+def already_quantized(marked: list[str]) -> str:
+    for mark, tool in QUANTIZED_MARKS.items():
+        if marked and marked[0].endswith(mark):
+            return f"already quantized by {tool} ({marked[0]})"
+    return "no float weights, so already quantized"
 
 
 def cache_dir() -> Path:
@@ -106,8 +218,6 @@ def load_dir(path: Path, packed: bool = False) -> Model:
     if not weights:
         hint = " (pytorch .bin checkpoints are not read: convert them to safetensors)" if any(path.glob("*.bin")) else ""
         raise QuantkitError(f"{path}: no *.safetensors weights{hint}: pass a directory that holds the model's weights")
-    for w in weights:
-        check_safetensors(w)
     qc = cfg.get("quantization_config")
     if qc is not None:
         from quantkit.exporters import awq, bnb, gptq
@@ -118,11 +228,29 @@ def load_dir(path: Path, packed: bool = False) -> Model:
                 f"{path}: already quantized with {qc.get('quant_method')!r}: quantkit reads full-precision "
                 "checkpoints and GPTQ, AWQ (GEMM) and bitsandbytes 4-bit ones"
             )
+        for w in weights:
+            check_safetensors(w)
         return readers[qc["quant_method"]](path, packed)
-    module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
-    model = Model(module.eval(), load_tokenizer(path), str(path))
-    check_finite(model.module, model.source)
-    return model
+    checkpoint = Checkpoint(path)
+    return Model(skeleton(path, checkpoint), load_tokenizer(path), str(path), checkpoint=checkpoint)
+
+
+def skeleton(path: Path, checkpoint: Checkpoint) -> PreTrainedModel:
+    """The model on the meta device, in the checkpoint's dtype (buffers such as the rotary
+    frequencies are computed for real); refuses a checkpoint that lacks a weight the config needs."""
+    from accelerate import init_empty_weights
+
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    with init_empty_weights(include_buffers=False):
+        module = AutoModelForCausalLM.from_config(cfg, dtype=checkpoint.dtype, trust_remote_code=False)
+    if (path / "generation_config.json").is_file():
+        module.generation_config = GenerationConfig.from_pretrained(path)
+    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    missing = [n for n, _ in module.named_parameters() if n not in checkpoint.where and n not in tied]
+    if missing:
+        raise QuantkitError(f"{path}: the checkpoint lacks {missing[0]} ({len(missing)} missing), which config.json "
+                            "calls for: download the whole checkpoint, or fix config.json")
+    return module.eval()
 
 
 def load_tokenizer(path: Path, **kw):

@@ -1,44 +1,50 @@
-"""The layer-wise pipeline: calibration inputs go through the decoder one layer at a time.
-
-For each layer: hooks gather what the quantizer needs from each linear's inputs, the linears are
+"""The layer-wise pipeline, the one place where layers flow: each decoder layer is read from the
+checkpoint (in its own dtype), moved to the device in float32, calibrated, quantized, handed to the
+writer and dropped, so one layer is in memory at a time. Calibration inputs go through the decoder
+with the layers: hooks gather what the quantizer needs from each linear's inputs, the linears are
 quantized, and the layer is run again so the next layer sees the quantized layer's outputs.
-Only one layer's activations are alive at a time.
 """
 from __future__ import annotations
 
+import resource
 import sys
+import time
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 from tqdm import tqdm
 
-from .errors import QuantkitError
+from . import distributed
+from .layers import GROUPS, on_device
 from .modelio import Model
 from .qtensor import QuantizedTensor
-from .quantizers import awq
-
-# Linears of a decoder layer, grouped by the input they share.
-GROUPS = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp.down_proj",),
-)
-LINEARS = tuple(name for group in GROUPS for name in group)
 
 QuantizeFn = Callable[[str, torch.Tensor, "Hessian | None"], QuantizedTensor]
 # a whole layer at once (AWQ): (index, layer, its input batches) -> quantized tensors by name
 LayerFn = Callable[[int, torch.nn.Module, list], dict[str, QuantizedTensor]]
+# the weights outside the decoder layers (embedding, output): (name, weight) -> quantized, or None to keep it float
+OtherFn = Callable[[str, torch.Tensor], "QuantizedTensor | None"]
+
+
+class Writer(Protocol):
+    """Where results go as they are made (an exporter): plain tensors by state-dict key, quantized
+    linears by module name. start(None) begins afresh; start(state), with a state() taken after a
+finished layer, goes on from there."""
+    written: int  # bytes so far
+
+    def add(self, key: str, tensor: torch.Tensor) -> None: ...
+    def add_quantized(self, name: str, qt: QuantizedTensor) -> None: ...
+    def start(self, state: dict | None) -> None: ...
+    def state(self) -> dict: ...
 
 
 class Hessian:
     """Running H = 2 X^T X / n of one linear's inputs: float32 products, float64 sum."""
 
-    def __init__(self, cols: int):
-        self.sum = torch.zeros(cols, cols, dtype=torch.float64)
+    def __init__(self, cols: int, device: str | torch.device = "cpu"):
+        self.sum = torch.zeros(cols, cols, dtype=torch.float64, device=device)
         self.count = 0
 
     def add_batch(self, x: torch.Tensor) -> None:
@@ -54,35 +60,47 @@ class _Captured(Exception):
     pass
 
 
-def capture_inputs(model: Model, windows: torch.Tensor, batch_size: int) -> list[tuple[torch.Tensor, dict]]:
-    """The first decoder layer's inputs (hidden states and keyword arguments), one entry per batch."""
-    captured = []
+def capture_inputs(model: Model, windows: torch.Tensor, batch_size: int, device: str | torch.device = "cpu",
+                   store: str | torch.device | None = None) -> list[tuple[torch.Tensor, dict]]:
+    """The first decoder layer's inputs (hidden states and keyword arguments), one entry per batch;
+    the embedding is read for this and dropped after. The hidden states are kept on store (default:
+    device; a CUDA run whose activations do not fit keeps them in pinned CPU memory)."""
+    captured, store = [], torch.device(store or device)
 
     def grab(module, args, kwargs):
         kwargs = dict(kwargs)
         hidden = args[0] if args else kwargs.pop("hidden_states")
         kwargs.pop("past_key_values", None)
         kwargs["use_cache"] = False
-        captured.append((hidden.detach(), kwargs))
+        hidden = hidden.detach().float().to(store)
+        captured.append((hidden.pin_memory() if store.type == "cpu" and torch.device(device).type == "cuda" else hidden,
+                         kwargs))
         raise _Captured
 
+    loaded = model.module.model.embed_tokens.weight.is_meta
+    model.materialize("model.embed_tokens", device)
+    model.module.model.rotary_emb.to(device)
     handle = model.layers[0].register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        for batch in windows.split(batch_size):
+        for batch in distributed.share(list(windows.split(batch_size))):  # under torchrun, a share of them
             try:
-                model.module(batch, use_cache=False)
+                model.module(batch.to(device), use_cache=False)
             except _Captured:
                 pass
     finally:
         handle.remove()
+        if loaded:
+            model.release("model.embed_tokens")
     return captured
+
+
 
 
 def run_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]]) -> list[tuple[torch.Tensor, dict]]:
     """Replace each batch's hidden states by the layer's output, in place: one copy alive at a time."""
     for j, (hidden, kwargs) in enumerate(batches):
-        y = layer(hidden, **kwargs)
-        batches[j] = (y[0] if isinstance(y, tuple) else y, kwargs)
+        y = layer(on_device(layer, hidden), **kwargs)
+        batches[j] = ((y[0] if isinstance(y, tuple) else y).to(hidden.device), kwargs)
     return batches
 
 
@@ -94,7 +112,7 @@ def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, di
     hessians, handles, kept = {}, [], []
     for group in groups:
         first = layer.get_submodule(group[0])
-        h = Hessian(first.in_features)
+        h = Hessian(first.in_features, first.weight.device)
 
         def hook(module, args, h=h, last=group is groups[-1], keep=group[0] == keep):
             h.add_batch(args[0])
@@ -108,135 +126,16 @@ def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, di
     try:
         for hidden, kwargs in batches:
             try:
-                layer(hidden, **kwargs)
+                layer(on_device(layer, hidden), **kwargs)
             except _Captured:
                 pass
     finally:
         for handle in handles:
             handle.remove()
+    for h in {id(h): h for h in hessians.values()}.values():  # summed over the processes of a torchrun job
+        distributed.sum_(h.sum)
+        h.count = int(distributed.sum_(torch.tensor(h.count, dtype=torch.float64, device=h.sum.device)).item())
     return hessians, kept
-
-
-def linear_inputs(layer: torch.nn.Module, batches, names) -> dict[str, list[torch.Tensor]]:
-    """Each named linear's inputs, batch by batch, from one run of the layer."""
-    inputs, handles = {name: [] for name in names}, []
-    for name in names:
-        hook = lambda module, args, name=name: inputs[name].append(args[0].detach())  # noqa: E731
-        handles.append(layer.get_submodule(name).register_forward_pre_hook(hook))
-    try:
-        for hidden, kwargs in batches:
-            layer(hidden, **kwargs)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return inputs
-
-
-def kv_channels(attn: torch.nn.Module) -> torch.Tensor:
-    """For each input channel of o_proj, the output channel of v_proj it reads (grouped-query attention:
-    query heads share a kv head), so a scale folded into v_proj is shared by those o_proj channels."""
-    hd, n_kv = attn.head_dim, attn.v_proj.out_features // attn.head_dim
-    heads = attn.o_proj.in_features // hd
-    kv_head = torch.arange(heads) // (heads // n_kv)
-    return (kv_head[:, None] * hd + torch.arange(hd)).reshape(-1)
-
-
-def fold(prev: torch.nn.Module, linears: list[torch.nn.Linear], s: torch.Tensor, s_full: torch.Tensor) -> None:
-    """Scale the linears' input channels by s_full and the op that feeds them (a norm's weight, or a
-    linear's output rows) by 1/s: the float function is unchanged."""
-    if isinstance(prev, torch.nn.Linear):
-        prev.weight.data /= s[:, None]
-        if prev.bias is not None:
-            prev.bias.data /= s
-    else:
-        prev.weight.data /= s
-    for lin in linears:
-        lin.weight.data *= s_full
-
-
-AWQ_LAYOUT = ("input_layernorm", "post_attention_layernorm", *LINEARS)
-
-
-def search_group(prev: torch.nn.Module, linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: list[dict],
-                 block: Callable, channels: torch.Tensor | None, bits: int, group_size: int, sym: bool,
-                 duo: bool = False, n_grid: int = 20, search_tokens: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
-    """AWQ's scale search for linears sharing the inputs xs (one tensor per batch), judged by
-    block(x, kwargs)'s output on the first batches that hold search_tokens tokens (the mean |x| uses
-    them all). channels maps each input channel to the output channel of prev that feeds it
-    (grouped-query attention), or None. Returns prev's scales and the linears' scales."""
-    x_mean = sum(x.abs().reshape(-1, x.shape[-1]).sum(0) for x in xs) / sum(x[..., 0].numel() for x in xs)
-    w_mean = awq.weight_mean([lin.weight for lin in linears], group_size) if duo else None
-    if channels is not None:  # one scale per output channel of prev: average what shares it
-        count = torch.bincount(channels).float()
-        x_mean = torch.zeros(len(count)).index_add_(0, channels, x_mean) / count
-        w_mean = torch.zeros(len(count)).index_add_(0, channels, w_mean) / count if duo else None
-    full = (lambda s: s[channels]) if channels is not None else (lambda s: s)
-    tokens = torch.tensor([x[..., 0].numel() for x in xs]).cumsum(0)
-    n = max(1, int((tokens <= search_tokens).sum()))  # each candidate costs a block forward per token
-    xs, kwargs = xs[:n], kwargs[:n]
-    reference = [block(x, kw) for x, kw in zip(xs, kwargs)]
-
-    def loss(s: torch.Tensor) -> float:
-        originals = [lin.weight.data for lin in linears]
-        for lin in linears:
-            lin.weight.data = awq.fake_quantize(lin.weight * full(s), bits, group_size, sym) / full(s)
-        err = sum((block(x, kw) - ref).pow(2).sum().item() for x, kw, ref in zip(xs, kwargs, reference))
-        for lin, w in zip(linears, originals):
-            lin.weight.data = w
-        return err / sum(ref.numel() for ref in reference)
-
-    s, _, _ = awq.search_scale(x_mean, loss, n_grid, w_mean)
-    return s, full(s)
-
-
-def awq_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, sym: bool, duo: bool = False,
-              n_grid: int = 20, clip_tokens: int = 512, prefix: str = "") -> dict[str, QuantizedTensor]:
-    """AWQ on one decoder layer in place: search and fold the scales of each group of linears that
-    share an input, search each linear's clipping (not q/k: their errors pass through softmax),
-    quantize. Returns the quantized tensors by full name."""
-    missing = [name for name in AWQ_LAYOUT if not hasattr_path(layer, name)]
-    if missing:
-        raise QuantkitError(f"AWQ does not know this layer's norm/linear pairing (no {', '.join(missing)}): it "
-                            "supports Llama, Mistral and Qwen2-style decoders")
-    attn, mlp = layer.self_attn, layer.mlp
-    inputs = linear_inputs(layer, batches, [group[0] for group in GROUPS])  # a group's input is its first linear's
-    kwargs = [kw for _, kw in batches]
-
-    def attention(x, kw):
-        return attn(hidden_states=x, **{k: v for k, v in kw.items() if k != "hidden_states"})[0]
-
-    # for each of GROUPS: the op whose output feeds it, the block whose output judges it, the channel map
-    feeders = [(layer.input_layernorm, attention, None),
-               (attn.v_proj, lambda x, kw: attn.o_proj(x), kv_channels(attn)),
-               (layer.post_attention_layernorm, lambda x, kw: mlp(x), None),
-               (mlp.up_proj, lambda x, kw: mlp.down_proj(x), None)]
-    linears = [[layer.get_submodule(name) for name in group] for group in GROUPS]
-    scales = [search_group(prev, lins, inputs[group[0]], kwargs, block, channels, bits, group_size, sym, duo, n_grid)
-              for group, lins, (prev, block, channels) in zip(GROUPS, linears, feeders)]
-    # folded after all searches, as the reference does
-    for group, lins, (prev, _, _), (s, s_full) in zip(GROUPS, linears, feeders, scales):
-        fold(prev, lins, s, s_full)
-        inputs[group[0]] = [x / s_full for x in inputs[group[0]]]
-    tensors = {}
-    for group in GROUPS:
-        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[group[0]]])
-        x = x[:: max(1, len(x) // clip_tokens)]
-        for name in group:
-            linear = layer.get_submodule(name)
-            bound = None if name in ("self_attn.q_proj", "self_attn.k_proj") else \
-                awq.search_clip(linear.weight.data, x, bits, group_size)
-            qt = awq.quantize(linear.weight.data, bits, group_size, sym, bound)
-            linear.weight.data.copy_(qt.dequantize())
-            tensors[f"{prefix}{name}"] = qt
-    return tensors
-
-
-def hasattr_path(module: torch.nn.Module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-        return True
-    except AttributeError:
-        return False
 
 
 @contextmanager
@@ -254,9 +153,25 @@ def replaying_attention(layer: torch.nn.Module, outputs: list[torch.Tensor] | No
         del layer.self_attn.forward  # the class's forward again
 
 
-def save_progress(path: Path, key: str, next_layer: int, tensors: dict, batches, other: dict) -> None:
-    state = {"key": key, "next_layer": next_layer, "tensors": {n: asdict(qt) for n, qt in tensors.items()},
-             "batches": batches, "other": other}
+def store_of(model: Model, windows: torch.Tensor, device: str | torch.device) -> torch.device:
+    """Where calibration activations live: on the GPU when a quarter of its free memory holds them,
+    else in pinned CPU memory (each batch then goes to the GPU when it is used)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device
+    need = windows.numel() * model.module.config.hidden_size * 4
+    return device if need < torch.cuda.mem_get_info(device)[0] // 4 else torch.device("cpu")
+
+
+def peak_memory() -> str:
+    """The process's peak resident memory (and the GPU's peak allocation when there is one)."""
+    rss = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rss += f", GPU {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
+    return rss
+
+
+def save_progress(path: Path, state: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     tmp.replace(path)
@@ -270,12 +185,65 @@ def load_progress(path: Path, key: str) -> dict | None:
         state = torch.load(path, weights_only=True)
     except Exception as e:  # a file cut short by a kill: start afresh
         print(f"ignoring unreadable progress file {path} ({type(e).__name__})", file=sys.stderr)
+        path.unlink()
         return None
     if state.get("key") != key:
         print(f"ignoring progress file {path}: it is from another model, configuration or calibration set",
               file=sys.stderr)
+        path.unlink()
         return None
     return state
+
+
+def quantize_layer(i: int, layer: torch.nn.Module, quantize: QuantizeFn, batches, stages) -> dict[str, QuantizedTensor]:
+    """One decoder layer's linears through quantize, group by group; the weights become their
+    dequantized values in place."""
+    tensors = {}
+    attention = None  # the attention block's outputs, once they are final
+    for stage in stages:
+        hessians, o_inputs = {}, []
+        if batches is not None:
+            # o_proj's inputs are final when q/k/v were quantized in an earlier stage
+            keep = "self_attn.o_proj" if stage == (("self_attn.o_proj",),) else None
+            with replaying_attention(layer, attention):
+                hessians, o_inputs = gather_hessians(layer, batches, stage, keep)
+        names = [name for group in stage for name in group]
+        mine = {name: quantize(f"model.layers.{i}.{name}", layer.get_submodule(name).weight.data, hessians.get(name))
+                for j, name in enumerate(names) if distributed.owner(j) == distributed.rank()}
+        for j, name in enumerate(names):  # under torchrun, each linear from the process that quantized it
+            qt = distributed.broadcast(mine[name].to("cpu") if name in mine else None, distributed.owner(j))
+            linear = layer.get_submodule(name)
+            linear.weight.data.copy_(qt.dequantize().to(linear.weight.device))  # in place: no second copy
+            tensors[f"model.layers.{i}.{name}"] = qt
+        if o_inputs:
+            attention = [layer.self_attn.o_proj(x) for x in o_inputs]
+    if batches is not None:
+        with replaying_attention(layer, attention):
+            run_layer(layer, batches)
+    return tensors
+
+
+def write_other(model: Model, prefix: str, writer: Writer | None, other: OtherFn | None, keep: bool) -> dict:
+    """The weights of a part outside the decoder layers (embedding, final norm, lm_head): read, quantized
+    by other when it says so, written, dropped unless kept. Its quantized tensors by name."""
+    if writer is None and other is None:
+        return {}
+    tied = prefix == "lm_head" and model.module.config.tie_word_embeddings
+    if tied:
+        return {}
+    module = model.materialize(prefix, dtype=torch.float32 if keep else None)  # kept: float32, as the rest
+    tensors = {}
+    for key, t in module.state_dict().items():
+        qt = other(prefix, t) if other is not None and key == "weight" else None
+        if qt is not None:
+            tensors[prefix] = qt
+            if keep:
+                t.copy_(qt.dequantize())
+        if writer is not None:
+            writer.add_quantized(prefix, qt) if qt is not None else writer.add(f"{prefix}.{key}", t)
+    if not keep:
+        model.release(prefix)
+    return tensors
 
 
 @torch.no_grad()
@@ -283,59 +251,90 @@ def quantize_layers(
     model: Model,
     quantize: QuantizeFn | None,
     windows: torch.Tensor | None = None,
+    *,
     batch_size: int = 8,
     sequential: bool = False,
+    device: str | torch.device = "cpu",
+    writer: Writer | None = None,
+    other: OtherFn | None = None,
+    keep: bool = True,
     progress: bool = True,
     resume: tuple[Path, str] | None = None,
     layer_fn: LayerFn | None = None,
 ) -> dict[str, QuantizedTensor]:
-    """Quantize every decoder linear in place (weights become their dequantized values).
+    """Quantize every decoder linear, layer by layer; the quantized tensors by name.
+
+    Each layer is read from the model's checkpoint when not in memory, quantized on device in
+    float32, handed to writer (its quantized linears and its other tensors, such as norms), then
+    dropped, or with keep left in memory (on the CPU, weights dequantized) and returned. The
+    embedding, final norm and lm_head go to the writer as well, through other (e.g. GGUF blocks).
 
     With windows (LongTensor [n, seqlen]) each linear's quantizer also gets the Hessian of its
     inputs; without, it gets None and no forward pass is made. sequential: q/k/v, then o, then
     gate/up, then down, each group seeing the inputs the already quantized ones produce.
-    resume (path, key): after each layer the state is saved there; a run with the same key
-    starts after the last finished layer. layer_fn, when given, quantizes each layer whole instead.
+    layer_fn, when given, quantizes each layer whole instead. resume (path, key), without keep:
+    after each layer the state (the writer's, the calibration activations) is saved there; a run
+    with the same key starts after the last finished layer.
     """
-    tensors, start = {}, 0
-    state = load_progress(*resume) if resume else None
+    tensors, start, n = {}, 0, len(model.layers)
+    state = load_progress(*resume) if resume and not keep else None
+    if distributed.agree(state["next_layer"] if state else 0, "min") != distributed.agree(
+            state["next_layer"] if state else 0, "max"):
+        state = None  # the processes of a torchrun job were killed after different layers: start afresh
     if state is not None:
         start, batches = state["next_layer"], state["batches"]
-        tensors = {name: QuantizedTensor.from_dict(d) for name, d in state["tensors"].items()}
-        for name, qt in tensors.items():
-            linear = model.module.get_submodule(name)
-            linear.weight.data.copy_(qt.dequantize())
-        model.module.load_state_dict(state["other"], strict=False)  # norms and biases AWQ rescaled
-        print(f"resuming after layer {start}/{len(model.layers)} from {resume[0]}", file=sys.stderr)
+        store = store_of(model, windows, device) if windows is not None else device
+        batches = [(h.to(store), {k: to(v, device) for k, v in kw.items()}) for h, kw in batches] if batches else None
+        if writer is not None:
+            writer.start(state["writer"])
+        print(f"resuming after layer {start}/{n} from {resume[0]}", file=sys.stderr)
     else:
-        batches = capture_inputs(model, windows, batch_size) if windows is not None else None
+        if writer is not None:
+            writer.start(None)
+        batches = capture_inputs(model, windows, batch_size, device, store_of(model, windows, device)) \
+            if windows is not None else None
+        tensors |= write_other(model, "model.embed_tokens", writer, other, keep)
     stages = [(group,) for group in GROUPS] if sequential else [GROUPS]
-    bar = tqdm(range(start, len(model.layers)), desc="quantizing layers", unit="layer", initial=start,
-               total=len(model.layers), disable=not progress)
+    tokens = 0 if windows is None else windows.numel()
+    bar = tqdm(range(start, n), desc="quantizing layers", unit="layer", initial=start, total=n,
+               disable=not progress, file=sys.stderr)
+    began = time.monotonic()
     for i in bar:
-        layer = model.layers[i]
-        attention = None  # the attention block's outputs, once they are final
+        prefix = f"model.layers.{i}"
+        layer = model.materialize(prefix, device, dtype=None).float()
         if layer_fn is not None:
-            tensors.update(layer_fn(i, layer, batches))
-        for stage in stages if layer_fn is None else ():
-            hessians, o_inputs = {}, []
-            if batches is not None:
-                # o_proj's inputs are final when q/k/v were quantized in an earlier stage
-                keep = "self_attn.o_proj" if stage == (("self_attn.o_proj",),) else None
-                with replaying_attention(layer, attention):
-                    hessians, o_inputs = gather_hessians(layer, batches, stage, keep)
-            for name in (name for group in stage for name in group):
-                linear = layer.get_submodule(name)
-                qt = quantize(f"model.layers.{i}.{name}", linear.weight.data, hessians.get(name))
-                linear.weight.data.copy_(qt.dequantize())  # in place: no second copy of the layer
-                tensors[f"model.layers.{i}.{name}"] = qt
-            if o_inputs:
-                attention = [layer.self_attn.o_proj(x) for x in o_inputs]
-        if batches is not None:
-            with replaying_attention(layer, attention):
-                batches = run_layer(layer, batches)
-        if resume:
-            other = {k: v for k, v in model.module.state_dict().items()
-                     if k.startswith("model.layers.") and k.removesuffix(".weight") not in tensors}
-            save_progress(resume[0], resume[1], i + 1, tensors, batches, other)
+            layer_tensors = {name: qt.to("cpu") for name, qt in layer_fn(i, layer, batches).items()}
+        else:
+            layer_tensors = quantize_layer(i, layer, quantize, batches, stages)
+        if writer is not None:
+            for name, qt in layer_tensors.items():
+                writer.add_quantized(name, qt)
+            for key, t in layer.state_dict().items():
+                if f"{prefix}.{key}".removesuffix(".weight") not in layer_tensors:
+                    writer.add(f"{prefix}.{key}", t)
+        if keep or model.checkpoint is None:
+            layer.to("cpu")
+            tensors |= layer_tensors
+        else:
+            model.release(prefix)
+        if resume and not keep:
+            save_progress(resume[0], {"key": resume[1], "next_layer": i + 1, "batches": batches,
+                                      "writer": writer.state() if writer is not None else None})
+        rate = tokens * (i + 1 - start) / (time.monotonic() - began)
+        bar.set_postfix_str(", ".join(filter(None, [
+            f"{rate:.0f} tok/s" if tokens else "", f"{writer.written / 2**20:.0f} MiB written" if writer else "",
+            peak_memory()])))
+    for prefix in ("model.norm", "lm_head"):
+        tensors |= write_other(model, prefix, writer, other, keep)
+    if keep:
+        model.materialize()
     return tensors
+
+
+def to(value, device):
+    """A calibration keyword argument on device (tensors, and the tuples of them such as rotary embeddings)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(to(v, device) for v in value)
+    return value

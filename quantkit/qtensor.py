@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -79,6 +79,13 @@ class QuantizedTensor:
         """Inverse of dataclasses.asdict (which turns a nested tensor into a dict too)."""
         nested = d.get("nested")
         return cls(**{**d, "nested": cls.from_dict(nested) if nested is not None else None})
+
+    def to(self, device: str | torch.device) -> QuantizedTensor:
+        """The same tensor with its parts on device."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        nested = self.nested.to(device) if self.nested is not None else None
+        return replace(self, **moved, nested=nested)
 
     @property
     def block_bytes(self) -> int:

@@ -15,15 +15,15 @@ VALID = DATA / "wikitext-2" / "wiki.valid.tokens"
 TEST = DATA / "wikitext-2-raw" / "wiki.test.raw"
 
 
-def tiny_tokenizer(path: Path):
-    """A byte-level BPE of 512 tokens trained on the calibration text: real tokenization, no download."""
+def tiny_tokenizer(path: Path, vocab_size: int = 512):
+    """A byte-level BPE of up to vocab_size tokens trained on the calibration text: real tokenization, no download."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([VALID.read_text()[:200_000]], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
@@ -41,6 +41,15 @@ def make_tiny(path: Path, hidden: int = 64, intermediate: int = 128, layers: int
     LlamaForCausalLM(config).save_pretrained(path)
     tiny_tokenizer(path)
     return path
+
+
+def loaded(path=None):
+    """A model with every weight in memory (load() reads them layer by layer, when needed)."""
+    import quantkit
+
+    m = quantkit.load(path)
+    m.materialize()
+    return m
 
 
 @pytest.fixture(scope="session")

@@ -7,17 +7,17 @@ import torch
 import quantkit
 from quantkit import QuantkitError
 from quantkit.exporters import awq as gemm
-from quantkit.modelio import load
-from quantkit.pipeline import awq_layer, capture_inputs, fold, kv_channels, search_group
+from quantkit.pipeline import capture_inputs
 from quantkit.quantizers import awq
+from quantkit.quantizers.awq import fold, kv_channels, search_group
 
-from .conftest import VALID
+from .conftest import VALID, loaded
 from .refs import autoawq, cpu_snapshots_copied
 
 
 @pytest.fixture(scope="module")
 def layer_and_batches(tiny_dir):
-    m = load(tiny_dir)
+    m = loaded(tiny_dir)
     windows = torch.randint(0, 512, (4, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         batches = capture_inputs(m, windows, 2)
@@ -25,7 +25,7 @@ def layer_and_batches(tiny_dir):
 
 
 def test_kv_channels_follow_grouped_query_heads(tiny_dir):
-    attn = load(tiny_dir).layers[0].self_attn  # 4 query heads of 16, 2 kv heads
+    attn = loaded(tiny_dir).layers[0].self_attn  # 4 query heads of 16, 2 kv heads
     expected = torch.cat([torch.arange(16), torch.arange(16), 16 + torch.arange(16), 16 + torch.arange(16)])
     assert torch.equal(kv_channels(attn), expected)
 
@@ -62,7 +62,7 @@ def reference_quantizer(bits, group_size):
 def test_scales_match_autoawq(tiny_dir, duo):
     """Same block, same activations: the same grid point as autoawq, or (where two points are a near
     tie, since our grid rounds its scale to float16 and always spans 0) a block loss no worse."""
-    m = load(tiny_dir)
+    m = loaded(tiny_dir)
     layer = m.layers[0]
     x = torch.randn(4, 48, 64, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.1, 3, 64)
     with torch.no_grad():
@@ -124,7 +124,7 @@ def test_clip_matches_autoawq():
 
 def test_awq_beats_nothing_on_gqa_model_and_exports(tiny_dir, tmp_path):
     m = quantkit.quantize(str(tiny_dir), method="awq", bits=4, group_size=32, calib_data=VALID, calib_samples=8,
-                          calib_seqlen=64, out=tmp_path / "gptq-layout", progress=False)
+                          calib_seqlen=64, out=tmp_path / "gptq-layout", keep=True, progress=False)
     assert m.qconfig.sym is False  # zero points by default, as AWQ
     qt = m.tensors["model.layers.0.self_attn.o_proj"]
     assert not qt.sym and qt.group_size == 32
@@ -177,32 +177,6 @@ def test_unknown_layer_layout_is_refused(layer_and_batches):
     del layer.post_attention_layernorm
     try:
         with pytest.raises(QuantkitError, match="post_attention_layernorm.*Llama, Mistral and Qwen2"):
-            awq_layer(layer, batches, 4, 32, False)
+            awq.quantize_layer(layer, batches, 4, 32, False)
     finally:
         layer.post_attention_layernorm = saved
-
-
-def test_interrupted_awq_resumes_with_its_folded_norms(tiny_dir, tmp_path):
-    from quantkit.calibration import load_text, sample_windows
-    from quantkit.pipeline import quantize_layers
-
-    windows = sample_windows(load(tiny_dir).tokenizer, load_text(VALID), 4, 48, seed=1)
-    progress = (tmp_path / "progress.pt", "awq")
-    seen = []
-
-    def layer_fn(i, layer, batches):
-        if i == 1 and not seen:
-            seen.append(i)
-            raise KeyboardInterrupt
-        return awq_layer(layer, batches, 4, 32, False, prefix=f"model.layers.{i}.")
-
-    with pytest.raises(KeyboardInterrupt):
-        quantize_layers(load(tiny_dir), None, windows, progress=False, resume=progress, layer_fn=layer_fn)
-    resumed = load(tiny_dir)
-    tensors = quantize_layers(resumed, None, windows, progress=False, resume=progress, layer_fn=layer_fn)
-    fresh = load(tiny_dir)
-    expected = quantize_layers(fresh, None, windows, progress=False, layer_fn=layer_fn)
-    for name, qt in expected.items():
-        assert torch.equal(tensors[name].codes, qt.codes), name
-    for key, value in fresh.module.state_dict().items():  # norms folded in layer 0 came back from the file
-        assert torch.equal(resumed.module.state_dict()[key], value), key

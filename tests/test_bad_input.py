@@ -119,3 +119,91 @@ def test_calibration_text_too_short_for_gptq(model, capsys, monkeypatch, tmp_pat
 def test_missing_calibration_file(model, capsys, monkeypatch, tmp_path):
     quantize_fails([model, "--method", "gptq", "--calib-data", tmp_path / "nope.txt"], capsys, monkeypatch, tmp_path,
                    "no such file")
+
+
+@pytest.fixture
+def sharded(tiny_dir, tmp_path):
+    """The tiny model in several shards with their index, as big checkpoints come."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(tiny_dir).save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(tmp_path / "sharded")
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 2
+    return tmp_path / "sharded"
+
+
+def test_shard_named_by_the_index_but_missing(sharded, capsys, monkeypatch, tmp_path):
+    shard = sorted(sharded.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    quantize_fails([sharded], capsys, monkeypatch, tmp_path, f"shard {shard.name} is named by model.safetensors.index.json")
+
+
+def test_truncated_shard(sharded, capsys, monkeypatch, tmp_path):
+    shard = sorted(sharded.glob("model-*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    quantize_fails([sharded], capsys, monkeypatch, tmp_path, f"{shard.name}: corrupt or truncated safetensors")
+
+
+def test_tensor_shape_disagrees_with_the_config(model, capsys, monkeypatch, tmp_path):
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+    quantize_fails([model], capsys, monkeypatch, tmp_path, "model.layers.0.mlp.gate_proj.weight has shape (128, 64) "
+                   "but config.json implies (96, 64)")
+
+
+def test_quantized_checkpoint_whose_config_does_not_say_so(tiny_dir, capsys, monkeypatch, tmp_path):
+    import quantkit
+
+    quantkit.quantize(str(tiny_dir), bits=4, group_size=32, out=tmp_path / "gptq", progress=False)
+    cfg = json.loads((tmp_path / "gptq" / "config.json").read_text())
+    del cfg["quantization_config"]
+    (tmp_path / "gptq" / "config.json").write_text(json.dumps(cfg))
+    quantize_fails([tmp_path / "gptq"], capsys, monkeypatch, tmp_path, "already quantized by GPTQ or AWQ")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="there is a GPU here")
+def test_cuda_without_a_gpu(model, capsys, monkeypatch, tmp_path):
+    quantize_fails([model, "--device", "cuda"], capsys, monkeypatch, tmp_path, "torch sees no CUDA GPU")
+
+
+def test_out_of_disk_space_keeps_what_was_finished_and_resumes(tiny_dir, capsys, monkeypatch, tmp_path):
+    """The disk fills up in layer 1: a one-line error, no output, and once there is space again the
+    same command resumes after layer 0 and writes what an uninterrupted run writes."""
+    import errno
+
+    from quantkit.exporters import shards
+
+    args = ["quantize", tiny_dir, "--method", "gptq", "--group-size", 32, "--calib-data", TEST, "--calib-samples", 4,
+            "--calib-seqlen", 48, "--max-shard-size", "30kB"]
+    real, seen = shards.ShardWriter.add, []
+
+    def add(self, name, tensor):
+        if name.startswith("model.layers.1.") and not seen:
+            seen.append(name)
+            raise shards.disk_error(self.dir, OSError(errno.ENOSPC, "No space left on device"))
+        return real(self, name, tensor)
+
+    monkeypatch.setattr(shards.ShardWriter, "add", add)
+    code, line = run([*args, "--out", tmp_path / "q"], capsys, monkeypatch)
+    assert code == 2 and line.startswith("error: out of disk space") and "resumes" in line
+    assert not (tmp_path / "q").exists() and (tmp_path / ".q.partial").is_dir() and (tmp_path / ".q.progress.pt").is_file()
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args), "--out", tmp_path / "q"])
+    main()
+    assert "resuming after layer 1/2" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args), "--out", tmp_path / "whole"])
+    main()
+    for f in (tmp_path / "whole").iterdir():
+        assert (tmp_path / "q" / f.name).read_bytes() == f.read_bytes(), f.name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "whole"]
+
+
+def test_two_runs_writing_the_same_output(model, capsys, monkeypatch, tmp_path):
+    from quantkit.exporters.atomic import Staged
+
+    holder = Staged(tmp_path / "out")  # another process's run, mid-way: it holds the lock
+    try:
+        code, line = run(["quantize", model, "--out", tmp_path / "out"], capsys, monkeypatch)
+        assert code == 2 and "is being written by another quantkit process" in line
+    finally:
+        holder.abort()
+    assert not (tmp_path / "out").exists()

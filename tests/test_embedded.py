@@ -10,7 +10,7 @@ import quantkit
 from quantkit.calibration import load_text
 from quantkit.modelio import default_gguf, gguf_tokenizer
 
-from .conftest import TEST
+from .conftest import TEST, loaded
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ LLAMA_CPP_TOKENS = (304830, "0bb9c246a4db1f3e120afab1b08b23e45563d7d4e6663cb366a
 
 @pytest.fixture(scope="module")
 def base():
-    return quantkit.load()
+    return loaded()
 
 
 def test_tokens_equal_llama_cpp(base):
@@ -48,7 +48,7 @@ def test_gguf_tokenizer_splits_digits_like_llama_cpp():
 
 
 def test_rtn_export_of_the_embedded_model(tmp_path):
-    q = quantkit.quantize(None, bits=4, group_size=128, sym=True, out=tmp_path / "q", progress=False)
+    q = quantkit.quantize(None, bits=4, group_size=128, sym=True, out=tmp_path / "q", keep=True, progress=False)
     name = "model.layers.0.self_attn.q_proj"
     assert q.tensors[name].n_groups == 5  # 576 = 4.5 x 128: the last group holds 64 columns
     back = quantkit.load(tmp_path / "q")
@@ -78,8 +78,9 @@ def test_awq_beats_rtn_on_real_layers(base):
     inputs, AWQ's layer output is much closer to the float layer's than RTN's on the same grid (the
     whole-model perplexities are benchmarks/awq_bench.py's)."""
     from quantkit.calibration import sample_windows
-    from quantkit.pipeline import LINEARS, awq_layer, capture_inputs, run_layer
-    from quantkit.quantizers import rtn
+    from quantkit.layers import LINEARS
+    from quantkit.pipeline import capture_inputs, run_layer
+    from quantkit.quantizers import awq, rtn
 
     from .conftest import VALID
 
@@ -92,7 +93,7 @@ def test_awq_beats_rtn_on_real_layers(base):
             for method in ("rtn", "awq"):
                 q = copy.deepcopy(layer)
                 if method == "awq":
-                    awq_layer(q, batches, bits=3, group_size=64, sym=False)
+                    awq.quantize_layer(q, batches, bits=3, group_size=64, sym=False)
                 else:
                     for name in LINEARS:
                         w = q.get_submodule(name).weight

@@ -6,14 +6,14 @@ from safetensors import safe_open
 
 import quantkit
 from quantkit import QuantkitError
-from quantkit.exporters import gptq, shards
+from quantkit.exporters import shards
 from quantkit.qtensor import QuantizedTensor
 
 from .conftest import autogptq_quantlinear
 
 
 def quantized(tiny_dir, **kw):
-    return quantkit.quantize(str(tiny_dir), progress=False, **kw)
+    return quantkit.quantize(str(tiny_dir), keep=True, progress=False, **kw)
 
 
 @pytest.mark.parametrize("bits,group_size,sym", [(4, 32, True), (4, 32, False), (3, 64, True), (2, -1, False),
@@ -110,7 +110,7 @@ def test_other_supported_architectures(tiny_dir, tmp_path, arch):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
     AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(tmp_path / "m")
-    m = quantkit.quantize(str(tmp_path / "m"), bits=4, group_size=32, out=tmp_path / "q", progress=False)
+    m = quantkit.quantize(str(tmp_path / "m"), bits=4, group_size=32, out=tmp_path / "q", keep=True, progress=False)
     back = quantkit.load(tmp_path / "q")
     assert back.module.config.model_type == arch and len(back.tensors) == 14
     for name, qt in m.tensors.items():

@@ -1,6 +1,5 @@
 """GGUF blocks, mixes and files: the fast part runs on random weights and a tiny Llama; the slow
 part is judged by llama.cpp itself (llama-quantize's bytes, llama-perplexity's scores)."""
-import copy
 
 import gguf
 import numpy as np
@@ -12,7 +11,7 @@ from quantkit.errors import QuantkitError
 from quantkit.exporters import gguf as G
 from quantkit.quantizers import ggml, rtn
 
-from .conftest import TEST, VALID, make_tiny
+from .conftest import TEST, VALID, loaded, make_tiny
 
 QUANTIZED = ggml.LEGACY_TYPES + ggml.K_TYPES
 
@@ -92,8 +91,8 @@ def tiny256(tmp_path_factory):
 def test_file_reads_back_as_the_quantized_model(tiny256, tmp_path, mix):
     """transformers' GGUF reader (llama.cpp's layout: names, q/k rows permuted, tokenizer) gives back
     exactly the weights we quantized, and the same tokenization."""
-    m = quantkit.load(tiny256)
-    quantkit.quantize(m, "rtn", format="gguf", gguf_type=mix, out=tmp_path / "m.gguf", progress=False)
+    m = quantkit.quantize(tiny256, method="rtn", format="gguf", gguf_type=mix, out=tmp_path / "m.gguf", keep=True,
+                          progress=False)
     back = quantkit.load(tmp_path / "m.gguf")
     theirs = back.module.state_dict()
     for key, t in m.module.state_dict().items():
@@ -107,7 +106,8 @@ def test_file_reads_back_as_the_quantized_model(tiny256, tmp_path, mix):
 
 def test_checkpoint_grid_exports_its_codes(tiny256, tmp_path):
     """A 4-bit symmetric g32 checkpoint becomes Q4_0 blocks with the same values, bit for bit."""
-    m = quantkit.quantize(tiny256, "rtn", bits=4, group_size=32, sym=True, out=tmp_path / "ckpt", progress=False)
+    m = quantkit.quantize(tiny256, method="rtn", bits=4, group_size=32, sym=True, out=tmp_path / "ckpt", keep=True,
+                          progress=False)
     quantkit.api.export_gguf(quantkit.load(tmp_path / "ckpt"), tmp_path / "m.gguf")
     back = quantkit.load(tmp_path / "m.gguf")
     for name, qt in m.tensors.items():
@@ -137,7 +137,7 @@ def test_activations_round_as_llama_cpp_rounds_them():
 
 
 def test_truncated_gguf_is_a_clear_error(tiny256, tmp_path):
-    m = quantkit.quantize(tiny256, "rtn", format="gguf", gguf_type="Q8_0", out=tmp_path / "m.gguf", progress=False)
+    m = quantkit.quantize(tiny256, method="rtn", format="gguf", gguf_type="Q8_0", out=tmp_path / "m.gguf", progress=False)
     data = (tmp_path / "m.gguf").read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
     with pytest.raises(QuantkitError, match="truncated"):
@@ -162,15 +162,15 @@ class Embedded:
     quantized once and shared by the tests that judge it."""
 
     def __init__(self, directory):
-        self.dir, self.model, self.files = directory, quantkit.load(), {}
-        quantkit.api.export_gguf(self.model, self.dir / "f32.gguf", "F32", progress=False)
+        self.dir, self.files = directory, {}
+        quantkit.api.export_gguf(quantkit.load(), self.dir / "f32.gguf", "F32", progress=False)
 
     def quantized(self, mix: str, pure: bool):
         """Our file of the mix and the quantized model it holds."""
         if (mix, pure) not in self.files:
-            q = quantkit.Model(copy.deepcopy(self.model.module), self.model.tokenizer, self.model.source)
+            q = quantkit.load()
             out = self.dir / f"ours-{mix}{'-pure' if pure else ''}.gguf"
-            quantkit.quantize(q, "rtn", format="gguf", gguf_type=mix, pure=pure, out=out, progress=False)
+            quantkit.quantize(q, method="rtn", format="gguf", gguf_type=mix, pure=pure, out=out, keep=True, progress=False)
             self.files[mix, pure] = out, q
         return self.files[mix, pure]
 
@@ -237,7 +237,7 @@ def real_inputs():
     from quantkit.calibration import load_text, sample_windows
     from quantkit.pipeline import capture_inputs, run_layer
 
-    m = quantkit.load()
+    m = loaded()
     windows = sample_windows(m.tokenizer, load_text(VALID), 8, 512)
     with torch.no_grad():
         batches = capture_inputs(m, windows, 4)
@@ -279,6 +279,6 @@ def test_cli_export_and_its_refusal(tiny256, tmp_path, capsys, monkeypatch):
                                       "--gguf-type", "Q8_0"])
     main()
     assert quantkit.load(tmp_path / "m.gguf").gguf_types["model.layers.0.mlp.up_proj"] == "Q8_0"
-    quantkit.quantize(tiny256, "rtn", bits=4, group_size=128, out=tmp_path / "g128", progress=False)
+    quantkit.quantize(tiny256, method="rtn", bits=4, group_size=128, out=tmp_path / "g128", progress=False)
     code, line = run(["export", tmp_path / "g128", "--out", tmp_path / "x.gguf"], capsys, monkeypatch)
     assert code == 2 and "has no GGUF block type" in line and not (tmp_path / "x.gguf").exists()

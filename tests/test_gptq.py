@@ -143,7 +143,7 @@ def test_act_order_export_reloads_bit_identical(tiny_dir, tmp_path):
     from .conftest import VALID
 
     m = quantkit.quantize(str(tiny_dir), method="gptq", bits=4, group_size=32, act_order=True, calib_data=VALID,
-                          calib_samples=8, calib_seqlen=64, out=tmp_path / "q", progress=False)
+                          calib_samples=8, calib_seqlen=64, out=tmp_path / "q", keep=True, progress=False)
     assert any(qt.act_order for qt in m.tensors.values())
     cfg = json.loads((tmp_path / "q" / "quantize_config.json").read_text())
     assert cfg["desc_act"] is True and cfg["meta"]["method"] == "gptq" and cfg["damp_percent"] == 0.01

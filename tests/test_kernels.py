@@ -178,7 +178,7 @@ def test_load_packed(tiny_dir, tmp_path, method, fmt):
 
     kw = {"rtn": {"group_size": 32}, "nf4": {"double_quant": True},
           "awq": {"group_size": 32, "calib_data": VALID, "calib_samples": 4, "calib_seqlen": 64}}[method]
-    m = quantkit.quantize(str(tiny_dir), method, out=tmp_path / "q", format=fmt, progress=False, **kw)
+    m = quantkit.quantize(str(tiny_dir), method=method, out=tmp_path / "q", format=fmt, keep=True, progress=False, **kw)
     packed = quantkit.load(tmp_path / "q", packed=True)
     plain = quantkit.load(tmp_path / "q")
     kind = NF4Linear if method == "nf4" else GPTQLinear
@@ -239,7 +239,7 @@ def test_bad_gptq_checkpoint_fails_at_load(tiny_dir, tmp_path, tensors, config, 
     (None, {"shape": [128, 48]}, "128x48 weight"),
 ])
 def test_bad_nf4_checkpoint_fails_at_load(tiny_dir, tmp_path, tensors, state, match):
-    quantkit.quantize(str(tiny_dir), "nf4", out=tmp_path / "q", progress=False)
+    quantkit.quantize(str(tiny_dir), method="nf4", out=tmp_path / "q", progress=False)
     if state:
         key = f"{NAME}.weight.quant_state.bitsandbytes__nf4"
         tensors = {key: lambda t: torch.tensor(list(json.dumps(json.loads(bytes(t.tolist())) | state).encode()),
@@ -263,7 +263,7 @@ def test_kernels_compile_for_a_gpu():
 @pytest.fixture(scope="module")
 def embedded_w4(tmp_path_factory):
     out = tmp_path_factory.mktemp("embedded") / "w4g128"
-    quantkit.quantize(None, "rtn", bits=4, group_size=128, out=out, progress=False)
+    quantkit.quantize(None, method="rtn", bits=4, group_size=128, out=out, progress=False)
     return out
 
 

@@ -129,7 +129,7 @@ def test_export_equals_transformers_own(tiny_dir, tmp_path, kind, double):
         quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind,
                                                bnb_4bit_use_double_quant=double, bnb_4bit_compute_dtype=torch.float32))
     theirs.save_pretrained(tmp_path / "theirs")
-    m = quantkit.quantize(str(tiny_dir), method=kind, double_quant=double, out=tmp_path / "ours", progress=False)
+    m = quantkit.quantize(str(tiny_dir), method=kind, double_quant=double, out=tmp_path / "ours", keep=True, progress=False)
     a, b = load_file(tmp_path / "ours" / "model.safetensors"), load_file(tmp_path / "theirs" / "model.safetensors")
     assert a.keys() == b.keys()
     for key in b:

@@ -3,17 +3,16 @@ import math
 import pytest
 import torch
 
-import quantkit
 from quantkit import QuantkitError
 from quantkit.evals import perplexity
 from quantkit.evals.perplexity import adds_bos
 
-from .conftest import TEST
+from .conftest import TEST, loaded
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
-    return quantkit.load(tiny_dir)
+    return loaded(tiny_dir)
 
 
 @pytest.fixture(scope="module")

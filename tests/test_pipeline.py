@@ -3,10 +3,11 @@ import torch
 
 import quantkit
 from quantkit.calibration import load_text, sample_windows
-from quantkit.pipeline import GROUPS, LINEARS, quantize_layers
+from quantkit.layers import GROUPS, LINEARS
+from quantkit.pipeline import quantize_layers
 from quantkit.quantizers import rtn
 
-from .conftest import TEST, VALID
+from .conftest import TEST, VALID, loaded
 
 
 def hessians_of(module, windows, layer_ids, groups):
@@ -29,7 +30,7 @@ def hessians_of(module, windows, layer_ids, groups):
 
 
 def test_hessians_follow_the_quantized_layers(tiny_dir):
-    m = quantkit.load(tiny_dir)
+    m = loaded(tiny_dir)
     windows = sample_windows(m.tokenizer, load_text(VALID), 6, 64, seed=1)
     before = hessians_of(m.module, windows, [0], GROUPS)
     seen = {}
@@ -47,13 +48,13 @@ def test_hessians_follow_the_quantized_layers(tiny_dir):
     after = hessians_of(m.module, windows, [1], GROUPS[:1])
     for name, h in after.items():
         torch.testing.assert_close(seen[name], h.float(), rtol=1e-4, atol=1e-5)
-        assert not torch.allclose(seen[name], hessians_of(quantkit.load(tiny_dir).module, windows, [1], GROUPS[:1])[name].float(), rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(seen[name], hessians_of(loaded(tiny_dir).module, windows, [1], GROUPS[:1])[name].float(), rtol=1e-4, atol=1e-5)
     # linears that share an input share its statistics
     assert torch.equal(seen["model.layers.0.self_attn.q_proj"], seen["model.layers.0.self_attn.v_proj"])
 
 
 def test_rtn_without_calibration_quantizes_each_weight(tiny_dir):
-    m = quantkit.load(tiny_dir)
+    m = loaded(tiny_dir)
     original = {n: m.module.get_submodule(n).weight.clone() for n in (f"model.layers.{i}.{l}" for i in range(2) for l in LINEARS)}
     q = quantkit.quantize(m, bits=4, group_size=32, progress=False)
     for name, w in original.items():
@@ -63,7 +64,7 @@ def test_rtn_without_calibration_quantizes_each_weight(tiny_dir):
 
 
 def test_true_sequential_feeds_quantized_outputs_within_a_layer(tiny_dir):
-    m = quantkit.load(tiny_dir)
+    m = quantkit.load(tiny_dir)  # read layer by layer as the pipeline goes
     windows = sample_windows(m.tokenizer, load_text(VALID), 4, 64, seed=2)
     seen = {}
 
@@ -91,31 +92,43 @@ def test_gptq_through_the_pipeline_beats_rtn(tiny_dir):
     assert abs(errors["gptq"] - ref) < abs(errors["rtn"] - ref), (ref, errors)
 
 
-def test_an_interrupted_run_resumes_after_the_last_finished_layer(tiny_dir, tmp_path, capsys):
-    windows = sample_windows(quantkit.load(tiny_dir).tokenizer, load_text(VALID), 4, 64, seed=5)
-    progress = (tmp_path / "progress.pt", "run-1")
-    calls, killed = [], []
+def files(directory):
+    return {f.name: f.read_bytes() for f in sorted(directory.iterdir())}
 
-    def quantize(name, w, h):
-        calls.append(name)
-        if name == "model.layers.1.self_attn.o_proj" and not killed:
-            killed.append(name)
-            raise KeyboardInterrupt  # killed in the middle of layer 1
-        return rtn.quantize(w, 3, 32, sym=True)
 
+@pytest.mark.parametrize("method,target", [("gptq", "quantkit.quantizers.gptq.quantize"),
+                                           ("awq", "quantkit.quantizers.awq.quantize_layer")])
+def test_an_interrupted_export_resumes_after_the_last_finished_layer(tiny_dir, tmp_path, monkeypatch, capsys, method,
+                                                                     target):
+    """Killed in layer 1 of 2, in the middle of a shard: the same command goes on from layer 1 and
+    writes the same bytes as a run that was never interrupted (AWQ: with layer 0's folded norms)."""
+    kw = dict(method=method, bits=4, group_size=32, calib_data=VALID, calib_samples=4, calib_seqlen=48,
+              max_shard_size="30kB", progress=False)
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "whole", **kw)
+    module, name = target.rsplit(".", 1)
+    real, calls, killed = getattr(__import__(module, fromlist=[name]), name), [], []
+
+    def dies_in_layer_1(*args, **kwargs):
+        calls.append(kwargs.get("name") or kwargs.get("prefix"))
+        if "layers.1." in calls[-1] and not killed:
+            killed.append(calls[-1])
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, dies_in_layer_1)
     with pytest.raises(KeyboardInterrupt):
-        quantize_layers(quantkit.load(tiny_dir), quantize, windows, sequential=True, progress=False, resume=progress)
+        quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **kw)
+    assert not (tmp_path / "q").exists() and (tmp_path / ".q.partial").is_dir()
     calls.clear()
-    resumed = quantkit.load(tiny_dir)
-    tensors = quantize_layers(resumed, quantize, windows, sequential=True, progress=False, resume=progress)
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **kw)
     assert "resuming after layer 1/2" in capsys.readouterr().err
-    assert all(name.startswith("model.layers.1.") for name in calls) and len(calls) == len(LINEARS)
-    fresh = quantkit.load(tiny_dir)
-    expected = quantize_layers(fresh, lambda n, w, h: rtn.quantize(w, 3, 32, sym=True), windows, sequential=True,
-                               progress=False)
-    for name, qt in expected.items():
-        assert torch.equal(tensors[name].codes, qt.codes), name
-    assert torch.equal(resumed.module.model.layers[0].mlp.down_proj.weight, fresh.module.model.layers[0].mlp.down_proj.weight)
-    # another run's progress file is not used
-    quantize_layers(quantkit.load(tiny_dir), quantize, windows, progress=False, resume=(progress[0], "run-2"))
-    assert "from another model" in capsys.readouterr().err
+    assert calls and all("layers.1." in c for c in calls)
+    assert files(tmp_path / "q") == files(tmp_path / "whole")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "whole"]  # no progress, partial or lock left
+
+
+def test_another_runs_progress_is_not_used(tiny_dir, tmp_path, capsys):
+    kw = dict(method="gptq", bits=4, group_size=32, calib_data=VALID, calib_samples=4, calib_seqlen=48, progress=False)
+    (tmp_path / ".q.progress.pt").write_bytes(b"cut short by a kill")
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **kw)
+    assert "ignoring unreadable progress file" in capsys.readouterr().err

@@ -77,13 +77,14 @@ def test_sharded_export_loads_in_quantkit_and_transformers(tiny_dir, tmp_path):
     (which follows the index) loads the bitsandbytes export's shards."""
     from transformers import AutoModelForCausalLM
 
-    m = quantkit.quantize(tiny_dir, "rtn", bits=4, group_size=32, out=tmp_path / "q", max_shard_size="100kB",
-                          progress=False)
+    m = quantkit.quantize(tiny_dir, method="rtn", bits=4, group_size=32, out=tmp_path / "q", max_shard_size="100kB",
+                          keep=True, progress=False)
     assert len(list((tmp_path / "q").glob("model-*-of-*.safetensors"))) > 1 and (tmp_path / "q" / INDEX).is_file()
     back = quantkit.load(tmp_path / "q")
     for name, qt in m.tensors.items():
         assert torch.equal(back.module.get_submodule(name).weight, qt.dequantize()), name
-    nf4 = quantkit.quantize(tiny_dir, "nf4", out=tmp_path / "nf4", max_shard_size="100kB", progress=False)
+    nf4 = quantkit.quantize(tiny_dir, method="nf4", out=tmp_path / "nf4", max_shard_size="100kB", keep=True,
+                            progress=False)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "nf4", device_map="cpu")
     assert loaded.model.layers[1].mlp.down_proj.weight.numel() == nf4.tensors["model.layers.1.mlp.down_proj"].codes.numel() // 2
 

@@ -5,7 +5,8 @@ it, so the float model is unchanged): salient channels, those with large mean |x
 steps. s = mean|x|^alpha, alpha on a grid in [0, 1), chosen by the block's output error with the
 scaled weights quantized. Then each group's clipping range is shrunk on a grid, chosen by the
 linear's output error on a sample of tokens. The weights are finally quantized with RTN.
-The pipeline (model plumbing) supplies the statistics and the block loss; this file is the math.
+The first half is the math on tensors; the second applies it to one decoder layer (its groups of
+linears, the ops that feed them, the blocks that judge them), called by the pipeline layer by layer.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from ..errors import QuantkitError
+from ..layers import GROUPS, LINEARS, linear_inputs
 from ..qtensor import QuantizedTensor
 from . import rtn
 
@@ -79,3 +82,111 @@ def clip(w: torch.Tensor, bound: torch.Tensor, group_size: int) -> torch.Tensor:
 def quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool = False, bound: torch.Tensor | None = None) -> QuantizedTensor:
     """The final RTN of an AWQ-scaled weight, clipped to bound [N, ng] when given."""
     return rtn.quantize(clip(w, bound, group_size) if bound is not None else w, bits, group_size, sym)
+
+
+def kv_channels(attn: torch.nn.Module) -> torch.Tensor:
+    """For each input channel of o_proj, the output channel of v_proj it reads (grouped-query attention:
+    query heads share a kv head), so a scale folded into v_proj is shared by those o_proj channels."""
+    hd, n_kv = attn.head_dim, attn.v_proj.out_features // attn.head_dim
+    heads = attn.o_proj.in_features // hd
+    dev = attn.o_proj.weight.device
+    kv_head = torch.arange(heads, device=dev) // (heads // n_kv)
+    return (kv_head[:, None] * hd + torch.arange(hd, device=dev)).reshape(-1)
+
+
+def fold(prev: torch.nn.Module, linears: list[torch.nn.Linear], s: torch.Tensor, s_full: torch.Tensor) -> None:
+    """Scale the linears' input channels by s_full and the op that feeds them (a norm's weight, or a
+    linear's output rows) by 1/s: the float function is unchanged."""
+    if isinstance(prev, torch.nn.Linear):
+        prev.weight.data /= s[:, None]
+        if prev.bias is not None:
+            prev.bias.data /= s
+    else:
+        prev.weight.data /= s
+    for lin in linears:
+        lin.weight.data *= s_full
+
+
+AWQ_LAYOUT = ("input_layernorm", "post_attention_layernorm", *LINEARS)
+
+
+def search_group(prev: torch.nn.Module, linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: list[dict],
+                 block: Callable, channels: torch.Tensor | None, bits: int, group_size: int, sym: bool,
+                 duo: bool = False, n_grid: int = 20, search_tokens: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ's scale search for linears sharing the inputs xs (one tensor per batch), judged by
+    block(x, kwargs)'s output on the first batches that hold search_tokens tokens (the mean |x| uses
+    them all). channels maps each input channel to the output channel of prev that feeds it
+    (grouped-query attention), or None. Returns prev's scales and the linears' scales."""
+    x_mean = sum(x.abs().reshape(-1, x.shape[-1]).sum(0) for x in xs) / sum(x[..., 0].numel() for x in xs)
+    w_mean = weight_mean([lin.weight for lin in linears], group_size) if duo else None
+    if channels is not None:  # one scale per output channel of prev: average what shares it
+        count = torch.bincount(channels).float()
+        x_mean = torch.zeros(len(count), device=x_mean.device).index_add_(0, channels, x_mean) / count
+        w_mean = torch.zeros(len(count), device=x_mean.device).index_add_(0, channels, w_mean) / count if duo else None
+    full = (lambda s: s[channels]) if channels is not None else (lambda s: s)
+    tokens = torch.tensor([x[..., 0].numel() for x in xs]).cumsum(0)
+    n = max(1, int((tokens <= search_tokens).sum()))  # each candidate costs a block forward per token
+    xs, kwargs = xs[:n], kwargs[:n]
+    reference = [block(x, kw) for x, kw in zip(xs, kwargs)]
+
+    def loss(s: torch.Tensor) -> float:
+        originals = [lin.weight.data for lin in linears]
+        for lin in linears:
+            lin.weight.data = fake_quantize(lin.weight * full(s), bits, group_size, sym) / full(s)
+        err = sum((block(x, kw) - ref).pow(2).sum().item() for x, kw, ref in zip(xs, kwargs, reference))
+        for lin, w in zip(linears, originals):
+            lin.weight.data = w
+        return err / sum(ref.numel() for ref in reference)
+
+    s, _, _ = search_scale(x_mean, loss, n_grid, w_mean)
+    return s, full(s)
+
+
+def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, sym: bool, duo: bool = False,
+              n_grid: int = 20, clip_tokens: int = 512, prefix: str = "") -> dict[str, QuantizedTensor]:
+    """AWQ on one decoder layer in place: search and fold the scales of each group of linears that
+    share an input, search each linear's clipping (not q/k: their errors pass through softmax),
+    quantize. Returns the quantized tensors by full name."""
+    missing = [name for name in AWQ_LAYOUT if not hasattr_path(layer, name)]
+    if missing:
+        raise QuantkitError(f"AWQ does not know this layer's norm/linear pairing (no {', '.join(missing)}): it "
+                            "supports Llama, Mistral and Qwen2-style decoders")
+    attn, mlp = layer.self_attn, layer.mlp
+    inputs = linear_inputs(layer, batches, [group[0] for group in GROUPS])  # a group's input is its first linear's
+    kwargs = [kw for _, kw in batches]
+
+    def attention(x, kw):
+        return attn(hidden_states=x, **{k: v for k, v in kw.items() if k != "hidden_states"})[0]
+
+    # for each of GROUPS: the op whose output feeds it, the block whose output judges it, the channel map
+    feeders = [(layer.input_layernorm, attention, None),
+               (attn.v_proj, lambda x, kw: attn.o_proj(x), kv_channels(attn)),
+               (layer.post_attention_layernorm, lambda x, kw: mlp(x), None),
+               (mlp.up_proj, lambda x, kw: mlp.down_proj(x), None)]
+    linears = [[layer.get_submodule(name) for name in group] for group in GROUPS]
+    scales = [search_group(prev, lins, inputs[group[0]], kwargs, block, channels, bits, group_size, sym, duo, n_grid)
+              for group, lins, (prev, block, channels) in zip(GROUPS, linears, feeders)]
+    # folded after all searches, as the reference does
+    for group, lins, (prev, _, _), (s, s_full) in zip(GROUPS, linears, feeders, scales):
+        fold(prev, lins, s, s_full)
+        inputs[group[0]] = [x / s_full for x in inputs[group[0]]]
+    tensors = {}
+    for group in GROUPS:
+        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[group[0]]])
+        x = x[:: max(1, len(x) // clip_tokens)]
+        for name in group:
+            linear = layer.get_submodule(name)
+            bound = None if name in ("self_attn.q_proj", "self_attn.k_proj") else \
+                search_clip(linear.weight.data, x, bits, group_size)
+            qt = quantize(linear.weight.data, bits, group_size, sym, bound)
+            linear.weight.data.copy_(qt.dequantize())
+            tensors[f"{prefix}{name}"] = qt
+    return tensors
+
+
+def hasattr_path(module: torch.nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False

@@ -28,7 +28,7 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float, name: str = "layer") ->
     for attempt in range(6):
         d = damp * 10**attempt
         try:
-            eye = torch.eye(h.shape[0], dtype=h.dtype)
+            eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
             lower = torch.linalg.cholesky(h + d * mean_diag * eye)
             return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
         except torch.linalg.LinAlgError:
@@ -44,9 +44,9 @@ def column_order(diag: torch.Tensor, g: int, act_order: bool, group_aware: bool)
     if act_order:
         return torch.argsort(diag, descending=True)
     if not group_aware:
-        return torch.arange(k)
-    gid = torch.arange(k) // g
-    score = torch.zeros(int(gid[-1]) + 1).scatter_reduce(0, gid, diag, "amax", include_self=False)
+        return torch.arange(k, device=diag.device)
+    gid = torch.arange(k, device=diag.device) // g
+    score = torch.zeros(int(gid[-1]) + 1, device=diag.device).scatter_reduce(0, gid, diag, "amax", include_self=False)
     rank = torch.argsort(torch.argsort(score, descending=True))  # 0 for the most important group
     by_column = torch.argsort(diag, descending=True, stable=True)
     return by_column[torch.argsort(rank[gid[by_column]], stable=True)]
@@ -84,8 +84,8 @@ def quantize(
     h[dead, dead] = 1
     w[:, dead] = 0
 
-    scales = torch.zeros(n, ng)
-    zeros = torch.zeros(n, ng)
+    scales = torch.zeros(n, ng, device=w.device)
+    zeros = torch.zeros(n, ng, device=w.device)
     if static_groups:  # fixed before act-order reorders the columns
         for j in range(ng):
             scales[:, j], zeros[:, j] = fit_grid(w[:, j * g : (j + 1) * g], bits, sym, mse)
@@ -93,12 +93,12 @@ def quantize(
     perm = column_order(torch.diag(h), g, act_order, group_aware)
     w, h = w[:, perm], h[perm][:, perm]
     # group of each column in quantization order; each group's columns are contiguous in it
-    col_group = torch.arange(k) // g if act_order and not static_groups else perm // g
+    col_group = torch.arange(k, device=w.device) // g if act_order and not static_groups else perm // g
     hinv = inverse_hessian_factor(h, damp, name)
 
     maxq = 2**bits - 1
     groups = col_group.tolist()
-    codes = torch.zeros(n, k)
+    codes = torch.zeros(n, k, device=w.device)
     loss = 0.0
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)

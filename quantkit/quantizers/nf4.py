@@ -85,7 +85,7 @@ def double_quantize(qt: QuantizedTensor) -> QuantizedTensor:
     values those codes give back, which is what every consumer dequantizes with."""
     offset = qt.scales.mean()
     scaled, absmax = absmax_scaled(qt.scales - offset, NESTED_BLOCK, reciprocal=False)
-    table = dynamic_map()
+    table = dynamic_map().to(qt.scales.device)
     codes = nearest(snap(scaled), table)[None]
     nested = QuantizedTensor(codes, absmax, None, None, 8, NESTED_BLOCK, True, codebook=table, flat=True)
     scales = nested.dequantize().view(-1) + offset
@@ -104,7 +104,7 @@ def check(kind: str, block_size: int) -> None:
 def quantize(w: torch.Tensor, kind: str = "nf4", block_size: int = 64, double_quant: bool = False) -> QuantizedTensor:
     """NF4 or FP4 of w [N, K] in flat blocks of block_size, optionally with double quantization."""
     check(kind, block_size)
-    table = CODEBOOKS[kind]
+    table = CODEBOOKS[kind].to(w.device)
     scaled, absmax = absmax_scaled(w.reshape(-1).float(), block_size, reciprocal=True)
     codes = nearest(scaled.clamp(-1, 1), table).view(w.shape)
     qt = QuantizedTensor(codes, absmax, None, None, 4, block_size, True, codebook=table, flat=True)

@@ -1,0 +1,155 @@
+"""Real-size runs: time and peak memory of `quantkit quantize` on random Llamas of real shapes,
+against llama-quantize (F16 GGUF to Q4_K_M) on the same model in the same run.
+
+    python benchmarks/scale.py [--shape 7b|1b] [--runs llama,rtn,gguf,gptq] [--gptq-samples 4]
+                               [--before DIR] [--keep]
+
+The model (7b: Llama-2-7B's shapes; 1b: TinyLlama-1.1B's) is written once, tensor by tensor, as bf16
+shards into the user cache (7b: 13.5 GB). Each run is its own process: its peak RSS is the process's
+maximum resident set (getrusage of the child), shown against the model's size on disk. llama-quantize
+reads the F16 GGUF that `quantkit export` writes (that export is measured too). --before DIR runs
+RTN again with quantkit imported from DIR first (an older version installed with
+`pip install --no-deps --target DIR <checkout>`). Outputs go to a temporary directory, removed at
+the end unless --keep.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+VALID = ROOT.parent / "shared" / "data" / "wikitext-2" / "wiki.valid.tokens"
+
+SHAPES = {
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=32, vocab_size=32000),
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+               num_key_value_heads=4, vocab_size=32000),
+}
+
+
+def model_dir(shape: str) -> Path:
+    """The random bf16 model of a shape, written once (tensor by tensor: never whole in memory)."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from quantkit.exporters.shards import ShardWriter
+    from quantkit.modelio import cache_dir
+    from tests.conftest import tiny_tokenizer
+
+    target = cache_dir() / "scale" / f"llama-{shape}-bf16"
+    if (target / "config.json").is_file():
+        return target
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False, dtype="bfloat16")
+    with init_empty_weights():
+        skeleton = LlamaForCausalLM(config)
+    writer, g = ShardWriter(tmp, "5GB"), torch.Generator().manual_seed(0)
+    state = skeleton.state_dict()
+    start = time.monotonic()
+    for i, (name, t) in enumerate(state.items()):
+        value = torch.ones(t.shape) if t.dim() == 1 else torch.randn(t.shape, generator=g) * 0.02
+        writer.add(name, value.to(torch.bfloat16))
+        print(f"\rwriting {target.name}: {i + 1}/{len(state)} tensors, {writer.total / 2**30:.1f} GiB, "
+              f"{time.monotonic() - start:.0f} s", end="", file=sys.stderr)
+    writer.close()
+    print(file=sys.stderr)
+    config.save_pretrained(tmp)
+    tiny_tokenizer(tmp, vocab_size=SHAPES[shape]["vocab_size"])
+    tmp.rename(target)
+    return target
+
+
+def measure(label: str, cmd: list[str], env: dict | None = None) -> dict:
+    """Run cmd in its own process: wall time and peak RSS."""
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise RuntimeError(f"{label}: {' '.join(map(str, cmd))} failed ({proc.returncode}):\n{err[-3000:]}")
+    result = {"run": label, "seconds": time.monotonic() - start, "peak_rss": usage.ru_maxrss * 1024}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def size_of(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=SHAPES, default="7b")
+    ap.add_argument("--runs", default="llama,rtn,gguf,gptq")
+    ap.add_argument("--gptq-samples", type=int, default=4, help="GPTQ calibration: windows of 512 tokens")
+    ap.add_argument("--before", type=Path, help="also run RTN with quantkit imported from this directory")
+    ap.add_argument("--keep", action="store_true", help="keep the outputs")
+    a = ap.parse_args()
+    runs = a.runs.split(",")
+
+    from tests import llamacpp
+
+    model = model_dir(a.shape)
+    disk = size_of(model)
+    out = Path(tempfile.mkdtemp(prefix="scale-", dir=model.parent))
+    qk = [sys.executable, "-c", "from quantkit.cli import main; main()"]
+    common = ["--device", "cpu"]
+    results = []
+    try:
+        if "llama" in runs:
+            results.append(measure("quantkit export F16 GGUF", [*qk, "export", model, "--gguf-type", "F16",
+                                                                "--out", out / "f16.gguf"]))
+            binaries = llamacpp.binaries()
+            results.append(measure("llama-quantize F16 -> Q4_K_M", [binaries / "llama-quantize", out / "f16.gguf",
+                                                                   out / "llama-q4km.gguf", "Q4_K_M"],
+                                   {"LD_LIBRARY_PATH": str(binaries)}))
+            (out / "f16.gguf").unlink()
+        if a.before:
+            # the editable install's finder comes before sys.path: drop it so that DIR's quantkit is imported
+            before = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(a.before)!r}); "
+                      "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
+                      "from quantkit.cli import main; main()"]
+            results.append(measure("before: RTN 4-bit g128 -> safetensors",
+                                   [*before, "quantize", model, "--method", "rtn", "--out", out / "before-rtn"]))
+            shutil.rmtree(out / "before-rtn")
+        if "rtn" in runs:
+            results.append(measure("RTN 4-bit g128 -> safetensors",
+                                   [*qk, "quantize", model, "--method", "rtn", "--out", out / "rtn", *common]))
+        if "gguf" in runs:
+            results.append(measure("RTN -> GGUF Q4_K_M", [*qk, "quantize", model, "--format", "gguf", "--gguf-type",
+                                                          "Q4_K_M", "--out", out / "q4km.gguf", *common]))
+        if "gptq" in runs:
+            results.append(measure(f"GPTQ 4-bit g128, {a.gptq_samples} x 512 tokens -> safetensors",
+                                   [*qk, "quantize", model, "--method", "gptq", "--calib-data", VALID,
+                                    "--calib-samples", str(a.gptq_samples), "--calib-seqlen", "512",
+                                    "--out", out / "gptq", *common]))
+    finally:
+        if not a.keep:
+            shutil.rmtree(out, ignore_errors=True)
+    anchor = next((r for r in results if r["run"].startswith("llama-quantize")), None)
+    print(f"\n{a.shape}-shaped Llama, {disk / 1e9:.2f} GB of bf16 safetensors on disk\n")
+    print("| run | time (s) | peak RSS (GiB) | peak RSS / model on disk |"
+          + (" time / llama-quantize | RSS / llama-quantize |" if anchor else ""))
+    print("|---|---|---|---|" + ("---|---|" if anchor else ""))
+    for r in results:
+        row = f"| {r['run']} | {r['seconds']:.0f} | {r['peak_rss'] / 2**30:.2f} | {r['peak_rss'] / disk:.1%} |"
+        if anchor:
+            row += f" {r['seconds'] / anchor['seconds']:.2f} | {r['peak_rss'] / anchor['peak_rss']:.2f} |"
+        print(row)
+
+
+if __name__ == "__main__":
+    main()

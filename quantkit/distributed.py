@@ -1,0 +1,91 @@
+"""Several processes under torchrun (`torchrun --nproc-per-node N quantkit quantize ...`): each takes
+its share of the calibration batches, the Hessians are summed across processes, each quantizes some
+of a layer's linears and sends the results to the others, and rank 0 writes the output. gloo on
+CPUs, NCCL on GPUs. In a single process every function here does nothing."""
+from __future__ import annotations
+
+import os
+import re
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Iterator, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .errors import QuantkitError
+
+T = TypeVar("T")
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def init(device: torch.device) -> None:
+    """Join the torchrun job this process was launched in, if any (WORLD_SIZE > 1)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    with collective("starting"):
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
+
+
+def finish() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def collective(what: str) -> Iterator[None]:
+    """A process that dies leaves the others' collectives failing: one clear error instead."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as e:
+        # gloo's "[.../pair.cc:553] Connection closed by peer ...": its first sentence, without the source path
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [type(e).__name__])[0]).split(". ")[0]
+        raise QuantkitError(f"another process of this torchrun job stopped while {what} ({reason}): "
+                            "no output was written; fix what stopped it (see its error) and run the job again") from None
+
+
+def share(items: list[T]) -> list[T]:
+    """This process's share of items: every world()-th, from its rank."""
+    return items[rank()::world()]
+
+
+def owner(j: int) -> int:
+    """The rank that quantizes the j-th linear of a stage."""
+    return j % world()
+
+
+def sum_(t: torch.Tensor) -> torch.Tensor:
+    """t summed over the processes, in place."""
+    if world() > 1:
+        with collective("summing calibration statistics"):
+            dist.all_reduce(t)
+    return t
+
+
+def agree(value: int, op: str) -> int:
+    """The min or max of an integer over the processes."""
+    if world() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    with collective("agreeing where to start"):
+        dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def broadcast(obj: T, src: int) -> T:
+    """obj as rank src has it (CPU tensors inside it travel pickled)."""
+    if world() == 1:
+        return obj
+    box = [obj]
+    with collective("sharing quantized linears"):
+        dist.broadcast_object_list(box, src=src)
+    return box[0]

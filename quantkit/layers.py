@@ -1,0 +1,34 @@
+"""What a decoder layer is made of, for the pipeline and the methods: its linears, grouped by the
+input they share, and the hooks that read those inputs."""
+from __future__ import annotations
+
+import torch
+
+# Linears of a decoder layer, grouped by the input they share.
+GROUPS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
+LINEARS = tuple(name for group in GROUPS for name in group)
+
+
+def on_device(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """A batch of hidden states where the layer is (they may be kept in CPU memory for a GPU run)."""
+    return hidden.to(next(layer.parameters()).device, non_blocking=True)
+
+
+def linear_inputs(layer: torch.nn.Module, batches, names) -> dict[str, list[torch.Tensor]]:
+    """Each named linear's inputs, batch by batch, from one run of the layer."""
+    inputs, handles = {name: [] for name in names}, []
+    for name in names:
+        hook = lambda module, args, name=name: inputs[name].append(args[0].detach())  # noqa: E731
+        handles.append(layer.get_submodule(name).register_forward_pre_hook(hook))
+    try:
+        for hidden, kwargs in batches:
+            layer(on_device(layer, hidden), **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return inputs
