@@ -133,17 +133,18 @@ class Checkpoint:
                 raise QuantkitError(f"{self.path}: tensor {key} is missing from the checkpoint: download it again")
             by_file.setdefault(self.where[key], []).append((name, key))
         for f, pairs in by_file.items():
-            try:
-                with safe_open(str(f), "pt", device=str(device)) as sf:
-                    for name, key in pairs:
+            for name, key in pairs:
+                try:  # mapped for one tensor at a time: its pages count as the process's memory while mapped
+                    with safe_open(str(f), "pt", device=str(device)) as sf:
                         out[name] = sf.get_tensor(key)
-            except (SafetensorError, OSError) as e:
-                raise QuantkitError(f"{f}: cannot be read ({e}): the file is damaged or was changed; re-download it") from None
+                except (SafetensorError, OSError) as e:
+                    raise QuantkitError(f"{f}: cannot be read ({e}): the file is damaged or was changed; "
+                                        "re-download it") from None
         for name, t in out.items():
             if expected is not None and tuple(t.shape) != expected[name]:
                 raise QuantkitError(f"{self.path}: tensor {name} has shape {tuple(t.shape)} but config.json implies "
                                     f"{expected[name]}: the config and the weights are from different models")
-            if not torch.isfinite(t).all():
+            if not all(torch.isfinite(c).all() for c in t.reshape(-1).split(2**24)):  # bounded temporaries
                 raise QuantkitError(f"{self.path}: weight {name} contains NaN or Inf: the checkpoint is damaged; "
                                     "re-download or re-export it")
         return out

@@ -9,10 +9,14 @@ import torch
 
 
 def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Unsigned values [R, C] (R*bits a multiple of 32) -> int32 [R*bits/32, C]."""
+    """Unsigned values [R, C] (R*bits a multiple of 32) -> int32 [R*bits/32, C]; columns are packed
+    a slice at a time, since the int64 arithmetic takes 8 bytes per value."""
     r, c = values.shape
     if r * bits % 32:
         raise ValueError(f"{r} values of {bits} bits do not fill whole 32-bit words")
+    step = max(1, 2**22 // max(r, 1))
+    if c > step:
+        return torch.cat([pack(values[:, j:j + step], bits) for j in range(0, c, step)], dim=1)
     v = torch.cat([values.long(), values.new_zeros((-r) % 32, c, dtype=torch.long)]).view(-1, 32, c)
     out = torch.zeros(v.shape[0], bits, c, dtype=torch.long)
     for i in range(32):

@@ -6,6 +6,7 @@ quantized, and the layer is run again so the next layer sees the quantized layer
 """
 from __future__ import annotations
 
+import ctypes
 import resource
 import sys
 import time
@@ -20,6 +21,11 @@ from . import distributed
 from .layers import GROUPS, on_device
 from .modelio import Model
 from .qtensor import QuantizedTensor
+
+try:
+    LIBC = ctypes.CDLL("libc.so.6")
+except OSError:  # not glibc
+    LIBC = None
 
 QuantizeFn = Callable[[str, torch.Tensor, "Hessian | None"], QuantizedTensor]
 # a whole layer at once (AWQ): (index, layer, its input batches) -> quantized tensors by name
@@ -41,11 +47,13 @@ finished layer, goes on from there."""
 
 
 class Hessian:
-    """Running H = 2 X^T X / n of one linear's inputs: float32 products, float64 sum."""
+    """Running H = 2 X^T X / n of one linear's inputs: float32 products, float64 sum. The first
+    matrix() drops the sum (linears sharing an input share the float32 matrix)."""
 
     def __init__(self, cols: int, device: str | torch.device = "cpu"):
         self.sum = torch.zeros(cols, cols, dtype=torch.float64, device=device)
         self.count = 0
+        self.result = None
 
     def add_batch(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
@@ -53,7 +61,10 @@ class Hessian:
         self.count += x.shape[0]
 
     def matrix(self) -> torch.Tensor:
-        return (2 * self.sum / max(self.count, 1)).float()
+        if self.result is None:
+            self.result = self.sum.mul_(2).div_(max(self.count, 1)).float()  # in place: 2 * sum / n
+            self.sum = None
+        return self.result
 
 
 class _Captured(Exception):
@@ -163,6 +174,15 @@ def store_of(model: Model, windows: torch.Tensor, device: str | torch.device) ->
     return device if need < torch.cuda.mem_get_info(device)[0] // 4 else torch.device("cpu")
 
 
+def free_memory() -> None:
+    """Give a finished layer's memory back to the system: glibc keeps freed blocks of the many
+    differently sized temporaries in its heap, which grows layer after layer without this."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    if LIBC is not None:
+        LIBC.malloc_trim(0)
+
+
 def peak_memory() -> str:
     """The process's peak resident memory (and the GPU's peak allocation when there is one)."""
     rss = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
@@ -195,9 +215,11 @@ def load_progress(path: Path, key: str) -> dict | None:
     return state
 
 
-def quantize_layer(i: int, layer: torch.nn.Module, quantize: QuantizeFn, batches, stages) -> dict[str, QuantizedTensor]:
-    """One decoder layer's linears through quantize, group by group; the weights become their
-    dequantized values in place."""
+def quantize_layer(i: int, layer: torch.nn.Module, quantize: QuantizeFn, batches, stages,
+                   update: bool = True) -> dict[str, QuantizedTensor]:
+    """One decoder layer's linears through quantize, group by group; with update (always when there
+    are calibration batches: the next group and layer see the quantized outputs) the weights become
+    their dequantized values in place."""
     tensors = {}
     attention = None  # the attention block's outputs, once they are final
     for stage in stages:
@@ -212,8 +234,9 @@ def quantize_layer(i: int, layer: torch.nn.Module, quantize: QuantizeFn, batches
                 for j, name in enumerate(names) if distributed.owner(j) == distributed.rank()}
         for j, name in enumerate(names):  # under torchrun, each linear from the process that quantized it
             qt = distributed.broadcast(mine[name].to("cpu") if name in mine else None, distributed.owner(j))
-            linear = layer.get_submodule(name)
-            linear.weight.data.copy_(qt.dequantize().to(linear.weight.device))  # in place: no second copy
+            if update or batches is not None:
+                linear = layer.get_submodule(name)
+                linear.weight.data.copy_(qt.dequantize().to(linear.weight.device))  # in place: no second copy
             tensors[f"model.layers.{i}.{name}"] = qt
         if o_inputs:
             attention = [layer.self_attn.o_proj(x) for x in o_inputs]
@@ -301,11 +324,13 @@ def quantize_layers(
     began = time.monotonic()
     for i in bar:
         prefix = f"model.layers.{i}"
-        layer = model.materialize(prefix, device, dtype=None).float()
+        layer = model.materialize(prefix, device, dtype=None)
+        if batches is not None or keep:  # computed in float32; otherwise each weight is converted on its own
+            layer.float()
         if layer_fn is not None:
             layer_tensors = {name: qt.to("cpu") for name, qt in layer_fn(i, layer, batches).items()}
         else:
-            layer_tensors = quantize_layer(i, layer, quantize, batches, stages)
+            layer_tensors = quantize_layer(i, layer, quantize, batches, stages, update=keep)
         if writer is not None:
             for name, qt in layer_tensors.items():
                 writer.add_quantized(name, qt)
@@ -317,6 +342,8 @@ def quantize_layers(
             tensors |= layer_tensors
         else:
             model.release(prefix)
+        del layer, layer_tensors
+        free_memory()
         if resume and not keep:
             save_progress(resume[0], {"key": resume[1], "next_layer": i + 1, "batches": batches,
                                       "writer": writer.state() if writer is not None else None})

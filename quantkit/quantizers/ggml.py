@@ -475,6 +475,9 @@ def row_sigma2(t: str, w: torch.Tensor, importance: torch.Tensor | None) -> torc
     return row_total(w * w) / w.shape[1] if t in LEGACY_TYPES and importance is not None else None
 
 
+CHUNK = 2**21  # values quantized at a time: the block searches' temporaries are many times this
+
+
 def tensor(t: str, blocks: np.ndarray, n: int) -> QuantizedTensor:
     raw = np.ascontiguousarray(blocks).view(np.uint8).reshape(n, -1)
     return QuantizedTensor(codes=torch.from_numpy(raw), scales=None, zeros=None,
@@ -485,10 +488,15 @@ def quantize(w: torch.Tensor, t: str, importance: torch.Tensor | None = None) ->
     """Round-to-nearest of w [N, K] into GGUF type t, as llama.cpp's quantize does (importance: its imatrix,
     the mean squared input of each of the K columns)."""
     check(t, w.shape[1])
-    w = w.detach().float()
-    if t in FLOAT_TYPES or (t in LEGACY_TYPES and importance is None) or t == "Q8_0":
-        return tensor(t, gguf.quants.quantize(w.numpy(), GGMLQuantizationType[t]), w.shape[0])
-    return tensor(t, pack(t, fit_blocks(t, w, importance)), w.shape[0])
+    rows = []
+    for chunk in w.detach().split(max(1, CHUNK // w.shape[1])):  # rows are independent: bounded temporaries
+        chunk = chunk.float()
+        if t in FLOAT_TYPES or (t in LEGACY_TYPES and importance is None) or t == "Q8_0":
+            blocks = gguf.quants.quantize(chunk.numpy(), GGMLQuantizationType[t])
+        else:
+            blocks = pack(t, fit_blocks(t, chunk, importance))
+        rows.append(np.ascontiguousarray(blocks).view(np.uint8).reshape(len(chunk), -1))
+    return tensor(t, np.concatenate(rows), w.shape[0])
 
 
 def gptq(w: torch.Tensor, h: torch.Tensor, t: str, importance: torch.Tensor | None = None, damp: float = 0.01,

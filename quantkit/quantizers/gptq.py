@@ -28,9 +28,13 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float, name: str = "layer") ->
     for attempt in range(6):
         d = damp * 10**attempt
         try:
-            eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-            lower = torch.linalg.cholesky(h + d * mean_diag * eye)
-            return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+            damped = h.clone()  # one K x K copy at a time: for K = 11008 each is 485 MB
+            damped.diagonal().add_(d * mean_diag)
+            lower = torch.linalg.cholesky(damped)
+            del damped
+            inverse = torch.cholesky_inverse(lower)
+            del lower
+            return torch.linalg.cholesky(inverse, upper=True)
         except torch.linalg.LinAlgError:
             warnings.warn(f"{name}: Hessian not positive definite with damping {d:g}; raising it to {d * 10:g}")
     raise QuantkitError(
@@ -79,10 +83,12 @@ def quantize(
     g = k if group_size == -1 else group_size
     ng = -(-k // g)
     w = w.float().clone()
-    h = h.float().clone()
+    h = h.float()
     dead = torch.diag(h) == 0  # inputs always zero: any value is exact, take 0
-    h[dead, dead] = 1
-    w[:, dead] = 0
+    if dead.any():
+        h = h.clone()  # the caller's matrix may serve other linears
+        h[dead, dead] = 1
+        w[:, dead] = 0
 
     scales = torch.zeros(n, ng, device=w.device)
     zeros = torch.zeros(n, ng, device=w.device)
@@ -91,7 +97,8 @@ def quantize(
             scales[:, j], zeros[:, j] = fit_grid(w[:, j * g : (j + 1) * g], bits, sym, mse)
 
     perm = column_order(torch.diag(h), g, act_order, group_aware)
-    w, h = w[:, perm], h[perm][:, perm]
+    if act_order or group_aware:
+        w, h = w[:, perm], h[perm][:, perm]
     # group of each column in quantization order; each group's columns are contiguous in it
     col_group = torch.arange(k, device=w.device) // g if act_order and not static_groups else perm // g
     hinv = inverse_hessian_factor(h, damp, name)
