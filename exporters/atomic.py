@@ -32,7 +32,7 @@ class Staged:
 
     def __init__(self, out: str | os.PathLike, overwrite: bool = False, directory: bool = True):
         check_out(out, overwrite)
-        self.out, self.directory = Path(out), directory
+        self.out, self.directory, self.overwrite = Path(out), directory, overwrite
         self.path = self.out.with_name(f".{self.out.name}.partial")
         self.lock_path = self.out.with_name(f".{self.out.name}.lock")
         while True:  # the lock file is removed when done: hold it only if it is still the one at lock_path
@@ -51,14 +51,21 @@ class Staged:
             self.lock.close()
 
     def fresh(self) -> Path:
-        """Start over: an empty directory (or no file) at path."""
+        """Start over: an empty directory (or no file) at path; no progress of an earlier run, no
+        previous output left aside by a commit that was killed."""
         remove(self.path)
+        for stale in [*self.out.parent.glob(f".{self.out.name}.progress*.pt"),
+                      *self.out.parent.glob(f".{self.out.name}.old-*")]:
+            remove(stale)
         if self.directory:
             self.path.mkdir()
         return self.path
 
     def commit(self) -> Path:
-        if self.out.exists():
+        check_out(self.out, self.overwrite)  # out may have appeared since the start
+        if not self.directory:
+            os.replace(self.path, self.out)
+        elif self.out.exists():
             old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
             self.out.rename(old)
             self.path.rename(self.out)

@@ -55,9 +55,9 @@ def quantization_config(qc: QuantConfig, dtype: torch.dtype) -> dict:
 
 def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool = False,
            max_shard_size: int | str = DEFAULT_MAX_SIZE) -> checkpoint.CheckpointWriter:
-    """Called by exporters.open_writer. The other tensors keep the model's dtype (the checkpoint's),
-    which is also the dtype the weights dequantize to."""
-    dtype = model.module.dtype
+    """Called by exporters.open_writer. The other tensors keep the checkpoint's dtype (a model held
+    in memory: its own), which is also the dtype the weights dequantize to."""
+    dtype = model.checkpoint.dtype if model.checkpoint is not None else model.module.dtype
     return checkpoint.CheckpointWriter(model, out, overwrite, dtype, lambda name, qt: pack(name, qt, dtype),
                                        lambda act_order: quantization_config(qconfig, dtype), (), max_shard_size)
 

@@ -50,6 +50,9 @@ class CheckpointWriter:
             self.shards.resume(state["shards"])
             self.act_order = state["act_order"]
 
+    def resumable(self, state: dict) -> bool:
+        return self.staged.path.is_dir() and ShardWriter(self.staged.path, self.max_shard_size).resumable(state["shards"])
+
     def add(self, key: str, tensor: torch.Tensor) -> None:
         self.shards.add(key, tensor.to(self.dtype) if tensor.is_floating_point() else tensor)
 

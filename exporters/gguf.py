@@ -260,6 +260,12 @@ class Writer:
             self.data_start, self.done, self.written = state["data_start"], set(state["done"]), state["written"]
         self.file = open(self.staged.path, "r+b")
 
+    def resumable(self, state: dict) -> bool:
+        """Whether the partial file is there with its header and every tensor the state says is done."""
+        path = self.staged.path
+        done = [state["data_start"] + self.offsets[n] + nbytes(*self.plan[n]) for n in state["done"]]
+        return path.is_file() and path.stat().st_size >= max(done, default=state["data_start"])
+
     def write(self, name: str, data: np.ndarray) -> None:
         shape, kind = self.plan[name]
         if data.nbytes != nbytes(shape, kind):

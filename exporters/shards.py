@@ -97,6 +97,12 @@ class ShardWriter:
         return {"shards": [[p.name, names] for p, names in self.shards], "entries": self.entries,
                 "used": self.used, "total": self.total}
 
+    def resumable(self, state: dict) -> bool:
+        """Whether the files a state refers to are all there (a kill while closing removes spills)."""
+        spill = self.dir / f".spill-{len(state['shards'])}"
+        return all((self.dir / name).is_file() for name, _ in state["shards"]) and (
+            not state["entries"] or (spill.is_file() and spill.stat().st_size >= state["used"]))
+
     def resume(self, state: dict) -> None:
         """Go on from a state taken by state(): what was written after it is dropped."""
         self.shards = [(self.dir / name, names) for name, names in state["shards"]]
@@ -120,6 +126,8 @@ class ShardWriter:
                 if self.spill is not None:
                     self.spill.seek(0)
                     shutil.copyfileobj(self.spill, f, 2**24)
+                f.flush()
+                os.fsync(f.fileno())  # its spill goes once a later state is saved
         except OSError as e:
             raise disk_error(self.dir, e) from None
         if self.spill is not None:

@@ -132,7 +132,8 @@ def quantize(
     resume = None
     if out is not None and not keep:  # saved beside the output: an interrupted run goes on
         data = windows.numpy().tobytes() if windows is not None else b""
-        key = hashlib.sha256(f"{m.source}|{config}|{format}|{max_shard_size}".encode() + data).hexdigest()
+        run = f"{m.source}|{config}|{format}|{max_shard_size}|{dev.type}|{distributed.world()}"
+        key = hashlib.sha256(run.encode() + data).hexdigest()
         rank = f"-{distributed.rank()}" if distributed.world() > 1 else ""
         resume = (Path(out).with_name(f".{Path(out).name}.progress{rank}.pt"), key)
     m.losses = {}
@@ -156,11 +157,11 @@ def quantize(
         # what a resumed run needs stays, unless the input is at fault: running again would fail the same way
         resumable = resume is not None and resume[0].exists() and not (
             isinstance(e, QuantkitError) and not isinstance(e, ResumableError))
-        if writer is not None:
+        if writer is not None:  # the process holding the output's lock clears every process's progress
+            if not resumable:
+                for f in Path(out).parent.glob(f".{Path(out).name}.progress*.pt"):
+                    f.unlink(missing_ok=True)
             writer.abort(keep=resumable)
-        if resume is not None and not resumable:  # every process's, when one of a torchrun job died
-            for f in resume[0].parent.glob(f".{Path(out).name}.progress*.pt"):
-                f.unlink(missing_ok=True)
         raise
     if resume is not None:
         resume[0].unlink(missing_ok=True)

@@ -58,7 +58,7 @@ class Model:
     def materialize(self, prefix: str = "", device: str | torch.device = "cpu",
                     dtype: torch.dtype | None = torch.float32) -> torch.nn.Module:
         """The submodule at prefix (default: the whole model) with every weight in memory on device:
-        those not read yet come from the checkpoint, in dtype (None: the checkpoint's own)."""
+        those not read yet come from the checkpoint, in dtype (None: each tensor's own in the file)."""
         module = self.module.get_submodule(prefix)
         meta = [name for name, t in module.state_dict(keep_vars=True).items() if t.is_meta]
         if meta and self.streamed_to is not None:
@@ -67,7 +67,7 @@ class Model:
         if meta:
             base = f"{prefix}." if prefix else ""
             for name, t in self.checkpoint.read([base + n for n in meta], device, shapes(module, meta, base)).items():
-                set_module_tensor_to_device(self.module, name, device, t, dtype=dtype)
+                set_module_tensor_to_device(self.module, name, device, t, dtype=dtype or t.dtype)
             if not prefix:
                 self.module.tie_weights()
         return module.to(device, dtype) if dtype is not None else module.to(device)

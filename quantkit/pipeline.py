@@ -7,6 +7,7 @@ quantized, and the layer is run again so the next layer sees the quantized layer
 from __future__ import annotations
 
 import ctypes
+import os
 import resource
 import sys
 import time
@@ -43,6 +44,7 @@ finished layer, goes on from there."""
     def add(self, key: str, tensor: torch.Tensor) -> None: ...
     def add_quantized(self, name: str, qt: QuantizedTensor) -> None: ...
     def start(self, state: dict | None) -> None: ...
+    def resumable(self, state: dict) -> bool: ...
     def state(self) -> dict: ...
 
 
@@ -193,7 +195,10 @@ def peak_memory() -> str:
 
 def save_progress(path: Path, state: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
     tmp.replace(path)
 
 
@@ -301,13 +306,18 @@ def quantize_layers(
     """
     tensors, start, n = {}, 0, len(model.layers)
     state = load_progress(*resume) if resume and not keep else None
-    if distributed.agree(state["next_layer"] if state else 0, "min") != distributed.agree(
-            state["next_layer"] if state else 0, "max"):
+    if state is not None and writer is not None and not writer.resumable(state["writer"]):
+        print(f"ignoring progress file {resume[0]}: the partial output it describes is gone or changed",
+              file=sys.stderr)
+        state = None
+    at = state["next_layer"] if state else 0
+    if distributed.agree(at, "min") != distributed.agree(at, "max"):
         state = None  # the processes of a torchrun job were killed after different layers: start afresh
     if state is not None:
         start, batches = state["next_layer"], state["batches"]
         store = store_of(model, windows, device) if windows is not None else device
-        batches = [(h.to(store), {k: to(v, device) for k, v in kw.items()}) for h, kw in batches] if batches else None
+        batches = [(h.to(store), {k: to(v, device) for k, v in kw.items()}) for h, kw in batches] \
+            if batches is not None else None
         if writer is not None:
             writer.start(state["writer"])
         print(f"resuming after layer {start}/{n} from {resume[0]}", file=sys.stderr)
@@ -329,6 +339,8 @@ def quantize_layers(
             layer.float()
         if layer_fn is not None:
             layer_tensors = {name: qt.to("cpu") for name, qt in layer_fn(i, layer, batches).items()}
+            if batches is not None:  # the next layer's inputs: this quantized layer's outputs
+                run_layer(layer, batches)
         else:
             layer_tensors = quantize_layer(i, layer, quantize, batches, stages, update=keep)
         if writer is not None:

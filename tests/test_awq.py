@@ -180,3 +180,26 @@ def test_unknown_layer_layout_is_refused(layer_and_batches):
             awq.quantize_layer(layer, batches, 4, 32, False)
     finally:
         layer.post_attention_layernorm = saved
+
+
+def test_each_layer_is_calibrated_on_the_quantized_outputs_of_the_one_before(tiny_dir):
+    from quantkit.calibration import load_text, sample_windows
+    from quantkit.pipeline import quantize_layers
+
+    m = loaded(tiny_dir)
+    windows = sample_windows(m.tokenizer, load_text(VALID), 4, 48, seed=1)
+    seen = {}
+
+    def layer_fn(i, layer, batches):
+        seen[i] = torch.cat([h for h, _ in batches])
+        return awq.quantize_layer(layer, batches, 4, 32, False, prefix=f"model.layers.{i}.")
+
+    quantize_layers(m, None, windows, batch_size=2, progress=False, layer_fn=layer_fn)
+    got = []  # layer 1's inputs in the finished model: layer 0 quantized, its norms folded
+    hook = m.layers[1].register_forward_pre_hook(
+        lambda mod, args, kwargs: got.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    with torch.no_grad():
+        m.module(windows, use_cache=False)
+    hook.remove()
+    torch.testing.assert_close(seen[1], got[0], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(seen[1], seen[0], rtol=1e-2, atol=1e-3)

@@ -33,3 +33,9 @@ def test_quantize_then_eval_the_export(tiny_dir, tmp_path, monkeypatch, capsys):
     after = float(printed.split("after: perplexity ")[1].split()[0])
     assert abs(after - quantkit.evaluate(out, TEST, "llamacpp", 128, 2, progress=False).perplexity) < 0.01 * after
     assert torch.isfinite(torch.tensor(result["perplexity"]))
+
+
+def test_quantize_shows_progress(tiny_dir, tmp_path, monkeypatch, capsys):
+    run(["quantize", tiny_dir, "--out", tmp_path / "q"], monkeypatch)
+    err = capsys.readouterr().err
+    assert "quantizing layers" in err and "2/2" in err and "MiB written" in err and "peak RSS" in err

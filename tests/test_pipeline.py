@@ -132,3 +132,55 @@ def test_another_runs_progress_is_not_used(tiny_dir, tmp_path, capsys):
     (tmp_path / ".q.progress.pt").write_bytes(b"cut short by a kill")
     quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **kw)
     assert "ignoring unreadable progress file" in capsys.readouterr().err
+
+
+def test_layers_stream_one_at_a_time_in_the_checkpoints_dtype(tiny_dir, tmp_path, monkeypatch):
+    """A bf16 checkpoint: each layer is read when its turn comes, in bf16, and dropped after; never two
+    decoder layers in memory. RTN of the bf16 weights read this way equals RTN of their float32 values."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(tmp_path / "bf16")
+    m = quantkit.load(tmp_path / "bf16")
+    assert all(p.is_meta for p in m.module.parameters())
+    real, seen = quantkit.Model.materialize, []
+
+    def materialize(self, prefix="", device="cpu", dtype=torch.float32):
+        module = real(self, prefix, device, dtype)
+        resident = [i for i, layer in enumerate(self.layers) if not next(layer.parameters()).is_meta]
+        seen.append((prefix, module.weight.dtype if hasattr(module, "weight") else next(module.parameters()).dtype,
+                     resident))
+        return module
+
+    monkeypatch.setattr(quantkit.Model, "materialize", materialize)
+    quantkit.quantize(m, bits=4, group_size=32, out=tmp_path / "q", progress=False)
+    layers = [(p, dt, r) for p, dt, r in seen if p.startswith("model.layers.")]
+    assert [p for p, _, _ in layers] == ["model.layers.0", "model.layers.1"]
+    assert all(dt == torch.bfloat16 and len(r) == 1 for _, dt, r in layers), layers
+    assert all(p.is_meta for p in m.module.parameters())  # all dropped again
+    with pytest.raises(quantkit.QuantkitError, match="written to .* and not kept in memory"):
+        m.materialize()
+    back = quantkit.load(tmp_path / "q")
+    w = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").model.layers[1].mlp.down_proj.weight
+    assert torch.equal(back.tensors["model.layers.1.mlp.down_proj"].codes, rtn.quantize(w.float(), 4, 32, True).codes)
+
+
+def test_progress_whose_partial_output_is_gone_starts_afresh(tiny_dir, tmp_path, monkeypatch, capsys):
+    kw = dict(method="gptq", bits=4, group_size=32, calib_data=VALID, calib_samples=4, calib_seqlen=48, progress=False)
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "whole", **kw)
+    real = quantkit.quantizers.gptq.quantize
+
+    def dies_in_layer_1(*args, **kwargs):
+        if "layers.1." in kwargs["name"]:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quantkit.quantizers.gptq, "quantize", dies_in_layer_1)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **kw)
+    monkeypatch.setattr(quantkit.quantizers.gptq, "quantize", real)
+    for spill in (tmp_path / ".q.partial").glob(".spill-*"):  # as a kill while closing leaves it
+        spill.unlink()
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **kw)
+    assert "the partial output it describes is gone" in capsys.readouterr().err
+    assert files(tmp_path / "q") == files(tmp_path / "whole")
