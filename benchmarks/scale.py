@@ -2,25 +2,29 @@
 against llama-quantize (F16 GGUF to Q4_K_M) on the same model in the same run.
 
     python benchmarks/scale.py [--shape 7b|1b] [--runs llama,rtn,gguf,gptq] [--gptq-samples 4]
-                               [--before DIR] [--keep]
+                               [--gptq-seconds S] [--before DIR] [--keep]
 
 The model (7b: Llama-2-7B's shapes; 1b: TinyLlama-1.1B's) is written once, tensor by tensor, as bf16
 shards into the user cache (7b: 13.5 GB). Each run is its own process: its peak RSS is the process's
 maximum resident set (getrusage of the child), shown against the model's size on disk. llama-quantize
 reads the F16 GGUF that `quantkit export` writes (that export is measured too). --before DIR runs
 RTN again with quantkit imported from DIR first (an older version installed with
-`pip install --no-deps --target DIR <checkout>`). Outputs go to a temporary directory, removed at
-the end unless --keep.
+`pip install --no-deps --target DIR <checkout>`). --gptq-seconds stops GPTQ after that long (a CPU
+needs hours for all 32 layers of the 7B shape) and reports the layers it finished: memory is per
+layer, so its peak is the whole run's. Outputs go to a temporary directory, removed at the end
+unless --keep.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -71,17 +75,23 @@ def model_dir(shape: str) -> Path:
     return target
 
 
-def measure(label: str, cmd: list[str], env: dict | None = None) -> dict:
-    """Run cmd in its own process: wall time and peak RSS."""
+def measure(label: str, cmd: list[str], env: dict | None = None, seconds: float | None = None) -> dict:
+    """Run cmd in its own process: wall time and peak RSS. seconds: stop it (SIGTERM) after that
+    long and report how many layers it finished (from its progress bar) instead of failing."""
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
+    if seconds is not None:
+        threading.Timer(seconds, proc.terminate).start()
     err = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
-        raise RuntimeError(f"{label}: {' '.join(map(str, cmd))} failed ({proc.returncode}):\n{err[-3000:]}")
     result = {"run": label, "seconds": time.monotonic() - start, "peak_rss": usage.ru_maxrss * 1024}
+    if seconds is not None:
+        done = re.findall(r"(\d+)/(\d+) \[", err)
+        result["layers"] = f"{done[-1][0]}/{done[-1][1]}" if done else "0"
+    elif proc.returncode:
+        raise RuntimeError(f"{label}: {' '.join(map(str, cmd))} failed ({proc.returncode}):\n{err[-3000:]}")
     print(json.dumps(result), flush=True)
     return result
 
@@ -95,6 +105,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=SHAPES, default="7b")
     ap.add_argument("--runs", default="llama,rtn,gguf,gptq")
     ap.add_argument("--gptq-samples", type=int, default=4, help="GPTQ calibration: windows of 512 tokens")
+    ap.add_argument("--gptq-seconds", type=float, help="stop GPTQ after this long and report the layers it finished")
     ap.add_argument("--before", type=Path, help="also run RTN with quantkit imported from this directory")
     ap.add_argument("--keep", action="store_true", help="keep the outputs")
     a = ap.parse_args()
@@ -135,7 +146,7 @@ def main() -> None:
             results.append(measure(f"GPTQ 4-bit g128, {a.gptq_samples} x 512 tokens -> safetensors",
                                    [*qk, "quantize", model, "--method", "gptq", "--calib-data", VALID,
                                     "--calib-samples", str(a.gptq_samples), "--calib-seqlen", "512",
-                                    "--out", out / "gptq", *common]))
+                                    "--out", out / "gptq", *common], seconds=a.gptq_seconds))
     finally:
         if not a.keep:
             shutil.rmtree(out, ignore_errors=True)
@@ -145,7 +156,8 @@ def main() -> None:
           + (" time / llama-quantize | RSS / llama-quantize |" if anchor else ""))
     print("|---|---|---|---|" + ("---|---|" if anchor else ""))
     for r in results:
-        row = f"| {r['run']} | {r['seconds']:.0f} | {r['peak_rss'] / 2**30:.2f} | {r['peak_rss'] / disk:.1%} |"
+        run = r["run"] + (f" (stopped after {r['layers']} layers)" if "layers" in r else "")
+        row = f"| {run} | {r['seconds']:.0f} | {r['peak_rss'] / 2**30:.2f} | {r['peak_rss'] / disk:.1%} |"
         if anchor:
             row += f" {r['seconds'] / anchor['seconds']:.2f} | {r['peak_rss'] / anchor['peak_rss']:.2f} |"
         print(row)
