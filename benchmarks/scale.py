@@ -2,16 +2,17 @@
 against llama-quantize (F16 GGUF to Q4_K_M) on the same model in the same run.
 
     python benchmarks/scale.py [--shape 7b|1b] [--runs llama,rtn,gguf,gptq] [--gptq-samples 4]
-                               [--gptq-seconds S] [--before DIR] [--keep]
+                               [--stop-after S] [--before DIR] [--keep]
 
 The model (7b: Llama-2-7B's shapes; 1b: TinyLlama-1.1B's) is written once, tensor by tensor, as bf16
 shards into the user cache (7b: 13.5 GB). Each run is its own process: its peak RSS is the process's
 maximum resident set (getrusage of the child), shown against the model's size on disk. llama-quantize
 reads the F16 GGUF that `quantkit export` writes (that export is measured too). --before DIR runs
 RTN again with quantkit imported from DIR first (an older version installed with
-`pip install --no-deps --target DIR <checkout>`). --gptq-seconds stops GPTQ after that long (a CPU
-needs hours for all 32 layers of the 7B shape) and reports the layers it finished: memory is per
-layer, so its peak is the whole run's. Outputs go to a temporary directory, removed at the end
+`pip install --no-deps --target DIR <checkout>`). --stop-after S stops the GGUF and GPTQ runs after S seconds (on
+2 cores they need an hour or more for the 7B shape) and reports the layers they finished: memory is
+per layer, so the peak over the first layers is the run's, except that a stopped GGUF run has not
+yet quantized the output matrix (bounded by the same chunking as every other tensor). Outputs go to a temporary directory, removed at the end
 unless --keep.
 """
 from __future__ import annotations
@@ -105,7 +106,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=SHAPES, default="7b")
     ap.add_argument("--runs", default="llama,rtn,gguf,gptq")
     ap.add_argument("--gptq-samples", type=int, default=4, help="GPTQ calibration: windows of 512 tokens")
-    ap.add_argument("--gptq-seconds", type=float, help="stop GPTQ after this long and report the layers it finished")
+    ap.add_argument("--stop-after", type=float, help="stop the GGUF and GPTQ runs after this many seconds and "
+                    "report the layers they finished")
     ap.add_argument("--before", type=Path, help="also run RTN with quantkit imported from this directory")
     ap.add_argument("--keep", action="store_true", help="keep the outputs")
     a = ap.parse_args()
@@ -141,12 +143,13 @@ def main() -> None:
                                    [*qk, "quantize", model, "--method", "rtn", "--out", out / "rtn", *common]))
         if "gguf" in runs:
             results.append(measure("RTN -> GGUF Q4_K_M", [*qk, "quantize", model, "--format", "gguf", "--gguf-type",
-                                                          "Q4_K_M", "--out", out / "q4km.gguf", *common]))
+                                                          "Q4_K_M", "--out", out / "q4km.gguf", *common],
+                                   seconds=a.stop_after))
         if "gptq" in runs:
             results.append(measure(f"GPTQ 4-bit g128, {a.gptq_samples} x 512 tokens -> safetensors",
                                    [*qk, "quantize", model, "--method", "gptq", "--calib-data", VALID,
                                     "--calib-samples", str(a.gptq_samples), "--calib-seqlen", "512",
-                                    "--out", out / "gptq", *common], seconds=a.gptq_seconds))
+                                    "--out", out / "gptq", *common], seconds=a.stop_after))
     finally:
         if not a.keep:
             shutil.rmtree(out, ignore_errors=True)

@@ -59,7 +59,10 @@ class Hessian:
 
     def add_batch(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        self.sum += (x.T @ x).double()
+        product = x.T @ x
+        step = max(1, 2**22 // len(product))  # a mixed-dtype add_ casts to a temporary: a slice at a time
+        for r in range(0, len(product), step):
+            self.sum[r:r + step].add_(product[r:r + step])
         self.count += x.shape[0]
 
     def matrix(self) -> torch.Tensor:
@@ -245,6 +248,8 @@ def quantize_layer(i: int, layer: torch.nn.Module, quantize: QuantizeFn, batches
             tensors[f"model.layers.{i}.{name}"] = qt
         if o_inputs:
             attention = [layer.self_attn.o_proj(x) for x in o_inputs]
+        del hessians, o_inputs, mine
+        free_memory()
     if batches is not None:
         with replaying_attention(layer, attention):
             run_layer(layer, batches)

@@ -28,13 +28,11 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float, name: str = "layer") ->
     for attempt in range(6):
         d = damp * 10**attempt
         try:
-            damped = h.clone()  # one K x K copy at a time: for K = 11008 each is 485 MB
-            damped.diagonal().add_(d * mean_diag)
-            lower = torch.linalg.cholesky(damped)
-            del damped
-            inverse = torch.cholesky_inverse(lower)
-            del lower
-            return torch.linalg.cholesky(inverse, upper=True)
+            m = h.clone()  # one K x K copy, factored in place (for K = 11008 it is 485 MB)
+            m.diagonal().add_(d * mean_diag)
+            torch.linalg.cholesky(m, out=m)
+            torch.cholesky_inverse(m, out=m)
+            return torch.linalg.cholesky(m, upper=True, out=m)
         except torch.linalg.LinAlgError:
             warnings.warn(f"{name}: Hessian not positive definite with damping {d:g}; raising it to {d * 10:g}")
     raise QuantkitError(
@@ -105,7 +103,7 @@ def quantize(
 
     maxq = 2**bits - 1
     groups = col_group.tolist()
-    codes = torch.zeros(n, k, device=w.device)
+    codes = torch.zeros(n, k, dtype=torch.uint8, device=w.device)
     loss = 0.0
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
@@ -133,7 +131,7 @@ def quantize(
     inv = torch.argsort(perm)
     g_idx = (col_group[inv]).to(torch.int32)
     qt = QuantizedTensor(
-        codes=codes[:, inv].to(torch.uint8),
+        codes=codes[:, inv],
         scales=scales.half(),
         zeros=zeros.to(torch.uint8),
         g_idx=g_idx,
