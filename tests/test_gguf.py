@@ -35,6 +35,18 @@ def test_blocks_hold_what_the_fit_chose(kind, imatrix):
     assert torch.equal(own.reshape(-1), torch.from_numpy(theirs).reshape(-1))
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "F16", "Q5_0"])
+def test_quantizing_rows_a_slice_at_a_time_gives_the_same_bytes(kind, monkeypatch):
+    """Big matrices (a 32000-row embedding) are quantized a few rows at a time to bound the search's
+    temporaries: rows are independent, so the bytes are those of the whole matrix at once."""
+    w = torch.randn(300, 512, generator=torch.Generator().manual_seed(5)) * 0.02
+    imp = torch.rand(512, generator=torch.Generator().manual_seed(6)) if kind == "Q5_0" else None
+    monkeypatch.setattr(ggml, "CHUNK", 2**40)
+    whole = ggml.quantize(w, kind, imp)
+    monkeypatch.setattr(ggml, "CHUNK", 7 * 512)  # 7 rows at a time: a last slice of 6
+    assert torch.equal(ggml.quantize(w, kind, imp).codes, whole.codes)
+
+
 @pytest.mark.parametrize("kind", ggml.LEGACY_TYPES)
 def test_own_legacy_fits_equal_gguf_py(kind):
     """Our fits (which GPTQ and the importance matrix build on) reproduce the reference rounding exactly."""
