@@ -8,7 +8,7 @@ from quantkit.config import CODEBOOK_METHODS, QuantConfig
 from quantkit.errors import QuantkitError
 
 from . import gguf
-from .atomic import check_out
+from .atomic import check_out, progress_path
 from .shards import DEFAULT_MAX_SIZE, parse_size
 
 # safetensors: the GPTQ checkpoint layout for integer grids, bitsandbytes' 4-bit layout for NF4/FP4;
@@ -74,4 +74,4 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
         raise
 
 
-__all__ = ["DEFAULT_MAX_SIZE", "FORMATS", "gguf", "check_format", "check_out", "export", "open_writer", "parse_size"]
+__all__ = ["DEFAULT_MAX_SIZE", "FORMATS", "gguf", "check_format", "check_out", "export", "open_writer", "parse_size", "progress_path"]

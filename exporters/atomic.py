@@ -20,6 +20,17 @@ def check_out(out: str | os.PathLike, overwrite: bool = False) -> None:
         raise QuantkitError(f"{out.parent}: no such directory: create it or choose another --out")
 
 
+def progress_path(out: str | os.PathLike, rank: int | None = None) -> Path:
+    """Where a run writing out saves its progress after each layer (one file per process of a torchrun job)."""
+    out = Path(out)
+    return out.with_name(f".{out.name}.progress{'' if rank is None else f'-{rank}'}.pt")
+
+
+def progress_files(out: Path) -> list[Path]:
+    """Every process's saved progress for out."""
+    return list(out.parent.glob(f".{out.name}.progress*.pt"))
+
+
 def remove(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
@@ -54,8 +65,7 @@ class Staged:
         """Start over: an empty directory (or no file) at path; no progress of an earlier run, no
         previous output left aside by a commit that was killed."""
         remove(self.path)
-        for stale in [*self.out.parent.glob(f".{self.out.name}.progress*.pt"),
-                      *self.out.parent.glob(f".{self.out.name}.old-*")]:
+        for stale in [*progress_files(self.out), *self.out.parent.glob(f".{self.out.name}.old-*")]:
             remove(stale)
         if self.directory:
             self.path.mkdir()
@@ -76,9 +86,11 @@ class Staged:
         return self.out
 
     def abort(self, keep: bool = False) -> None:
-        """Give up; keep leaves the partial output for a resumed run."""
+        """Give up; keep leaves the partial output and every process's progress for a resumed run
+        (cleared before unlocking, so that no other run takes progress without its output)."""
         if not keep:
-            remove(self.path)
+            for stale in [self.path, *progress_files(self.out)]:
+                remove(stale)
         self.unlock()
 
     def unlock(self) -> None:

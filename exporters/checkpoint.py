@@ -19,7 +19,7 @@ from quantkit.qlinear import QuantLinear
 from quantkit.qtensor import QuantizedTensor
 
 from .atomic import Staged
-from .shards import DEFAULT_MAX_SIZE, ShardWriter
+from .shards import DEFAULT_MAX_SIZE, ShardWriter, state_intact
 
 
 class CheckpointWriter:
@@ -51,7 +51,7 @@ class CheckpointWriter:
             self.act_order = state["act_order"]
 
     def resumable(self, state: dict) -> bool:
-        return self.staged.path.is_dir() and ShardWriter(self.staged.path, self.max_shard_size).resumable(state["shards"])
+        return self.staged.path.is_dir() and state_intact(self.staged.path, state["shards"])
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         self.shards.add(key, tensor.to(self.dtype) if tensor.is_floating_point() else tensor)

@@ -239,7 +239,10 @@ class Writer:
         self.done: set[str] = set()
         self.file = None
         self.data_start = 0
-        self.written = 0
+
+    @property
+    def written(self) -> int:
+        return sum(nbytes(*self.plan[name]) for name in self.done)
 
     def start(self, state: dict | None = None) -> None:
         if state is None:
@@ -257,7 +260,7 @@ class Writer:
             self.data_start = gguf.GGUFWriter.ggml_pad(w.fout[0].tell(), gguf.GGUF_DEFAULT_ALIGNMENT)
             w.close()
         else:
-            self.data_start, self.done, self.written = state["data_start"], set(state["done"]), state["written"]
+            self.data_start, self.done = state["data_start"], set(state["done"])
         self.file = open(self.staged.path, "r+b")
 
     def resumable(self, state: dict) -> bool:
@@ -273,11 +276,10 @@ class Writer:
                                 f"{nbytes(shape, kind)}: quantize it for the same GGUF types")
         try:
             self.file.seek(self.data_start + self.offsets[name])
-            self.file.write(np.ascontiguousarray(data).tobytes())
+            self.file.write(np.ascontiguousarray(data).data)  # no copy of the bytes
         except OSError as e:
             raise disk_error(self.staged.path, e) from None
         self.done.add(name)
-        self.written += data.nbytes
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         if tensor.dim() != 1:
@@ -299,7 +301,7 @@ class Writer:
     def state(self) -> dict:
         self.file.flush()
         os.fsync(self.file.fileno())
-        return {"data_start": self.data_start, "done": sorted(self.done), "written": self.written}
+        return {"data_start": self.data_start, "done": sorted(self.done)}
 
     def close(self) -> Path:
         missing = [name for name in self.plan if name not in self.done]

@@ -51,6 +51,14 @@ def disk_error(where: Path, e: OSError) -> Exception:
     return e
 
 
+def state_intact(directory: Path, state: dict) -> bool:
+    """Whether the files a ShardWriter's state refers to are all in directory (a kill while closing
+    removes spills)."""
+    spill = directory / f".spill-{len(state['shards'])}"
+    return all((directory / name).is_file() for name, _ in state["shards"]) and (
+        not state["entries"] or (spill.is_file() and spill.stat().st_size >= state["used"]))
+
+
 class ShardWriter:
     """Safetensors shards in directory, each holding at most max_size bytes of tensor data (a tensor
     larger than that gets a shard of its own)."""
@@ -96,12 +104,6 @@ class ShardWriter:
         self.saved_shards = len(self.shards)
         return {"shards": [[p.name, names] for p, names in self.shards], "entries": self.entries,
                 "used": self.used, "total": self.total}
-
-    def resumable(self, state: dict) -> bool:
-        """Whether the files a state refers to are all there (a kill while closing removes spills)."""
-        spill = self.dir / f".spill-{len(state['shards'])}"
-        return all((self.dir / name).is_file() for name, _ in state["shards"]) and (
-            not state["entries"] or (spill.is_file() and spill.stat().st_size >= state["used"]))
 
     def resume(self, state: dict) -> None:
         """Go on from a state taken by state(): what was written after it is dropped."""

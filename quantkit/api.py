@@ -134,15 +134,14 @@ def quantize(
         data = windows.numpy().tobytes() if windows is not None else b""
         run = f"{m.source}|{config}|{format}|{max_shard_size}|{dev.type}|{distributed.world()}"
         key = hashlib.sha256(run.encode() + data).hexdigest()
-        rank = f"-{distributed.rank()}" if distributed.world() > 1 else ""
-        resume = (Path(out).with_name(f".{Path(out).name}.progress{rank}.pt"), key)
+        resume = (exporters.progress_path(out, distributed.rank() if distributed.world() > 1 else None), key)
     m.losses = {}
     def awq_layer(i, layer, batches):  # AWQ quantizes a layer whole: scales, folding, clipping
         return awq.quantize_layer(layer, batches, config.bits, config.group_size, config.sym, config.duo_scaling,
                                   prefix=f"model.layers.{i}.")
 
     def other(name: str, w: torch.Tensor) -> QuantizedTensor | None:  # GGUF: the embedding and output matrix too
-        return ggml.quantize(w.float(), types[name]) if types is not None and name in types else None
+        return ggml.quantize(w, types[name]) if types is not None and name in types else None
 
     writes = out is not None and distributed.rank() == 0  # under torchrun, rank 0 writes
     writer = exporters.open_writer(m, out, format, config, overwrite, max_shard_size, types) if writes else None
@@ -158,9 +157,6 @@ def quantize(
         resumable = resume is not None and resume[0].exists() and not (
             isinstance(e, QuantkitError) and not isinstance(e, ResumableError))
         if writer is not None:  # the process holding the output's lock clears every process's progress
-            if not resumable:
-                for f in Path(out).parent.glob(f".{Path(out).name}.progress*.pt"):
-                    f.unlink(missing_ok=True)
             writer.abort(keep=resumable)
         raise
     if resume is not None:

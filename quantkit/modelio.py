@@ -60,13 +60,13 @@ class Model:
         """The submodule at prefix (default: the whole model) with every weight in memory on device:
         those not read yet come from the checkpoint, in dtype (None: each tensor's own in the file)."""
         module = self.module.get_submodule(prefix)
-        meta = [name for name, t in module.state_dict(keep_vars=True).items() if t.is_meta]
+        base = f"{prefix}." if prefix else ""
+        meta = {base + name: tuple(t.shape) for name, t in module.state_dict(keep_vars=True).items() if t.is_meta}
         if meta and self.streamed_to is not None:
             raise QuantkitError(f"this model's quantized layers were written to {self.streamed_to} and not kept in "
                                 f"memory: load that export, or quantize with keep=True")
         if meta:
-            base = f"{prefix}." if prefix else ""
-            for name, t in self.checkpoint.read([base + n for n in meta], device, shapes(module, meta, base)).items():
+            for name, t in self.checkpoint.read(meta, device).items():
                 set_module_tensor_to_device(self.module, name, device, t, dtype=dtype or t.dtype)
             if not prefix:
                 self.module.tie_weights()
@@ -76,11 +76,6 @@ class Model:
         """Drop the submodule's weights from memory when the checkpoint can give them again."""
         if self.checkpoint is not None:
             self.module.get_submodule(prefix).to("meta")
-
-
-def shapes(module: torch.nn.Module, names: list[str], base: str) -> dict[str, tuple[int, ...]]:
-    state = module.state_dict(keep_vars=True)
-    return {base + n: tuple(state[n].shape) for n in names}
 
 
 class Checkpoint:
@@ -123,27 +118,23 @@ class Checkpoint:
                                 "quantizes float checkpoints; pass the original model")
         return max(set(floats), key=floats.count)
 
-    def read(self, names: list[str], device: str | torch.device = "cpu",
-             expected: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
-        """The named tensors (a tied lm_head reads the embedding), each checked against its expected shape."""
-        out, by_file = {}, {}
-        for name in names:
+    def read(self, expected: dict[str, tuple[int, ...]], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """The tensors named by expected (a tied lm_head reads the embedding), each checked against its
+        expected shape and for NaN or Inf."""
+        out = {}
+        for name, shape in expected.items():
             key = name if name in self.where or name != "lm_head.weight" else "model.embed_tokens.weight"
             if key not in self.where:
                 raise QuantkitError(f"{self.path}: tensor {key} is missing from the checkpoint: download it again")
-            by_file.setdefault(self.where[key], []).append((name, key))
-        for f, pairs in by_file.items():
-            for name, key in pairs:
-                try:  # mapped for one tensor at a time: its pages count as the process's memory while mapped
-                    with safe_open(str(f), "pt", device=str(device)) as sf:
-                        out[name] = sf.get_tensor(key)
-                except (SafetensorError, OSError) as e:
-                    raise QuantkitError(f"{f}: cannot be read ({e}): the file is damaged or was changed; "
-                                        "re-download it") from None
-        for name, t in out.items():
-            if expected is not None and tuple(t.shape) != expected[name]:
+            try:  # mapped for one tensor at a time: its pages count as the process's memory while mapped
+                with safe_open(str(self.where[key]), "pt", device=str(device)) as sf:
+                    t = out[name] = sf.get_tensor(key)
+            except (SafetensorError, OSError) as e:
+                raise QuantkitError(f"{self.where[key]}: cannot be read ({e}): the file is damaged or was changed; "
+                                    "re-download it") from None
+            if tuple(t.shape) != shape:
                 raise QuantkitError(f"{self.path}: tensor {name} has shape {tuple(t.shape)} but config.json implies "
-                                    f"{expected[name]}: the config and the weights are from different models")
+                                    f"{shape}: the config and the weights are from different models")
             if not all(torch.isfinite(c).all() for c in t.reshape(-1).split(2**24)):  # bounded temporaries
                 raise QuantkitError(f"{self.path}: weight {name} contains NaN or Inf: the checkpoint is damaged; "
                                     "re-download or re-export it")
@@ -180,16 +171,6 @@ def check_finite(module: torch.nn.Module, source: str) -> None:
             raise QuantkitError(
                 f"{source}: weight {name} contains NaN or Inf: the checkpoint is damaged; re-download or re-export it"
             )
-
-
-def check_safetensors(path: Path) -> None:
-    """Open every tensor's header so that a corrupt or truncated file fails here, by name."""
-    try:
-        with safe_open(str(path), "pt") as f:
-            for key in f.keys():
-                f.get_slice(key)
-    except (SafetensorError, OSError) as e:
-        raise QuantkitError(f"{path}: corrupt or truncated safetensors file ({e}): re-download or re-export it") from None
 
 
 def load(path: str | os.PathLike | None = None, packed: bool = False) -> Model:
@@ -229,8 +210,7 @@ def load_dir(path: Path, packed: bool = False) -> Model:
                 f"{path}: already quantized with {qc.get('quant_method')!r}: quantkit reads full-precision "
                 "checkpoints and GPTQ, AWQ (GEMM) and bitsandbytes 4-bit ones"
             )
-        for w in weights:
-            check_safetensors(w)
+        Checkpoint(path)  # every shard there, every header readable: a damaged file fails here, by name
         return readers[qc["quant_method"]](path, packed)
     checkpoint = Checkpoint(path)
     return Model(skeleton(path, checkpoint), load_tokenizer(path), str(path), checkpoint=checkpoint)

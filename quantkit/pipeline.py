@@ -110,8 +110,6 @@ def capture_inputs(model: Model, windows: torch.Tensor, batch_size: int, device:
     return captured
 
 
-
-
 def run_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]]) -> list[tuple[torch.Tensor, dict]]:
     """Replace each batch's hidden states by the layer's output, in place: one copy alive at a time."""
     for j, (hidden, kwargs) in enumerate(batches):

@@ -74,12 +74,6 @@ class QuantizedTensor:
         if self.g_idx.shape != (k,) or (k and int(self.g_idx.max()) >= ng):
             raise QuantkitError(f"g_idx must have {k} entries below {ng}, got shape {tuple(self.g_idx.shape)}")
 
-    @classmethod
-    def from_dict(cls, d: dict) -> QuantizedTensor:
-        """Inverse of dataclasses.asdict (which turns a nested tensor into a dict too)."""
-        nested = d.get("nested")
-        return cls(**{**d, "nested": cls.from_dict(nested) if nested is not None else None})
-
     def to(self, device: str | torch.device) -> QuantizedTensor:
         """The same tensor with its parts on device."""
         moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
