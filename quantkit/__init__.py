@@ -6,5 +6,7 @@ from .config import QuantConfig  # noqa: E402
 from .errors import QuantkitError  # noqa: E402
 from .modelio import Model, load  # noqa: E402
 from .qtensor import QuantizedTensor  # noqa: E402
+from .trainer import TrainConfig, merge, train  # noqa: E402
 
-__all__ = ["Model", "QuantConfig", "QuantizedTensor", "QuantkitError", "evaluate", "export", "load", "quantize"]
+__all__ = ["Model", "QuantConfig", "QuantizedTensor", "QuantkitError", "TrainConfig", "evaluate", "export", "load",
+           "merge", "quantize", "train"]

@@ -1,4 +1,5 @@
-"""`quantkit quantize` and `quantkit eval`: a thin layer over quantkit.api."""
+"""`quantkit quantize`, `eval`, `export`, `train` and `merge`: a thin layer over quantkit.api and
+quantkit.trainer."""
 from __future__ import annotations
 
 import json
@@ -8,8 +9,10 @@ import sys
 
 import click
 
-from quantkit import exporters
+from quantkit import exporters, trainer
 from quantkit.exporters import check_out
+from quantkit.trainer import TrainConfig
+from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECISIONS
 
 from . import api, distributed
 from .config import METHODS, QuantConfig
@@ -25,9 +28,13 @@ def show(label: str, ppl) -> None:
 @click.version_option(package_name="quantkit")
 def cli() -> None:
     """Quantize, evaluate and export large language models."""
-    from transformers.utils import logging
+    import logging
 
-    logging.set_verbosity_error()
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()
+    # bitsandbytes (imported by peft) warns at import that an optional kernel package is missing
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 @cli.command()
@@ -117,6 +124,105 @@ def evaluate(model, data, protocol, ctx, max_windows, as_json, dequantized, devi
     show(model or "embedded model", ppl)
     if as_json:
         click.echo(json.dumps({**ppl.to_dict(), "model": model}))
+
+
+T = TrainConfig()  # the defaults shown in --help
+
+
+@cli.command()
+@click.argument("model", required=False)
+@click.option("--data", required=True, type=click.Path(),
+              help="plain text (packed windows, every token scored) or .jsonl of chats / instruction records "
+                   "(messages; instruction+response; prompt+completion: only the replies scored)")
+@click.option("--out", required=True, type=click.Path(), help="the adapter directory (PEFT's format)")
+@click.option("--eval-data", type=click.Path(), help="held-out data [default: --eval-fraction of --data]")
+@click.option("--eval-fraction", type=float, default=T.eval_fraction, show_default=True)
+@click.option("--method", type=click.Choice(TRAIN_METHODS), default=T.method, show_default=True,
+              help="qlora: the frozen base held as NF4 with double quantization")
+@click.option("--rank", type=int, default=T.rank, show_default=True)
+@click.option("--alpha", type=float, default=T.alpha, show_default=True)
+@click.option("--dropout", type=float, default=T.dropout, show_default=True)
+@click.option("--target", default="all-linear", show_default=True, help="comma-separated module names, or all-linear")
+@click.option("--dora", is_flag=True, help="weight-decomposed LoRA: a trained magnitude per output row")
+@click.option("--rslora", is_flag=True, help="scale by alpha/sqrt(rank) instead of alpha/rank")
+@click.option("--lora-plus", type=float, help="train B at RATIO times A's learning rate")
+@click.option("--steps", type=int, help="optimizer steps [default: --epochs, else one epoch]")
+@click.option("--epochs", type=float)
+@click.option("--seqlen", type=int, default=T.seqlen, show_default=True)
+@click.option("--batch-size", type=int, default=T.batch_size, show_default=True, help="sequences per micro-batch, over all processes")
+@click.option("--grad-accum", type=int, default=T.grad_accum, show_default=True)
+@click.option("--lr", type=float, default=T.lr, show_default=True)
+@click.option("--warmup", type=int, default=T.warmup, show_default=True, help="steps of linear warmup before the cosine decay")
+@click.option("--weight-decay", type=float, default=T.weight_decay, show_default=True)
+@click.option("--max-grad-norm", type=float, default=T.max_grad_norm, show_default=True)
+@click.option("--seed", type=int, default=T.seed, show_default=True)
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default=T.optimizer, show_default=True)
+@click.option("--precision", type=click.Choice(PRECISIONS), default=T.precision, show_default=True,
+              help="auto: bf16 autocast where the device has it, else fp16 with a gradient scaler")
+@click.option("--gradient-checkpointing", is_flag=True, help="recompute activations in the backward pass: less memory")
+@click.option("--compile", is_flag=True, help="torch.compile the model (training goes on without it if that fails)")
+@click.option("--eval-every", type=int, default=T.eval_every, show_default=True)
+@click.option("--patience", type=int, help="stop after N evaluations without a better held-out loss; keep the best adapter")
+@click.option("--save-every", type=int, default=T.save_every, show_default=True, help="steps between checkpoints")
+@click.option("--resume", is_flag=True, help="go on from the checkpoint a stopped run of this command left")
+@click.option("--overwrite", is_flag=True, help="replace --out if it exists")
+@click.option("--device", help="cuda or cpu [cuda when there is a GPU]")
+@click.option("--quantize", "quantize_method", type=click.Choice(METHODS),
+              help="then merge the adapter into the base (OUT-merged) and quantize that with this method")
+@click.option("--quantize-out", type=click.Path(), help="where --quantize writes [OUT-METHOD, .gguf for --format gguf]")
+@click.option("--format", "fmt", default="safetensors", show_default=True, help="--quantize: safetensors, awq or gguf")
+@click.option("--bits", type=int, default=4, show_default=True, help="--quantize: bits")
+@click.option("--group-size", type=int, default=128, show_default=True, help="--quantize: group size")
+@click.option("--gguf-type", help="--quantize with --format gguf: the mix [Q4_K_M]")
+@click.option("--calib-data", type=click.Path(), help="--quantize: calibration text")
+def train(model, data, out, eval_data, resume, overwrite, device, quantize_method, quantize_out, fmt, bits,
+          group_size, gguf_type, calib_data, **options) -> None:
+    """Fine-tune MODEL (a directory, or by default the embedded SmolLM2-135M-Instruct) with LoRA or
+    QLoRA; write the adapter, its log and a loss plot to --out. With --quantize, merge and quantize too."""
+    config = TrainConfig(**{k: v for k, v in options.items() if v is not None})
+    qconfig, merged = None, f"{out}-merged"
+    if quantize_method:
+        if distributed.world() > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise QuantkitError("--quantize runs in one process: train under torchrun, then run quantkit merge and "
+                                "quantkit quantize")
+        if fmt == "gguf" and gguf_type is None:
+            gguf_type = exporters.gguf.DEFAULT_MIX
+        qconfig = QuantConfig(method=quantize_method, bits=bits, group_size=group_size, gguf_type=gguf_type)
+        quantize_out = quantize_out or f"{out}-{quantize_method}{'.gguf' if fmt == 'gguf' else ''}"
+        for path in (merged, quantize_out):
+            check_out(path, overwrite)
+    if not resume:
+        check_out(out, overwrite)
+    result = trainer.train(model, config, data=data, out=out, eval_data=eval_data, resume=resume,
+                           overwrite=overwrite, device=device)
+    if distributed.rank() != 0:
+        return
+    last = result.log[-1]
+    held = (f", held-out loss {result.evals[0]['eval_loss']:.4f} -> {result.evals[-1]['eval_loss']:.4f}"
+            f" (best at step {result.best_step})") if result.evals else ""
+    click.echo(f"adapter written to {out}: {result.steps} steps, loss {last['loss']:.4f}{held}, "
+               f"{result.tokens_per_s:.0f} tokens/s, {result.peak_memory}")
+    if qconfig is not None:
+        trainer.merge(out, merged, overwrite=overwrite)
+        click.echo(f"merged into {merged}")
+        api.quantize(load(merged), qconfig, calib_data=calib_data, out=quantize_out, format=fmt, overwrite=overwrite,
+                     device=device)
+        click.echo(f"exported to {quantize_out}")
+
+
+@cli.command()
+@click.argument("adapter")
+@click.option("--out", required=True, type=click.Path(), help="the merged model directory")
+@click.option("--base", help="the base model [the adapter config's base_model_name_or_path]")
+@click.option("--onto-nf4", is_flag=True, help="merge into the NF4-rounded base QLoRA trained against")
+@click.option("--overwrite", is_flag=True, help="replace --out if it exists")
+@click.option("--max-shard-size", default=exporters.DEFAULT_MAX_SIZE, show_default=True)
+def merge(adapter, out, base, onto_nf4, overwrite, max_shard_size) -> None:
+    """Merge a LoRA ADAPTER (quantkit's or PEFT's) into its base in float32 and write a model
+    directory in the base's dtype, ready for quantkit quantize."""
+    check_out(out, overwrite)
+    trainer.merge(adapter, out, base, onto_nf4=onto_nf4, overwrite=overwrite, max_shard_size=max_shard_size)
+    click.echo(f"merged into {out}")
 
 
 def terminated(signum, frame) -> None:

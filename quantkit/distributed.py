@@ -63,10 +63,10 @@ def owner(j: int) -> int:
     return j % world()
 
 
-def sum_(t: torch.Tensor) -> torch.Tensor:
+def sum_(t: torch.Tensor, what: str = "summing calibration statistics") -> torch.Tensor:
     """t summed over the processes, in place."""
     if world() > 1:
-        with collective("summing calibration statistics"):
+        with collective(what):
             dist.all_reduce(t)
     return t
 

@@ -59,3 +59,19 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 def autogptq_quantlinear():
     return autogptq("nn_modules.qlinear.qlinear_cuda_old").QuantLinear
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_dir(tmp_path_factory) -> Path:
+    """The tiny model with a ChatML chat template, as instruct models have."""
+    from transformers import AutoTokenizer
+
+    path = make_tiny(tmp_path_factory.mktemp("chat") / "model")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHATML
+    tok.save_pretrained(path)
+    return path

@@ -12,22 +12,22 @@ from .conftest import VALID
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun(*args, script=("-m", "quantkit")) -> subprocess.CompletedProcess:
+def torchrun(*args, script=("-m", "quantkit"), command="quantize") -> subprocess.CompletedProcess:
     with socket.socket() as s:  # a free port: jobs of parallel test runs must not meet
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # torchrun polls its workers every second here, so the survivor has time to report before it is stopped
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
            "--monitor-interval", "1",
-           *script, "quantize", *map(str, args)]
+           *script, command, *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
-def one_process(*args) -> subprocess.CompletedProcess:
+def one_process(*args, command="quantize") -> subprocess.CompletedProcess:
     """One thread, as torchrun gives each of its processes: float32 matmuls round differently with the
     number of threads (a GPTQ run with 2 threads differs from one with 1 in 2 of layer 0's down_proj
     scales), while splitting the work across processes changes nothing."""
-    return subprocess.run([sys.executable, "-m", "quantkit", "quantize", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "quantkit", command, *map(str, args)], capture_output=True,
                           text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 

@@ -1,0 +1,162 @@
+"""The trainer on the embedded model (SmolLM2-135M-Instruct), on the CPU unless there is a GPU.
+
+  python benchmarks/train.py [--steps 200] [--parts wikitext,dolly,peft]
+
+wikitext: LoRA, QLoRA and DoRA fine-tuned on WikiText-2 validation; WikiText-2 test perplexity
+  (llama.cpp protocol, ctx 512, the first --windows windows) of the base and of each merged model,
+  then of each quantized with GPTQ w4 g128 and GGUF Q4_K_M, against the base quantized the same way:
+  ratios to the base's perplexity.
+dolly: LoRA instruction tuning on the Dolly slice (10% held out, seeded): held-out response loss
+  before and after.
+peft: our loop against PEFT + transformers' Trainer with the same model, data, rank, batch, steps
+  and optimizer (torch AdamW, bf16 autocast, cosine schedule), each in its own process: tokens per
+  second and peak RSS as ratios to the Trainer's, and the final held-out loss of each.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from children import child
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+VALID = DATA / "wikitext-2" / "wiki.valid.tokens"
+TEST = DATA / "wikitext-2-raw" / "wiki.test.raw"
+DOLLY = DATA / "dolly" / "dolly-15k-head.jsonl"
+METHODS = {"lora": {}, "qlora": {"method": "qlora"}, "dora": {"dora": True}}
+COMMON = dict(seqlen=256, batch_size=4, rank=16, alpha=32, lr=2e-4, warmup=10, optimizer="adamw", seed=0)
+
+
+def ppl(model, windows: int) -> float:
+    import quantkit
+
+    return quantkit.evaluate(str(model), TEST, "llamacpp", 512, windows).perplexity
+
+
+def quantized(model, out: Path, fmt: str, windows: int) -> float:
+    import quantkit
+
+    if fmt == "gguf":
+        quantkit.quantize(quantkit.load(model), method="rtn", gguf_type="Q4_K_M", out=out, format="gguf", progress=False)
+    else:
+        quantkit.quantize(quantkit.load(model), method="gptq", bits=4, group_size=128, calib_data=VALID,
+                          calib_samples=64, calib_seqlen=512, out=out, progress=False)
+    return ppl(out, windows)
+
+
+def wikitext(steps: int, windows: int, tmp: Path) -> None:
+    from quantkit.modelio import default_model_dir
+    from quantkit.trainer import merge, train
+
+    base = default_model_dir()
+    rows = {"base": (ppl(base, windows), quantized(base, tmp / "base-gptq", "gptq", windows),
+                     quantized(base, tmp / "base.gguf", "gguf", windows), None)}
+    for name, options in METHODS.items():
+        t = time.perf_counter()
+        result = train(base, data=VALID, out=tmp / name, steps=steps, eval_fraction=0.01, eval_every=steps,
+                       progress=False, **COMMON, **options)
+        seconds = time.perf_counter() - t
+        merge(tmp / name, tmp / f"{name}-merged", progress=False)
+        rows[name] = (ppl(tmp / f"{name}-merged", windows), quantized(tmp / f"{name}-merged", tmp / f"{name}-gptq", "gptq", windows),
+                      quantized(tmp / f"{name}-merged", tmp / f"{name}.gguf", "gguf", windows),
+                      (result.evals[0]["eval_loss"], result.evals[-1]["eval_loss"], seconds, result.tokens_per_s))
+    anchor = rows["base"]
+    print(f"\nWikiText-2 test perplexity, llama.cpp protocol, ctx 512, {windows} windows; {steps} steps of "
+          f"{COMMON['batch_size']}x{COMMON['seqlen']} tokens on wiki.valid.tokens")
+    print("| model | float | GPTQ w4 g128 | GGUF Q4_K_M | held-out loss before -> after | train time | tokens/s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (f, g, q, tr) in rows.items():
+        cells = [f"{v:.3f} ({v / a:.3f}x)" for v, a in zip((f, g, q), anchor)]
+        extra = f"{tr[0]:.4f} -> {tr[1]:.4f} | {tr[2]:.0f} s | {tr[3]:.0f}" if tr else "- | - | -"
+        print(f"| {name} | {' | '.join(cells)} | {extra} |")
+
+
+def dolly(steps: int, tmp: Path) -> None:
+    from quantkit.modelio import default_model_dir
+    from quantkit.trainer import train
+
+    result = train(default_model_dir(), data=DOLLY, out=tmp / "dolly", steps=steps, eval_fraction=0.1,
+                   eval_every=max(steps // 4, 1), progress=False, **{**COMMON, "seqlen": 512})
+    print(f"\nDolly ({DOLLY.name}, 10% held out): held-out loss per response token by step, LoRA r16, {steps} steps")
+    print(" ".join(f"{r['step']}: {r['eval_loss']:.4f}" for r in result.evals),
+          f"(after/before {result.evals[-1]['eval_loss'] / result.evals[0]['eval_loss']:.3f})")
+
+
+def run_one(kind: str, steps: int) -> dict:
+    """In a child: one training run of kind (quantkit or trainer); its speed, memory and held-out loss."""
+    import torch
+
+    from quantkit import load
+    from quantkit.modelio import default_model_dir
+    from quantkit.trainer import TrainConfig, dataset, train
+    from quantkit.trainer.loop import held_out_loss
+
+    config = TrainConfig(steps=steps, eval_fraction=0.02, eval_every=steps, **COMMON)
+    if kind == "quantkit":
+        with tempfile.TemporaryDirectory() as tmp:
+            r = train(default_model_dir(), config, data=VALID, out=Path(tmp) / "a", progress=False)
+        return {"tokens_per_s": r.tokens_per_s, "eval_loss": r.evals[-1]["eval_loss"],
+                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
+
+    tok = load().tokenizer
+    train_set, held = dataset.split(dataset.read(VALID, tok, config.seqlen), config.eval_fraction, config.seed)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir())
+    model = get_peft_model(model, LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
+                                             target_modules="all-linear", task_type="CAUSAL_LM"))
+    rows = [{"input_ids": e.ids, "labels": e.labels} for e in train_set]
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=config.batch_size, max_steps=steps,
+                                 learning_rate=config.lr, warmup_steps=config.warmup, lr_scheduler_type="cosine",
+                                 bf16=True, optim="adamw_torch", max_grad_norm=config.max_grad_norm, weight_decay=0.0,
+                                 save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
+                                 logging_steps=steps, seed=config.seed, disable_tqdm=True)
+        out = Trainer(model=model, args=args, train_dataset=rows, data_collator=default_data_collator).train()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    loss = held_out_loss(model, held, config, pad, device, torch.bfloat16)
+    return {"tokens_per_s": steps * config.batch_size * config.seqlen / out.metrics["train_runtime"],
+            "eval_loss": loss, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def peft(steps: int) -> None:
+    trainer = child(__file__, kind="trainer", steps=steps)
+    ours = child(__file__, kind="quantkit", steps=steps)
+    print(f"\nLoRA r16 all-linear, {steps} steps of {COMMON['batch_size']}x{COMMON['seqlen']} tokens, bf16 autocast, "
+          "torch AdamW: quantkit against PEFT + transformers Trainer (anchor)")
+    print("| loop | tokens/s | peak RSS | final held-out loss |")
+    print("|---|---|---|---|")
+    for name, r in (("PEFT + Trainer", trainer), ("quantkit", ours)):
+        print(f"| {name} | {r['tokens_per_s']:.0f} ({r['tokens_per_s'] / trainer['tokens_per_s']:.2f}x) | "
+              f"{r['peak_rss']:.2f} GiB ({r['peak_rss'] / trainer['peak_rss']:.2f}x) | {r['eval_loss']:.4f} |")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "run":
+        p = argparse.ArgumentParser()
+        p.add_argument("run")
+        p.add_argument("--kind", required=True)
+        p.add_argument("--steps", type=int, required=True)
+        a = p.parse_args()
+        print(json.dumps(run_one(a.kind, a.steps)))
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--windows", type=int, default=40, help="perplexity windows of 512 tokens")
+    p.add_argument("--parts", default="wikitext,dolly,peft")
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for part in a.parts.split(","):
+            {"wikitext": lambda: wikitext(a.steps, a.windows, Path(tmp)), "dolly": lambda: dolly(a.steps, Path(tmp)),
+             "peft": lambda: peft(a.steps)}[part]()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The trainer against its judges: PEFT loads our adapters (and we load PEFT's) with the same logits,
+merges equal PEFT's, QLoRA's base is bitsandbytes' NF4, a resumed run repeats an uninterrupted
+one, and two processes repeat one."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from quantkit.trainer import TrainConfig, lora, merge, train
+from quantkit.trainer.merge import attach
+
+from .conftest import VALID
+from .test_distributed import one_process, torchrun
+
+IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+SHORT = dict(seqlen=32, batch_size=2, eval_fraction=0, progress=False)
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    """A slice of the training text: about 200 windows of 32 tokens, so evaluations stay quick."""
+    path = tmp_path_factory.mktemp("data") / "train.txt"
+    path.write_text(VALID.read_text()[:30_000])
+    return path
+
+
+def logits(module) -> torch.Tensor:
+    with torch.no_grad():
+        return module(IDS).logits
+
+
+def base(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("options", [{}, {"rslora": True}, {"dora": True}], ids=["lora", "rslora", "dora"])
+def test_peft_loads_our_adapter_and_merges_like_us(tiny_dir, text, tmp_path, options):
+    from peft import PeftModel
+
+    # a high rate, so that B is far from its zero start and every tensor matters
+    train(tiny_dir, data=text, out=tmp_path / "a", steps=3, lr=0.05, dropout=0.0, rank=4, precision="fp32",
+          **SHORT, **options)
+    peft = PeftModel.from_pretrained(base(tiny_dir), tmp_path / "a")
+    result = peft.load_adapter(tmp_path / "a", adapter_name="again")
+    assert not result.unexpected_keys and not [k for k in result.missing_keys if "lora_" in k]
+    ours = attach(tiny_dir, tmp_path / "a")
+    assert torch.allclose(logits(ours.module), logits(peft), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(logits(base(tiny_dir)), logits(peft), atol=1e-3)  # the adapter does something
+    merge(tmp_path / "a", tmp_path / "m", progress=False)
+    merged = logits(base(tmp_path / "m"))
+    assert torch.allclose(merged, logits(peft.merge_and_unload()), atol=1e-4, rtol=1e-4)
+
+
+def test_we_load_peft_adapters(tiny_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], use_dora=True,
+                        init_lora_weights=False, task_type="CAUSAL_LM")
+    torch.manual_seed(0)
+    peft = get_peft_model(base(tiny_dir), config)
+    peft.save_pretrained(tmp_path / "peft")
+    ours = attach(tiny_dir, tmp_path / "peft")
+    assert sorted(n for n, m in ours.module.named_modules() if isinstance(m, lora.LoraLinear))[:2] == [
+        "model.layers.0.mlp.down_proj", "model.layers.0.self_attn.q_proj"]
+    assert torch.allclose(logits(ours.module), logits(peft), atol=1e-5, rtol=1e-5)
+    merge(tmp_path / "peft", tmp_path / "m", base=tiny_dir, progress=False)
+    assert torch.allclose(logits(base(tmp_path / "m")), logits(peft.merge_and_unload()), atol=1e-4, rtol=1e-4)
+
+
+def test_qlora_base_is_bitsandbytes_nf4_and_merges_onto_it(tiny_dir, text, tmp_path):
+    import bitsandbytes.functional as bnbf
+
+    w = base(tiny_dir).model.layers[0].mlp.up_proj.weight.detach()
+    packed, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+    linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    linear.weight.data = w
+    ours = lora.quantize_nf4(linear, 64)
+    assert torch.equal(ours.dequantize(), bnbf.dequantize_4bit(packed, state).float())
+
+    train(tiny_dir, data=text, out=tmp_path / "q", method="qlora", steps=2, lr=0.05, dropout=0.0, rank=4,
+          precision="fp32", **SHORT)
+    merge(tmp_path / "q", tmp_path / "m", onto_nf4=True, progress=False)
+    trained = attach(tiny_dir, tmp_path / "q", onto_nf4=True)  # what QLoRA computed with
+    assert torch.allclose(logits(base(tmp_path / "m")), logits(trained.module), atol=1e-4, rtol=1e-4)
+
+
+def test_resumed_run_repeats_an_uninterrupted_one(tiny_dir, text, tmp_path):
+    """Dropout on, so the restored random state matters; killed after step 3, resumed from step 2's checkpoint."""
+    opts = dict(steps=6, save_every=2, dropout=0.1, rank=4, lr=1e-2, seqlen=32, batch_size=2, grad_accum=2,
+                eval_fraction=0.1, eval_every=3, progress=False)
+    whole = train(tiny_dir, data=text, out=tmp_path / "whole", **opts)
+
+    def kill(record):
+        if record["step"] == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_dir, data=text, out=tmp_path / "cut", callback=kill, **opts)
+    assert not (tmp_path / "cut").exists() and (tmp_path / ".cut.partial" / "checkpoint").is_dir()
+    resumed = train(tiny_dir, data=text, out=tmp_path / "cut", resume=True, **opts)
+    assert [r["loss"] for r in resumed.log] == pytest.approx([r["loss"] for r in whole.log], rel=1e-6)
+    assert [r["eval_loss"] for r in resumed.evals] == pytest.approx([r["eval_loss"] for r in whole.evals], rel=1e-6)
+    a, b = load_file(tmp_path / "whole" / lora.WEIGHTS), load_file(tmp_path / "cut" / lora.WEIGHTS)
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert whole.evals[-1]["eval_loss"] < whole.evals[0]["eval_loss"]  # it learns
+    assert sorted(p.name for p in (tmp_path / "cut").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "loss.png", "train_log.json"]
+
+
+def test_options_that_must_not_change_the_losses(tiny_dir, text, tmp_path, monkeypatch):
+    """Gradient checkpointing recomputes the same; a torch.compile that fails falls back to the same."""
+    opts = dict(steps=3, rank=4, lr=1e-2, dropout=0.0, precision="fp32", **SHORT)
+    plain = train(tiny_dir, data=text, out=tmp_path / "plain", **opts)
+    checkpointed = train(tiny_dir, data=text, out=tmp_path / "gc", gradient_checkpointing=True, **opts)
+    assert [r["loss"] for r in checkpointed.log] == pytest.approx([r["loss"] for r in plain.log], rel=1e-5)
+
+    def broken(module):
+        def fail(*args, **kwargs):
+            raise RuntimeError("no compiler")
+        return fail
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.warns(UserWarning, match="torch.compile failed"):
+        compiled = train(tiny_dir, data=text, out=tmp_path / "c", compile=True, **opts)
+    assert [r["loss"] for r in compiled.log] == pytest.approx([r["loss"] for r in plain.log], rel=1e-6)
+
+
+def test_lora_plus_and_8bit_adamw(tiny_dir, text, tmp_path):
+    from quantkit.trainer.loop import optimizer
+
+    layer = lora.LoraLinear(torch.nn.Linear(16, 8), rank=2, scale=1.0)
+    groups = optimizer(TrainConfig(lr=1e-3, lora_plus=16), {"x": layer}, torch.device("cpu")).param_groups
+    assert [g["lr"] for g in groups] == [1e-3, 16e-3] and groups[1]["params"] == [layer.lora_B.weight]
+    result = train(tiny_dir, data=text, out=tmp_path / "a", steps=3, rank=4, lr=1e-2, optimizer="adamw8bit", **SHORT)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in result.log)
+    assert load_file(tmp_path / "a" / lora.WEIGHTS)[
+        "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"].abs().sum() > 0  # it stepped
+
+
+def test_two_processes_repeat_one(tiny_dir, text, tmp_path):
+    """The same global batch of 4 split 2 + 2: the summed gradients, hence the losses, are the same."""
+    common = [tiny_dir, "--data", text, "--steps", 3, "--seqlen", 32, "--batch-size", 4, "--rank", 4,
+              "--dropout", 0, "--eval-fraction", 0.1, "--eval-every", 2, "--precision", "fp32", "--lr", 1e-2]
+    single = one_process(*common, "--out", tmp_path / "one", command="train")
+    assert single.returncode == 0, single.stderr[-3000:]
+    job = torchrun(*common, "--out", tmp_path / "two", command="train")
+    assert job.returncode == 0, job.stderr[-3000:]
+    one, two = (json.loads((tmp_path / d / "train_log.json").read_text()) for d in ("one", "two"))
+    assert [r["loss"] for r in two["log"]] == pytest.approx([r["loss"] for r in one["log"]], rel=1e-5)
+    assert [r["eval_loss"] for r in two["evals"]] == pytest.approx([r["eval_loss"] for r in one["evals"]], rel=1e-5)
+    assert job.stdout.count("adapter written to") == 1
+
+
+def test_train_then_quantize_in_one_command(tiny_dir, text, tmp_path):
+    import quantkit
+
+    job = one_process(tiny_dir, "--data", text, "--steps", 2, "--seqlen", 32, "--batch-size", 2, "--rank", 4,
+                      "--out", tmp_path / "a", "--quantize", "rtn", "--group-size", 32, command="train")
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a-merged", "a-rtn"]
+    assert quantkit.load(tmp_path / "a-rtn").qconfig.method == "rtn"

@@ -1,0 +1,241 @@
+"""`quantkit train` and `quantkit merge` on bad input: one line naming the problem and the fix, exit
+status 2, no traceback; nothing left behind by a run that saved no checkpoint, and a checkpoint
+that was saved survives for --resume."""
+import errno
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from quantkit.cli import main
+from quantkit.trainer import dataset, loop, train
+
+from .conftest import VALID, make_tiny
+
+FAST = ["--seqlen", 32, "--batch-size", 2, "--rank", 4, "--warmup", 0, "--eval-fraction", 0]
+
+
+def run(args, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and [l for l in lines if "error:" in l] == lines[-1:], err  # one line, the last
+    return e.value.code, lines[-1] if lines else ""
+
+
+def fails(args, capsys, monkeypatch, match):
+    code, line = run(args, capsys, monkeypatch)
+    assert code == 2 and line.startswith("error: ") and match in line, line
+    return line
+
+
+def train_fails(model, data, capsys, monkeypatch, tmp_path, match, *args):
+    """quantkit train (args after FAST's, so they win) fails before any checkpoint: nothing left behind."""
+    line = fails(["train", model, "--data", data, "--out", tmp_path / "out", *FAST, "--steps", 2, *args],
+                 capsys, monkeypatch, match)
+    assert left(tmp_path) == []
+    return line
+
+
+def left(tmp_path, name="out"):
+    """What a run writing tmp_path/name left: the output and its hidden siblings."""
+    return sorted(p.name for p in tmp_path.iterdir() if p.name == name or p.name.startswith(f".{name}."))
+
+
+def saved_step(tmp_path):
+    return torch.load(tmp_path / ".out.partial" / "checkpoint" / "state.pt", weights_only=True)["step"]
+
+
+@pytest.fixture
+def text(tmp_path):
+    """Text for plenty of 32-token windows, quick to tokenize."""
+    path = tmp_path / "train.txt"
+    path.write_text(VALID.read_text()[:5000])
+    return path
+
+
+def jsonl(path, *lines):
+    """A JSON-lines file: dicts as JSON, strings as they are."""
+    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    return path
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+
+@pytest.mark.parametrize("content,match", [
+    ("", "is empty: pass a file with training text"),
+    ("a few words", "not one window of --seqlen 32: pass more text or a smaller --seqlen")])
+def test_data_without_a_window(tiny_dir, capsys, monkeypatch, tmp_path, content, match):
+    (tmp_path / "data.txt").write_text(content)
+    train_fails(tiny_dir, tmp_path / "data.txt", capsys, monkeypatch, tmp_path, match)
+
+
+@pytest.mark.parametrize("lines,match", [
+    ([CHAT, {"foo": 1}], "line 2: a record needs messages, instruction and response"),
+    ([CHAT, "", "{oops"], "line 3: not valid JSON")])  # blank lines count
+def test_bad_record(chat_dir, capsys, monkeypatch, tmp_path, lines, match):
+    train_fails(chat_dir, jsonl(tmp_path / "data.jsonl", *lines), capsys, monkeypatch, tmp_path, match)
+
+
+def test_records_without_a_chat_template(tiny_dir, capsys, monkeypatch, tmp_path):
+    train_fails(tiny_dir, jsonl(tmp_path / "data.jsonl", CHAT, CHAT), capsys, monkeypatch, tmp_path,
+                "need the tokenizer's chat template and this model's tokenizer has none: use a model with one")
+
+
+def test_chat_without_an_assistant_turn(chat_dir, capsys, monkeypatch, tmp_path):
+    data = jsonl(tmp_path / "data.jsonl", {"messages": [{"role": "user", "content": "hi"}]})
+    train_fails(chat_dir, data, capsys, monkeypatch, tmp_path, "line 1: the chat has no assistant turn")
+
+
+def test_target_that_matches_nothing(tiny_dir, text, capsys, monkeypatch, tmp_path):
+    line = train_fails(tiny_dir, text, capsys, monkeypatch, tmp_path, "--target qkv matches no linear",
+                       "--target", "qkv")
+    assert "use all-linear or some of" in line and "q_proj" in line  # what there is to choose from
+
+
+@pytest.mark.parametrize("rank,match", [
+    (0, "rank 0 is invalid: use a positive rank"),
+    (64, "larger than model.layers.0.self_attn.k_proj (32x64): use a rank of at most 32")])  # k_proj: 64 -> 32
+def test_bad_rank(tiny_dir, text, capsys, monkeypatch, tmp_path, rank, match):
+    train_fails(tiny_dir, text, capsys, monkeypatch, tmp_path, match, "--rank", rank)
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("adapter")
+    (tmp / "train.txt").write_text(VALID.read_text()[:5000])
+    train(str(tiny_dir), data=tmp / "train.txt", out=tmp / "adapter", steps=1, seqlen=32, batch_size=2, rank=4,
+          eval_fraction=0, progress=False)
+    return tmp / "adapter"
+
+
+def test_merge_onto_another_base(adapter, capsys, monkeypatch, tmp_path):
+    narrow = make_tiny(tmp_path / "narrow", hidden=32, intermediate=64)
+    line = fails(["merge", adapter, "--base", narrow, "--out", tmp_path / "out"], capsys, monkeypatch,
+                 "but this base needs")
+    assert line.endswith("pass the --base it was trained on") and left(tmp_path) == []
+
+
+@pytest.mark.parametrize("missing", ["adapter_config.json", "adapter_model.safetensors"])
+def test_merge_adapter_missing_a_file(adapter, capsys, monkeypatch, tmp_path, missing):
+    broken = shutil.copytree(adapter, tmp_path / "adapter")
+    (broken / missing).unlink()
+    fails(["merge", broken, "--out", tmp_path / "out"], capsys, monkeypatch, "pass a LoRA adapter directory")
+    assert left(tmp_path) == []
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0])  # 0 from Python and 0.0 from the command line are one setting
+def test_resume_another_runs_checkpoint(tiny_dir, text, capsys, monkeypatch, tmp_path, fraction):
+    """A run (Python API) stopped after its checkpoint of step 2 is not resumed with another --lr;
+    the checkpoint stays, and the same settings (CLI) resume from it."""
+    def stop(record):
+        if record["step"] == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(str(tiny_dir), data=text, out=tmp_path / "out", steps=6, save_every=2, seqlen=32, batch_size=2, rank=4,
+              warmup=0, eval_fraction=fraction, progress=False, callback=stop)
+    args = ["train", tiny_dir, "--data", text, "--out", tmp_path / "out", *FAST, "--steps", 6, "--save-every", 2,
+            "--resume"]
+    fails([*args, "--lr", 1e-3], capsys, monkeypatch, "is of another run (a different model, data or settings): resume "
+          "with the command that started it")
+    assert left(tmp_path) == [".out.partial"] and saved_step(tmp_path) == 2
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
+    main()
+    assert left(tmp_path) == ["out"] and json.loads((tmp_path / "out" / "train_log.json").read_text())["steps"] == 6
+
+
+def test_resume_with_nothing_to_resume(tiny_dir, text, capsys, monkeypatch, tmp_path):
+    train_fails(tiny_dir, text, capsys, monkeypatch, tmp_path, "nothing to resume", "--resume")
+
+
+@pytest.fixture
+def quiet(monkeypatch):
+    """No progress bar: the error joins its line (test_error_after_the_progress_bar); the rest is checked."""
+    monkeypatch.setattr(loop, "tqdm", lambda *a, **kw: tqdm(*a, **{**kw, "disable": True}))
+
+
+def nan_from(monkeypatch, at):
+    """The training loss turns NaN at step `at` (a huge --lr gives no NaN reliably)."""
+    real, calls = loop.token_loss, []
+
+    def token_loss(*a):
+        calls.append(1)  # one call per step: one micro-batch, no held-out data
+        return real(*a) * (float("nan") if len(calls) >= at else 1)
+
+    monkeypatch.setattr(loop, "token_loss", token_loss)
+
+
+def train_6(tmp_path, model, text):
+    return ["train", model, "--data", text, "--out", tmp_path / "out", *FAST, "--steps", 6, "--save-every", 2]
+
+
+@pytest.mark.parametrize("at,match", [(1, "at step 1: no checkpoint was saved yet: lower --lr"),
+                                      (3, "at step 3: the last good checkpoint (step 2) is in")])
+def test_nan_loss(tiny_dir, text, quiet, capsys, monkeypatch, tmp_path, at, match):
+    nan_from(monkeypatch, at)
+    fails(train_6(tmp_path, tiny_dir, text), capsys, monkeypatch, match)
+    if at == 1:
+        assert left(tmp_path) == []
+    else:
+        assert left(tmp_path) == [".out.partial"] and saved_step(tmp_path) == 2
+
+
+def test_error_after_the_progress_bar(tiny_dir, text, capsys, monkeypatch, tmp_path):
+    nan_from(monkeypatch, 1)
+    fails(train_6(tmp_path, tiny_dir, text), capsys, monkeypatch, "the training loss became nan")
+
+
+@pytest.mark.parametrize("writer,nth,match", [
+    ("state.pt", 1, "checkpoint of step 2 (no earlier checkpoint)"),
+    ("state.pt", 2, "checkpoint of step 4 (the checkpoint of step 2 is kept)"),
+    ("adapter", 3, "checkpoint of step 4 (the checkpoint of step 2 is kept)"),
+])
+def test_out_of_disk_space_while_checkpointing(tiny_dir, text, quiet, capsys, monkeypatch, tmp_path, writer, nth,
+                                               match):
+    """The disk fills up writing state.pt (torch.save: the nth call) or the adapter (its fsync, the
+    first of two per checkpoint: the 3rd is the second checkpoint's adapter)."""
+    owner, name = {"state.pt": (loop.torch, "save"), "adapter": (loop.os, "fsync")}[writer]
+    error = OSError(errno.ENOSPC, "No space left on device")
+    real, calls = getattr(owner, name), []
+
+    def write(*a, **kw):
+        calls.append(1)
+        if len(calls) == nth:
+            raise error
+        return real(*a, **kw)
+
+    monkeypatch.setattr(owner, name, write)
+    fails(train_6(tmp_path, tiny_dir, text), capsys, monkeypatch,
+          f"out of disk space while saving the {match}: free some space and run again with --resume")
+    if nth == 1:  # no checkpoint saved: nothing left
+        assert left(tmp_path) == []
+    else:
+        assert left(tmp_path) == [".out.partial"] and saved_step(tmp_path) == 2
+        assert [p.name for p in (tmp_path / ".out.partial").iterdir()] == ["checkpoint"]  # no half-written one
+
+
+DOLLY = [{"instruction": f"Name colour number {i}.", "context": "Colours of the rainbow." if i % 2 else "",
+          "response": f"The colour is {c} indeed.", "category": "open_qa"}
+         for i, c in enumerate(["red", "orange", "yellow", "green", "blue", "indigo", "violet", "purple"])]
+
+
+def test_dolly_records_score_only_the_response(chat_dir, monkeypatch, tmp_path):
+    data = jsonl(tmp_path / "dolly.jsonl", *DOLLY)
+    # --seqlen 128: the records with a context are over 64 tokens in the tiny tokenizer
+    args = ["train", chat_dir, "--data", data, "--out", tmp_path / "out", "--steps", 2, "--seqlen", 128,
+            "--batch-size", 2, "--rank", 4]
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
+    main()
+    assert json.loads((tmp_path / "out" / "train_log.json").read_text())["steps"] == 2
+    tok = AutoTokenizer.from_pretrained(chat_dir)
+    for record, example in zip(DOLLY, dataset.read(data, tok, 128), strict=True):
+        scored = example.labels[example.labels != dataset.IGNORE]
+        assert tok.decode(scored) == record["response"] + "<|im_end|>\n"  # the reply and its end of turn, whole

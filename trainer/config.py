@@ -1,0 +1,85 @@
+"""How to fine-tune: one dataclass shared by `quantkit train`, quantkit.train and the saved checkpoints."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from quantkit.errors import QuantkitError
+from quantkit.quantizers import nf4
+
+METHODS = ("lora", "qlora")
+OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw")
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+
+
+@dataclass
+class TrainConfig:
+    method: str = "lora"  # qlora: the frozen base linears held as NF4 with double quantization
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    target: list[str] = field(default_factory=lambda: ["all-linear"])  # module names, or all-linear: every decoder linear
+    dora: bool = False  # weight-decomposed: a trained magnitude per output row
+    rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
+    lora_plus: float | None = None  # B's learning rate this many times A's
+    # schedule: steps wins over epochs; neither: one epoch
+    steps: int | None = None
+    epochs: float | None = None
+    seqlen: int = 256
+    batch_size: int = 4  # sequences per micro-batch, over all processes
+    grad_accum: int = 1
+    lr: float = 2e-4
+    warmup: int = 10  # steps of linear warmup, then cosine decay to 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    optimizer: str = "adamw"
+    precision: str = "auto"  # auto: bf16 where the device has it, fp16 with a gradient scaler on older GPUs
+    gradient_checkpointing: bool = False
+    compile: bool = False
+    eval_fraction: float = 0.05  # held out from --data when there is no --eval-data
+    eval_every: int = 50
+    patience: int | None = None  # stop after this many evaluations without a better held-out loss
+    save_every: int = 50
+    nf4_block: int = 64  # QLoRA base: values per absmax block
+
+    def __post_init__(self) -> None:
+        # 0 from Python and 0.0 from the command line are one setting (the resume key hashes them)
+        for name in ("alpha", "dropout", "lr", "weight_decay", "max_grad_norm", "eval_fraction", "epochs", "lora_plus"):
+            if getattr(self, name) is not None:
+                setattr(self, name, float(getattr(self, name)))
+        if self.method not in METHODS:
+            raise QuantkitError(f"unknown training method {self.method!r}: use one of {', '.join(METHODS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise QuantkitError(f"unknown optimizer {self.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+        if self.precision not in PRECISIONS:
+            raise QuantkitError(f"unknown precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
+        if isinstance(self.target, str):
+            self.target = [t for t in self.target.split(",") if t]
+        if not self.target:
+            raise QuantkitError("no --target modules: name some (q_proj,v_proj) or use all-linear")
+        if self.rank < 1:
+            raise QuantkitError(f"rank {self.rank} is invalid: use a positive rank such as 16")
+        if not 0 <= self.dropout < 1:
+            raise QuantkitError(f"dropout {self.dropout} is out of range: use a fraction in [0, 1)")
+        if self.lora_plus is not None and self.lora_plus <= 0:
+            raise QuantkitError(f"--lora-plus {self.lora_plus} is invalid: use a positive ratio such as 16")
+        for name in ("seqlen", "batch_size", "grad_accum", "eval_every", "save_every"):
+            if getattr(self, name) < 1:
+                raise QuantkitError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: use a positive number")
+        if self.steps is not None and self.steps < 1 or self.epochs is not None and not self.epochs > 0:
+            raise QuantkitError("--steps and --epochs must be positive")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise QuantkitError(f"learning rate {self.lr} is invalid: use a positive number such as 2e-4")
+        if not 0 <= self.eval_fraction < 1:
+            raise QuantkitError(f"--eval-fraction {self.eval_fraction} is out of range: use a fraction such as 0.05")
+        if self.warmup < 0:
+            raise QuantkitError(f"--warmup {self.warmup} is invalid: use a number of steps, 0 or more")
+        nf4.check("nf4", self.nf4_block)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

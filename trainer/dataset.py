@@ -1,0 +1,163 @@
+"""Training examples: plain text packed into fixed-length windows (every token scored), or JSON
+lines of chats and instruction records rendered with the tokenizer's chat template (only the
+assistant's tokens scored). Batches are fixed by the seed: step s always sees the same sequences."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantkit.errors import QuantkitError
+
+IGNORE = -100  # label of an unscored token (torch's cross-entropy ignore_index)
+
+
+@dataclass
+class Example:
+    ids: torch.Tensor  # int64 [L]
+    labels: torch.Tensor  # int64 [L]: the token to score at each position, or IGNORE
+
+    @property
+    def scored(self) -> int:
+        """Tokens predicted (each position after the first whose label is kept)."""
+        return int((self.labels[1:] != IGNORE).sum())
+
+
+def read(path: str | os.PathLike, tokenizer, seqlen: int) -> list[Example]:
+    """A .jsonl/.json file as chat or instruction records, anything else as plain text."""
+    p = Path(path)
+    if not p.is_file():
+        raise QuantkitError(f"{p}: no such data file: pass a text file or JSON lines of chats or instructions")
+    text = p.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise QuantkitError(f"{p} is empty: pass a file with training text or records")
+    if p.suffix in (".jsonl", ".json"):
+        return records(p, text, tokenizer, seqlen)
+    return windows(p, text, tokenizer, seqlen)
+
+
+def windows(p: Path, text: str, tokenizer, seqlen: int) -> list[Example]:
+    """Language modelling: the text tokenized once, cut into windows of seqlen tokens (the last
+    partial one dropped)."""
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.int64)
+    n = ids.numel() // seqlen
+    if n == 0:
+        raise QuantkitError(f"{p} is too short: {ids.numel()} tokens, not one window of --seqlen {seqlen}: "
+                            "pass more text or a smaller --seqlen")
+    return [Example(w, w.clone()) for w in ids[: n * seqlen].view(n, seqlen)]
+
+
+def messages_of(record: dict, where: str) -> list[dict]:
+    """A record's chat: `messages` (role/content), or instruction [+ context or input] + response or
+    output (Dolly, Alpaca), or prompt + completion."""
+    if "messages" in record:
+        msgs = record["messages"]
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+            raise QuantkitError(f"{where}: messages must be a list of {{\"role\", \"content\"}} objects")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise QuantkitError(f"{where}: the chat has no assistant turn, so nothing to learn: add the reply "
+                                "as {\"role\": \"assistant\", \"content\": ...}")
+        return msgs
+    prompt = record.get("instruction", record.get("prompt"))
+    reply = record.get("response", record.get("output", record.get("completion")))
+    if not isinstance(prompt, str) or not isinstance(reply, str):
+        raise QuantkitError(f"{where}: a record needs messages, instruction and response (or output), or prompt "
+                            f"and completion; this one has {', '.join(sorted(record)) or 'no fields'}")
+    context = record.get("context") or record.get("input") or ""
+    user = f"{prompt}\n\n{context}" if context else prompt
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+
+
+def records(p: Path, text: str, tokenizer, seqlen: int) -> list[Example]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise QuantkitError(f"{p}: chat records need the tokenizer's chat template and this model's tokenizer has "
+                            "none: use a model with one (an instruct model), or pass plain text")
+    lines = text.splitlines()
+    if p.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            lines = [json.dumps(r) for r in json.loads(text)]
+        except json.JSONDecodeError as e:
+            raise QuantkitError(f"{p}: not valid JSON ({e}): pass a JSON list or JSON lines") from None
+    out, cut = [], 0
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{p}, line {n}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise QuantkitError(f"{where}: not valid JSON ({e.msg}): write one JSON object per line") from None
+        if not isinstance(record, dict):
+            raise QuantkitError(f"{where}: a JSON object per line is needed, not {type(record).__name__}")
+        example = render(messages_of(record, where), tokenizer, seqlen, where)
+        if example.scored:
+            out.append(example)
+        else:
+            cut += 1
+    if not out:
+        raise QuantkitError(f"{p}: no record has a reply within --seqlen {seqlen} tokens: raise --seqlen")
+    if cut:
+        warnings.warn(f"{cut} records of {p} have no reply within --seqlen {seqlen} tokens and were skipped")
+    return out
+
+
+def render(msgs: list[dict], tokenizer, seqlen: int, where: str) -> Example:
+    """The chat as the template writes it, first seqlen tokens; the labels keep each assistant turn's
+    tokens (from the end of the generation prompt before it to the end of the turn)."""
+    full = tokenizer.apply_chat_template(msgs, tokenize=False)
+    spans = []
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        start = tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        end = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False)
+        if not full.startswith(start) or not full.startswith(end):
+            raise QuantkitError(f"{where}: the chat template does not write earlier turns as a prefix of later ones, "
+                                "so the replies cannot be found: use a model with a standard template")
+        spans.append((len(start), len(end)))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = torch.tensor(enc.input_ids[:seqlen], dtype=torch.int64)
+    starts = torch.tensor([s for s, _ in enc.offset_mapping[:seqlen]])
+    keep = torch.zeros(ids.numel(), dtype=torch.bool)
+    for a, b in spans:
+        keep |= (starts >= a) & (starts < b)
+    return Example(ids, torch.where(keep, ids, IGNORE))
+
+
+def split(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """(train, held out): a seeded random fraction held out, at least one example when fraction > 0."""
+    if not fraction:
+        return examples, []
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    n = max(1, round(fraction * len(examples)))
+    if n >= len(examples):
+        raise QuantkitError(f"{len(examples)} examples are too few to hold out {fraction:.0%}: pass more data, "
+                            "--eval-data, or --eval-fraction 0")
+    return [examples[i] for i in sorted(order[n:])], [examples[i] for i in sorted(order[:n])]
+
+
+def sequence(n: int, seed: int, start: int, count: int) -> list[int]:
+    """Positions start..start+count of the endless stream of example indices: epoch after epoch, each
+    a permutation fixed by (seed, epoch)."""
+    out, cache = [], {}
+    for j in range(start, start + count):
+        epoch = j // n
+        if epoch not in cache:
+            cache[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
+        out.append(cache[epoch][j % n])
+    return out
+
+
+def collate(examples: list[Example], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, labels, attention mask [b, longest], padded on the right."""
+    length = max(e.ids.numel() for e in examples)
+    ids = torch.full((len(examples), length), pad, dtype=torch.int64)
+    labels = torch.full_like(ids, IGNORE)
+    mask = torch.zeros_like(ids)
+    for i, e in enumerate(examples):
+        ids[i, : e.ids.numel()], labels[i, : e.ids.numel()], mask[i, : e.ids.numel()] = e.ids, e.labels, 1
+    return ids, labels, mask

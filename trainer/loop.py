@@ -1,0 +1,405 @@
+"""The training loop: a frozen base (float, or NF4 for QLoRA) with LoRA adapters, trained on
+seeded batches with gradient accumulation, autocast, clipping, warmup and cosine decay; evaluated on
+held-out data; checkpointed atomically so that a killed run resumes where it was, on the same
+batches, with the same losses. Under torchrun each process takes a share of every micro-batch and
+the adapter's gradients are summed: the same global batch, the same losses."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import math
+import os
+import time
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save as serialize
+from tqdm import tqdm
+
+from quantkit import distributed
+from quantkit.api import device_of
+from quantkit.errors import QuantkitError, ResumableError
+from quantkit.exporters.atomic import Staged, remove
+from quantkit.modelio import Model, load
+from quantkit.pipeline import peak_memory
+
+from . import dataset, lora
+from .config import TrainConfig
+
+CHECKPOINT = "checkpoint"
+LOG = "train_log.json"
+PLOT = "loss.png"
+SAME_RUN = ("save_every", "eval_every", "patience", "compile", "gradient_checkpointing")  # free to change on resume
+
+
+@dataclass
+class TrainResult:
+    out: str
+    steps: int  # optimizer steps taken, in all
+    log: list[dict]  # a record per step: step, loss (per scored token), lr, grad_norm, tokens
+    evals: list[dict] = field(default_factory=list)  # step, eval_loss (held-out loss per scored token)
+    best_step: int | None = None
+    tokens_per_s: float = 0.0  # this run's, over every process
+    peak_memory: str = ""
+    stopped_early: bool = False
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    if precision == "fp32":
+        return None
+    if precision == "auto":  # bf16 where the hardware has it (CPUs run it through oneDNN), else fp16
+        return torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def digest(path: Path | None) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path is not None else None
+
+
+def build(m: Model, config: TrainConfig, names: list[str], device: torch.device, dtype: torch.dtype) -> dict:
+    """Read the base layer by layer onto device in dtype (frozen), with LoRA layers on the targets:
+    for QLoRA each target is quantized to NF4 as soon as its layer is read."""
+    m.module.requires_grad_(False)
+    torch.manual_seed(config.seed)  # the adapters' initial A: the same in every process
+    layers = {}
+    for i in range(len(m.layers)):
+        prefix = f"model.layers.{i}"
+        m.materialize(prefix, device, dtype)
+        layers |= lora.inject(m.module, config, [n for n in names if n.startswith(prefix + ".")])
+    for prefix in ("model.embed_tokens", "model.norm", "lm_head"):
+        m.materialize(prefix, device, dtype)
+    if m.module.config.tie_word_embeddings:
+        m.module.tie_weights()
+    m.checkpoint = None  # everything is in memory now, and the adapters make it differ from the file
+    return layers
+
+
+def optimizer(config: TrainConfig, layers: dict, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW (torch's, or bitsandbytes' 8-bit or paged one); LoRA+: B at lora_plus times the rate."""
+    a = [p for l in layers.values() for p in (l.lora_A.weight, l.magnitude) if p is not None]
+    b = [l.lora_B.weight for l in layers.values()]
+    groups = [{"params": a}, {"params": b, "lr": config.lr * (config.lora_plus or 1)}]
+    kw = {"lr": config.lr, "weight_decay": config.weight_decay}
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(groups, **kw)
+    import bitsandbytes as bnb
+
+    if config.optimizer == "paged_adamw":
+        if device.type != "cuda":
+            raise QuantkitError("paged AdamW pages its state between GPU and CPU memory, so it needs a GPU: use "
+                                "--optimizer adamw or adamw8bit on the CPU")
+        return bnb.optim.PagedAdamW(groups, **kw)
+    return bnb.optim.AdamW8bit(groups, **kw)
+
+
+def schedule(opt: torch.optim.Optimizer, config: TrainConfig, total: int):
+    from transformers import get_cosine_schedule_with_warmup
+
+    return get_cosine_schedule_with_warmup(opt, min(config.warmup, total), total)
+
+
+def token_loss(forward, examples: list[dataset.Example], pad: int, device: torch.device) -> torch.Tensor:
+    """The summed cross-entropy of the examples' scored tokens (float32)."""
+    ids, labels, mask = (t.to(device) for t in dataset.collate(examples, pad))
+    logits = forward(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                           ignore_index=dataset.IGNORE, reduction="sum")
+
+
+def held_out_loss(module, examples, config: TrainConfig, pad: int, device, amp) -> float:
+    """Mean loss per scored token over examples, every process scoring its share."""
+    module.eval()
+    mine = distributed.share(examples)
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad(), (torch.autocast(device.type, amp) if amp else nullcontext()):
+        for k in range(0, len(mine), config.batch_size):
+            chunk = mine[k: k + config.batch_size]
+            total[0] += float(token_loss(module, chunk, pad, device))
+            total[1] += sum(e.scored for e in chunk)
+    module.train()
+    distributed.sum_(total, "evaluating")
+    return float(total[0] / total[1])
+
+
+class Checkpoints:
+    """The latest checkpoint in directory/checkpoint: adapter tensors, optimizer, scheduler, scaler,
+    RNG, step and log, written beside it and swapped in whole."""
+
+    def __init__(self, directory: Path):
+        self.path, self.old = directory / CHECKPOINT, directory / f".{CHECKPOINT}.old"
+
+    def latest(self) -> Path | None:
+        # a kill between the two renames of a save leaves the previous checkpoint at .old
+        return next((p for p in (self.path, self.old) if (p / "state.pt").is_file()), None)
+
+    def save(self, adapter: dict[str, torch.Tensor], state: dict) -> None:
+        tmp = self.path.with_name(f".{CHECKPOINT}-{os.getpid()}")
+        try:
+            remove(tmp)
+            tmp.mkdir()
+            with open(tmp / lora.WEIGHTS, "wb") as f:  # written by us, so that a full disk is an OSError
+                f.write(serialize(adapter, metadata={"format": "pt"}))
+                f.flush()
+                os.fsync(f.fileno())
+            with open(tmp / "state.pt", "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            remove(tmp)
+            previous = self.load()["step"] if self.latest() else None
+            kept = f"the checkpoint of step {previous} is kept" if previous is not None else "no earlier checkpoint"
+            if e.errno == errno.ENOSPC:
+                raise ResumableError(f"out of disk space while saving the checkpoint of step {state['step']} "
+                                     f"({kept}): free some space and run again with --resume") from None
+            raise
+        if self.path.exists():
+            remove(self.old)
+            self.path.rename(self.old)
+        tmp.rename(self.path)
+        remove(self.old)
+
+    def load(self) -> dict:
+        path = self.latest()
+        state = torch.load(path / "state.pt", weights_only=True)
+        state["adapter"] = load_file(path / lora.WEIGHTS)
+        return state
+
+
+def plot(path: Path, log: list[dict], evals: list[dict], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot([r["step"] for r in log], [r["loss"] for r in log], lw=0.8, alpha=0.6, label="training loss")
+    if len(log) >= 10:  # a moving average shows the trend through the batch-to-batch noise
+        k = max(len(log) // 20, 5)
+        losses = torch.tensor([r["loss"] for r in log])
+        smooth = losses.unfold(0, k, 1).mean(1)
+        ax.plot([r["step"] for r in log[k - 1:]], smooth.tolist(), lw=1.5, label=f"training loss, mean of {k}")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", lw=1.5, label="held-out loss")
+    ax.set(xlabel="step", ylabel="loss per scored token (nats)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | None = None, *,
+          data: str | os.PathLike, out: str | os.PathLike, eval_data: str | os.PathLike | None = None,
+          resume: bool = False, overwrite: bool = False, device: str | torch.device | None = None,
+          progress: bool = True, callback: Callable[[dict], None] | None = None, **fields) -> TrainResult:
+    """Fine-tune model (a directory, or by default the embedded model) with LoRA or QLoRA on data
+    and write the adapter to out in PEFT's format, with its log and loss plot. config, or its fields
+    by keyword. callback(record) is called after every step. resume: go on from the checkpoint a
+    killed run of the same command left."""
+    config = replace(config, **fields) if config is not None else TrainConfig(**fields)
+    dev = device_of(device)
+    distributed.init(dev)
+    rank, world = distributed.rank(), distributed.world()
+    if config.batch_size % world:
+        raise QuantkitError(f"a batch of {config.batch_size} does not split over {world} processes: use a "
+                            f"--batch-size that is a multiple of {world}")
+    amp = autocast_dtype(config.precision, dev)
+    m = model if isinstance(model, Model) else load(model)
+    if m.checkpoint is None or m.tensors:
+        raise QuantkitError(f"{m.source}: train on a float model directory (safetensors), not a GGUF file or a "
+                            "quantized export: adapters are merged into the original weights")
+    names = lora.check(m.module, config)
+    data_file, eval_file = Path(data), Path(eval_data) if eval_data else None
+    examples = dataset.read(data_file, m.tokenizer, config.seqlen)
+    if eval_file is not None:
+        train_set, held_out = examples, dataset.read(eval_file, m.tokenizer, config.seqlen)
+    else:
+        train_set, held_out = dataset.split(examples, config.eval_fraction, config.seed)
+    per_step = config.batch_size * config.grad_accum
+    total = config.steps or max(1, math.ceil((config.epochs or 1) * len(train_set) / per_step))
+    key = hashlib.sha256(json.dumps({
+        "model": m.source, "data": digest(data_file), "eval": digest(eval_file),
+        "config": {k: v for k, v in config.to_dict().items() if k not in SAME_RUN}}, sort_keys=True).encode()).hexdigest()
+
+    staged = Staged(out, overwrite) if rank == 0 else None
+    partial = Path(out).with_name(f".{Path(out).name}.partial")
+    checkpoints = Checkpoints(partial)
+    state = None
+    try:
+        if resume:
+            if checkpoints.latest() is None:
+                raise QuantkitError(f"nothing to resume: no checkpoint of a run writing {out} (in {partial}): "
+                                    "run without --resume")
+            state = checkpoints.load()
+            if state["key"] != key:
+                raise QuantkitError(f"the checkpoint in {partial} is of another run (a different model, data or "
+                                    "settings): resume with the command that started it, or choose another --out")
+        elif staged is not None:
+            staged.fresh()
+        result, layers = run(m, config, names, train_set, held_out, total, dev, amp, checkpoints, state, key,
+                             progress, callback)
+        if rank == 0:
+            try:
+                write(partial, m, config, result, layers)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise ResumableError("out of disk space while writing the adapter: free some space and run again "
+                                         "with --resume (the last checkpoint holds every step)") from None
+                raise
+            remove(checkpoints.path)
+            staged.commit()
+        result.out = str(out)
+        return result
+    except BaseException:
+        if staged is not None:  # a checkpoint stays for --resume; a run that saved none leaves nothing
+            staged.abort(keep=checkpoints.latest() is not None)
+        raise
+
+
+def run(m: Model, config: TrainConfig, names: list[str], train_set: list[dataset.Example], held_out: list[dataset.Example],
+        total: int, dev: torch.device, amp: torch.dtype | None, checkpoints: Checkpoints, state: dict | None, key: str,
+        progress: bool, callback) -> tuple[TrainResult, dict[str, lora.LoraLinear]]:
+    rank, world = distributed.rank(), distributed.world()
+    layers = build(m, config, names, dev, amp or torch.float32)
+    module = m.module.train()
+    if config.gradient_checkpointing:
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = optimizer(config, layers, dev)
+    sched = schedule(opt, config, total)
+    scaler = torch.amp.GradScaler(dev.type) if amp == torch.float16 else None
+    pad = m.tokenizer.pad_token_id if m.tokenizer.pad_token_id is not None else (m.tokenizer.eos_token_id or 0)
+    result = TrainResult(out="", steps=0, log=[])
+    best, best_loss, bad = None, math.inf, 0
+    if state is not None:
+        lora.load_state(layers, state["adapter"], "the checkpoint")
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        if scaler is not None:
+            scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"])
+        if dev.type == "cuda" and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"])
+        result.log, result.evals, result.best_step = state["log"], state["evals"], state["best_step"]
+        best, best_loss, bad = state["best"], state["best_loss"], state["bad"]
+    start = len(result.log)
+
+    evaluating = 0.0  # seconds spent on held-out data, left out of the training speed
+
+    def evaluate(step: int) -> bool:
+        """Score the held-out data; True when early stopping says stop."""
+        nonlocal best, best_loss, bad, evaluating
+        if not held_out:
+            return False
+        t = time.perf_counter()
+        loss = held_out_loss(module, held_out, config, pad, dev, amp)
+        evaluating += time.perf_counter() - t
+        result.evals.append({"step": step, "eval_loss": loss})
+        if loss < best_loss:
+            best, best_loss, bad, result.best_step = lora.adapter_state(layers), loss, 0, step
+        else:
+            bad += 1
+        return config.patience is not None and bad >= config.patience
+
+    forward = torch.compile(module) if config.compile else module
+    if state is None:
+        evaluate(0)
+    context = (lambda: torch.autocast(dev.type, amp)) if amp else nullcontext
+    bar = tqdm(total=total, initial=start, unit="step", disable=not progress or rank != 0, dynamic_ncols=True)
+    began, tokens, stop, evaluating = time.perf_counter(), 0, False, 0.0  # this run's tokens and time, for its speed
+    seen = result.log[-1]["tokens"] if result.log else 0  # every run's, for the log
+    try:
+        for step in range(start, total):
+            stream = dataset.sequence(len(train_set), config.seed, step * config.batch_size * config.grad_accum,
+                                      config.batch_size * config.grad_accum)
+            scored = sum(train_set[i].scored for i in stream)  # over the whole global batch: every process knows it
+            loss_sum = 0.0
+            for k in range(config.grad_accum):
+                mine = [train_set[i] for i in stream[k * config.batch_size: (k + 1) * config.batch_size][rank::world]]
+                with context():
+                    try:
+                        loss = token_loss(forward, mine, pad, dev) / scored
+                    except Exception as e:  # torch.compile's failures surface at the first call
+                        if forward is module:
+                            raise
+                        warnings.warn(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}): "
+                                      "training without it")
+                        forward = module
+                        loss = token_loss(forward, mine, pad, dev) / scored
+                (scaler.scale(loss) if scaler else loss).backward()
+                loss_sum += float(loss.detach())
+                tokens += sum(e.ids.numel() for e in mine)
+            if world > 1:  # the adapter's gradients and the loss, summed over the processes in one message
+                flat = torch.cat([p.grad.reshape(-1) for p in params] + [torch.tensor([loss_sum], device=dev)])
+                distributed.sum_(flat, "summing gradients")
+                for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
+                    p.grad.copy_(g.view_as(p))
+                loss_sum = float(flat[-1])
+            if not math.isfinite(loss_sum):
+                saved = checkpoints.latest()
+                where = (f"the last good checkpoint (step {checkpoints.load()['step']}) is in {saved}: lower --lr, or "
+                         "resume from it") if saved else "no checkpoint was saved yet: lower --lr"
+                raise QuantkitError(f"the training loss became {loss_sum} at step {step + 1}: {where}")
+            if scaler:
+                scaler.unscale_(opt)
+            norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm))
+            lr = sched.get_last_lr()[0]
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            record = {"step": step + 1, "loss": loss_sum, "lr": lr, "grad_norm": norm, "tokens": seen + tokens * world}
+            result.log.append(record)
+            elapsed = time.perf_counter() - began - evaluating
+            bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens * world / elapsed:.0f}", refresh=False)
+            bar.update()
+            last = step + 1 == total
+            if (step + 1) % config.eval_every == 0 or last:
+                stop = evaluate(step + 1)
+                if result.evals and result.evals[-1]["step"] == step + 1:
+                    bar.write(f"step {step + 1}: held-out loss {result.evals[-1]['eval_loss']:.4f}")
+            if rank == 0 and ((step + 1) % config.save_every == 0 or last or stop):
+                checkpoints.save(lora.adapter_state(layers), {
+                    "key": key, "step": step + 1, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                    "scaler": scaler.state_dict() if scaler else None, "rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state() if dev.type == "cuda" else None, "log": result.log,
+                    "evals": result.evals, "best_step": result.best_step, "best": best, "best_loss": best_loss, "bad": bad})
+            if callback is not None:
+                callback(record)
+            if stop:
+                bar.write(f"early stop at step {step + 1}: no better held-out loss in {config.patience} evaluations; "
+                          f"the adapter of step {result.best_step} is kept")
+                break
+    finally:  # an error is printed after the bar, not on its line
+        bar.close()
+    result.steps = len(result.log)
+    result.stopped_early = stop
+    result.tokens_per_s = tokens * world / max(time.perf_counter() - began - evaluating, 1e-9)
+    result.peak_memory = peak_memory()
+    if stop:
+        lora.load_state(layers, best, "the best step's adapter")
+    return result, layers
+
+
+def write(directory: Path, m: Model, config: TrainConfig, result: TrainResult, layers: dict) -> None:
+    """The adapter, the log and the loss plot."""
+    lora.save(directory, m.module, layers, config, m.source)
+    log = {"config": config.to_dict(), **{k: v for k, v in result.to_dict().items() if k != "out"}}
+    (directory / LOG).write_text(json.dumps(log, indent=1) + "\n")
+    plot(directory / PLOT, result.log, result.evals, f"{config.method}{' + DoRA' if config.dora else ''} "
+         f"r{config.rank} on {Path(m.source).name}")

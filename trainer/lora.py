@@ -1,0 +1,203 @@
+"""LoRA (Hu et al. 2021) on frozen linears, float or our NF4, with DoRA (Liu et al. 2024) and
+rsLoRA scaling; adapters saved and read in PEFT's format (adapter_config.json written by PEFT's own
+LoraConfig, adapter_model.safetensors with PEFT's key names)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save as serialize
+
+from quantkit.errors import QuantkitError
+from quantkit.layers import LINEARS
+from quantkit.qlinear import NF4Linear, QuantLinear
+from quantkit.quantizers import nf4
+
+from .config import TrainConfig
+
+PREFIX = "base_model.model."  # PEFT's path to the wrapped model
+WEIGHTS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
+
+
+class LoraLinear(torch.nn.Module):
+    """y = base(x) + scale * B A dropout(x); with DoRA the whole weight W + scale*BA is renormalized
+    per output row to a trained magnitude m: y = m / ||W + scale*BA|| * (W x + scale*BA x) + bias, the
+    norm detached (DoRA section 4.3), as PEFT computes it."""
+
+    def __init__(self, base: torch.nn.Module, rank: int, scale: float, dropout: float = 0.0, dora: bool = False):
+        super().__init__()
+        self.base, self.scale = base, scale
+        base.requires_grad_(False)
+        out_features, in_features = base.out_features, base.in_features
+        dev = self.weight().device
+        self.lora_A = torch.nn.Linear(in_features, rank, bias=False, device=dev)
+        self.lora_B = torch.nn.Linear(rank, out_features, bias=False, device=dev)
+        torch.nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init: B = 0, so BA = 0
+        torch.nn.init.zeros_(self.lora_B.weight)
+        self.dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
+        self.magnitude = torch.nn.Parameter(self.weight().norm(dim=1)) if dora else None
+
+    def weight(self) -> torch.Tensor:
+        """The frozen base weight, float32 (NF4: dequantized)."""
+        return self.base.dequantize() if isinstance(self.base, QuantLinear) else self.base.weight.float()
+
+    def delta(self) -> torch.Tensor:
+        return self.scale * (self.lora_B.weight.float() @ self.lora_A.weight.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        h = self.dropout(x)
+        lora = self.lora_B(self.lora_A(h)) * self.scale
+        if self.magnitude is None:
+            return y + lora
+        w = self.weight().to(x.dtype if x.is_floating_point() else torch.float32)
+        norm = (w + self.delta().to(w.dtype)).norm(dim=1).detach()
+        ratio = self.magnitude / norm
+        bias = self.base.bias
+        plain = (y - bias if bias is not None else y) if isinstance(self.dropout, torch.nn.Identity) else F.linear(h, w)
+        return y + (ratio - 1) * plain + ratio * lora
+
+
+def merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, magnitude: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight a LoRA layer computes with: W + scale*BA, for DoRA renormalized per output row to
+    the magnitudes; float32."""
+    w = w.float() + scale * (b.float() @ a.float())
+    return w if magnitude is None else w * (magnitude.float() / w.norm(dim=1))[:, None]
+
+
+def quantize_nf4(linear: torch.nn.Linear, block: int) -> NF4Linear:
+    """QLoRA's frozen base: NF4 with double quantization, bitsandbytes' bytes exactly."""
+    qt = nf4.quantize(linear.weight.detach().float(), "nf4", block, double_quant=True)
+    return NF4Linear.from_tensor(qt, linear.bias)
+
+
+def decoder_linears(module: torch.nn.Module) -> list[str]:
+    return [f"model.layers.{i}.{name}" for i in range(len(module.model.layers)) for name in LINEARS]
+
+
+def targets(module: torch.nn.Module, target: list[str]) -> list[str]:
+    """The linears that target names: all-linear (every decoder linear, not lm_head, as PEFT), or
+    module names matched as PEFT does (the whole name, or its last parts)."""
+    linears = decoder_linears(module)
+    if target == ["all-linear"]:
+        return linears
+    found = [n for n in linears if any(n == t or n.endswith("." + t) for t in target)]
+    missing = [t for t in target if not any(n == t or n.endswith("." + t) for n in linears)]
+    if missing:
+        kinds = sorted({n.split(".")[-1] for n in linears})
+        raise QuantkitError(f"--target {','.join(missing)} matches no linear of this model: use all-linear or some "
+                            f"of {', '.join(kinds)}")
+    return found
+
+
+def check(module: torch.nn.Module, config: TrainConfig) -> list[str]:
+    """The linears config targets, each big enough for its rank (works on a meta skeleton)."""
+    names = targets(module, config.target)
+    for name in names:
+        base = module.get_submodule(name)
+        if not config.rank <= min(base.in_features, base.out_features):
+            raise QuantkitError(f"rank {config.rank} is larger than {name} ({base.out_features}x{base.in_features}): "
+                                f"use a rank of at most {min(base.in_features, base.out_features)}")
+    return names
+
+
+def inject(module: torch.nn.Module, config: TrainConfig, names: list[str]) -> dict[str, LoraLinear]:
+    """Replace the named linears by LoRA layers (QLoRA: on NF4 copies of them), frozen but for the adapter."""
+    layers = {}
+    for name in names:
+        base = module.get_submodule(name)
+        if config.method == "qlora":
+            base = quantize_nf4(base, config.nf4_block)
+        layers[name] = LoraLinear(base, config.rank, config.scale, config.dropout, config.dora)
+        module.set_submodule(name, layers[name])
+    return layers
+
+
+def adapter_state(layers: dict[str, LoraLinear]) -> dict[str, torch.Tensor]:
+    """The trained tensors under PEFT's names."""
+    state = {}
+    for name, layer in layers.items():
+        state[f"{PREFIX}{name}.lora_A.weight"] = layer.lora_A.weight
+        state[f"{PREFIX}{name}.lora_B.weight"] = layer.lora_B.weight
+        if layer.magnitude is not None:
+            state[f"{PREFIX}{name}.lora_magnitude_vector"] = layer.magnitude
+    return {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
+
+
+def load_state(layers: dict[str, LoraLinear], state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy an adapter's tensors into layers; every key used, every shape right."""
+    own = adapter_state(layers)
+    if set(own) != set(state):
+        extra, missing = sorted(set(state) - set(own)), sorted(set(own) - set(state))
+        raise QuantkitError(f"{source} does not fit this model: {len(missing)} tensors missing (first: "
+                            f"{(missing or ['-'])[0]}), {len(extra)} unexpected (first: {(extra or ['-'])[0]}): "
+                            "use the base model and settings it was trained with")
+    params = {}
+    for name, layer in layers.items():
+        params |= {f"{PREFIX}{name}.lora_A.weight": layer.lora_A.weight, f"{PREFIX}{name}.lora_B.weight": layer.lora_B.weight}
+        if layer.magnitude is not None:
+            params[f"{PREFIX}{name}.lora_magnitude_vector"] = layer.magnitude
+    for key, p in params.items():
+        if state[key].shape != p.shape:
+            raise QuantkitError(f"{source}: {key} is {tuple(state[key].shape)}, but this model needs {tuple(p.shape)}: "
+                                "use the base model it was trained on")
+        with torch.no_grad():
+            p.copy_(state[key])
+
+
+def peft_config(config: TrainConfig, names: list[str], linears: list[str], base: str):
+    """PEFT's LoraConfig for LoRA layers on names (of the model's decoder linears): target_modules
+    as kinds (q_proj, ...) when every linear of those kinds has one, else as full names."""
+    from peft import LoraConfig
+
+    kinds = sorted({n.split(".")[-1] for n in names})
+    whole = [n for n in linears if n.split(".")[-1] in kinds] == names
+    return LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
+                      target_modules=kinds if whole else names,
+                      use_rslora=config.rslora, use_dora=config.dora, task_type="CAUSAL_LM",
+                      base_model_name_or_path=base, inference_mode=True)
+
+
+def save(directory: Path, module: torch.nn.Module, layers: dict[str, LoraLinear], config: TrainConfig, base: str) -> None:
+    """adapter_config.json and adapter_model.safetensors in directory, as PEFT writes them."""
+    tmp = directory / f".{WEIGHTS}.{os.getpid()}"
+    tmp.write_bytes(serialize(adapter_state(layers), metadata={"format": "pt"}))  # a full disk is an OSError
+    os.replace(tmp, directory / WEIGHTS)
+    cfg = peft_config(config, list(layers), decoder_linears(module), base).to_dict()
+    cfg["target_modules"] = sorted(cfg["target_modules"])
+    cfg["peft_type"] = str(cfg["peft_type"].value if hasattr(cfg["peft_type"], "value") else cfg["peft_type"])
+    tmp = directory / f".{CONFIG}.{os.getpid()}"
+    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+    os.replace(tmp, directory / CONFIG)
+
+
+def read(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """An adapter directory (ours or PEFT's): its config as a dict and its tensors under PEFT's names."""
+    d = Path(directory)
+    if not (d / CONFIG).is_file() or not (d / WEIGHTS).is_file():
+        raise QuantkitError(f"{d}: no {CONFIG} and {WEIGHTS}: pass a LoRA adapter directory (quantkit train --out)")
+    try:
+        cfg = json.loads((d / CONFIG).read_text())
+        tensors = load_file(d / WEIGHTS)
+    except (json.JSONDecodeError, SafetensorError, OSError) as e:
+        raise QuantkitError(f"{d}: the adapter is damaged ({e}): train it again or restore it") from None
+    if cfg.get("peft_type") != "LORA":
+        raise QuantkitError(f"{d}: a {cfg.get('peft_type')} adapter: quantkit reads LoRA adapters")
+    # PEFT writes ".lora_A.weight"; some older saves keep the adapter name (".lora_A.default.weight")
+    tensors = {k.replace(".default.", ".").removesuffix(".default"): v for k, v in tensors.items()}
+    return cfg, tensors
+
+
+def config_of(cfg: dict) -> TrainConfig:
+    """The TrainConfig an adapter's PEFT config describes (LoRA settings only)."""
+    target = cfg.get("target_modules") or ["all-linear"]
+    if isinstance(target, str):
+        target = [target]
+    return TrainConfig(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), dropout=float(cfg.get("lora_dropout") or 0),
+                       target=list(target), dora=bool(cfg.get("use_dora")), rslora=bool(cfg.get("use_rslora")))

@@ -1,0 +1,128 @@
+"""Adapters merged into their base: W + scale*BA in float32 (DoRA renormalized), layer by layer
+from the base checkpoint into a new model directory in the base's dtype, so that the result feeds
+`quantkit quantize` like any model. --onto-nf4 merges into the NF4-rounded base that QLoRA trained
+against instead of the original weights."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from quantkit.errors import QuantkitError
+from quantkit.exporters.atomic import Staged
+from quantkit.exporters.shards import DEFAULT_MAX_SIZE, INDEX, ShardWriter
+from quantkit.modelio import Model, load
+
+from . import lora
+from .config import TrainConfig
+from .loop import LOG
+
+SIDE_FILES = (".json", ".txt", ".model", ".jinja")  # config, generation config, tokenizer, chat template
+
+
+def read(adapter: str | os.PathLike) -> tuple[TrainConfig, dict, dict[str, torch.Tensor]]:
+    """An adapter's settings (with the NF4 block QLoRA used, when quantkit trained it), its PEFT
+    config and its tensors."""
+    cfg, tensors = lora.read(adapter)
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise QuantkitError(f"{adapter}: per-module ranks or alphas (rank_pattern, alpha_pattern) are not supported: "
+                            "train the adapter with one rank and alpha")
+    config = lora.config_of(cfg)
+    log = Path(adapter) / LOG
+    if log.is_file():
+        config.nf4_block = json.loads(log.read_text())["config"]["nf4_block"]
+    return config, cfg, tensors
+
+
+def base_of(cfg: dict, base: str | os.PathLike | None, adapter) -> Model:
+    base = base or cfg.get("base_model_name_or_path")
+    if not base:
+        raise QuantkitError(f"{adapter}: the adapter names no base model: pass --base MODEL")
+    if not Path(base).exists():
+        raise QuantkitError(f"{base}: the adapter's base model is not here: pass --base with its directory")
+    m = load(base)
+    if m.checkpoint is None or m.tensors:
+        raise QuantkitError(f"{base}: merge into a float model directory (safetensors), not a GGUF file or a quantized export")
+    return m
+
+
+def fitted(m: Model, config: TrainConfig, tensors: dict[str, torch.Tensor], adapter) -> dict[str, dict[str, torch.Tensor]]:
+    """The adapter's tensors by linear name, each checked against the base's shapes."""
+    by_linear: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        name, _, part = key.removeprefix(lora.PREFIX).partition(".lora_")
+        by_linear.setdefault(name, {})[part] = t
+    for name, parts in by_linear.items():
+        try:
+            linear = m.module.get_submodule(name)
+        except AttributeError:
+            raise QuantkitError(f"{adapter}: the adapter has {name}, which the base model lacks: pass the --base it "
+                                "was trained on") from None
+        a, b = parts.get("A.weight"), parts.get("B.weight")
+        want = {"A.weight": (config.rank, linear.in_features), "B.weight": (linear.out_features, config.rank)}
+        if config.dora:
+            want["magnitude_vector"] = (linear.out_features,)
+        got = {k: tuple(v.shape) for k, v in parts.items()}
+        if a is None or b is None or got != want:
+            raise QuantkitError(f"{adapter}: {name}'s adapter tensors are {got}, but this base needs {want}: pass the "
+                                "--base it was trained on")
+    return by_linear
+
+
+def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.PathLike | None = None,
+          onto_nf4: bool = False, overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SIZE,
+          progress: bool = True) -> Path:
+    """Write base + adapter to out as a model directory (safetensors shards in the base's dtype, its
+    config and tokenizer files). base: the adapter config's base_model_name_or_path by default."""
+    config, cfg, tensors = read(adapter)
+    m = base_of(cfg, base, adapter)
+    by_linear = fitted(m, config, tensors, adapter)
+    dtype = m.checkpoint.dtype
+    staged = Staged(out, overwrite)
+    try:
+        directory = staged.fresh()
+        writer = ShardWriter(directory, max_shard_size)
+        for i in tqdm(range(len(m.layers)), unit="layer", desc="merging", disable=not progress):
+            prefix = f"model.layers.{i}"
+            layer = m.materialize(prefix, "cpu", torch.float32)
+            for name, parts in by_linear.items():
+                if name.startswith(prefix + "."):
+                    linear = m.module.get_submodule(name)
+                    w = lora.quantize_nf4(linear, config.nf4_block).dequantize() if onto_nf4 else linear.weight
+                    linear.weight.data = lora.merged(w, parts["A.weight"], parts["B.weight"], config.scale,
+                                                     parts.get("magnitude_vector"))
+            for key, t in layer.state_dict().items():
+                writer.add(f"{prefix}.{key}", t.to(dtype))
+            m.release(prefix)
+        rest = {k: tuple(t.shape) for k, t in m.module.state_dict().items() if not k.startswith("model.layers.")}
+        if m.module.config.tie_word_embeddings:
+            rest.pop("lm_head.weight", None)
+        for key, t in m.checkpoint.read(rest).items():
+            writer.add(key, t)
+        writer.close()
+        for f in Path(m.source).iterdir():
+            if f.is_file() and f.suffix in SIDE_FILES and f.name != INDEX:
+                shutil.copy2(f, directory / f.name)
+        return staged.commit()
+    except BaseException:
+        staged.abort()
+        raise
+
+
+def attach(model: str | os.PathLike | Model | None, adapter: str | os.PathLike, onto_nf4: bool = False) -> Model:
+    """model (whole, in float32) with adapter's LoRA layers in place, unmerged: for evaluating an
+    adapter, ours or PEFT's, as it trained (onto_nf4: on the NF4 base QLoRA trained against)."""
+    config, cfg, tensors = read(adapter)
+    m = model if isinstance(model, Model) else load(model)
+    by_linear = fitted(m, config, tensors, adapter)
+    m.materialize()
+    m.checkpoint = None
+    m.module.requires_grad_(False)
+    config.method = "qlora" if onto_nf4 else "lora"
+    layers = lora.inject(m.module, config, list(by_linear))
+    lora.load_state(layers, tensors, str(adapter))
+    return m
