@@ -1,6 +1,6 @@
 """The trainer on the embedded model (SmolLM2-135M-Instruct), on the CPU unless there is a GPU.
 
-  python benchmarks/train.py [--steps 200] [--parts wikitext,dolly,peft]
+  python benchmarks/train.py [--steps 200] [--seqlen 256] [--windows 40] [--parts peft,dolly,wikitext]
 
 wikitext: LoRA, QLoRA and DoRA fine-tuned on WikiText-2 validation; WikiText-2 test perplexity
   (llama.cpp protocol, ctx 512, the first --windows windows) of the base and of each merged model,
@@ -46,7 +46,7 @@ def quantized(model, out: Path, fmt: str, windows: int) -> float:
         quantkit.quantize(quantkit.load(model), method="rtn", gguf_type="Q4_K_M", out=out, format="gguf", progress=False)
     else:
         quantkit.quantize(quantkit.load(model), method="gptq", bits=4, group_size=128, calib_data=VALID,
-                          calib_samples=64, calib_seqlen=512, out=out, progress=False)
+                          calib_samples=32, calib_seqlen=512, out=out, progress=False)
     return ppl(out, windows)
 
 
@@ -82,13 +82,13 @@ def dolly(steps: int, tmp: Path) -> None:
     from quantkit.trainer import train
 
     result = train(default_model_dir(), data=DOLLY, out=tmp / "dolly", steps=steps, eval_fraction=0.1,
-                   eval_every=max(steps // 4, 1), progress=False, **{**COMMON, "seqlen": 512})
+                   eval_every=max(steps // 4, 1), progress=False, **{**COMMON, "seqlen": 2 * COMMON["seqlen"]})
     print(f"\nDolly ({DOLLY.name}, 10% held out): held-out loss per response token by step, LoRA r16, {steps} steps")
     print(" ".join(f"{r['step']}: {r['eval_loss']:.4f}" for r in result.evals),
           f"(after/before {result.evals[-1]['eval_loss'] / result.evals[0]['eval_loss']:.3f})")
 
 
-def run_one(kind: str, steps: int) -> dict:
+def run_one(kind: str, steps: int, seqlen: int) -> dict:
     """In a child: one training run of kind (quantkit or trainer); its speed, memory and held-out loss."""
     import torch
 
@@ -97,7 +97,7 @@ def run_one(kind: str, steps: int) -> dict:
     from quantkit.trainer import TrainConfig, dataset, train
     from quantkit.trainer.loop import held_out_loss
 
-    config = TrainConfig(steps=steps, eval_fraction=0.02, eval_every=steps, **COMMON)
+    config = TrainConfig(steps=steps, eval_fraction=0.02, eval_every=steps, **{**COMMON, "seqlen": seqlen})
     if kind == "quantkit":
         with tempfile.TemporaryDirectory() as tmp:
             r = train(default_model_dir(), config, data=VALID, out=Path(tmp) / "a", progress=False)
@@ -127,8 +127,8 @@ def run_one(kind: str, steps: int) -> dict:
 
 
 def peft(steps: int) -> None:
-    trainer = child(__file__, kind="trainer", steps=steps)
-    ours = child(__file__, kind="quantkit", steps=steps)
+    trainer = child(__file__, kind="trainer", steps=steps, seqlen=COMMON["seqlen"])
+    ours = child(__file__, kind="quantkit", steps=steps, seqlen=COMMON["seqlen"])
     print(f"\nLoRA r16 all-linear, {steps} steps of {COMMON['batch_size']}x{COMMON['seqlen']} tokens, bf16 autocast, "
           "torch AdamW: quantkit against PEFT + transformers Trainer (anchor)")
     print("| loop | tokens/s | peak RSS | final held-out loss |")
@@ -144,14 +144,17 @@ def main() -> None:
         p.add_argument("run")
         p.add_argument("--kind", required=True)
         p.add_argument("--steps", type=int, required=True)
+        p.add_argument("--seqlen", type=int, required=True)
         a = p.parse_args()
-        print(json.dumps(run_one(a.kind, a.steps)))
+        print(json.dumps(run_one(a.kind, a.steps, a.seqlen)))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seqlen", type=int, default=256, help="tokens per training sequence (Dolly: twice that)")
     p.add_argument("--windows", type=int, default=40, help="perplexity windows of 512 tokens")
-    p.add_argument("--parts", default="wikitext,dolly,peft")
+    p.add_argument("--parts", default="peft,dolly,wikitext")
     a = p.parse_args()
+    COMMON["seqlen"] = a.seqlen
     with tempfile.TemporaryDirectory() as tmp:
         for part in a.parts.split(","):
             {"wikitext": lambda: wikitext(a.steps, a.windows, Path(tmp)), "dolly": lambda: dolly(a.steps, Path(tmp)),
