@@ -20,6 +20,12 @@ def check_out(out: str | os.PathLike, overwrite: bool = False) -> None:
         raise QuantkitError(f"{out.parent}: no such directory: create it or choose another --out")
 
 
+def partial_path(out: str | os.PathLike) -> Path:
+    """Where out is written until it is complete."""
+    out = Path(out)
+    return out.with_name(f".{out.name}.partial")
+
+
 def progress_path(out: str | os.PathLike, rank: int | None = None) -> Path:
     """Where a run writing out saves its progress after each layer (one file per process of a torchrun job)."""
     out = Path(out)
@@ -44,7 +50,7 @@ class Staged:
     def __init__(self, out: str | os.PathLike, overwrite: bool = False, directory: bool = True):
         check_out(out, overwrite)
         self.out, self.directory, self.overwrite = Path(out), directory, overwrite
-        self.path = self.out.with_name(f".{self.out.name}.partial")
+        self.path = partial_path(self.out)
         self.lock_path = self.out.with_name(f".{self.out.name}.lock")
         while True:  # the lock file is removed when done: hold it only if it is still the one at lock_path
             self.lock = open(self.lock_path, "a+")

@@ -25,9 +25,9 @@ from tqdm import tqdm
 from quantkit import distributed
 from quantkit.api import device_of
 from quantkit.errors import QuantkitError, ResumableError
-from quantkit.exporters.atomic import Staged, remove
+from quantkit.exporters.atomic import Staged, partial_path, remove
 from quantkit.modelio import Model, load
-from quantkit.pipeline import peak_memory
+from quantkit.pipeline import peak_memory, save_progress
 
 from . import dataset, lora
 from .config import TrainConfig
@@ -150,10 +150,7 @@ class Checkpoints:
                 f.write(serialize(adapter, metadata={"format": "pt"}))
                 f.flush()
                 os.fsync(f.fileno())
-            with open(tmp / "state.pt", "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
+            save_progress(tmp / "state.pt", state)
         except OSError as e:
             remove(tmp)
             previous = self.load()["step"] if self.latest() else None
@@ -194,10 +191,8 @@ def plot(path: Path, log: list[dict], evals: list[dict], title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.png")
-    fig.savefig(tmp)
+    fig.savefig(path)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | None = None, *,
@@ -234,7 +229,7 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
         "config": {k: v for k, v in config.to_dict().items() if k not in SAME_RUN}}, sort_keys=True).encode()).hexdigest()
 
     staged = Staged(out, overwrite) if rank == 0 else None
-    partial = Path(out).with_name(f".{Path(out).name}.partial")
+    partial = partial_path(out)  # every process reads the checkpoint; only rank 0 holds the lock
     checkpoints = Checkpoints(partial)
     state = None
     try:

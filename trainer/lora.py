@@ -34,14 +34,13 @@ class LoraLinear(torch.nn.Module):
         super().__init__()
         self.base, self.scale = base, scale
         base.requires_grad_(False)
-        out_features, in_features = base.out_features, base.in_features
-        dev = self.weight().device
-        self.lora_A = torch.nn.Linear(in_features, rank, bias=False, device=dev)
-        self.lora_B = torch.nn.Linear(rank, out_features, bias=False, device=dev)
+        w = self.weight()
+        self.lora_A = torch.nn.Linear(base.in_features, rank, bias=False, device=w.device)
+        self.lora_B = torch.nn.Linear(rank, base.out_features, bias=False, device=w.device)
         torch.nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init: B = 0, so BA = 0
         torch.nn.init.zeros_(self.lora_B.weight)
         self.dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
-        self.magnitude = torch.nn.Parameter(self.weight().norm(dim=1)) if dora else None
+        self.magnitude = torch.nn.Parameter(w.norm(dim=1)) if dora else None
 
     def weight(self) -> torch.Tensor:
         """The frozen base weight, float32 (NF4: dequantized)."""
@@ -56,7 +55,7 @@ class LoraLinear(torch.nn.Module):
         lora = self.lora_B(self.lora_A(h)) * self.scale
         if self.magnitude is None:
             return y + lora
-        w = self.weight().to(x.dtype if x.is_floating_point() else torch.float32)
+        w = self.weight().to(x.dtype)
         norm = (w + self.delta().to(w.dtype)).norm(dim=1).detach()
         ratio = self.magnitude / norm
         bias = self.base.bias
@@ -119,30 +118,30 @@ def inject(module: torch.nn.Module, config: TrainConfig, names: list[str]) -> di
     return layers
 
 
-def adapter_state(layers: dict[str, LoraLinear]) -> dict[str, torch.Tensor]:
-    """The trained tensors under PEFT's names."""
-    state = {}
+def parameters(layers: dict[str, LoraLinear]) -> dict[str, torch.nn.Parameter]:
+    """The trained parameters under PEFT's names."""
+    params = {}
     for name, layer in layers.items():
-        state[f"{PREFIX}{name}.lora_A.weight"] = layer.lora_A.weight
-        state[f"{PREFIX}{name}.lora_B.weight"] = layer.lora_B.weight
+        params[f"{PREFIX}{name}.lora_A.weight"] = layer.lora_A.weight
+        params[f"{PREFIX}{name}.lora_B.weight"] = layer.lora_B.weight
         if layer.magnitude is not None:
-            state[f"{PREFIX}{name}.lora_magnitude_vector"] = layer.magnitude
-    return {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
+            params[f"{PREFIX}{name}.lora_magnitude_vector"] = layer.magnitude
+    return params
+
+
+def adapter_state(layers: dict[str, LoraLinear]) -> dict[str, torch.Tensor]:
+    """The trained tensors under PEFT's names, float32 on the CPU."""
+    return {k: v.detach().float().cpu().contiguous() for k, v in parameters(layers).items()}
 
 
 def load_state(layers: dict[str, LoraLinear], state: dict[str, torch.Tensor], source: str) -> None:
     """Copy an adapter's tensors into layers; every key used, every shape right."""
-    own = adapter_state(layers)
-    if set(own) != set(state):
-        extra, missing = sorted(set(state) - set(own)), sorted(set(own) - set(state))
+    params = parameters(layers)
+    if set(params) != set(state):
+        extra, missing = sorted(set(state) - set(params)), sorted(set(params) - set(state))
         raise QuantkitError(f"{source} does not fit this model: {len(missing)} tensors missing (first: "
                             f"{(missing or ['-'])[0]}), {len(extra)} unexpected (first: {(extra or ['-'])[0]}): "
                             "use the base model and settings it was trained with")
-    params = {}
-    for name, layer in layers.items():
-        params |= {f"{PREFIX}{name}.lora_A.weight": layer.lora_A.weight, f"{PREFIX}{name}.lora_B.weight": layer.lora_B.weight}
-        if layer.magnitude is not None:
-            params[f"{PREFIX}{name}.lora_magnitude_vector"] = layer.magnitude
     for key, p in params.items():
         if state[key].shape != p.shape:
             raise QuantkitError(f"{source}: {key} is {tuple(state[key].shape)}, but this model needs {tuple(p.shape)}: "
@@ -165,16 +164,13 @@ def peft_config(config: TrainConfig, names: list[str], linears: list[str], base:
 
 
 def save(directory: Path, module: torch.nn.Module, layers: dict[str, LoraLinear], config: TrainConfig, base: str) -> None:
-    """adapter_config.json and adapter_model.safetensors in directory, as PEFT writes them."""
-    tmp = directory / f".{WEIGHTS}.{os.getpid()}"
-    tmp.write_bytes(serialize(adapter_state(layers), metadata={"format": "pt"}))  # a full disk is an OSError
-    os.replace(tmp, directory / WEIGHTS)
+    """adapter_config.json and adapter_model.safetensors in directory (a staged output, renamed into
+    place when complete), as PEFT writes them."""
+    (directory / WEIGHTS).write_bytes(serialize(adapter_state(layers), metadata={"format": "pt"}))  # full disk: OSError
     cfg = peft_config(config, list(layers), decoder_linears(module), base).to_dict()
     cfg["target_modules"] = sorted(cfg["target_modules"])
-    cfg["peft_type"] = str(cfg["peft_type"].value if hasattr(cfg["peft_type"], "value") else cfg["peft_type"])
-    tmp = directory / f".{CONFIG}.{os.getpid()}"
-    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
-    os.replace(tmp, directory / CONFIG)
+    cfg["peft_type"] = cfg["peft_type"].value  # PeftType, a str enum: its value is what PEFT writes
+    (directory / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def read(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -16,6 +16,7 @@ from quantkit.errors import QuantkitError
 from quantkit.exporters.atomic import Staged
 from quantkit.exporters.shards import DEFAULT_MAX_SIZE, INDEX, ShardWriter
 from quantkit.modelio import Model, load
+from quantkit.pipeline import write_other
 
 from . import lora
 from .config import TrainConfig
@@ -98,11 +99,8 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
             for key, t in layer.state_dict().items():
                 writer.add(f"{prefix}.{key}", t.to(dtype))
             m.release(prefix)
-        rest = {k: tuple(t.shape) for k, t in m.module.state_dict().items() if not k.startswith("model.layers.")}
-        if m.module.config.tie_word_embeddings:
-            rest.pop("lm_head.weight", None)
-        for key, t in m.checkpoint.read(rest).items():
-            writer.add(key, t)
+        for prefix in ("model.embed_tokens", "model.norm", "lm_head"):
+            write_other(m, prefix, writer, None, keep=False)
         writer.close()
         for f in Path(m.source).iterdir():
             if f.is_file() and f.suffix in SIDE_FILES and f.name != INDEX:
