@@ -54,7 +54,47 @@ def llamacpp_arithmetic(module: torch.nn.Module, types: dict[str, str]) -> Itera
             h.remove()
 
 
+def windows(tokenizer, text: str, protocol: str = "llamacpp", ctx: int = 512,
+            max_windows: int | None = None) -> torch.Tensor:
+    """The text's token windows (n, ctx) as the protocol cuts them, before any BOS replacement."""
+    if protocol not in PROTOCOLS:
+        raise QuantkitError(f"unknown perplexity protocol {protocol!r}: use one of {', '.join(PROTOCOLS)}")
+    if ctx < 2 or (protocol == "llamacpp" and ctx < 4):
+        raise QuantkitError(f"context {ctx} is too short: use --ctx 512 or another length of at least 4")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if adds_bos(tokenizer) and protocol == "wikitext":
+        ids = [tokenizer.bos_token_id] + ids  # what tokenizer(text) gives: one BOS for the whole text
+    ids = torch.tensor(ids, dtype=torch.long)
+    n = len(ids) // ctx
+    if max_windows is not None:
+        n = min(n, max_windows)
+    if n < 1:
+        raise QuantkitError(f"the text has {len(ids)} tokens, fewer than one window of {ctx}: use a longer text or a smaller --ctx")
+    return ids[: n * ctx].view(n, ctx).clone()
+
+
+def first_scored(protocol: str, ctx: int) -> int:
+    """The position whose prediction is the first scored in a window."""
+    return ctx // 2 if protocol == "llamacpp" else 0
+
+
 @torch.no_grad()
+def window_logits(module: torch.nn.Module, tokenizer, windows: torch.Tensor, protocol: str = "llamacpp",
+                  batch_size: int = 4, progress: bool = True, desc: str = "perplexity"
+                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(logits, targets) of the scored predictions, a batch of windows at a time: logits (b, t, vocab)
+    in float32, targets (b, t). Under llamacpp the first token of a window becomes BOS when the
+    tokenizer adds BOS."""
+    first = first_scored(protocol, windows.shape[1])
+    device = next(module.parameters()).device
+    for batch in tqdm(windows.split(batch_size), desc=desc, unit="batch", disable=not progress):
+        inputs = batch.clone()
+        if protocol == "llamacpp" and adds_bos(tokenizer):
+            inputs[:, 0] = tokenizer.bos_token_id
+        logits = module(inputs.to(device), use_cache=False).logits[:, first:-1].float()
+        yield logits, batch[:, first + 1:].to(logits.device)
+
+
 def perplexity(
     module: torch.nn.Module,
     tokenizer,
@@ -65,32 +105,9 @@ def perplexity(
     batch_size: int = 4,
     progress: bool = True,
 ) -> Perplexity:
-    if protocol not in PROTOCOLS:
-        raise QuantkitError(f"unknown perplexity protocol {protocol!r}: use one of {', '.join(PROTOCOLS)}")
-    if ctx < 2 or (protocol == "llamacpp" and ctx < 4):
-        raise QuantkitError(f"context {ctx} is too short: use --ctx 512 or another length of at least 4")
-    bos = adds_bos(tokenizer)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if bos and protocol == "wikitext":
-        ids = [tokenizer.bos_token_id] + ids  # what tokenizer(text) gives: one BOS for the whole text
-    ids = torch.tensor(ids, dtype=torch.long)
-    n = len(ids) // ctx
-    if max_windows is not None:
-        n = min(n, max_windows)
-    if n < 1:
-        raise QuantkitError(f"the text has {len(ids)} tokens, fewer than one window of {ctx}: use a longer text or a smaller --ctx")
-    windows = ids[: n * ctx].view(n, ctx).clone()
-    first = 0
-    if protocol == "llamacpp":
-        first = ctx // 2
-        if bos:
-            windows[:, 0] = tokenizer.bos_token_id
+    w = windows(tokenizer, text, protocol, ctx, max_windows)
     nll, count = 0.0, 0
-    device = next(module.parameters()).device
-    for batch in tqdm(windows.split(batch_size), desc="perplexity", unit="batch", disable=not progress):
-        batch = batch.to(device)
-        logits = module(batch, use_cache=False).logits[:, first:-1].double()
-        targets = batch[:, first + 1 :]
-        nll -= torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).sum().item()
+    for logits, targets in window_logits(module, tokenizer, w, protocol, batch_size, progress):
+        nll -= torch.log_softmax(logits.double(), dim=-1).gather(-1, targets[..., None]).sum().item()
         count += targets.numel()
-    return Perplexity(math.exp(nll / count), count, n, protocol, ctx)
+    return Perplexity(math.exp(nll / count), count, len(w), protocol, ctx)

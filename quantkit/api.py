@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import warnings
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -169,6 +171,26 @@ def quantize(
     return m
 
 
+def ready(model: Model | PathLike | None, packed: bool = True, device: str | None = None) -> Model:
+    """A model to score, with every weight in memory. From a path: a quantized checkpoint runs packed
+    (its linears reading the exported tensors through quantkit.qlinear) unless packed=False, on device
+    (default: CUDA, in float16, when there is a GPU); a Model passed in is moved only when device is given."""
+    m = model if isinstance(model, Model) else load(model, packed=packed)
+    m.materialize()
+    if device is not None or not isinstance(model, Model):
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # float16 on a GPU, except a GGUF scored with llama.cpp's float32 arithmetic
+        m.module.to(dev, torch.float16 if dev.type == "cuda" and not m.gguf_types else torch.float32)
+    return m
+
+
+def scoring(m: Model, protocol: str = "llamacpp"):
+    """Within: the model computes as its consumer does (a GGUF's linears with llama.cpp's arithmetic)."""
+    if protocol == "llamacpp" and m.gguf_types:
+        return evals.llamacpp_arithmetic(m.module, m.gguf_types)
+    return nullcontext()
+
+
 def evaluate(
     model: Model | PathLike | None = None,
     data: PathLike | None = None,
@@ -184,17 +206,56 @@ def evaluate(
     quantkit.qlinear (Triton on CUDA, torch on the CPU); packed=False evaluates a dequantized copy.
     device: where a model loaded from a path runs (default: CUDA, in float16, when there is a GPU);
     a Model passed in is moved only when device is given."""
-    m = model if isinstance(model, Model) else load(model, packed=packed)
-    m.materialize()
-    if device is not None or not isinstance(model, Model):
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        # float16 on a GPU, except a GGUF scored with llama.cpp's float32 arithmetic
-        m.module.to(dev, torch.float16 if dev.type == "cuda" and not m.gguf_types else torch.float32)
+    m = ready(model, packed, device)
     text = calibration.load_text(data, split="test")
-    if protocol == "llamacpp" and m.gguf_types:  # GGUF blocks, scored with llama.cpp's arithmetic
-        with evals.llamacpp_arithmetic(m.module, m.gguf_types):
-            return evals.perplexity(m.module, m.tokenizer, text, protocol, ctx, max_windows, progress=progress)
-    return evals.perplexity(m.module, m.tokenizer, text, protocol, ctx, max_windows, progress=progress)
+    with scoring(m, protocol):  # a GGUF's blocks, scored with llama.cpp's arithmetic
+        return evals.perplexity(m.module, m.tokenizer, text, protocol, ctx, max_windows, progress=progress)
+
+
+def compare(
+    model: Model | PathLike | None,
+    base: Model | PathLike,
+    data: PathLike | None = None,
+    ctx: int = 512,
+    max_windows: int | None = None,
+    save_base: PathLike | None = None,
+    progress: bool = True,
+    packed: bool = True,
+    device: str | None = None,
+) -> evals.Divergence:
+    """Divergence of model from base, as `llama-perplexity --kl-divergence` measures it: perplexity of
+    both, KL divergence, delta-p and top-token agreement on the second half of each window of data.
+    base: a model (a Model, a path), or a file of its log-probabilities saved by save_base (or by
+    llama-perplexity --kl-divergence-base), which skips running the base. One model is in memory at a
+    time: the base's log-probabilities go to disk (save_base, or a temporary file) first."""
+    text = calibration.load_text(data, split="test")
+    saved = base is not None and not isinstance(base, Model) and evals.kld.is_saved_base(base)
+    if saved and save_base is not None:
+        raise QuantkitError(f"{base} is a saved base already: --save-base needs --base to be a model")
+    if save_base is not None:
+        evals.kld.check_save_path(save_base)
+    m = model if isinstance(model, Model) else load(model, packed=packed)
+    with tempfile.TemporaryDirectory(prefix="quantkit-base-") as tmp:
+        if saved:
+            base_file = evals.BaseFile(base)
+        else:
+            b = base if isinstance(base, Model) else load(base)
+            difference = evals.kld.tokenizer_difference(b.tokenizer, m.tokenizer, text)
+            if difference:
+                raise QuantkitError(f"{b.source} and {m.source} have different tokenizers ({difference}): compare a "
+                                    "model with the base it was quantized from")
+            windows = evals.windows(b.tokenizer, text, "llamacpp", ctx, max_windows)
+            path = save_base or Path(tmp) / "base.logits"
+            b = ready(b, device=device)
+            with scoring(b):
+                evals.save_base(b.module, b.tokenizer, windows, path, progress=progress)
+            del b  # one model in memory at a time
+            base_file = evals.BaseFile(path)
+        n = base_file.n if max_windows is None else max_windows
+        windows = evals.windows(m.tokenizer, text, "llamacpp", ctx, n)
+        m = ready(m, packed, device)
+        with scoring(m):
+            return evals.divergence(m.module, m.tokenizer, windows, base_file, progress=progress)
 
 
 def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: bool = False,

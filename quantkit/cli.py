@@ -114,16 +114,44 @@ def export(model, out, gguf_type, overwrite) -> None:
 @click.option("--protocol", type=click.Choice(["wikitext", "llamacpp"]), default="llamacpp", show_default=True)
 @click.option("--ctx", type=int, default=512, show_default=True)
 @click.option("--max-windows", type=int, help="score only the first N windows")
+@click.option("--base", help="compare with this model (or a base saved with --save-base): KL divergence, delta-p, "
+                             "same top token, as llama-perplexity --kl-divergence")
+@click.option("--save-base", type=click.Path(), help="with --base MODEL: save its log-probabilities here for reuse "
+                                                     "(llama.cpp's --kl-divergence-base layout)")
+@click.option("--max-ppl-increase", type=float, help="gate: fail when PPL(Q)/PPL(base) - 1 is above this")
+@click.option("--max-kld", type=float, help="gate: fail when the mean KL divergence is above this")
+@click.option("--min-same-top", type=float, help="gate: fail when the top tokens agree less often than this")
 @click.option("--json", "as_json", is_flag=True, help="end with one JSON line")
 @click.option("--dequantized", is_flag=True, help="a quantized export: evaluate a dequantized copy, not the packed model")
 @click.option("--device", help="cpu or cuda [cuda, in float16, when there is a GPU]")
-def evaluate(model, data, protocol, ctx, max_windows, as_json, dequantized, device) -> None:
+def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_increase, max_kld, min_same_top,
+             as_json, dequantized, device) -> None:
     """Perplexity of MODEL (a directory, an export, a .gguf file, or the embedded model). A quantized
-    export runs packed: Triton kernels on a GPU, a torch fallback on the CPU."""
-    ppl = api.evaluate(model, data, protocol, ctx, max_windows, packed=not dequantized, device=device)
-    show(model or "embedded model", ppl)
+    export runs packed: Triton kernels on a GPU, a torch fallback on the CPU. With --base, its
+    divergence from the base; with the gate limits, exit 1 when one is broken."""
+    limits = {"max_ppl_increase": max_ppl_increase, "max_kld": max_kld, "min_same_top": min_same_top}
+    given = [f"--{k.replace('_', '-')}" for k, v in limits.items() if v is not None]
+    if base is None and (given or save_base):
+        raise QuantkitError(f"{', '.join(given + ['--save-base'] * bool(save_base))} compare with a base model: add --base BASE")
+    if base is not None and protocol != "llamacpp":
+        raise QuantkitError("--base compares under the llamacpp protocol (the second half of each window): drop --protocol")
+    if base is None:
+        ppl = api.evaluate(model, data, protocol, ctx, max_windows, packed=not dequantized, device=device)
+        show(model or "embedded model", ppl)
+        if as_json:
+            click.echo(json.dumps({**ppl.to_dict(), "model": model}))
+        return
+    d = api.compare(model, base, data, ctx, max_windows, save_base, packed=not dequantized, device=device)
+    click.echo(f"{model or 'embedded model'} against {base}: {d.windows} windows of {d.ctx}, {d.tokens} predictions")
+    click.echo(d.report())
+    if save_base:
+        click.echo(f"base log-probabilities saved to {save_base}")
     if as_json:
-        click.echo(json.dumps({**ppl.to_dict(), "model": model}))
+        click.echo(json.dumps({**d.to_dict(), "model": model, "base": base}))
+    failed = d.failures(**limits)
+    if failed:
+        click.echo(f"fail: {'; '.join(failed)}", err=True)
+        sys.exit(1)
 
 
 T = TrainConfig()  # the defaults shown in --help

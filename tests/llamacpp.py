@@ -76,5 +76,23 @@ def perplexity(model: Path, text: Path, windows: int, ctx: int = 512) -> float:
     return float(re.search(r"Final estimate: PPL = ([0-9.]+)", log).group(1))
 
 
+def save_base(model: Path, text: Path, logits: Path, windows: int, ctx: int = 512) -> None:
+    """llama-perplexity --kl-divergence-base: the model's log-probabilities of the windows, saved."""
+    run("llama-perplexity", "-m", str(model), "-f", str(text), "-c", str(ctx), "--chunks", str(windows), "-t", "2",
+        "--kl-divergence-base", str(logits))
+
+
+def kl_divergence(model: Path, logits: Path) -> dict[str, float]:
+    """llama-perplexity --kl-divergence against a saved base: its summary figures."""
+    log = run("llama-perplexity", "-m", str(model), "-t", "2", "--kl-divergence-base", str(logits), "--kl-divergence")
+
+    def figure(label: str) -> float:
+        return float(re.search(label + r"\s*:\s*(-?[0-9.]+)", log).group(1))
+
+    return {"perplexity": figure(r"Mean PPL\(Q\)"), "base_perplexity": figure(r"Mean PPL\(base\)"),
+            "kld_mean": figure("Mean    KLD"), "kld_p99": figure(r"99\.0%   KLD"),
+            "delta_p_rms": figure("RMS Δp") / 100, "same_top": figure("Same top p") / 100}
+
+
 if __name__ == "__main__":
     print(binaries())

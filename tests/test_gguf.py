@@ -294,3 +294,28 @@ def test_cli_export_and_its_refusal(tiny256, tmp_path, capsys, monkeypatch):
     quantkit.quantize(tiny256, method="rtn", bits=4, group_size=128, out=tmp_path / "g128", progress=False)
     code, line = run(["export", tmp_path / "g128", "--out", tmp_path / "x.gguf"], capsys, monkeypatch)
     assert code == 2 and "has no GGUF block type" in line and not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.slow
+def test_kl_divergence_agrees_with_llama_perplexity(embedded, tmp_path):
+    """Q4_K_M, Q3_K_M (pure) and Q2_K files against the F32 file, 16 windows of 512: llama-perplexity
+    --kl-divergence and ours agree (mean KLD within 5%, same top token within 0.5 points). Each tool
+    saves its own base, in the same layout: the same tokens, and log-probabilities within float noise.
+    Our base is the float model the F32 file holds; our quantized models are the ones our files hold,
+    scored with llama.cpp's arithmetic."""
+    from . import llamacpp
+
+    theirs_base, ours_base = tmp_path / "theirs.logits", tmp_path / "ours.logits"
+    llamacpp.save_base(embedded.dir / "f32.gguf", TEST, theirs_base, 16)
+    for i, (mix, pure) in enumerate([("Q4_K_M", False), ("Q3_K_M", True), ("Q2_K", False)]):
+        path, q = embedded.quantized(mix, pure)
+        theirs = llamacpp.kl_divergence(path, theirs_base)
+        base = {"base": quantkit.load(), "save_base": ours_base} if i == 0 else {"base": ours_base}
+        ours = quantkit.compare(q, data=TEST, max_windows=16, progress=False, **base)
+        assert abs(ours.kld_mean / theirs["kld_mean"] - 1) < 0.05, (mix, ours.kld_mean, theirs)
+        assert abs(ours.same_top - theirs["same_top"]) < 0.005, (mix, ours.same_top, theirs)
+        if i == 0:
+            a, b = quantkit.evals.BaseFile(ours_base), quantkit.evals.BaseFile(theirs_base)
+            assert (a.n, a.ctx, a.n_vocab) == (b.n, b.ctx, b.n_vocab) and torch.equal(a.windows, b.windows)
+            kept = b.logprobs(0) > -10
+            assert (a.logprobs(0) - b.logprobs(0))[kept].abs().max() < 0.02

@@ -1,0 +1,172 @@
+"""Divergence from the base (quantkit eval --base): the figures against a direct float64 computation,
+the saved base file, the gate, and the refusals. llama-perplexity's agreement is in test_gguf."""
+import json
+import math
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import quantkit
+from quantkit import evals
+from quantkit.cli import main
+
+from .conftest import TEST, VALID, loaded, make_tiny, tiny_tokenizer
+
+CTX, WINDOWS = 128, 6
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny model whose weights are large enough for peaked distributions: top tokens to disagree on."""
+    return make_tiny(tmp_path_factory.mktemp("sharp") / "model", initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir):
+    """The tiny model and a 4-bit RTN copy of it, in memory."""
+    base = loaded(tiny_dir)
+    quant = quantkit.quantize(loaded(tiny_dir), method="rtn", bits=4, group_size=32, keep=True, progress=False)
+    return base, quant
+
+
+@pytest.fixture(scope="module")
+def quant_dir(tiny_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("divergence") / "q"
+    quantkit.quantize(tiny_dir, method="rtn", bits=4, group_size=32, out=out, progress=False)
+    return out
+
+
+def direct(base, quant):
+    """Every figure recomputed from the two models' full float64 distributions."""
+    ids = torch.tensor(base.tokenizer(TEST.read_bytes().decode(), add_special_tokens=False)["input_ids"][:WINDOWS * CTX])
+    ids = ids.view(WINDOWS, CTX)
+    with torch.no_grad():
+        lb, lq = (torch.log_softmax(m.module(ids).logits[:, CTX // 2:-1].double(), -1) for m in (base, quant))
+    targets = ids[:, CTX // 2 + 1:, None]
+    nll_b, nll_q = -lb.gather(-1, targets)[..., 0], -lq.gather(-1, targets)[..., 0]
+    kld = (lb.exp() * (lb - lq)).sum(-1)
+    dp = nll_q.neg().exp() - nll_b.neg().exp()
+    return {"perplexity": nll_q.mean().exp().item(), "base_perplexity": nll_b.mean().exp().item(),
+            "kld_mean": kld.mean().item(), "kld_p99": np.percentile(kld.flatten().numpy(), 99),
+            "kld_max": kld.max().item(), "delta_p_rms": dp.pow(2).mean().sqrt().item(),
+            "same_top": (lb.argmax(-1) == lq.argmax(-1)).double().mean().item()}
+
+
+def test_figures_match_a_direct_computation(pair, tmp_path):
+    base, quant = pair
+    d = quantkit.compare(quant, base, TEST, ctx=CTX, max_windows=WINDOWS, progress=False)
+    want = direct(base, quant)
+    assert (d.windows, d.tokens) == (WINDOWS, WINDOWS * (CTX - 1 - CTX // 2))
+    assert d.kld_mean > 1e-2 and 0.2 < d.same_top < 0.9  # 4-bit weights: divergence to measure
+    for key, value in want.items():  # the saved base rounds each log-probability to 1/65535 of its range
+        assert d.to_dict()[key] == pytest.approx(value, rel=2e-3, abs=1e-6), key
+    assert d.ppl_ratio == pytest.approx(want["perplexity"] / want["base_perplexity"], rel=1e-4)
+    assert d.kld_percentiles[99.0] == d.to_dict()["kld_p99"] and d.kld_min <= d.kld_median <= d.kld_max
+
+
+def test_a_model_against_itself(pair):
+    base, _ = pair
+    d = quantkit.compare(base, base, TEST, ctx=CTX, max_windows=2, progress=False)
+    assert d.same_top == 1 and d.kld_mean < 1e-6 and abs(d.ln_ratio) < 1e-4 and d.delta_p_rms < 1e-4
+
+
+def test_saved_base_is_reused_with_the_same_figures(pair, tmp_path):
+    base, quant = pair
+    saved = tmp_path / "base.logits"
+    first = quantkit.compare(quant, base, TEST, ctx=CTX, max_windows=WINDOWS, save_base=saved, progress=False)
+    f = evals.BaseFile(saved)
+    assert (f.n, f.ctx, f.n_vocab) == (WINDOWS, CTX, 512) and not list(tmp_path.glob(".*"))
+    again = quantkit.compare(quant, saved, TEST, ctx=CTX, progress=False)  # every window the file holds
+    assert again.to_dict() == first.to_dict()
+    fewer = quantkit.compare(quant, saved, TEST, ctx=CTX, max_windows=2, progress=False)
+    assert fewer.windows == 2
+
+
+def test_rows_keep_sixteen_nats_as_llama_cpp_does():
+    logits = torch.tensor([[0.0, -3.0, -20.0, 5.0], [1.0, 1.0, 1.0, 1.0]])
+    back = evals.kld.expand(evals.kld.compress(logits), 4)
+    exact = torch.log_softmax(logits, -1)
+    assert torch.allclose(back[0, [0, 1, 3]], exact[0, [0, 1, 3]], atol=16 / 65535)
+    assert back[0, 2] < -16 and torch.allclose(back[1], exact[1])  # under the range; a flat row
+
+
+def run(args, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip().splitlines()
+
+
+def test_cli_json_and_gate(quant_dir, tiny_dir, tmp_path, capsys, monkeypatch):
+    args = ["eval", quant_dir, "--base", tiny_dir, "--data", TEST, "--ctx", CTX, "--max-windows", WINDOWS]
+    saved = tmp_path / "base.logits"
+    code, out, _ = run([*args, "--save-base", saved, "--json"], capsys, monkeypatch)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and "Mean    KLD" in out and "Same top p" in out
+    assert {"perplexity", "base_perplexity", "kld_mean", "kld_p99", "same_top", "delta_p_rms"} <= result.keys()
+    increase = result["perplexity"] / result["base_perplexity"] - 1
+    assert increase > 0 and saved.is_file()
+    reused = ["eval", quant_dir, "--base", saved, "--data", TEST, "--ctx", CTX]
+    code, out, _ = run([*reused, "--json", "--max-kld", result["kld_mean"] * 2,
+                        "--min-same-top", result["same_top"] / 2], capsys, monkeypatch)
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["kld_mean"] == result["kld_mean"]
+    code, _, err = run([*reused, "--max-ppl-increase", increase / 2, "--max-kld", 10], capsys, monkeypatch)
+    failed = [line for line in err if line.startswith("fail: ")]  # after the progress bars, one line
+    assert code == 1 and failed == err[-1:] and failed[0].startswith("fail: perplexity increase")
+    assert f"{increase:.4f}" in failed[0] and "--max-ppl-increase" in failed[0] and "kld" not in failed[0]
+    code, _, err = run([*reused, "--min-same-top", 1.0], capsys, monkeypatch)
+    assert code == 1 and f"same top token {result['same_top']:.4f} is below --min-same-top 1" in err[-1]
+
+
+def refused(args, capsys, monkeypatch, match):
+    code, _, err = run(args, capsys, monkeypatch)
+    errors = [line for line in err if line.startswith("error: ")]
+    assert code == 2 and errors == err[-1:] and match in errors[0], err
+    assert not any("Traceback" in line for line in err)
+
+
+def test_refusals(quant_dir, tiny_dir, tmp_path, capsys, monkeypatch):
+    base = ["eval", quant_dir, "--data", TEST, "--ctx", CTX, "--max-windows", 2]
+    refused([*base, "--max-kld", 0.1], capsys, monkeypatch, "--max-kld compare with a base model: add --base")
+    refused([*base, "--save-base", tmp_path / "b"], capsys, monkeypatch, "--save-base compare with a base")
+    refused([*base, "--base", tiny_dir, "--protocol", "wikitext"], capsys, monkeypatch, "drop --protocol")
+    (tmp_path / "notes.txt").write_text("mine")
+    refused([*base, "--base", tiny_dir, "--save-base", tmp_path / "notes.txt"], capsys, monkeypatch,
+            "is not a saved base: choose another --save-base")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+    other = shutil.copytree(tiny_dir, tmp_path / "other")  # the same model with a smaller vocabulary
+    for f in other.glob("tok*"):
+        f.unlink()
+    tiny_tokenizer(other, vocab_size=400)
+    refused([*base, "--base", other], capsys, monkeypatch, "different tokenizers (vocabularies of")
+
+    saved = tmp_path / "base.logits"
+    run([*base, "--base", tiny_dir, "--save-base", saved], capsys, monkeypatch)
+    with_saved = ["eval", quant_dir, "--base", saved, "--ctx", CTX]
+    refused([*with_saved, "--data", VALID], capsys, monkeypatch, "was saved from other tokens (window 0")
+    refused([*with_saved, "--data", TEST, "--ctx", 64], capsys, monkeypatch, "context of 128, not 64: pass --ctx 128")
+    refused([*with_saved, "--data", TEST, "--max-windows", 5], capsys, monkeypatch,
+            "holds 2 windows, fewer than the 5 asked for")
+    refused(["eval", quant_dir, "--base", saved, "--data", TEST, "--save-base", tmp_path / "again"], capsys,
+            monkeypatch, "is a saved base already")
+    data = saved.read_bytes()
+    for bad in (data[:-2], data[:10], data[:8] + b"\xff" * 16 + data[24:]):
+        saved.write_bytes(bad)
+        refused([*with_saved, "--data", TEST], capsys, monkeypatch, str(saved))
+
+
+def test_summary_statistics_follow_llama_cpp():
+    """Uncertainties as llama-perplexity computes them: standard errors of the means, none under 11 values."""
+    rng = np.random.default_rng(0)
+    v = rng.exponential(size=1000)
+    mean, unc = evals.kld.mean_unc(v)
+    assert mean == pytest.approx(v.mean()) and unc == pytest.approx(v.std() / math.sqrt(999), rel=1e-9)
+    assert evals.kld.mean_unc(v[:10])[1] == 0
