@@ -258,6 +258,20 @@ def compare(
             return evals.divergence(m.module, m.tokenizer, windows, base_file, progress=progress)
 
 
+def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float | None = None,
+            num_fewshot: int | None = None, batch_size: int = 4, max_length: int | None = None,
+            data_dir: PathLike | None = None, seed: int = 0, packed: bool = True,
+            device: str | None = None) -> dict[str, dict[str, float]]:
+    """lm-eval's results by task for a model (a Model, a path, or the embedded default), run through
+    lm-eval's HFLM wrapper around the loaded model. Local tasks (wikitext, dolly_mc) read data_dir."""
+    from quantkit.evals import harness
+
+    prepared = harness.prepare(tasks, data_dir)  # a wrong name or missing data fails before the model loads
+    m = ready(model, packed, device)
+    with scoring(m):
+        return harness.run(prepared, m.module, m.tokenizer, limit, num_fewshot, batch_size, max_length, seed)
+
+
 def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: bool = False,
            max_shard_size: int | str = exporters.DEFAULT_MAX_SIZE) -> Path:
     return exporters.export(model, out, format, overwrite, max_shard_size)

@@ -154,6 +154,37 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_i
         sys.exit(1)
 
 
+@cli.command("lm-eval")
+@click.argument("model", required=False)
+@click.option("--tasks", required=True, help="comma-separated lm-eval task names; offline: wikitext, dolly_mc")
+@click.option("--limit", type=float, help="at most N documents per task (a fraction below 1)")
+@click.option("--num-fewshot", type=int)
+@click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option("--max-length", type=int, help="tokens per window [the model's context]")
+@click.option("--data-dir", type=click.Path(), help="where the local tasks read [$QUANTKIT_DATA, else ../shared/data]")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="end with one JSON line: the results by task")
+@click.option("--dequantized", is_flag=True, help="a quantized export: evaluate a dequantized copy, not the packed model")
+@click.option("--device", help="cpu or cuda [cuda, in float16, when there is a GPU]")
+def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, seed, as_json, dequantized,
+            device) -> None:
+    """Run EleutherAI's lm-evaluation-harness tasks on MODEL (any model quantkit loads: float, a packed
+    export, a .gguf file), through lm-eval's HFLM wrapper around the loaded model."""
+    import logging
+
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if limit is not None and limit >= 1:
+        limit = int(limit)
+    results = api.lm_eval(model, names, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size,
+                          max_length=max_length, data_dir=data_dir, seed=seed, packed=not dequantized, device=device)
+    for task, values in results.items():
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in values.items() if not k.endswith("_stderr") and k != "sample_len")
+        click.echo(f"{task}: {shown}")
+    if as_json:
+        click.echo(json.dumps(results))
+
+
 T = TrainConfig()  # the defaults shown in --help
 
 

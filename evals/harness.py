@@ -1,0 +1,87 @@
+"""EleutherAI's lm-evaluation-harness on a model quantkit has loaded, through lm-eval's HFLM wrapper
+around our module and tokenizer: no checkpoint is loaded again. The tasks in tasks/ read local
+files under data_dir (wikitext: lm-eval's wikitext task on the local WikiText-2 raw test file;
+dolly_mc: four-way response choice built from the Dolly slice); hub tasks need the network."""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantkit.errors import QuantkitError
+
+TASKS = Path(__file__).parent / "tasks"
+LOCAL = tuple(sorted(p.stem for p in TASKS.glob("*.yaml")))
+
+
+@dataclass
+class Tasks:
+    """Tasks checked and their data read, ready to run."""
+    names: list[str]
+    manager: object  # lm-eval's TaskManager, with the local tasks
+    data_dir: Path
+
+
+def default_data_dir() -> Path:
+    """$QUANTKIT_DATA, else the shared data beside this checkout."""
+    return Path(os.environ.get("QUANTKIT_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
+
+
+def prepare(names: list[str], data_dir: str | os.PathLike | None = None) -> Tasks:
+    """Check the task names and read the tasks' data (before any model loads)."""
+    data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise QuantkitError("lm-eval is not installed: pip install 'quantkit[eval]' (or pip install lm-eval)") from None
+    if not names:
+        raise QuantkitError(f"no task given: pass --tasks, e.g. {','.join(LOCAL)}")
+    # lm-eval's own index takes some 20 s to build: only when a task is not one of ours
+    manager = TaskManager(include_path=str(TASKS), include_defaults=not set(names) <= set(LOCAL),
+                          metadata={"data_dir": str(data_dir)})
+    known = set(manager.all_tasks)
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=5, cutoff=0.6)
+            hint = f"close names: {', '.join(close)}" if close else f"the local tasks are {', '.join(LOCAL)}"
+            raise QuantkitError(f"lm-eval knows no task {name!r} ({hint}): pass --tasks with task names "
+                                "(lm-eval ls tasks lists them)")
+    if any(name in LOCAL for name in names) and not data_dir.is_dir():
+        raise QuantkitError(f"{data_dir}: no such directory, where the local tasks read their data: pass --data-dir "
+                            "or set QUANTKIT_DATA")
+    try:  # read here first (run() reads again, from datasets' cache): a hub task without the network fails here
+        manager.load(names)
+    except Exception as e:
+        raise QuantkitError(f"lm-eval could not load the data of {', '.join(names)} ({type(e).__name__}: "
+                            f"{str(e)[:300]}): hub tasks need the network; the local tasks ({', '.join(LOCAL)}) "
+                            f"read {data_dir}") from None
+    return Tasks(names, manager, data_dir)
+
+
+def run(tasks: Tasks, module: torch.nn.Module, tokenizer, limit: int | float | None = None,
+        num_fewshot: int | None = None, batch_size: int = 4, max_length: int | None = None,
+        seed: int = 0) -> dict[str, dict[str, float]]:
+    """lm-eval's results by task ({"wikitext": {"word_perplexity": ..., ...}}), each metric's
+    standard error beside it as METRIC_stderr where lm-eval gives one."""
+    from lm_eval import evaluator
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=module, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    results = evaluator.simple_evaluate(model=lm, tasks=tasks.names, num_fewshot=num_fewshot, limit=limit,
+                                        task_manager=tasks.manager, log_samples=False, bootstrap_iters=1000,
+                                        random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                        fewshot_random_seed=seed)
+    return {task: metrics(values) for task, values in results["results"].items()}
+
+
+def metrics(values: dict) -> dict[str, float]:
+    """lm-eval's 'metric,filter' keys as plain metric names; aliases and non-numbers dropped."""
+    out = {}
+    for key, value in values.items():
+        name = key.split(",")[0]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and name != "alias":
+            out[name] = float(value)
+    return out

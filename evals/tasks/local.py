@@ -1,0 +1,55 @@
+"""Datasets of quantkit's local lm-eval tasks, read from data_dir (task metadata)."""
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import datasets
+from lm_eval.tasks.wikitext.preprocess_wikitext import process_results as wikitext_results
+from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
+
+__all__ = ["dolly", "dolly_prompt", "wikitext", "wikitext_detokenizer", "wikitext_results"]
+
+TITLE = re.compile(r"^ = [^=].* = $")  # an article's title line; sections are " = = ... = = "
+CHOICES, CLIP = 4, 200
+
+
+def wikitext(data_dir: str, **_) -> dict[str, datasets.Dataset]:
+    """The WikiText-2 raw test split as pages, one an article (as EleutherAI/wikitext_document_level)."""
+    lines = (Path(data_dir) / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8").splitlines(keepends=True)
+    pages: list[str] = []
+    for line in lines:
+        if TITLE.match(line.rstrip("\n")) or not pages:
+            pages.append("")
+        pages[-1] += line
+    return {"test": datasets.Dataset.from_dict({"page": pages})}
+
+
+def clip(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= CLIP else text[:CLIP].rsplit(" ", 1)[0]
+
+
+def dolly(data_dir: str, **_) -> dict[str, datasets.Dataset]:
+    path = Path(data_dir) / "dolly" / "dolly-15k-head.jsonl"
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    by_category: dict[str, list[int]] = {}
+    for i, r in enumerate(records):
+        by_category.setdefault(r["category"], []).append(i)
+    docs = []
+    for i, r in enumerate(records):
+        rng = random.Random(i)
+        answer = clip(r["response"])
+        others = sorted({clip(records[j]["response"]) for j in by_category[r["category"]]} - {answer})
+        choices = [answer, *rng.sample(others, CHOICES - 1)]
+        rng.shuffle(choices)
+        docs.append({"instruction": r["instruction"], "context": r["context"], "category": r["category"],
+                     "choices": choices, "gold": choices.index(answer)})
+    return {"test": datasets.Dataset.from_list(docs)}
+
+
+def dolly_prompt(doc: dict) -> str:
+    context = f"Context: {doc['context'].strip()}\n" if doc["context"].strip() else ""
+    return f"Instruction: {doc['instruction'].strip()}\n{context}Response:"
