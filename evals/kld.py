@@ -147,6 +147,12 @@ class BaseFile:
         """Window i's base log-probabilities (scored, vocab)."""
         return expand(self.rows[i], self.n_vocab)
 
+    def perplexity(self) -> float:
+        """The base's perplexity of its windows, from the saved rows."""
+        targets = self.windows[:, self.ctx // 2 + 1:]
+        nll = sum(-self.logprobs(i).double().gather(-1, targets[i, :, None]).sum().item() for i in range(self.n))
+        return math.exp(nll / targets.numel())
+
 
 @dataclass
 class Sums:

@@ -15,6 +15,7 @@ from quantkit.trainer import TrainConfig
 from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECISIONS
 
 from . import api, distributed
+from . import report as report_
 from .config import METHODS, QuantConfig
 from .errors import QuantkitError
 from .modelio import load
@@ -183,6 +184,42 @@ def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, 
         click.echo(f"{task}: {shown}")
     if as_json:
         click.echo(json.dumps(results))
+
+
+def listed(value: str, kind=str) -> list:
+    return [kind(v.strip()) for v in value.split(",") if v.strip()]
+
+
+@cli.command("report")
+@click.argument("model", required=False)
+@click.option("--out", required=True, type=click.Path(), help="the report directory (run again to go on)")
+@click.option("--data", required=True, type=click.Path(), help="the evaluation text")
+@click.option("--methods", default=",".join(report_.FAMILIES), show_default=True)
+@click.option("--bits", default=",".join(map(str, report_.BITS)), show_default=True, help="rtn, gptq and awq widths")
+@click.option("--gguf-types", default=",".join(report_.GGUF_TYPES), show_default=True)
+@click.option("--group-size", type=int, default=128, show_default=True)
+@click.option("--calib-data", type=click.Path(), help="calibration text (default: WikiText-2 train from the hub)")
+@click.option("--calib-samples", type=int, default=128, show_default=True)
+@click.option("--windows", type=int, default=40, show_default=True, help="evaluation windows")
+@click.option("--ctx", type=int, default=512, show_default=True)
+@click.option("--tasks", default="", help="also run these lm-eval tasks on each point (comma-separated)")
+@click.option("--lm-eval-limit", type=float, help="documents per lm-eval task")
+@click.option("--keep-exports", is_flag=True, help="keep each point's export under OUT/exports")
+def report(model, out, data, methods, bits, gguf_types, group_size, calib_data, calib_samples, windows, ctx, tasks,
+           lm_eval_limit, keep_exports) -> None:
+    """Sweep methods and sizes over MODEL: for each point the export's size and bits per weight,
+    perplexity, divergence from the base, time and peak memory; a markdown table, JSON and plots."""
+    if not os.path.isfile(data):
+        raise QuantkitError(f"{data}: no such file: pass --data with the evaluation text")
+    settings = report_.Settings(model=model or "", data=data, calib_data=calib_data, calib_samples=calib_samples,
+                                group_size=group_size, windows=windows, ctx=ctx, tasks=listed(tasks),
+                                lm_eval_limit=lm_eval_limit)
+    sweep = report_.Sweep(methods=listed(methods), bits=listed(bits, int), gguf_types=listed(gguf_types),
+                          keep_exports=keep_exports)
+    r = report_.report(out, settings, sweep, echo=click.echo)
+    failed = [p["name"] for p in r["points"] if p["status"] != "ok"]
+    click.echo(f"report in {out}: report.md, report.json, perplexity.png, kld.png"
+               + (f"; failed: {', '.join(failed)}" if failed else ""))
 
 
 T = TrainConfig()  # the defaults shown in --help

@@ -1,0 +1,316 @@
+"""`quantkit report`: a sweep of methods and sizes over one model, each point quantized, exported,
+measured (size, bits per weight, perplexity, divergence from the base, optional lm-eval scores,
+time, peak memory) and drawn against bits per weight.
+
+The base's log-probabilities are computed once (DIR/base.logits) and every point is compared with
+them on the same windows; the calibration windows are the same seeded sample for every point.
+Each point runs in a child process (its own peak memory; a crash costs one point) and leaves
+DIR/points/NAME.json when it succeeds: run the same command again and it goes on with the points
+still missing. A failed point is recorded with its error and the sweep goes on."""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from .errors import QuantkitError
+
+FAMILIES = ("rtn", "gptq", "awq", "nf4", "gguf")
+BITS = (3, 4, 8)
+GGUF_TYPES = ("Q2_K", "Q3_K_M", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
+EMBEDDING_PREFIXES = ("model.embed_tokens.", "lm_head.", "token_embd.", "output.")  # HF's names and GGUF's
+
+
+@dataclass
+class Point:
+    name: str
+    method: str  # rtn, gptq, awq, nf4
+    format: str  # safetensors, awq, gguf
+    bits: int = 4
+    gguf_type: str | None = None
+
+    def config(self) -> dict:
+        c = {"method": self.method, "bits": self.bits}
+        if self.gguf_type:
+            c["gguf_type"] = self.gguf_type
+        return c
+
+
+def points(methods: list[str], bits: list[int], gguf_types: list[str]) -> list[Point]:
+    out = []
+    for family in methods:
+        if family not in FAMILIES:
+            raise QuantkitError(f"unknown method {family!r} in --methods: use some of {', '.join(FAMILIES)}")
+        if family in ("rtn", "gptq", "awq"):
+            # AWQ's own layout holds 4 bits; other widths go in the GPTQ layout, which holds any integer grid
+            out += [Point(f"{family}-w{b}", family, "awq" if family == "awq" and b == 4 else "safetensors", b)
+                    for b in bits]
+        elif family == "nf4":
+            out.append(Point("nf4", "nf4", "safetensors"))
+        else:
+            out += [Point(f"gguf-{t}", "rtn", "gguf", gguf_type=t) for t in gguf_types]
+    return out
+
+
+@dataclass
+class Settings:
+    """What every point shares; a report directory holds one set."""
+    model: str
+    data: str
+    calib_data: str | None
+    calib_samples: int
+    group_size: int
+    windows: int
+    ctx: int
+    tasks: list[str] = field(default_factory=list)
+    lm_eval_limit: float | None = None
+
+
+def tensor_bytes(path: Path) -> dict[str, int]:
+    """Bytes of each tensor of an export (safetensors shards or a GGUF file)."""
+    if path.suffix == ".gguf":
+        import gguf
+
+        return {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    from safetensors import safe_open
+
+    out = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            for k in f.keys():
+                s = f.get_slice(k)
+                dtype = getattr(torch, {"I32": "int32", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
+                                        "U8": "uint8", "I8": "int8", "I64": "int64"}[s.get_dtype()])
+                n = 1
+                for d in s.get_shape():
+                    n *= d
+                out[k] = n * torch.empty(0, dtype=dtype).element_size()
+    return out
+
+
+def bits_per_weight(sizes: dict[str, int], params: int, linear_params: int) -> tuple[float, float]:
+    """(all tensors over all parameters, decoder linears' tensors over their weights): the second
+    leaves out the embedding, the output head and the norms."""
+    linear = sum(b for k, b in sizes.items() if not k.startswith(EMBEDDING_PREFIXES) and "norm" not in k)
+    return 8 * sum(sizes.values()) / params, 8 * linear / linear_params
+
+
+def parameter_counts(module: torch.nn.Module) -> tuple[int, int]:
+    """(every parameter once, the decoder linears' weights)."""
+    seen, total = set(), 0
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    linear = sum(m.weight.numel() for n, m in module.named_modules()
+                 if isinstance(m, torch.nn.Linear) and ".layers." in f".{n}")
+    return total, linear
+
+
+def run_point(spec: dict) -> dict:
+    """One point, in this process: quantize and export, then measure."""
+    from quantkit import exporters
+
+    from . import api
+    from .config import QuantConfig
+    from .modelio import load
+
+    p, s, out = Point(**spec["point"]), Settings(**spec["settings"]), Path(spec["out"])
+    export = out / "exports" / (p.name + (".gguf" if p.format == "gguf" else ""))
+    m = load(s.model or None)
+    config = QuantConfig(group_size=s.group_size, **p.config())
+    fmt = p.format
+    if fmt == "awq":  # AWQ's own layout where it holds this model, else the GPTQ layout
+        try:
+            exporters.check_format("awq", m.module, config)
+        except QuantkitError:
+            fmt = "safetensors"
+    start = time.perf_counter()
+    api.quantize(m, config, calib_data=s.calib_data, calib_samples=s.calib_samples, out=export, format=fmt,
+                 overwrite=True, keep=True, progress=False)
+    seconds = time.perf_counter() - start
+    peak = peak_rss()
+    params, linear = parameter_counts(m.module)
+    sizes = tensor_bytes(export)
+    bpw, bpw_linear = bits_per_weight(sizes, params, linear)
+    file_bytes = export.stat().st_size if export.is_file() else sum(f.stat().st_size for f in export.iterdir())
+    d = api.compare(m, out / "base.logits", s.data, s.ctx, s.windows, progress=False)
+    result = {**asdict(p), "format": fmt, "status": "ok", "bytes": file_bytes, "bpw": bpw, "bpw_linear": bpw_linear,
+              "perplexity": d.perplexity, "ppl_ratio": d.ppl_ratio, "kld_mean": d.kld_mean,
+              "kld_p99": d.kld_percentiles[99.0], "same_top": d.same_top, "delta_p_rms": d.delta_p_rms,
+              "quantize_s": seconds, "peak_rss": peak}
+    if s.tasks:
+        result["lm_eval"] = api.lm_eval(m, s.tasks, limit=s.lm_eval_limit)
+    if not spec.get("keep_exports"):
+        exporters.atomic.remove(export)
+    return result
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes. The kernel's VmHWM belongs to the address space
+    (new at exec); getrusage's maxrss is carried over exec from the parent, whose peak it may be."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def write_json(path: Path, value) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    os.replace(tmp, path)
+
+
+@dataclass
+class Sweep:
+    """Which points: method families, the integer widths of rtn/gptq/awq, the GGUF mixes."""
+    methods: list[str] = field(default_factory=lambda: list(FAMILIES))
+    bits: list[int] = field(default_factory=lambda: list(BITS))
+    gguf_types: list[str] = field(default_factory=lambda: list(GGUF_TYPES))
+    keep_exports: bool = False
+
+
+def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = None, echo=print) -> dict:
+    """Run (or go on with) the sweep in out; returns the report (also out/report.json, report.md,
+    perplexity.png, kld.png)."""
+    from quantkit import calibration, evals
+
+    from . import api
+    from .modelio import load
+
+    sweep = sweep or Sweep()
+    todo = points(sweep.methods, sweep.bits, sweep.gguf_types)
+    s = settings  # paths as absolute: a resumed run from elsewhere is the same report
+    settings = replace(s, model=str(Path(s.model).resolve()) if s.model else "", data=str(Path(s.data).resolve()),
+                       calib_data=str(Path(s.calib_data).resolve()) if s.calib_data else None)
+    model, data, windows, ctx = settings.model or None, settings.data, settings.windows, settings.ctx
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise QuantkitError(f"{out} is being written by another quantkit report: wait for it or choose another --out") from None
+    saved = out / "settings.json"
+    if saved.exists() and json.loads(saved.read_text()) != asdict(settings):
+        raise QuantkitError(f"{out} holds a report of other settings ({saved}): choose another --out, or remove it")
+    write_json(saved, asdict(settings))
+    for sub in ("points", "logs", "exports"):
+        (out / sub).mkdir(exist_ok=True)
+    base = out / "base.logits"
+    if not (out / "base.json").exists():  # written after base.logits: both are there or the base is redone
+        echo(f"base: scoring {windows} windows of {ctx} on the float model")
+        m = api.ready(load(model), device="cpu")
+        text = calibration.load_text(data, split="test")
+        with api.scoring(m):
+            evals.save_base(m.module, m.tokenizer, evals.windows(m.tokenizer, text, "llamacpp", ctx, windows), base,
+                            progress=False)
+        params, linear = parameter_counts(m.module)
+        source = Path(m.source)
+        write_json(out / "base.json", {"perplexity": evals.BaseFile(base).perplexity(), "params": params,
+                                       "linear_params": linear, "bytes": sum(f.stat().st_size for f in source.glob(
+                                           "*.safetensors")) if source.is_dir() else source.stat().st_size})
+        del m
+    for i, p in enumerate(todo, 1):
+        done = out / "points" / f"{p.name}.json"
+        if done.exists() and json.loads(done.read_text()).get("status") == "ok":
+            continue
+        echo(f"[{i}/{len(todo)}] {p.name}")
+        spec = {"point": asdict(p), "settings": asdict(settings), "out": str(out), "keep_exports": sweep.keep_exports}
+        log = out / "logs" / f"{p.name}.log"
+        with open(log, "w") as f:
+            r = subprocess.run([sys.executable, "-m", "quantkit.report", json.dumps(spec)], stdout=f, stderr=f)
+        if not done.exists() or r.returncode != 0:
+            lines = [line for line in log.read_text().splitlines() if line.strip()]
+            error = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "")
+            write_json(done, {**asdict(p), "status": "failed", "error": error[:500], "returncode": r.returncode})
+            echo(f"    failed: {error[:200]} (log: {log})")
+    result = {"settings": asdict(settings), "base": json.loads((out / "base.json").read_text()),
+              "points": [json.loads((out / "points" / f"{p.name}.json").read_text()) for p in todo]}
+    write_json(out / "report.json", result)
+    (out / "report.md").write_text(table(result))
+    plot(result, out)
+    lock.close()
+    return result
+
+
+def table(r: dict) -> str:
+    tasks = sorted({f"{t}:{k}" for p in r["points"] for t, v in p.get("lm_eval", {}).items()
+                    for k in v if not k.endswith("_stderr") and k != "sample_len"})
+    head = ["point", "MiB", "bpw", "bpw linears", "PPL", "PPL/base", "KLD mean", "KLD p99", "same top",
+            *tasks, "quantize s", "peak RSS GiB"]
+    s = r["settings"]
+    lines = [f"Model {s['model'] or 'embedded SmolLM2-135M-Instruct'}; {s['windows']} windows of {s['ctx']} of "
+             f"{Path(s['data']).name}; base perplexity {r['base']['perplexity']:.4f}; group size {s['group_size']}, "
+             f"{s['calib_samples']} calibration windows.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in r["points"]:
+        if p["status"] != "ok":
+            lines.append(f"| {p['name']} | failed: {p['error']} |" + " |" * (len(head) - 2))
+            continue
+        scores = [p.get("lm_eval", {}).get(t.split(":")[0], {}).get(t.split(":")[1]) for t in tasks]
+        lines.append("| " + " | ".join([
+            p["name"], f"{p['bytes'] / 2**20:.1f}", f"{p['bpw']:.3f}", f"{p['bpw_linear']:.3f}",
+            f"{p['perplexity']:.4f}", f"{p['ppl_ratio']:.4f}", f"{p['kld_mean']:.5f}", f"{p['kld_p99']:.4f}",
+            f"{100 * p['same_top']:.2f}%", *("" if v is None else f"{v:.4f}" for v in scores),
+            f"{p['quantize_s']:.1f}", "n/a" if p["peak_rss"] is None else f"{p['peak_rss'] / 2**30:.2f}"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [p for p in r["points"] if p["status"] == "ok"]
+    families = sorted({p["name"].split("-")[0] for p in ok})
+    for key, label, name in (("perplexity", "perplexity", "perplexity.png"), ("kld_mean", "mean KL divergence from the base", "kld.png")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for fam in families:
+            pts = sorted((p["bpw_linear"], p[key], p["name"]) for p in ok if p["name"].split("-")[0] == fam)
+            ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], "o-", label=fam)
+            for x, y, n in pts:
+                ax.annotate(n.split("-", 1)[-1], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        if key == "perplexity":
+            ax.axhline(r["base"]["perplexity"], color="gray", ls="--", label="base (float)")
+        ax.set_yscale("log")
+        ax.set_xlabel("bits per weight (decoder linears)")
+        ax.set_ylabel(label)
+        ax.set_title(f"{label} against size, {r['settings']['windows']} windows of {r['settings']['ctx']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        tmp = out / f".{name}.tmp.png"
+        fig.savefig(tmp, dpi=120)
+        plt.close(fig)
+        os.replace(tmp, out / name)
+
+
+def main(argv: list[str]) -> None:
+    """A child process: one point, its result written as DIR/points/NAME.json."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()
+    spec = json.loads(argv[0])
+    try:
+        result = run_point(spec)
+    except QuantkitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    write_json(Path(spec["out"]) / "points" / f"{spec['point']['name']}.json", result)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,54 @@
+"""quantkit report: the sweep's table, JSON and plots, a failed point recorded, and a resumed run."""
+import json
+import sys
+
+import pytest
+
+from quantkit.cli import main
+
+from .conftest import TEST, VALID
+
+
+def run(args, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "report"
+    common = ["report", tiny_dir, "--out", out, "--data", TEST, "--calib-data", VALID, "--calib-samples", 4,
+              "--methods", "rtn,nf4,gguf", "--bits", "4,5", "--gguf-types", "Q8_0", "--group-size", 32,
+              "--tasks", "dolly_mc", "--lm-eval-limit", 4, "--ctx", 128]
+    args = [*common, "--windows", 3]
+    code, printed, _ = run(args, capsys, monkeypatch)
+    r = json.loads((out / "report.json").read_text())
+    by_name = {p["name"]: p for p in r["points"]}
+    assert code == 0 and list(by_name) == ["rtn-w4", "rtn-w5", "nf4", "gguf-Q8_0"]
+    assert by_name["rtn-w5"]["status"] == "failed" and "unsupported bit width 5" in by_name["rtn-w5"]["error"]
+    assert "failed: rtn-w5" in printed
+    ok = [p for p in r["points"] if p["status"] == "ok"]
+    assert len(ok) == 3 and all(p["bytes"] > 0 and p["peak_rss"] > 2**20 and p["quantize_s"] > 0 for p in ok)
+    assert by_name["gguf-Q8_0"]["bpw_linear"] == pytest.approx(8.5)  # 34 bytes per block of 32 weights
+    assert 4.5 < by_name["rtn-w4"]["bpw_linear"] < 5.5  # 4-bit codes, fp16 scale and 4-bit zero per 32, g_idx
+    assert by_name["gguf-Q8_0"]["kld_mean"] < by_name["rtn-w4"]["kld_mean"]
+    assert all(p["bpw"] > 0 and 0 <= p["same_top"] <= 1 and 0 <= p["lm_eval"]["dolly_mc"]["acc"] <= 1 for p in ok)
+    md = (out / "report.md").read_text()
+    assert "| dolly_mc:acc | dolly_mc:acc_norm |" in md
+    assert all(f"| {name} |" in md for name in by_name) and "failed: error: unsupported bit width 5" in md
+    for png in ("perplexity.png", "kld.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list((out / "exports").iterdir())  # exports measured, then dropped
+
+    stamps = {p: (out / "points" / f"{p}.json").stat().st_mtime_ns for p in by_name}
+    code, printed, _ = run(args, capsys, monkeypatch)  # again: only the failed point runs
+    assert code == 0 and "[2/4] rtn-w5" in printed and "rtn-w4" not in printed.replace("rtn-w5", "")
+    assert all((out / "points" / f"{p}.json").stat().st_mtime_ns == stamps[p] for p in ("rtn-w4", "nf4", "gguf-Q8_0"))
+
+    code, _, err = run([*common, "--windows", 2], capsys, monkeypatch)
+    assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {out} holds a report of other settings")
