@@ -171,14 +171,23 @@ def quantize(
     return m
 
 
+def default_device(given: object, device: str | None) -> str | None:
+    """Where ready() puts a model: device; else, for a model loaded from a path, the GPU when there
+    is one; a Model passed in stays where it is."""
+    if device is not None or isinstance(given, Model):
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def ready(model: Model | PathLike | None, packed: bool = True, device: str | None = None) -> Model:
     """A model to score, with every weight in memory. From a path: a quantized checkpoint runs packed
     (its linears reading the exported tensors through quantkit.qlinear) unless packed=False, on device
     (default: CUDA, in float16, when there is a GPU); a Model passed in is moved only when device is given."""
     m = model if isinstance(model, Model) else load(model, packed=packed)
     m.materialize()
-    if device is not None or not isinstance(model, Model):
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    where = default_device(model, device)
+    if where is not None:
+        dev = torch.device(where)
         # float16 on a GPU, except a GGUF scored with llama.cpp's float32 arithmetic
         m.module.to(dev, torch.float16 if dev.type == "cuda" and not m.gguf_types else torch.float32)
     return m
@@ -246,14 +255,14 @@ def compare(
                                     "model with the base it was quantized from")
             windows = evals.windows(b.tokenizer, text, "llamacpp", ctx, max_windows)
             path = save_base or Path(tmp) / "base.logits"
-            b = ready(b, device=device)
+            b = ready(b, device=default_device(base, device))
             with scoring(b):
                 evals.save_base(b.module, b.tokenizer, windows, path, progress=progress)
             del b  # one model in memory at a time
             base_file = evals.BaseFile(path)
         n = base_file.n if max_windows is None else max_windows
         windows = evals.windows(m.tokenizer, text, "llamacpp", ctx, n)
-        m = ready(m, packed, device)
+        m = ready(m, packed, default_device(model, device))
         with scoring(m):
             return evals.divergence(m.module, m.tokenizer, windows, base_file, progress=progress)
 

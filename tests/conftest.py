@@ -43,6 +43,30 @@ def make_tiny(path: Path, hidden: int = 64, intermediate: int = 128, layers: int
     return path
 
 
+def cli(args, capsys, monkeypatch):
+    """Run the quantkit command line in this process: (exit status, stdout, stderr's lines)."""
+    import sys
+
+    from quantkit.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip().splitlines()
+
+
+def refused(args, capsys, monkeypatch, match):
+    """The command ends with one `error:` line holding match (after any progress bars), exit 2."""
+    code, _, err = cli(args, capsys, monkeypatch)
+    errors = [line for line in err if line.startswith("error: ")]
+    assert code == 2 and errors == err[-1:] and match in errors[0], err
+    assert not any("Traceback" in line for line in err)
+
+
 def loaded(path=None):
     """A model with every weight in memory (load() reads them layer by layer, when needed)."""
     import quantkit

@@ -3,7 +3,6 @@ the saved base file, the gate, and the refusals. llama-perplexity's agreement is
 import json
 import math
 import shutil
-import sys
 
 import numpy as np
 import pytest
@@ -11,9 +10,7 @@ import torch
 
 import quantkit
 from quantkit import evals
-from quantkit.cli import main
-
-from .conftest import TEST, VALID, loaded, make_tiny, tiny_tokenizer
+from .conftest import TEST, VALID, cli, loaded, make_tiny, refused, tiny_tokenizer
 
 CTX, WINDOWS = 128, 6
 
@@ -93,43 +90,25 @@ def test_rows_keep_sixteen_nats_as_llama_cpp_does():
     assert back[0, 2] < -16 and torch.allclose(back[1], exact[1])  # under the range; a flat row
 
 
-def run(args, capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err.strip().splitlines()
-
-
 def test_cli_json_and_gate(quant_dir, tiny_dir, tmp_path, capsys, monkeypatch):
     args = ["eval", quant_dir, "--base", tiny_dir, "--data", TEST, "--ctx", CTX, "--max-windows", WINDOWS]
     saved = tmp_path / "base.logits"
-    code, out, _ = run([*args, "--save-base", saved, "--json"], capsys, monkeypatch)
+    code, out, _ = cli([*args, "--save-base", saved, "--json"], capsys, monkeypatch)
     result = json.loads(out.strip().splitlines()[-1])
     assert code == 0 and "Mean    KLD" in out and "Same top p" in out
     assert {"perplexity", "base_perplexity", "kld_mean", "kld_p99", "same_top", "delta_p_rms"} <= result.keys()
     increase = result["perplexity"] / result["base_perplexity"] - 1
     assert increase > 0 and saved.is_file()
     reused = ["eval", quant_dir, "--base", saved, "--data", TEST, "--ctx", CTX]
-    code, out, _ = run([*reused, "--json", "--max-kld", result["kld_mean"] * 2,
+    code, out, _ = cli([*reused, "--json", "--max-kld", result["kld_mean"] * 2,
                         "--min-same-top", result["same_top"] / 2], capsys, monkeypatch)
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["kld_mean"] == result["kld_mean"]
-    code, _, err = run([*reused, "--max-ppl-increase", increase / 2, "--max-kld", 10], capsys, monkeypatch)
+    code, _, err = cli([*reused, "--max-ppl-increase", increase / 2, "--max-kld", 10], capsys, monkeypatch)
     failed = [line for line in err if line.startswith("fail: ")]  # after the progress bars, one line
     assert code == 1 and failed == err[-1:] and failed[0].startswith("fail: perplexity increase")
     assert f"{increase:.4f}" in failed[0] and "--max-ppl-increase" in failed[0] and "kld" not in failed[0]
-    code, _, err = run([*reused, "--min-same-top", 1.0], capsys, monkeypatch)
+    code, _, err = cli([*reused, "--min-same-top", 1.0], capsys, monkeypatch)
     assert code == 1 and f"same top token {result['same_top']:.4f} is below --min-same-top 1" in err[-1]
-
-
-def refused(args, capsys, monkeypatch, match):
-    code, _, err = run(args, capsys, monkeypatch)
-    errors = [line for line in err if line.startswith("error: ")]
-    assert code == 2 and errors == err[-1:] and match in errors[0], err
-    assert not any("Traceback" in line for line in err)
 
 
 def test_refusals(quant_dir, tiny_dir, tmp_path, capsys, monkeypatch):
@@ -149,7 +128,7 @@ def test_refusals(quant_dir, tiny_dir, tmp_path, capsys, monkeypatch):
     refused([*base, "--base", other], capsys, monkeypatch, "different tokenizers (vocabularies of")
 
     saved = tmp_path / "base.logits"
-    run([*base, "--base", tiny_dir, "--save-base", saved], capsys, monkeypatch)
+    cli([*base, "--base", tiny_dir, "--save-base", saved], capsys, monkeypatch)
     with_saved = ["eval", quant_dir, "--base", saved, "--ctx", CTX]
     refused([*with_saved, "--data", VALID], capsys, monkeypatch, "was saved from other tokens (window 0")
     refused([*with_saved, "--data", TEST, "--ctx", 64], capsys, monkeypatch, "context of 128, not 64: pass --ctx 128")

@@ -11,24 +11,12 @@ import torch
 
 import quantkit
 from quantkit import evals
-from quantkit.cli import main
 from quantkit.evals import harness
 from quantkit.evals.tasks import local
 
-from .conftest import DATA
+from .conftest import DATA, cli, refused
 
 pytest.importorskip("lm_eval")
-
-
-def run(args, capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err.strip().splitlines()
 
 
 def test_dolly_choices_are_built_as_documented():
@@ -55,18 +43,12 @@ def test_wikitext_pages_are_the_test_file_by_article():
 
 
 def test_cli_runs_local_tasks_on_the_loaded_model(tiny_dir, capsys, monkeypatch):
-    code, out, _ = run(["lm-eval", tiny_dir, "--tasks", "wikitext,dolly_mc", "--limit", 2, "--max-length", 128,
+    code, out, _ = cli(["lm-eval", tiny_dir, "--tasks", "wikitext,dolly_mc", "--limit", 2, "--max-length", 128,
                         "--json"], capsys, monkeypatch)
     result = json.loads(out.strip().splitlines()[-1])
     assert code == 0 and set(result) == {"wikitext", "dolly_mc"}
     assert result["wikitext"]["word_perplexity"] > 1 and 0 <= result["dolly_mc"]["acc"] <= 1
     assert result["dolly_mc"]["sample_len"] == 2 and "acc_norm_stderr" in result["dolly_mc"]
-
-
-def refused(args, capsys, monkeypatch, match):
-    code, _, err = run(args, capsys, monkeypatch)
-    errors = [line for line in err if line.startswith("error: ")]
-    assert code == 2 and errors == err[-1:] and match in errors[0], err
 
 
 def test_refusals(tiny_dir, tmp_path, capsys, monkeypatch):

@@ -1,23 +1,9 @@
 """quantkit report: the sweep's table, JSON and plots, a failed point recorded, and a resumed run."""
 import json
-import sys
 
 import pytest
 
-from quantkit.cli import main
-
-from .conftest import TEST, VALID
-
-
-def run(args, capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from .conftest import TEST, VALID, cli
 
 
 def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
@@ -26,7 +12,7 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
               "--methods", "rtn,nf4,gguf", "--bits", "4,5", "--gguf-types", "Q8_0", "--group-size", 32,
               "--tasks", "dolly_mc", "--lm-eval-limit", 4, "--ctx", 128]
     args = [*common, "--windows", 3]
-    code, printed, _ = run(args, capsys, monkeypatch)
+    code, printed, _ = cli(args, capsys, monkeypatch)
     r = json.loads((out / "report.json").read_text())
     by_name = {p["name"]: p for p in r["points"]}
     assert code == 0 and list(by_name) == ["rtn-w4", "rtn-w5", "nf4", "gguf-Q8_0"]
@@ -46,9 +32,9 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
     assert not list((out / "exports").iterdir())  # exports measured, then dropped
 
     stamps = {p: (out / "points" / f"{p}.json").stat().st_mtime_ns for p in by_name}
-    code, printed, _ = run(args, capsys, monkeypatch)  # again: only the failed point runs
+    code, printed, _ = cli(args, capsys, monkeypatch)  # again: only the failed point runs
     assert code == 0 and "[2/4] rtn-w5" in printed and "rtn-w4" not in printed.replace("rtn-w5", "")
     assert all((out / "points" / f"{p}.json").stat().st_mtime_ns == stamps[p] for p in ("rtn-w4", "nf4", "gguf-Q8_0"))
 
-    code, _, err = run([*common, "--windows", 2], capsys, monkeypatch)
-    assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {out} holds a report of other settings")
+    code, _, err = cli([*common, "--windows", 2], capsys, monkeypatch)
+    assert code == 2 and err[-1].startswith(f"error: {out} holds a report of other settings")
