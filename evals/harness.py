@@ -22,7 +22,6 @@ class Tasks:
     """Tasks checked and their data read, ready to run."""
     names: list[str]
     manager: object  # lm-eval's TaskManager, with the local tasks
-    data_dir: Path
 
 
 def default_data_dir() -> Path:
@@ -58,7 +57,7 @@ def prepare(names: list[str], data_dir: str | os.PathLike | None = None) -> Task
         raise QuantkitError(f"lm-eval could not load the data of {', '.join(names)} ({type(e).__name__}: "
                             f"{str(e)[:300]}): hub tasks need the network; the local tasks ({', '.join(LOCAL)}) "
                             f"read {data_dir}") from None
-    return Tasks(names, manager, data_dir)
+    return Tasks(names, manager)
 
 
 def run(tasks: Tasks, module: torch.nn.Module, tokenizer, limit: int | float | None = None,

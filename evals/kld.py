@@ -24,7 +24,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 
-from .perplexity import window_logits
+from .perplexity import adds_bos, window_logits
 
 MAGIC = b"_logits_"
 HEADER = struct.Struct("<8sIii")
@@ -82,8 +82,6 @@ def check_save_path(path: str | os.PathLike) -> None:
 
 def tokenizer_difference(base, model, text: str) -> str | None:
     """How two tokenizers differ in what a comparison of their models needs, or None."""
-    from .perplexity import adds_bos
-
     vb, vm = base.get_vocab(), model.get_vocab()
     if len(vb) != len(vm):
         return f"vocabularies of {len(vb)} and {len(vm)} tokens"

@@ -86,10 +86,11 @@ def window_logits(module: torch.nn.Module, tokenizer, windows: torch.Tensor, pro
     in float32, targets (b, t). Under llamacpp the first token of a window becomes BOS when the
     tokenizer adds BOS."""
     first = first_scored(protocol, windows.shape[1])
+    bos = protocol == "llamacpp" and adds_bos(tokenizer)
     device = next(module.parameters()).device
     for batch in tqdm(windows.split(batch_size), desc=desc, unit="batch", disable=not progress):
         inputs = batch.clone()
-        if protocol == "llamacpp" and adds_bos(tokenizer):
+        if bos:
             inputs[:, 0] = tokenizer.bos_token_id
         logits = module(inputs.to(device), use_cache=False).logits[:, first:-1].float()
         yield logits, batch[:, first + 1:].to(logits.device)

@@ -253,11 +253,8 @@ def compare(
             if difference:
                 raise QuantkitError(f"{b.source} and {m.source} have different tokenizers ({difference}): compare a "
                                     "model with the base it was quantized from")
-            windows = evals.windows(b.tokenizer, text, "llamacpp", ctx, max_windows)
             path = save_base or Path(tmp) / "base.logits"
-            b = ready(b, device=default_device(base, device))
-            with scoring(b):
-                evals.save_base(b.module, b.tokenizer, windows, path, progress=progress)
+            write_base(b, path, text, ctx, max_windows, default_device(base, device), progress)
             del b  # one model in memory at a time
             base_file = evals.BaseFile(path)
         n = base_file.n if max_windows is None else max_windows
@@ -265,6 +262,15 @@ def compare(
         m = ready(m, packed, default_device(model, device))
         with scoring(m):
             return evals.divergence(m.module, m.tokenizer, windows, base_file, progress=progress)
+
+
+def write_base(base: Model, path: PathLike, text: str, ctx: int = 512, max_windows: int | None = None,
+               device: str | None = None, progress: bool = True) -> None:
+    """Score the text's windows on the base and save its log-probabilities at path (llama.cpp's layout)."""
+    b = ready(base, device=device)
+    with scoring(b):
+        evals.save_base(b.module, b.tokenizer, evals.windows(b.tokenizer, text, "llamacpp", ctx, max_windows), path,
+                        progress=progress)
 
 
 def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float | None = None,

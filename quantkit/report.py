@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import resource
+import struct
 import subprocess
 import sys
 import time
@@ -80,19 +81,11 @@ def tensor_bytes(path: Path) -> dict[str, int]:
         import gguf
 
         return {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
-    from safetensors import safe_open
-
     out = {}
     for shard in sorted(path.glob("*.safetensors")):
-        with safe_open(shard, "pt") as f:
-            for k in f.keys():
-                s = f.get_slice(k)
-                dtype = getattr(torch, {"I32": "int32", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
-                                        "U8": "uint8", "I8": "int8", "I64": "int64"}[s.get_dtype()])
-                n = 1
-                for d in s.get_shape():
-                    n *= d
-                out[k] = n * torch.empty(0, dtype=dtype).element_size()
+        with open(shard, "rb") as f:  # an 8-byte length, then the JSON header with each tensor's byte range
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        out.update({k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"})
     return out
 
 
@@ -105,11 +98,7 @@ def bits_per_weight(sizes: dict[str, int], params: int, linear_params: int) -> t
 
 def parameter_counts(module: torch.nn.Module) -> tuple[int, int]:
     """(every parameter once, the decoder linears' weights)."""
-    seen, total = set(), 0
-    for p in module.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
+    total = sum(p.numel() for p in module.parameters())  # a tied weight is yielded once
     linear = sum(m.weight.numel() for n, m in module.named_modules()
                  if isinstance(m, torch.nn.Linear) and ".layers." in f".{n}")
     return total, linear
@@ -211,11 +200,8 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     base = out / "base.logits"
     if not (out / "base.json").exists():  # written after base.logits: both are there or the base is redone
         echo(f"base: scoring {windows} windows of {ctx} on the float model")
-        m = api.ready(load(model), device="cpu")
-        text = calibration.load_text(data, split="test")
-        with api.scoring(m):
-            evals.save_base(m.module, m.tokenizer, evals.windows(m.tokenizer, text, "llamacpp", ctx, windows), base,
-                            progress=False)
+        m = load(model)
+        api.write_base(m, base, calibration.load_text(data, split="test"), ctx, windows, progress=False)
         params, linear = parameter_counts(m.module)
         source = Path(m.source)
         write_json(out / "base.json", {"perplexity": evals.BaseFile(base).perplexity(), "params": params,

@@ -35,14 +35,14 @@ def clip(text: str) -> str:
 def dolly(data_dir: str, **_) -> dict[str, datasets.Dataset]:
     path = Path(data_dir) / "dolly" / "dolly-15k-head.jsonl"
     records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    by_category: dict[str, list[int]] = {}
-    for i, r in enumerate(records):
-        by_category.setdefault(r["category"], []).append(i)
+    clipped = [clip(r["response"]) for r in records]
+    by_category: dict[str, set[str]] = {}
+    for r, c in zip(records, clipped):
+        by_category.setdefault(r["category"], set()).add(c)
     docs = []
-    for i, r in enumerate(records):
+    for i, (r, answer) in enumerate(zip(records, clipped)):
         rng = random.Random(i)
-        answer = clip(r["response"])
-        others = sorted({clip(records[j]["response"]) for j in by_category[r["category"]]} - {answer})
+        others = sorted(by_category[r["category"]] - {answer})
         choices = [answer, *rng.sample(others, CHOICES - 1)]
         rng.shuffle(choices)
         docs.append({"instruction": r["instruction"], "context": r["context"], "category": r["category"],
