@@ -322,7 +322,11 @@ def merge(adapter, out, base, onto_nf4, overwrite, max_shard_size) -> None:
 
 
 def terminated(signum, frame) -> None:
-    raise KeyboardInterrupt  # unwinds like Ctrl-C: a partial export and its progress stay for a resumed run
+    # unwinds like Ctrl-C: a partial export and its progress stay for a resumed run. torchrun's agent
+    # stops the survivors of a process that died, often before their collective notices
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise distributed.stopped(", or the job was killed (SIGTERM)")
+    raise KeyboardInterrupt
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from typing import Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from .errors import QuantkitError
+from .errors import ResumableError
 
 T = TypeVar("T")
 
@@ -49,8 +49,13 @@ def collective(what: str) -> Iterator[None]:
     except (RuntimeError, dist.DistError) as e:
         # gloo's "[.../pair.cc:553] Connection closed by peer ...": its first sentence, without the source path
         reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [type(e).__name__])[0]).split(". ")[0]
-        raise QuantkitError(f"another process of this torchrun job stopped while {what} ({reason}): "
-                            "no output was written; fix what stopped it (see its error) and run the job again") from None
+        raise stopped(f" while {what} ({reason})") from None
+
+
+def stopped(how: str) -> ResumableError:
+    """The job lost a process: what every process finished stays, and the same command resumes."""
+    return ResumableError(f"another process of this torchrun job stopped{how}: what was finished is kept; "
+                          "fix what stopped it (see its error) and run the same command again to resume")
 
 
 def share(items: list[T]) -> list[T]:

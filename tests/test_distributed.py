@@ -1,4 +1,5 @@
-"""torchrun: two CPU processes (gloo) write the bytes one process writes; a process that dies stops the job."""
+"""torchrun: two CPU processes (gloo) write the bytes one process writes; a process that dies stops the
+job, and the same command resumes it."""
 import os
 import socket
 import subprocess
@@ -56,10 +57,19 @@ def test_two_processes_write_what_one_writes(tiny_dir, tmp_path, args):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"one{suffix}", f"two{suffix}"])
 
 
-def test_a_process_that_dies_stops_the_job_with_nothing_written(tiny_dir, tmp_path):
-    job = torchrun(tiny_dir, "--method", "gptq", "--group-size", 32, "--calib-data", VALID, "--calib-samples", 24,
-                   "--calib-seqlen", 64, "--out", tmp_path / "q", script=(str(ROOT / "tests" / "torchrun_dies.py"),))
+def test_a_process_that_dies_stops_the_job_and_the_same_command_resumes(tiny_dir, tmp_path):
+    args = ("--method", "gptq", "--group-size", 32, "--calib-data", VALID, "--calib-samples", 24,
+            "--calib-seqlen", 64, "--out", tmp_path / "q")
+    job = torchrun(tiny_dir, *args, script=(str(ROOT / "tests" / "torchrun_dies.py"),))
     assert job.returncode != 0
     errors = [line for line in job.stderr.splitlines() if line.startswith("error: ")]
     assert errors and "another process of this torchrun job stopped" in errors[0], job.stderr[-3000:]
-    assert list(tmp_path.iterdir()) == []
+    assert not (tmp_path / "q").exists()
+    assert sorted(p.name for p in tmp_path.glob(".q.progress-*.pt")) == [".q.progress-0.pt", ".q.progress-1.pt"]
+    job = torchrun(tiny_dir, *args)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "resuming after layer 1/" in job.stderr
+    assert not list(tmp_path.glob(".q*"))
+    whole = one_process(tiny_dir, *args[:-1], tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert files(tmp_path / "q") == files(tmp_path / "whole")
