@@ -12,8 +12,9 @@ from .atomic import check_out, progress_path
 from .shards import DEFAULT_MAX_SIZE, parse_size
 
 # safetensors: the GPTQ checkpoint layout for integer grids, bitsandbytes' 4-bit layout for NF4/FP4;
-# awq: AutoAWQ's GEMM layout (4-bit, group-wise); gguf: llama.cpp's file, blocks of its types
-FORMATS = ("safetensors", "awq", "gguf")
+# awq: AutoAWQ's GEMM layout (4-bit, group-wise); gguf: llama.cpp's file, blocks of its types;
+# compressed-tensors: llm-compressor's pack-quantized checkpoints (vLLM)
+FORMATS = ("safetensors", "awq", "gguf", "compressed-tensors")
 
 
 def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
@@ -30,6 +31,10 @@ def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
         if qconfig.method in CODEBOOK_METHODS:
             raise QuantkitError(f"the AWQ layout holds integer grids, not {qconfig.method}: use --format safetensors")
         awq.check(module, qconfig)
+    elif fmt == "compressed-tensors":
+        from . import compressed
+
+        compressed.check(module, qconfig)
     elif qconfig.method not in CODEBOOK_METHODS:
         from . import gptq
 
@@ -45,6 +50,8 @@ def open_writer(model, out: str | os.PathLike, fmt: str, qconfig: QuantConfig, o
         return gguf.Writer(model, out, qconfig.gguf_type, types, overwrite)
     if fmt == "awq":
         from . import awq as layout
+    elif fmt == "compressed-tensors":
+        from . import compressed as layout
     elif qconfig.method in CODEBOOK_METHODS:
         from . import bnb as layout
     else:

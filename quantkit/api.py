@@ -13,7 +13,7 @@ import torch
 
 from quantkit import calibration, evals, exporters
 
-from . import distributed
+from . import consumers, distributed
 from .config import QuantConfig
 from .errors import QuantkitError, ResumableError
 from .modelio import Model, linear_types, load
@@ -95,6 +95,7 @@ def quantize(
     device: str | torch.device | None = None,
     keep: bool | None = None,
     progress: bool = True,
+    targets: tuple[str, ...] = (),
     **options,
 ) -> Model:
     """Quantize a model (a Model, a path, or None for the embedded one) with config, or with
@@ -104,9 +105,11 @@ def quantize(
     there is one), written to out and dropped, so memory holds one layer. keep (default: when
     there is no out) leaves the quantized model in memory instead, as dequantized float weights
     plus model.tensors. An interrupted export resumes after its last finished layer when run
-    again. format: safetensors (GPTQ layout; bitsandbytes' for nf4/fp4), awq, or gguf (default
+    again. format: safetensors (GPTQ layout; bitsandbytes' for nf4/fp4), awq, compressed-tensors, or gguf (default
     mix Q4_K_M); max_shard_size: the safetensors layouts' largest shard ("5GB", "500MiB" or bytes).
-    Every check that can fail runs before the long work starts."""
+    targets: consumers (vllm, exllama, transformers, llama.cpp) that must be able to load the export,
+    from their documented limits (quantkit.consumers). Every check that can fail runs before the long
+    work starts."""
     if config is not None and options:
         raise TypeError("pass a QuantConfig or its fields as keywords, not both")
     config = config or QuantConfig(**options)
@@ -127,6 +130,7 @@ def quantize(
         types = exporters.gguf.tensor_types(m.module, config.gguf_type, config.pure, config.imatrix)
     if out is not None:
         exporters.check_format(format, m.module, config)
+    consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
     windows = None
     if config.needs_calibration:
         text = calibration.load_text(calib_data)

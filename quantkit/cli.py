@@ -14,7 +14,7 @@ from quantkit.exporters import check_out
 from quantkit.trainer import TrainConfig
 from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECISIONS
 
-from . import api, distributed
+from . import api, consumers, distributed
 from . import report as report_
 from .config import METHODS, QuantConfig
 from .errors import QuantkitError
@@ -58,10 +58,12 @@ def cli() -> None:
 @click.option("--out", required=True, type=click.Path(), help="export directory (a .gguf file for --format gguf)")
 @click.option("--format", "fmt", default="safetensors", show_default=True,
               help="safetensors: GPTQ checkpoint layout (bitsandbytes' for nf4/fp4); awq: AutoAWQ GEMM layout; "
-                   "gguf: llama.cpp")
+                   "gguf: llama.cpp; compressed-tensors: llm-compressor's pack-quantized (vLLM)")
 @click.option("--gguf-type", help="GGUF: the mix (Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, Q2_K, Q8_0, Q4_0, ...) [Q4_K_M]")
 @click.option("--imatrix", is_flag=True, help="GGUF with RTN: weight the block search by the calibration inputs")
 @click.option("--pure", is_flag=True, help="GGUF: every tensor the mix's main type (llama-quantize --pure)")
+@click.option("--for", "targets", multiple=True,
+              help=f"refuse, before quantizing, settings this consumer cannot load: {', '.join(consumers.TARGETS)}")
 @click.option("--overwrite", is_flag=True, help="replace --out if it exists")
 @click.option("--max-shard-size", default=exporters.DEFAULT_MAX_SIZE, show_default=True,
               help="safetensors: the largest shard, e.g. 5GB or 500MiB; more than one come with an index")
@@ -73,8 +75,8 @@ def cli() -> None:
 @click.option("--eval-windows", type=int, default=40, show_default=True)
 @click.option("--ctx", type=int, default=512, show_default=True, help="context of the --eval-data perplexity")
 @click.option("--device", help="where layers are quantized: cuda or cpu [cuda when there is a GPU]")
-def quantize(model, out, fmt, overwrite, max_shard_size, calib_data, calib_samples, calib_seqlen, seed, device,
-             eval_data, eval_windows, ctx, **options) -> None:
+def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, calib_samples, calib_seqlen, seed,
+             device, eval_data, eval_windows, ctx, **options) -> None:
     """Quantize MODEL (a directory, a .gguf file, or by default the embedded SmolLM2-135M-Instruct).
     Layers stream from disk to --out: memory holds one layer at a time."""
     # options and output path first: a mistake there should not cost a model load
@@ -85,6 +87,8 @@ def quantize(model, out, fmt, overwrite, max_shard_size, calib_data, calib_sampl
     check_out(out, overwrite)
     exporters.parse_size(max_shard_size)
     m = load(model)
+    export = consumers.Export.of(fmt, config, m.module)
+    consumers.check_targets(export, targets)
     if eval_data and int(os.environ.get("RANK", "0")) == 0:
         show("before", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))
     api.quantize(m, config, calib_data=calib_data, calib_samples=calib_samples, calib_seqlen=calib_seqlen, seed=seed,
@@ -92,6 +96,8 @@ def quantize(model, out, fmt, overwrite, max_shard_size, calib_data, calib_sampl
     if distributed.rank() != 0:  # under torchrun, rank 0 reports
         return
     click.echo(f"exported to {out}")
+    click.echo("who loads it, from their documented limits:")
+    click.echo("\n".join(consumers.summary(export)))
     if eval_data:  # the export as it loads, packed (GGUF: dequantized, with llama.cpp's arithmetic)
         show("after", api.evaluate(out, eval_data, "llamacpp", ctx, eval_windows))
 
@@ -266,7 +272,7 @@ T = TrainConfig()  # the defaults shown in --help
 @click.option("--quantize", "quantize_method", type=click.Choice(METHODS),
               help="then merge the adapter into the base (OUT-merged) and quantize that with this method")
 @click.option("--quantize-out", type=click.Path(), help="where --quantize writes [OUT-METHOD, .gguf for --format gguf]")
-@click.option("--format", "fmt", default="safetensors", show_default=True, help="--quantize: safetensors, awq or gguf")
+@click.option("--format", "fmt", default="safetensors", show_default=True, help="--quantize: safetensors, awq, gguf or compressed-tensors")
 @click.option("--bits", type=int, default=4, show_default=True, help="--quantize: bits")
 @click.option("--group-size", type=int, default=128, show_default=True, help="--quantize: group size")
 @click.option("--gguf-type", help="--quantize with --format gguf: the mix [Q4_K_M]")

@@ -202,13 +202,13 @@ def load_dir(path: Path, packed: bool = False) -> Model:
         raise QuantkitError(f"{path}: no *.safetensors weights{hint}: pass a directory that holds the model's weights")
     qc = cfg.get("quantization_config")
     if qc is not None:
-        from quantkit.exporters import awq, bnb, gptq
+        from quantkit.exporters import awq, bnb, compressed, gptq
 
-        readers = {"gptq": gptq.read, "awq": awq.read, "bitsandbytes": bnb.read}
+        readers = {"gptq": gptq.read, "awq": awq.read, "bitsandbytes": bnb.read, "compressed-tensors": compressed.read}
         if qc.get("quant_method") not in readers:
             raise QuantkitError(
                 f"{path}: already quantized with {qc.get('quant_method')!r}: quantkit reads full-precision "
-                "checkpoints and GPTQ, AWQ (GEMM) and bitsandbytes 4-bit ones"
+                "checkpoints and GPTQ, AWQ (GEMM), bitsandbytes 4-bit and compressed-tensors pack-quantized ones"
             )
         Checkpoint(path)  # every shard there, every header readable: a damaged file fails here, by name
         return readers[qc["quant_method"]](path, packed)

@@ -1,0 +1,149 @@
+"""llm-compressor's compressed-tensors checkpoints in the "pack-quantized" format (quant_method
+"compressed-tensors"), what vLLM loads as WNA16 and transformers reads through the compressed-tensors package.
+
+Per quantized linear: weight_packed int32 [N, ceil(K*b/32)] packed along K (element j at bit b*j of
+its row's little-endian stream), weight_scale [N, K/G] (channel strategy: [N, 1]), weight_shape
+int64 [N, K], and for asymmetric grids weight_zero_point int32 [ceil(N*b/32), K/G] packed along N.
+Values are stored as signed codes plus 2^(b-1), which is our unsigned code; a zero point the same
+way, which is our zero. W = scale * (stored - 2^(b-1) - zero_point), so W = s * (codes - zeros).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig
+
+from quantkit.config import CODEBOOK_METHODS, QuantConfig
+from quantkit.errors import QuantkitError
+from quantkit.layers import LINEARS
+from quantkit.modelio import Model
+from quantkit.packing import pack as pack_stream, unpack as unpack_stream
+from quantkit.qlinear import GPTQLinear
+from quantkit.qtensor import QuantizedTensor, group_index
+
+from . import checkpoint
+from .shards import DEFAULT_MAX_SIZE
+
+BITS = (4, 8)  # vLLM's WNA16 kernels; other widths changed layout between compressed-tensors releases
+
+
+def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
+    """Refuse, before any work, what the format or vLLM's reader of it cannot hold."""
+    if qconfig.method in CODEBOOK_METHODS:
+        raise QuantkitError(f"pack-quantized compressed-tensors holds integer grids, not {qconfig.method}: "
+                            "use --method rtn, gptq or awq, or --format safetensors")
+    if qconfig.bits not in BITS:
+        raise QuantkitError(f"vLLM reads compressed-tensors weights of 4 or 8 bits, not {qconfig.bits}: "
+                            "use --bits 4 or 8, or --format safetensors")
+    if not qconfig.sym and qconfig.bits != 4:
+        raise QuantkitError("vLLM reads asymmetric compressed-tensors weights as 4-bit only: "
+                            "use --bits 4 or symmetric weights")
+    if qconfig.act_order and not qconfig.static_groups:
+        raise QuantkitError("compressed-tensors no longer reads a g_idx (actorder \"group\" was removed in 0.20): "
+                            "add --static-groups (act-order with groups kept in column order, its actorder "
+                            "\"weight\") or use --format safetensors")
+    if qconfig.group_size == -1:
+        return
+    for i, layer in enumerate(module.model.layers):
+        for name in LINEARS:
+            k = layer.get_submodule(name).weight.shape[1]
+            if k % qconfig.group_size:
+                fits = [g for g in (128, 64, 32) if all(module.model.layers[0].get_submodule(n).weight.shape[1] % g == 0
+                                                        for n in LINEARS)]
+                hint = f"--group-size {fits[0]}" if fits else "--group-size -1 (per channel)"
+                raise QuantkitError(f"model.layers.{i}.{name} has {k} inputs, not a multiple of the group size "
+                                    f"{qconfig.group_size}, which compressed-tensors requires: use {hint}")
+
+
+def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [R, C] -> int32 [R, ceil(C*bits/32)], each row one little-endian stream of bits-bit values."""
+    c = values.shape[1]
+    padded = F.pad(values, (0, (-c) % 32))
+    return pack_stream(padded.T, bits).T[:, : math.ceil(c * bits / 32)].contiguous()
+
+
+def unpack(packed: torch.Tensor, bits: int, c: int) -> torch.Tensor:
+    """Inverse of pack: int32 [R, W] -> uint8 [R, c]."""
+    words = F.pad(packed, (0, (-packed.shape[1]) % bits))  # whole runs of 32 values
+    return unpack_stream(words.T.contiguous(), bits).T[:, :c].to(torch.uint8).contiguous()
+
+
+def pack_tensor(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
+    if qt.codebook is not None or qt.ggml is not None or qt.act_order:
+        raise QuantkitError(f"{name}: pack-quantized holds integer grids with groups in column order")
+    n, k = qt.shape
+    tensors = {"weight_packed": pack(qt.codes, qt.bits), "weight_scale": qt.scales.half().contiguous(),
+               "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+    if not qt.sym:
+        tensors["weight_zero_point"] = pack(qt.zeros.T.contiguous(), qt.bits).T.contiguous()
+    return tensors
+
+
+def quantization_config(qconfig: QuantConfig) -> dict:
+    channel = qconfig.group_size == -1
+    weights = {"num_bits": qconfig.bits, "type": "int", "symmetric": qconfig.sym,
+               "strategy": "channel" if channel else "group", "group_size": None if channel else qconfig.group_size,
+               "dynamic": False, "actorder": "weight" if qconfig.act_order else None}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                      "output_activations": None, "format": "pack-quantized"}},
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+    }
+
+
+def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool = False,
+           max_shard_size: int | str = DEFAULT_MAX_SIZE) -> checkpoint.CheckpointWriter:
+    """Called by exporters.open_writer, which has run check; the other tensors in float16."""
+    return checkpoint.CheckpointWriter(model, out, overwrite, torch.float16, pack_tensor,
+                                       lambda act_order: quantization_config(qconfig), (), max_shard_size)
+
+
+def scheme(path: Path, qc: dict) -> tuple[int, int, bool]:
+    """bits, group size (-1: per channel) and symmetry of a pack-quantized checkpoint's one weight scheme."""
+    groups = list(qc.get("config_groups", {}).values())
+    group = groups[0] if len(groups) == 1 else {}
+    w = group.get("weights") or {}
+    if qc.get("format", group.get("format")) != "pack-quantized" or w.get("type", "int") != "int" or \
+            w.get("strategy") not in ("group", "channel") or w.get("actorder") == "group" or \
+            group.get("input_activations"):
+        raise QuantkitError(f"{path}: quantkit reads compressed-tensors pack-quantized integer weights with one "
+                            "group or channel scheme and unquantized activations")
+    return w["num_bits"], w["group_size"] if w["strategy"] == "group" else -1, w.get("symmetric", True)
+
+
+def read(path: Path, packed: bool = False) -> Model:
+    """Load a pack-quantized checkpoint (ours or llm-compressor's): with dequantized float weights, or
+    packed, its grids repacked into GPTQLinear layers (the kernels read the GPTQ layout)."""
+    cfg = AutoConfig.from_pretrained(path)
+    qc = cfg.quantization_config
+    del cfg.quantization_config
+    bits, group_size, sym = scheme(path, qc)
+    state = checkpoint.read_tensors(path)
+    layers = {}
+    for key in [k for k in state if k.endswith(".weight_packed")]:
+        name = key.removesuffix(".weight_packed")
+        try:
+            words, scales = state.pop(key), state.pop(f"{name}.weight_scale")
+            n, k = state.pop(f"{name}.weight_shape").tolist()
+            zp = None if sym else state.pop(f"{name}.weight_zero_point")
+        except KeyError as e:
+            raise QuantkitError(f"{path}: {name} lacks {e.args[0]}: the checkpoint is incomplete; re-export it") from None
+        ng = 1 if group_size == -1 else k // group_size
+        if words.shape != (n, math.ceil(k * bits / 32)) or scales.shape != (n, ng) or \
+                (zp is not None and zp.shape != (math.ceil(n * bits / 32), ng)):
+            raise QuantkitError(f"{path}: {name}'s tensors do not fit a {n}x{k} weight of {bits} bits in groups of "
+                                f"{group_size}: the checkpoint is corrupt")
+        zeros = torch.full((n, ng), 1 << (bits - 1), dtype=torch.uint8) if zp is None else \
+            unpack(zp.T.contiguous(), bits, n).T.contiguous()
+        qt = QuantizedTensor(unpack(words, bits, k), scales.half(), zeros, group_index(k, group_size), bits,
+                             group_size, sym)
+        layers[name] = GPTQLinear.from_tensor(qt, state.pop(f"{name}.bias", None), name=f"{path}: {name}")
+    qconfig = QuantConfig("gptq", bits, group_size, sym)
+    return checkpoint.model(path, cfg, state, layers, qconfig, packed)

@@ -1,0 +1,134 @@
+"""Which real loaders read an export as written: their documented constraints on bits, group size,
+symmetry, act-order and shapes, in one table (../shared/docs/FORMATS.md, section 8, names the source).
+
+Each rule returns why its loader refuses the export, or None when it reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .config import CODEBOOK_METHODS, QuantConfig
+from .errors import QuantkitError
+from .layers import LINEARS
+
+TARGETS = ("vllm", "exllama", "transformers", "llama.cpp")
+
+
+@dataclass(frozen=True)
+class Export:
+    """What a loader looks at: the format, the grid, and the (out, in) shape of every quantized linear."""
+    format: str
+    method: str
+    bits: int
+    group_size: int
+    sym: bool
+    g_idx: bool  # a g_idx that is not k // G (act-order without static groups)
+    shapes: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, fmt: str, qconfig: QuantConfig, module: torch.nn.Module) -> Export:
+        shapes = {tuple(layer.get_submodule(n).weight.shape) for layer in module.model.layers for n in LINEARS}
+        return cls(fmt, qconfig.method, qconfig.bits, qconfig.group_size, qconfig.sym,
+                   qconfig.act_order and not qconfig.static_groups, tuple(sorted(shapes)))
+
+
+def bits_in(*allowed: int) -> Callable[[Export], str | None]:
+    return lambda e: None if e.bits in allowed else f"{e.bits}-bit weights (it reads {'/'.join(map(str, allowed))})"
+
+
+def symmetric(e: Export) -> str | None:
+    return None if e.sym else "asymmetric weights"
+
+
+def marlin(e: Export) -> str | None:
+    """vLLM's Marlin kernels: groups of 32/64/128 or per channel, N % 64 and K % 128 (per shard)."""
+    if e.group_size not in (-1, 32, 64, 128):
+        return f"group size {e.group_size} (it takes 32, 64, 128 or per channel)"
+    bad = [(n, k) for n, k in e.shapes if n % 64 or k % 128]
+    return f"a linear of {bad[0][0]} outputs and {bad[0][1]} inputs (it needs outputs % 64 == 0 and inputs % 128 == 0)" \
+        if bad else None
+
+
+def k_divisible(e: Export) -> str | None:
+    bad = [k for _, k in e.shapes if e.group_size != -1 and k % e.group_size]
+    return f"{bad[0]} inputs in groups of {e.group_size} (it needs the group size to divide in_features)" if bad else None
+
+
+def power_of_two_groups(e: Export) -> str | None:
+    g = e.group_size
+    return None if g == -1 or g & (g - 1) == 0 else f"group size {g} (it takes powers of two)"
+
+
+def no_g_idx(e: Export) -> str | None:
+    return "act-order with a g_idx (use --static-groups)" if e.g_idx else None
+
+
+@dataclass(frozen=True)
+class Consumer:
+    name: str
+    target: str  # the --for name
+    format: str  # the export format it reads ("safetensors" here means the GPTQ layout)
+    rules: tuple[Callable[[Export], str | None], ...] = ()
+    note: str = ""
+
+    def refuses(self, e: Export) -> str | None:
+        return next((r for rule in self.rules if (r := rule(e)) is not None), None)
+
+
+CONSUMERS = (
+    Consumer("vLLM gptq_marlin", "vllm", "safetensors", (bits_in(4, 8), symmetric, marlin)),
+    Consumer("vLLM gptq", "vllm", "safetensors", (bits_in(2, 3, 4, 8),), "slow kernel, float16 only"),
+    Consumer("transformers + GPTQModel (torch kernel)", "transformers", "safetensors", (bits_in(2, 3, 4, 8),),
+             "backend=\"torch\"; float16/bfloat16"),
+    Consumer("GPTQModel default CPU kernel", "transformers", "safetensors", (bits_in(4), k_divisible)),
+    Consumer("ExLlamaV2", "exllama", "safetensors", (bits_in(4), power_of_two_groups)),
+    Consumer("vLLM awq_marlin", "vllm", "awq", (marlin,)),
+    Consumer("vLLM awq", "vllm", "awq", (), "float16"),
+    Consumer("transformers + GPTQModel (AWQ)", "transformers", "awq"),
+    Consumer("vLLM compressed-tensors (Marlin)", "vllm", "compressed-tensors",
+             (bits_in(4, 8), lambda e: None if e.sym or e.bits == 4 else "asymmetric 8-bit weights", marlin, no_g_idx)),
+    Consumer("transformers + compressed-tensors", "transformers", "compressed-tensors", (k_divisible, no_g_idx),
+             "dequantizes at load"),
+    Consumer("transformers + bitsandbytes", "transformers", "bitsandbytes"),
+    Consumer("llama.cpp", "llama.cpp", "gguf"),
+    Consumer("transformers (GGUF)", "transformers", "gguf", (), "dequantizes at load"),
+)
+
+
+def layout(fmt: str, method: str) -> str:
+    """The table's format name: the safetensors format holds NF4/FP4 in bitsandbytes' layout."""
+    return "bitsandbytes" if fmt == "safetensors" and method in CODEBOOK_METHODS else fmt
+
+
+def verdicts(e: Export) -> list[tuple[Consumer, str | None]]:
+    """Every loader of the export's format, with why it refuses the export (None: it reads it)."""
+    fmt = layout(e.format, e.method)
+    return [(c, c.refuses(e)) for c in CONSUMERS if c.format == fmt]
+
+
+def check_targets(e: Export, targets: tuple[str, ...]) -> None:
+    """Refuse, before quantizing, an export that no loader of each named target reads."""
+    for target in targets:
+        if target not in TARGETS:
+            raise QuantkitError(f"unknown consumer {target!r} for --for: use one of {', '.join(TARGETS)}")
+        mine = [(c, why) for c, why in verdicts(e) if c.target == target]
+        if not mine:
+            readers = sorted({c.format for c in CONSUMERS if c.target == target} - {"bitsandbytes"})
+            raise QuantkitError(f"{target} does not read the {layout(e.format, e.method)} format as quantkit writes "
+                                f"it: use --format {' or '.join(readers)}" + (" with --method rtn or gptq"
+                                                                               if e.method in CODEBOOK_METHODS else ""))
+        if all(why is not None for _, why in mine):
+            reasons = "; ".join(f"{c.name} refuses {why}" for c, why in mine)
+            raise QuantkitError(f"{target} cannot load this export: {reasons}: change those settings or drop --for")
+
+
+def summary(e: Export) -> list[str]:
+    """One line per loader: who reads the export as written, and who refuses it and why."""
+    lines = []
+    for c, why in verdicts(e):
+        lines.append(f"  {'yes' if why is None else 'no '}  {c.name}" + (f" ({c.note})" if c.note and why is None else "")
+                     + (f": refuses {why}" if why else ""))
+    return lines

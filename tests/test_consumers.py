@@ -1,0 +1,70 @@
+"""The consumer table: who loads an export as written, --for refusing before any work, and the
+summary printed after an export."""
+import pytest
+
+from quantkit import consumers
+from quantkit.consumers import Export
+
+from .conftest import cli, refused
+
+# SmolLM2-135M's linears (out, in): 576 inputs hold no group of 128 and no Marlin tile
+SMOLLM2 = ((192, 576), (576, 576), (576, 1536), (1536, 576))
+LLAMA_7B = ((4096, 4096), (4096, 11008), (11008, 4096))
+
+
+def verdict(e: Export) -> dict[str, str | None]:
+    return {c.name: why for c, why in consumers.verdicts(e)}
+
+
+def test_the_issue_s_gptq_export_of_smollm2():
+    """4-bit g128 GPTQ of SmolLM2: GPTQModel's torch kernel reads it, its fused CPU kernel and vLLM's
+    Marlin do not (K = 576), vLLM's slow gptq kernel does."""
+    v = verdict(Export("safetensors", "gptq", 4, 128, True, False, SMOLLM2))
+    assert v["transformers + GPTQModel (torch kernel)"] is None
+    assert "576 inputs in groups of 128" in v["GPTQModel default CPU kernel"]
+    assert "576 inputs" in v["vLLM gptq_marlin"]
+    assert v["vLLM gptq"] is None and v["ExLlamaV2"] is None
+
+
+def test_a_7b_shape_fits_marlin_and_what_breaks_it():
+    assert verdict(Export("safetensors", "gptq", 4, 128, True, True, LLAMA_7B))["vLLM gptq_marlin"] is None
+    assert "asymmetric" in verdict(Export("safetensors", "gptq", 4, 128, False, False, LLAMA_7B))["vLLM gptq_marlin"]
+    assert "group size 256" in verdict(Export("safetensors", "gptq", 4, 256, True, False, LLAMA_7B))["vLLM gptq_marlin"]
+    ct = verdict(Export("compressed-tensors", "gptq", 8, 128, False, False, LLAMA_7B))
+    assert "asymmetric 8-bit" in ct["vLLM compressed-tensors (Marlin)"]
+    assert ct["transformers + compressed-tensors"] is None
+
+
+def test_each_format_lists_its_own_loaders():
+    def names(fmt, method):
+        return {c.name for c, _ in consumers.verdicts(Export(fmt, method, 4, 128, True, False, LLAMA_7B))}
+
+    assert "ExLlamaV2" in names("safetensors", "gptq") and "transformers + bitsandbytes" not in names("safetensors", "gptq")
+    assert names("safetensors", "nf4") == {"transformers + bitsandbytes"}
+    assert "llama.cpp" in names("gguf", "rtn") and "vLLM awq" in names("awq", "awq")
+    assert all(n.startswith(("vLLM", "transformers")) for n in names("compressed-tensors", "rtn"))
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--for", "vllm", "--format", "compressed-tensors", "--group-size", "32"],
+     "vLLM compressed-tensors (Marlin) refuses a linear of 32 outputs and 64 inputs"),
+    (["--for", "exllama", "--format", "compressed-tensors", "--group-size", "32"], "use --format safetensors"),
+    (["--for", "llama.cpp"], "use --format gguf"),
+    (["--for", "vllm", "--method", "nf4"], "with --method rtn or gptq"),
+    (["--for", "exllama", "--group-size", "48"], "group size 48 (it takes powers of two)"),
+    (["--for", "vlm"], "unknown consumer 'vlm'"),
+])
+def test_for_refuses_before_any_work(tiny_dir, tmp_path, capsys, monkeypatch, args, match):
+    refused(["quantize", str(tiny_dir), "--out", str(tmp_path / "q"), *args], capsys, monkeypatch, match)
+    assert not (tmp_path / "q").exists()
+
+
+def test_export_names_who_loads_it(tiny_dir, tmp_path, capsys, monkeypatch):
+    code, out, _ = cli(["quantize", str(tiny_dir), "--out", str(tmp_path / "q"), "--group-size", "32",
+                        "--for", "vllm", "--for", "transformers"], capsys, monkeypatch)
+    assert code == 0
+    lines = out.splitlines()
+    start = lines.index("who loads it, from their documented limits:")
+    # the tiny model's 64 inputs are not a Marlin tile: vLLM reads it with its slow kernel
+    assert any(line.split()[0] == "no" and "vLLM gptq_marlin" in line for line in lines[start + 1:])
+    assert any(line.split()[0] == "yes" and "vLLM gptq " in line for line in lines[start + 1:])
