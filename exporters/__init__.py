@@ -13,8 +13,8 @@ from .shards import DEFAULT_MAX_SIZE, parse_size
 
 # safetensors: the GPTQ checkpoint layout for integer grids, bitsandbytes' 4-bit layout for NF4/FP4;
 # awq: AutoAWQ's GEMM layout (4-bit, group-wise); gguf: llama.cpp's file, blocks of its types;
-# compressed-tensors: llm-compressor's pack-quantized checkpoints (vLLM)
-FORMATS = ("safetensors", "awq", "gguf", "compressed-tensors")
+# compressed-tensors: llm-compressor's pack-quantized checkpoints (vLLM); exl2: ExLlamaV2's mixed widths
+FORMATS = ("safetensors", "awq", "gguf", "compressed-tensors", "exl2")
 
 
 def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
@@ -23,8 +23,15 @@ def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
         raise QuantkitError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
     if (fmt == "gguf") != (qconfig.gguf_type is not None):
         raise QuantkitError("a GGUF type goes with --format gguf and --format gguf needs one: pass both or neither")
+    if (fmt == "exl2") != (qconfig.exl2 is not None):
+        raise QuantkitError("--format exl2 takes a target bits per weight (--bits 4.125) and only it does: "
+                            "pass a whole --bits for the other formats")
     if fmt == "gguf":
         gguf.check(module, qconfig.gguf_type)
+    elif fmt == "exl2":
+        from . import exl2
+
+        exl2.check(module, qconfig)
     elif fmt == "awq":
         from . import awq
 
@@ -52,6 +59,8 @@ def open_writer(model, out: str | os.PathLike, fmt: str, qconfig: QuantConfig, o
         from . import awq as layout
     elif fmt == "compressed-tensors":
         from . import compressed as layout
+    elif fmt == "exl2":
+        from . import exl2 as layout
     elif qconfig.method in CODEBOOK_METHODS:
         from . import bnb as layout
     else:

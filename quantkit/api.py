@@ -19,7 +19,7 @@ from .errors import QuantkitError, ResumableError
 from .modelio import Model, linear_types, load
 from .pipeline import Hessian, quantize_layers
 from .qtensor import QuantizedTensor
-from .quantizers import awq, ggml, gptq, nf4, rtn
+from .quantizers import awq, exl2, ggml, gptq, nf4, rtn
 
 PathLike = str | os.PathLike
 
@@ -49,6 +49,11 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, s
         return rtn.quantize(w, c.bits, c.group_size, c.sym, c.mse)
 
     def quantize_gptq(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
+        if c.exl2 is not None:  # without calibration input: an identity Hessian, plain rounding onto the grid
+            hm = h.matrix() if h is not None and h.count else torch.eye(w.shape[1], device=w.device)
+            r = exl2.quantize(w, hm, exl2.Setting.for_target(c.exl2, *w.shape), c.damp, c.block_size, name)
+            losses[name] = r.loss
+            return r.tensor
         if h is None or h.count == 0:
             warnings.warn(f"{name}: no calibration input reached it, so it was quantized with RTN")
             return quantize_rtn(name, w, h)

@@ -41,7 +41,8 @@ def cli() -> None:
 @cli.command()
 @click.argument("model", required=False)
 @click.option("--method", default="rtn", show_default=True, help=f"one of {', '.join(METHODS)}")
-@click.option("--bits", type=int, default=4, show_default=True)
+@click.option("--bits", type=float, default=4, show_default=True,
+              help="bits per weight; --format exl2: a target such as 4.125, widths mixed within each linear")
 @click.option("--group-size", type=int, default=128, show_default=True, help="-1: per output channel")
 @click.option("--sym/--asym", default=None, help="symmetric grid [default: asym for awq, sym otherwise]")
 @click.option("--damp", type=float, default=0.01, show_default=True, help="GPTQ: damping, of the mean Hessian diagonal")
@@ -58,7 +59,7 @@ def cli() -> None:
 @click.option("--out", required=True, type=click.Path(), help="export directory (a .gguf file for --format gguf)")
 @click.option("--format", "fmt", default="safetensors", show_default=True,
               help="safetensors: GPTQ checkpoint layout (bitsandbytes' for nf4/fp4); awq: AutoAWQ GEMM layout; "
-                   "gguf: llama.cpp; compressed-tensors: llm-compressor's pack-quantized (vLLM)")
+                   "gguf: llama.cpp; compressed-tensors: llm-compressor's pack-quantized (vLLM); exl2: ExLlamaV2")
 @click.option("--gguf-type", help="GGUF: the mix (Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, Q2_K, Q8_0, Q4_0, ...) [Q4_K_M]")
 @click.option("--imatrix", is_flag=True, help="GGUF with RTN: weight the block search by the calibration inputs")
 @click.option("--pure", is_flag=True, help="GGUF: every tensor the mix's main type (llama-quantize --pure)")
@@ -82,6 +83,14 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     # options and output path first: a mistake there should not cost a model load
     if fmt == "gguf" and options["gguf_type"] is None:
         options["gguf_type"] = exporters.gguf.DEFAULT_MIX
+    bits = options.pop("bits")
+    if fmt == "exl2":
+        options["exl2"] = bits
+    elif bits != int(bits):
+        raise QuantkitError(f"--bits {bits} is a fraction: only --format exl2 takes a bits-per-weight target; "
+                            "pass a whole number of bits")
+    else:
+        options["bits"] = int(bits)
     config = QuantConfig(**options)
     api.device_of(device)
     check_out(out, overwrite)

@@ -30,6 +30,7 @@ class QuantConfig:
     gguf_type: str | None = None  # GGUF mix (Q4_K_M, Q8_0, ...): blocks of llama.cpp's types instead of our grids
     imatrix: bool = False  # GGUF with RTN: weight the block search by each input's mean square (calibration)
     pure: bool = False  # GGUF: every tensor the mix's main type (llama-quantize --pure)
+    exl2: float | None = None  # EXL2: the linears' target bits per weight, widths mixed within each (GPTQ fills it)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -58,6 +59,8 @@ class QuantConfig:
                                 "(GPTQ always weighs by the Hessian)")
         if self.pure and self.gguf_type is None:
             raise QuantkitError("--pure chooses GGUF types: use it with --format gguf")
+        if self.exl2 is not None and self.method != "gptq":
+            raise QuantkitError(f"EXL2 is filled by GPTQ, not {self.method}: use --method gptq")
         if self.block_size < 1:
             raise QuantkitError(f"block size {self.block_size} is invalid: use a positive number of columns such as 128")
 

@@ -93,6 +93,7 @@ CONSUMERS = (
     Consumer("transformers + compressed-tensors", "transformers", "compressed-tensors", (k_divisible, no_g_idx),
              "dequantizes at load"),
     Consumer("transformers + bitsandbytes", "transformers", "bitsandbytes"),
+    Consumer("ExLlamaV2", "exllama", "exl2"),
     Consumer("llama.cpp", "llama.cpp", "gguf"),
     Consumer("transformers (GGUF)", "transformers", "gguf", (), "dequantizes at load"),
 )

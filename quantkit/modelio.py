@@ -202,13 +202,14 @@ def load_dir(path: Path, packed: bool = False) -> Model:
         raise QuantkitError(f"{path}: no *.safetensors weights{hint}: pass a directory that holds the model's weights")
     qc = cfg.get("quantization_config")
     if qc is not None:
-        from quantkit.exporters import awq, bnb, compressed, gptq
+        from quantkit.exporters import awq, bnb, compressed, exl2, gptq
 
-        readers = {"gptq": gptq.read, "awq": awq.read, "bitsandbytes": bnb.read, "compressed-tensors": compressed.read}
+        readers = {"gptq": gptq.read, "awq": awq.read, "bitsandbytes": bnb.read, "compressed-tensors": compressed.read,
+                   "exl2": exl2.read}
         if qc.get("quant_method") not in readers:
             raise QuantkitError(
                 f"{path}: already quantized with {qc.get('quant_method')!r}: quantkit reads full-precision "
-                "checkpoints and GPTQ, AWQ (GEMM), bitsandbytes 4-bit and compressed-tensors pack-quantized ones"
+                "checkpoints and GPTQ, AWQ (GEMM), bitsandbytes 4-bit, compressed-tensors pack-quantized and EXL2 ones"
             )
         Checkpoint(path)  # every shard there, every header readable: a damaged file fails here, by name
         return readers[qc["quant_method"]](path, packed)

@@ -11,6 +11,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from .errors import QuantkitError
 
 BITS = (2, 3, 4, 8)
+EXL2_BITS = (2, 3, 4, 5, 6, 8)
 
 
 def check_bits_group(bits: int, group_size: int) -> None:
@@ -51,6 +52,10 @@ class QuantizedTensor:
     nested: QuantizedTensor | None = None  # double quantization: scales = nested.dequantize() + offset
     offset: float = 0.0
     ggml: str | None = None
+    # EXL2: widths mixed within the tensor, group_bits[g] the width of group g (bits is the widest);
+    # scales are ((c + 1)^2 / 256) * scale_max[g] for a 4-bit code c per row and group
+    group_bits: torch.Tensor | None = None  # uint8 [ng]
+    scale_max: torch.Tensor | None = None  # float16 [ng]
 
     def __post_init__(self) -> None:
         if self.ggml is not None:
@@ -59,7 +64,11 @@ class QuantizedTensor:
             if self.codes.dtype != torch.uint8 or self.codes.dim() != 2 or self.codes.shape[1] % self.block_bytes:
                 raise QuantkitError(f"{self.ggml} rows must be whole blocks of {self.block_bytes} bytes")
             return
-        check_bits_group(self.bits, self.group_size)
+        if self.group_bits is None:
+            check_bits_group(self.bits, self.group_size)
+        elif not set(self.group_bits.tolist()) <= set(EXL2_BITS) or int(self.group_bits.max()) != self.bits:
+            raise QuantkitError(f"group widths {sorted(set(self.group_bits.tolist()))} must be among "
+                                f"{', '.join(map(str, EXL2_BITS))} with {self.bits} the widest")
         n, k = self.codes.shape
         ng = self.n_groups
         if self.flat:
@@ -108,6 +117,10 @@ class QuantizedTensor:
         """Storage per weight: codes, scales (or their double quantization) and zero points."""
         if self.ggml is not None:
             return 8 * self.block_bytes / self.group_size
+        if self.group_bits is not None:  # 4-bit scale codes and a float16 maximum per group; no zeros
+            n, k = self.codes.shape
+            codes = int(self.group_bits.long()[self.g_idx.long()].sum()) * n
+            return (codes + self.scales.numel() * 4 + self.scale_max.numel() * 16) / self.codes.numel()
         scales = self.nested.bits_per_weight * self.nested.codes.numel() + 32 if self.nested is not None \
             else self.scales.numel() * self.scales.element_size() * 8
         zeros = self.zeros.numel() * self.bits if self.zeros is not None else 0

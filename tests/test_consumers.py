@@ -48,7 +48,7 @@ def test_each_format_lists_its_own_loaders():
 @pytest.mark.parametrize("args,match", [
     (["--for", "vllm", "--format", "compressed-tensors", "--group-size", "32"],
      "vLLM compressed-tensors (Marlin) refuses a linear of 32 outputs and 64 inputs"),
-    (["--for", "exllama", "--format", "compressed-tensors", "--group-size", "32"], "use --format safetensors"),
+    (["--for", "exllama", "--format", "compressed-tensors", "--group-size", "32"], "use --format exl2 or safetensors"),
     (["--for", "llama.cpp"], "use --format gguf"),
     (["--for", "vllm", "--method", "nf4"], "with --method rtn or gptq"),
     (["--for", "exllama", "--group-size", "48"], "group size 48 (it takes powers of two)"),

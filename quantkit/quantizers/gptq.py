@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -95,13 +96,41 @@ def quantize(
             scales[:, j], zeros[:, j] = fit_grid(w[:, j * g : (j + 1) * g], bits, sym, mse)
 
     perm = column_order(torch.diag(h), g, act_order, group_aware)
-    if act_order or group_aware:
-        w, h = w[:, perm], h[perm][:, perm]
     # group of each column in quantization order; each group's columns are contiguous in it
     col_group = torch.arange(k, device=w.device) // g if act_order and not static_groups else perm // g
-    hinv = inverse_hessian_factor(h, damp, name)
-
     maxq = 2**bits - 1
+
+    def fit(span: torch.Tensor, grp: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if not static_groups:
+            scales[:, grp], zeros[:, grp] = fit_grid(span[:, : min(g, k - grp * g)], bits, sym, mse)
+        return scales[:, grp], zeros[:, grp], maxq
+
+    codes, loss = run(w, h, perm, col_group, fit, damp, block_size, name)
+
+    g_idx = (col_group[torch.argsort(perm)]).to(torch.int32)
+    qt = QuantizedTensor(
+        codes=codes,
+        scales=scales.half(),
+        zeros=zeros.to(torch.uint8),
+        g_idx=g_idx,
+        bits=bits,
+        group_size=group_size,
+        sym=sym,
+    )
+    return GPTQResult(qt, loss)
+
+
+def run(w: torch.Tensor, h: torch.Tensor, perm: torch.Tensor, col_group: torch.Tensor,
+        fit: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, int]], damp: float, block_size: int,
+        name: str) -> tuple[torch.Tensor, float]:
+    """GPTQ's loop: w [N, K]'s columns quantized in perm order, col_group[i] the group of the i-th
+    of them (each group's columns contiguous in that order). At a group's first column,
+    fit(span, group) gives its scale, zero (per row) and top code from the columns not yet quantized
+    as updated so far (span starts at the group). Codes [N, K] in the original column order, and the loss."""
+    n, k = w.shape
+    if not torch.equal(perm, torch.arange(k, device=perm.device)):
+        w, h = w[:, perm], h[perm][:, perm]
+    hinv = inverse_hessian_factor(h, damp, name)
     groups = col_group.tolist()
     codes = torch.zeros(n, k, dtype=torch.uint8, device=w.device)
     loss = 0.0
@@ -115,11 +144,7 @@ def quantize(
             col = i1 + i
             grp = groups[col]
             if col == 0 or grp != groups[col - 1]:
-                if not static_groups:
-                    # the group's grid from its columns as updated so far (within this block: w1)
-                    span = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, : min(g, k - grp * g)]
-                    scales[:, grp], zeros[:, grp] = fit_grid(span, bits, sym, mse)
-                s, z = scales[:, grp], zeros[:, grp]
+                s, z, maxq = fit(torch.cat([w1[:, i:], w[:, i2:]], dim=1), grp)
             q = torch.round(w1[:, i] / s).add_(z).clamp_(0, maxq)
             codes[:, col] = q
             e = (w1[:, i] - (q - z) * s) / diag[i]
@@ -127,16 +152,4 @@ def quantize(
             err1[:, i] = e
         loss += float(err1.square().sum()) / 2  # (w - q)^2 / Hinv_jj^2 / 2 = e^2 / 2
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
-
-    inv = torch.argsort(perm)
-    g_idx = (col_group[inv]).to(torch.int32)
-    qt = QuantizedTensor(
-        codes=codes[:, inv],
-        scales=scales.half(),
-        zeros=zeros.to(torch.uint8),
-        g_idx=g_idx,
-        bits=bits,
-        group_size=group_size,
-        sym=sym,
-    )
-    return GPTQResult(qt, loss)
+    return codes[:, torch.argsort(perm)], loss

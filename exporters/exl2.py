@@ -1,0 +1,168 @@
+"""ExLlamaV2's EXL2 checkpoint layout (quant_method "exl2"; the loader finds it by `.q_weight`).
+
+Per quantized linear (rows are inputs, taken in the order of q_invperm's inverse):
+q_weight int32 [sum of rows_g*b_g/32, N_pad] (each group's rows one little-endian b_g-bit stream per
+column, N padded to 32 with code 2^(b-1)), q_scale int32 [groups, N_pad/8] (4-bit scale codes minus
+one, element i at bit 4i), q_scale_max fp16 [groups], q_groups int16 [2*groups] (width, first packed
+row), q_invperm int32 [K]. W[n, perm[r]] = (q - 2^(b-1)) * (c+1)^2 * q_scale_max[g] / 256.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig
+
+from quantkit import __version__
+from quantkit.config import QuantConfig
+from quantkit.errors import QuantkitError
+from quantkit.layers import LINEARS
+from quantkit.modelio import Model, load_tokenizer
+from quantkit.packing import pack, unpack
+from quantkit.qtensor import QuantizedTensor
+from quantkit.quantizers import exl2
+
+from . import checkpoint
+from .shards import DEFAULT_MAX_SIZE
+
+PARTS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")
+
+
+def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
+    """Refuse, before any work, what the layout cannot hold."""
+    if qconfig.method != "gptq":
+        raise QuantkitError(f"EXL2 is filled by GPTQ, not {qconfig.method}: use --method gptq")
+    for i, layer in enumerate(module.model.layers):
+        for name in LINEARS:
+            n, k = layer.get_submodule(name).weight.shape
+            if k % 32:
+                raise QuantkitError(f"model.layers.{i}.{name} has {k} inputs: EXL2 needs a multiple of 32; "
+                                    "choose another --format")
+            exl2.Setting.for_target(qconfig.exl2, n, k)  # a target the widths cannot reach fails here
+
+
+def encode_scales(qt: QuantizedTensor) -> torch.Tensor:
+    """The 4-bit codes c (stored c - 1, so 1..16 here) behind qt's scales, checked to give them back."""
+    ratio = qt.scales.float() / qt.scale_max.float()[None, :] * 256
+    codes = torch.round(torch.sqrt(ratio)).clamp(1, 16)
+    again = (codes * codes).half() * (qt.scale_max * torch.tensor(1 / 256, dtype=torch.float16))[None, :]
+    if not torch.equal(again, qt.scales.half()):
+        raise QuantkitError("scales that are not EXL2 codes times a group maximum: quantize with --format exl2")
+    return codes.to(torch.int64)
+
+
+def pack_tensor(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
+    if qt.group_bits is None or qt.scale_max is None:
+        raise QuantkitError(f"{name}: not quantized for EXL2: quantize with --format exl2")
+    n, k = qt.shape
+    pad = (-n) % 32
+    perm = torch.argsort(qt.g_idx, stable=True)  # groups in order; any order of rows within one
+    rows = qt.codes[:, perm].T.contiguous()  # [K, N] in the file's row order
+    widths = qt.group_bits.tolist()
+    words, groups, row = [], [], 0
+    for g, b in enumerate(widths):
+        r = int((qt.g_idx == g).sum())
+        groups += [b, sum(w.shape[0] for w in words)]
+        words.append(pack(F.pad(rows[row:row + r], (0, pad), value=1 << (b - 1)), b))
+        row += r
+    codes = F.pad(encode_scales(qt).T - 1, (0, pad)).reshape(len(widths), -1, 8)  # [groups, N_pad/8, 8]
+    q_scale = (codes << (4 * torch.arange(8))).sum(dim=-1)
+    return {"q_weight": torch.cat(words), "q_scale": (q_scale - (q_scale >> 31 << 32)).to(torch.int32),
+            "q_scale_max": qt.scale_max.half(), "q_groups": torch.tensor(groups, dtype=torch.int16),
+            "q_invperm": torch.argsort(perm).to(torch.int32)}
+
+
+def quantization_config(qconfig: QuantConfig, bits: float) -> dict:
+    return {"quant_method": "exl2", "version": "0.3.2", "bits": round(bits, 4), "head_bits": 16,
+            "calibration": {"quantizer": f"quantkit:{__version__}", "target": qconfig.exl2, "damp": qconfig.damp}}
+
+
+class Writer(checkpoint.CheckpointWriter):
+    """The checkpoint writer, counting the linears' bits for the config's bits per weight."""
+
+    def __init__(self, model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool, max_shard_size):
+        super().__init__(model, out, overwrite, torch.float16, self.pack_counted,
+                         lambda act_order: quantization_config(qconfig, self.bits / max(self.weights, 1)),
+                         (), max_shard_size)
+        self.bits = self.weights = 0
+
+    def pack_counted(self, name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
+        tensors = pack_tensor(name, qt)
+        n, k = qt.shape
+        self.bits += sum(t.numel() * t.element_size() * 8 for t in tensors.values())
+        self.weights += n * k
+        return tensors
+
+    def start(self, state: dict | None = None) -> None:
+        super().start(state)
+        if state is not None:
+            self.bits, self.weights = state["bits"], state["weights"]
+
+    def state(self) -> dict:
+        return {**super().state(), "bits": self.bits, "weights": self.weights}
+
+
+def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool = False,
+           max_shard_size: int | str = DEFAULT_MAX_SIZE) -> Writer:
+    """Called by exporters.open_writer, which has run check; the other tensors in float16."""
+    return Writer(model, out, qconfig, overwrite, max_shard_size)
+
+
+def unpack_tensor(name: str, parts: dict[str, torch.Tensor], n: int) -> QuantizedTensor:
+    """An EXL2 linear's tensors back to a QuantizedTensor of n outputs."""
+    invperm = parts["q_invperm"].long()
+    k = invperm.shape[0]
+    pairs = parts["q_groups"].long().view(-1, 2)
+    widths, offsets = pairs[:, 0].tolist(), pairs[:, 1].tolist() + [parts["q_weight"].shape[0]]
+    ng = len(widths)
+    rows, sizes = [], []
+    for g, b in enumerate(widths):
+        words = parts["q_weight"][offsets[g]:offsets[g + 1]]
+        r = words.shape[0] * 32 // b
+        rows.append(unpack(words, b)[:r, :n])
+        sizes.append(r)
+    if sum(sizes) != k or sorted(invperm.tolist()) != list(range(k)):
+        raise QuantkitError(f"{name}: q_groups and q_invperm do not describe {k} inputs: the checkpoint is corrupt")
+    packed = parts["q_scale"].long() & 0xFFFFFFFF
+    codes16 = ((packed[:, :, None] >> (4 * torch.arange(8))) & 15).reshape(ng, -1)[:, :n].T + 1
+    scale_max = parts["q_scale_max"].half()
+    scales = (codes16 * codes16).half() * (scale_max * torch.tensor(1 / 256, dtype=torch.float16))[None, :]
+    group_of_row = torch.repeat_interleave(torch.arange(ng), torch.tensor(sizes))
+    perm = torch.argsort(invperm)
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[perm] = group_of_row.to(torch.int32)
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    codes[:, perm] = torch.cat(rows).T.to(torch.uint8)
+    group_bits = torch.tensor(widths, dtype=torch.uint8)
+    zeros = (1 << (group_bits.long() - 1)).to(torch.uint8).expand(n, -1).contiguous()
+    return QuantizedTensor(codes, scales, zeros, g_idx, max(widths), max(sizes), True, group_bits=group_bits,
+                           scale_max=scale_max)
+
+
+def read(path: Path, packed: bool = False) -> Model:
+    """Load an EXL2 checkpoint (ours or ExLlamaV2's converter's) with dequantized float weights (no
+    EXL2 kernel runs here, so packed is not used)."""
+    cfg = AutoConfig.from_pretrained(path)
+    del cfg.quantization_config
+    state = checkpoint.read_tensors(path)
+    tensors = {}
+    for key in [k for k in state if k.endswith(".q_weight")]:
+        name = key.removesuffix(".q_weight")
+        try:
+            parts = {p: state.pop(f"{name}.{p}") for p in PARTS}
+        except KeyError as e:
+            raise QuantkitError(f"{path}: {name} lacks {e.args[0]}: the checkpoint is incomplete; re-export it") from None
+        tensors[name] = unpack_tensor(f"{path}: {name}", parts, out_features(cfg, name))
+        state[f"{name}.weight"] = tensors[name].dequantize()
+    qconfig = QuantConfig("gptq", 4, 32)
+    return Model(checkpoint.build(path, cfg, state, {}), load_tokenizer(path), str(path), tensors, qconfig)
+
+
+def out_features(cfg, name: str) -> int:
+    """A linear's outputs from the model config (the file pads them to 32)."""
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    part = name.rsplit(".", 1)[-1]
+    return {"q_proj": cfg.num_attention_heads * head, "k_proj": cfg.num_key_value_heads * head,
+            "v_proj": cfg.num_key_value_heads * head, "o_proj": cfg.hidden_size, "gate_proj": cfg.intermediate_size,
+            "up_proj": cfg.intermediate_size, "down_proj": cfg.hidden_size}[part]

@@ -1,0 +1,126 @@
+"""EXL2 (ExLlamaV2): GPTQ onto ExLlamaV2's grid, with bit widths mixed within a linear.
+
+Input columns are taken in act-order (decreasing Hessian diagonal) and cut into groups of
+group_size; the first groups, the most important inputs, get the widest codes. Codes are symmetric
+around 2^(b-1); each group's scale per output row is ((c + 1)^2 / 256) * scale_max for a 4-bit code
+c, scale_max the group's largest scale, searched (times p in [0.7, 1.2]) for the least error in the
+3.5-norm, as ExLlamaV2's converter does.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import QuantkitError
+from ..qtensor import EXL2_BITS, QuantizedTensor
+from .gptq import GPTQResult, run
+
+P_MIN, P_MAX, P_STEPS = 0.7, 1.2, 96
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One linear's layout: widths (non-increasing) over fractions of its inputs in act-order."""
+    bits: tuple[int, ...]
+    props: tuple[float, ...]
+    group_size: int = 32
+
+    def __post_init__(self) -> None:
+        if list(self.bits) != sorted(self.bits, reverse=True) or not set(self.bits) <= set(EXL2_BITS):
+            raise QuantkitError(f"EXL2 widths {self.bits} must come widest first, from {EXL2_BITS}")
+        if len(self.props) != len(self.bits) or abs(sum(self.props) - 1) > 1e-6 or min(self.props) <= 0:
+            raise QuantkitError(f"EXL2 proportions {self.props} must be positive and sum to 1")
+        if self.group_size % 32:
+            raise QuantkitError(f"EXL2 groups of {self.group_size} rows: use a multiple of 32")
+
+    def group_bits(self, k: int) -> list[int]:
+        """The width of each group of k inputs: each width takes the groups of its share, rounded up."""
+        out, left = [], k
+        for b, p in zip(self.bits, self.props):
+            g = math.ceil(max(min(k * p, left), 0) / self.group_size - 1e-9)
+            out += [b] * g
+            left -= g * self.group_size
+        return out
+
+    def total_bits(self, n: int, k: int) -> int:
+        """Storage of an n x k linear: codes, 4-bit scales, scale maxima and q_groups, q_invperm."""
+        widths = self.group_bits(k)
+        rows = [min(self.group_size, k - i * self.group_size) for i in range(len(widths))]
+        return sum(r * n * b for r, b in zip(rows, widths)) + len(widths) * (n * 4 + 16 + 32) + k * 32
+
+    @classmethod
+    def for_target(cls, bpw: float, n: int, k: int, group_size: int = 32) -> Setting:
+        """The two widths nearest the code bits that leave bpw bits per weight of an n x k linear
+        after its scales and permutation, the wider on the first inputs."""
+        ng = math.ceil(k / group_size)
+        bits = bpw - (ng * (4 * n + 48) + 32 * k) / (n * k)
+        if not EXL2_BITS[0] <= bits <= EXL2_BITS[-1]:
+            low = EXL2_BITS[0] + (ng * (4 * n + 48) + 32 * k) / (n * k)
+            raise QuantkitError(f"{bpw} bits per weight is outside what EXL2 reaches for a {n}x{k} linear "
+                                f"({low:.3f} to {low - EXL2_BITS[0] + EXL2_BITS[-1]:.3f}): choose a target in that range")
+        lo = max(b for b in EXL2_BITS if b <= bits)
+        hi = min(b for b in EXL2_BITS if b >= bits)
+        wide = math.floor(k * (bits - lo) / (hi - lo) / group_size) if hi > lo else 0  # whole groups, not over
+        if wide == 0:
+            return cls((lo,), (1.0,), group_size)
+        p = wide * group_size / k
+        return cls((hi, lo), (p, 1 - p), group_size) if p < 1 else cls((hi,), (1.0,), group_size)
+
+
+def scale_codes(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A group's grid from its columns x [N, r]: (scales [N] as float16 values, codes 1..16 [N], scale_max)."""
+    maxq = 2**bits - 1
+    base = (x.abs().amax(dim=1) + 1e-12) / (maxq / 2)
+    top = base.max()
+    codes = torch.clamp(torch.round(torch.sqrt(base / top) * 16), 1, 16)
+    grid = (codes / 16) ** 2 * top
+    # the p that scales the whole grid with the least error in the 3.5-norm
+    ps = torch.linspace(P_MIN, P_MAX, P_STEPS + 1, device=x.device)
+    best = ps[int(torch.argmin(err(x, grid[None, :] * ps[:, None], bits)))]
+    scale_max = (top * best).half()
+    scales = (codes * codes).half() * (scale_max * torch.tensor(1 / 256, dtype=torch.float16, device=x.device))
+    return scales.float(), codes, scale_max
+
+
+def err(x: torch.Tensor, s: torch.Tensor, bits: int) -> torch.Tensor:
+    """The 3.5-norm error of x [N, r] rounded with each row of scales s [P, N]: [P]."""
+    z = 2 ** (bits - 1)
+    s = s[:, :, None]
+    q = torch.clamp(torch.round(x / s) + z, 0, 2**bits - 1)
+    a = ((q - z) * s - x).abs_()
+    return (a * a * a * a.sqrt()).sum(dim=(1, 2))  # |d|^3.5, cheaper than pow
+
+
+def quantize(w: torch.Tensor, h: torch.Tensor, setting: Setting, damp: float = 0.01, block_size: int = 128,
+             name: str = "layer") -> GPTQResult:
+    """GPTQ of w [N, K] (Hessian h [K, K]) onto the EXL2 grid of setting."""
+    n, k = w.shape
+    if k % 32:
+        raise QuantkitError(f"{name} has {k} inputs: EXL2 needs a multiple of 32")
+    w, h = w.float().clone(), h.float()
+    dead = torch.diag(h) == 0
+    if dead.any():
+        h = h.clone()
+        h[dead, dead] = 1
+        w[:, dead] = 0
+    g = setting.group_size
+    widths = setting.group_bits(k)
+    scales = torch.zeros(n, len(widths), device=w.device)
+    codes16 = torch.zeros(n, len(widths), device=w.device)
+    maxima = torch.zeros(len(widths), dtype=torch.float16, device=w.device)
+
+    def fit(span: torch.Tensor, grp: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        b = widths[grp]
+        scales[:, grp], codes16[:, grp], maxima[grp] = scale_codes(span[:, : min(g, k - grp * g)], b)
+        return scales[:, grp], torch.full((n,), 2.0 ** (b - 1), device=w.device), 2**b - 1
+
+    perm = torch.argsort(torch.diag(h), descending=True)
+    col_group = torch.arange(k, device=w.device) // g
+    codes, loss = run(w, h, perm, col_group, fit, damp, block_size, name)
+    group_bits = torch.tensor(widths, dtype=torch.uint8)
+    zeros = (1 << (group_bits.long() - 1)).to(torch.uint8).expand(n, -1).contiguous()
+    qt = QuantizedTensor(codes, scales.half(), zeros.to(codes.device), col_group[torch.argsort(perm)].to(torch.int32),
+                         int(group_bits.max()), g, True, group_bits=group_bits.to(codes.device), scale_max=maxima)
+    return GPTQResult(qt, loss)
