@@ -212,6 +212,8 @@ def listed(value: str, kind=str) -> list:
 @click.option("--methods", default=",".join(report_.FAMILIES), show_default=True)
 @click.option("--bits", default=",".join(map(str, report_.BITS)), show_default=True, help="rtn, gptq and awq widths")
 @click.option("--gguf-types", default=",".join(report_.GGUF_TYPES), show_default=True)
+@click.option("--exl2-bits", default=",".join(map(str, report_.EXL2_TARGETS)), show_default=True,
+              help="EXL2 targets, bits per weight")
 @click.option("--group-size", type=int, default=128, show_default=True)
 @click.option("--calib-data", type=click.Path(), help="calibration text (default: WikiText-2 train from the hub)")
 @click.option("--calib-samples", type=int, default=128, show_default=True)
@@ -220,8 +222,8 @@ def listed(value: str, kind=str) -> list:
 @click.option("--tasks", default="", help="also run these lm-eval tasks on each point (comma-separated)")
 @click.option("--lm-eval-limit", type=float, help="documents per lm-eval task")
 @click.option("--keep-exports", is_flag=True, help="keep each point's export under OUT/exports")
-def report(model, out, data, methods, bits, gguf_types, group_size, calib_data, calib_samples, windows, ctx, tasks,
-           lm_eval_limit, keep_exports) -> None:
+def report(model, out, data, methods, bits, gguf_types, exl2_bits, group_size, calib_data, calib_samples, windows, ctx,
+           tasks, lm_eval_limit, keep_exports) -> None:
     """Sweep methods and sizes over MODEL: for each point the export's size and bits per weight,
     perplexity, divergence from the base, time and peak memory; a markdown table, JSON and plots."""
     if not os.path.isfile(data):
@@ -230,7 +232,7 @@ def report(model, out, data, methods, bits, gguf_types, group_size, calib_data, 
                                 group_size=group_size, windows=windows, ctx=ctx, tasks=listed(tasks),
                                 lm_eval_limit=lm_eval_limit)
     sweep = report_.Sweep(methods=listed(methods), bits=listed(bits, int), gguf_types=listed(gguf_types),
-                          keep_exports=keep_exports)
+                          exl2_targets=listed(exl2_bits, float), keep_exports=keep_exports)
     r = report_.report(out, settings, sweep, echo=click.echo)
     failed = [p["name"] for p in r["points"] if p["status"] != "ok"]
     click.echo(f"report in {out}: report.md, report.json, perplexity.png, kld.png"

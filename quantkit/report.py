@@ -24,8 +24,9 @@ import torch
 
 from .errors import QuantkitError
 
-FAMILIES = ("rtn", "gptq", "awq", "nf4", "gguf")
+FAMILIES = ("rtn", "gptq", "awq", "nf4", "gguf", "exl2")
 BITS = (3, 4, 8)
+EXL2_TARGETS = (3.0, 4.125, 5.0)
 GGUF_TYPES = ("Q2_K", "Q3_K_M", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
 EMBEDDING_PREFIXES = ("model.embed_tokens.", "lm_head.", "token_embd.", "output.")  # HF's names and GGUF's
 
@@ -37,15 +38,19 @@ class Point:
     format: str  # safetensors, awq, gguf
     bits: int = 4
     gguf_type: str | None = None
+    exl2: float | None = None  # the target bits per weight of an EXL2 point
 
     def config(self) -> dict:
         c = {"method": self.method, "bits": self.bits}
         if self.gguf_type:
             c["gguf_type"] = self.gguf_type
+        if self.exl2:
+            c["exl2"] = self.exl2
         return c
 
 
-def points(methods: list[str], bits: list[int], gguf_types: list[str]) -> list[Point]:
+def points(methods: list[str], bits: list[int], gguf_types: list[str],
+           exl2_targets: list[float] = list(EXL2_TARGETS)) -> list[Point]:
     out = []
     for family in methods:
         if family not in FAMILIES:
@@ -56,6 +61,8 @@ def points(methods: list[str], bits: list[int], gguf_types: list[str]) -> list[P
                     for b in bits]
         elif family == "nf4":
             out.append(Point("nf4", "nf4", "safetensors"))
+        elif family == "exl2":
+            out += [Point(f"exl2-{t:g}", "gptq", "exl2", exl2=t) for t in exl2_targets]
         else:
             out += [Point(f"gguf-{t}", "rtn", "gguf", gguf_type=t) for t in gguf_types]
     return out
@@ -163,10 +170,11 @@ def write_json(path: Path, value) -> None:
 
 @dataclass
 class Sweep:
-    """Which points: method families, the integer widths of rtn/gptq/awq, the GGUF mixes."""
+    """Which points: method families, the integer widths of rtn/gptq/awq, the GGUF mixes, the EXL2 targets."""
     methods: list[str] = field(default_factory=lambda: list(FAMILIES))
     bits: list[int] = field(default_factory=lambda: list(BITS))
     gguf_types: list[str] = field(default_factory=lambda: list(GGUF_TYPES))
+    exl2_targets: list[float] = field(default_factory=lambda: list(EXL2_TARGETS))
     keep_exports: bool = False
 
 
@@ -179,7 +187,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     from .modelio import load
 
     sweep = sweep or Sweep()
-    todo = points(sweep.methods, sweep.bits, sweep.gguf_types)
+    todo = points(sweep.methods, sweep.bits, sweep.gguf_types, sweep.exl2_targets)
     s = settings  # paths as absolute: a resumed run from elsewhere is the same report
     settings = replace(s, model=str(Path(s.model).resolve()) if s.model else "", data=str(Path(s.data).resolve()),
                        calib_data=str(Path(s.calib_data).resolve()) if s.calib_data else None)

@@ -9,19 +9,21 @@ from .conftest import TEST, VALID, cli
 def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "report"
     common = ["report", tiny_dir, "--out", out, "--data", TEST, "--calib-data", VALID, "--calib-samples", 4,
-              "--methods", "rtn,nf4,gguf", "--bits", "4,5", "--gguf-types", "Q8_0", "--group-size", 32,
+              "--methods", "rtn,nf4,gguf,exl2", "--bits", "4,5", "--gguf-types", "Q8_0", "--exl2-bits", "4.0",
+              "--group-size", 32,
               "--tasks", "dolly_mc", "--lm-eval-limit", 4, "--ctx", 128]
     args = [*common, "--windows", 3]
     code, printed, _ = cli(args, capsys, monkeypatch)
     r = json.loads((out / "report.json").read_text())
     by_name = {p["name"]: p for p in r["points"]}
-    assert code == 0 and list(by_name) == ["rtn-w4", "rtn-w5", "nf4", "gguf-Q8_0"]
+    assert code == 0 and list(by_name) == ["rtn-w4", "rtn-w5", "nf4", "gguf-Q8_0", "exl2-4"]
     assert by_name["rtn-w5"]["status"] == "failed" and "unsupported bit width 5" in by_name["rtn-w5"]["error"]
     assert "failed: rtn-w5" in printed
     ok = [p for p in r["points"] if p["status"] == "ok"]
-    assert len(ok) == 3 and all(p["bytes"] > 0 and p["peak_rss"] > 2**20 and p["quantize_s"] > 0 for p in ok)
+    assert len(ok) == 4 and all(p["bytes"] > 0 and p["peak_rss"] > 2**20 and p["quantize_s"] > 0 for p in ok)
     assert by_name["gguf-Q8_0"]["bpw_linear"] == pytest.approx(8.5)  # 34 bytes per block of 32 weights
     assert 4.5 < by_name["rtn-w4"]["bpw_linear"] < 5.5  # 4-bit codes, fp16 scale and 4-bit zero per 32, g_idx
+    assert 3.5 < by_name["exl2-4"]["bpw_linear"] <= 4.0  # the target, counted as the file holds it
     assert by_name["gguf-Q8_0"]["kld_mean"] < by_name["rtn-w4"]["kld_mean"]
     assert all(p["bpw"] > 0 and 0 <= p["same_top"] <= 1 and 0 <= p["lm_eval"]["dolly_mc"]["acc"] <= 1 for p in ok)
     md = (out / "report.md").read_text()
@@ -33,8 +35,8 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
 
     stamps = {p: (out / "points" / f"{p}.json").stat().st_mtime_ns for p in by_name}
     code, printed, _ = cli(args, capsys, monkeypatch)  # again: only the failed point runs
-    assert code == 0 and "[2/4] rtn-w5" in printed and "rtn-w4" not in printed.replace("rtn-w5", "")
-    assert all((out / "points" / f"{p}.json").stat().st_mtime_ns == stamps[p] for p in ("rtn-w4", "nf4", "gguf-Q8_0"))
+    assert code == 0 and "[2/5] rtn-w5" in printed and "rtn-w4" not in printed.replace("rtn-w5", "")
+    assert all((out / "points" / f"{p}.json").stat().st_mtime_ns == stamps[p] for p in ("rtn-w4", "nf4", "gguf-Q8_0", "exl2-4"))
 
     code, _, err = cli([*common, "--windows", 2], capsys, monkeypatch)
     assert code == 2 and err[-1].startswith(f"error: {out} holds a report of other settings")
