@@ -278,11 +278,18 @@ def plot(r: dict, out: Path) -> None:
             for x, y, n in pts:
                 ax.annotate(n.split("-", 1)[-1], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         if key == "perplexity":
-            ax.axhline(r["base"]["perplexity"], color="gray", ls="--", label="base (float)")
+            base = r["base"]["perplexity"]
+            ax.axhline(base, color="gray", ls="--", label="base (float)")
         ax.set_yscale("log")
+        if key == "perplexity":
+            off = [p for p in ok if p[key] > 20 * base]  # a broken point would flatten the rest: named instead
+            if off:
+                ax.set_ylim(min(p[key] for p in ok) * 0.9, 20 * base)
+                names = ", ".join(f"{p['name']} ({p[key]:.4g})" for p in off)
+                ax.text(0.01, 0.98, f"above the chart: {names}", transform=ax.transAxes, fontsize=8, va="top")
         ax.set_xlabel("bits per weight (decoder linears)")
         ax.set_ylabel(label)
-        ax.set_title(f"{label} against size, {r['settings']['windows']} windows of {r['settings']['ctx']}")
+        fig.suptitle(f"{label} against size, {r['settings']['windows']} windows of {r['settings']['ctx']}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
