@@ -201,8 +201,11 @@ def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, 
         click.echo(json.dumps(results))
 
 
-def listed(value: str, kind=str) -> list:
-    return [kind(v.strip()) for v in value.split(",") if v.strip()]
+def listed(value: str, kind=str, option: str = "") -> list:
+    try:
+        return [kind(v.strip()) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise QuantkitError(f"{option} {value!r}: give comma-separated numbers, such as {option} 3,4") from None
 
 
 @cli.command("report")
@@ -231,8 +234,8 @@ def report(model, out, data, methods, bits, gguf_types, exl2_bits, group_size, c
     settings = report_.Settings(model=model or "", data=data, calib_data=calib_data, calib_samples=calib_samples,
                                 group_size=group_size, windows=windows, ctx=ctx, tasks=listed(tasks),
                                 lm_eval_limit=lm_eval_limit)
-    sweep = report_.Sweep(methods=listed(methods), bits=listed(bits, int), gguf_types=listed(gguf_types),
-                          exl2_targets=listed(exl2_bits, float), keep_exports=keep_exports)
+    sweep = report_.Sweep(methods=listed(methods), bits=listed(bits, int, "--bits"), gguf_types=listed(gguf_types),
+                          exl2_targets=listed(exl2_bits, float, "--exl2-bits"), keep_exports=keep_exports)
     r = report_.report(out, settings, sweep, echo=click.echo)
     failed = [p["name"] for p in r["points"] if p["status"] != "ok"]
     click.echo(f"report in {out}: report.md, report.json, perplexity.png, kld.png"

@@ -207,3 +207,10 @@ def test_two_runs_writing_the_same_output(model, capsys, monkeypatch, tmp_path):
     finally:
         holder.abort()
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("option", ["--bits", "--exl2-bits"])
+def test_report_widths_that_are_not_numbers(option, capsys, monkeypatch, tmp_path):
+    code, line = run(["report", "--out", tmp_path / "r", "--data", TEST, option, "4,x"], capsys, monkeypatch)
+    assert code == 2 and line.startswith(f"error: {option} '4,x': give comma-separated numbers"), line
+    assert not (tmp_path / "r").exists()
