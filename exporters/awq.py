@@ -15,7 +15,7 @@ from transformers import AutoConfig
 from quantkit.config import QuantConfig
 from quantkit.errors import QuantkitError
 from quantkit.modelio import Model
-from quantkit.layers import LINEARS
+from quantkit.layers import linear_shapes
 from quantkit.qlinear import GPTQLinear
 from quantkit.qtensor import QuantizedTensor, group_index
 
@@ -50,14 +50,12 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
                             "(or 32, 128) or --format safetensors")
     if qconfig.act_order:
         raise QuantkitError("the AWQ GEMM layout has no g_idx, so no act-order: drop --act-order or use --format safetensors")
-    for i, layer in enumerate(module.model.layers):
-        for name in LINEARS:
-            n, k = layer.get_submodule(name).weight.shape
-            if k % qconfig.group_size or n % 8:
-                raise QuantkitError(
-                    f"model.layers.{i}.{name} is {n}x{k}: the AWQ GEMM layout needs the group size to divide "
-                    f"in_features and out_features a multiple of 8: choose --group-size {64 if k % 64 == 0 else 32} "
-                    "or --format safetensors (the GPTQ layout allows a shorter last group)")
+    for name, n, k in linear_shapes(module):
+        if k % qconfig.group_size or n % 8:
+            raise QuantkitError(
+                f"{name} is {n}x{k}: the AWQ GEMM layout needs the group size to divide "
+                f"in_features and out_features a multiple of 8: choose --group-size {64 if k % 64 == 0 else 32} "
+                "or --format safetensors (the GPTQ layout allows a shorter last group)")
 
 
 def pack_tensor(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:

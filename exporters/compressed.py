@@ -18,7 +18,7 @@ from transformers import AutoConfig
 
 from quantkit.config import CODEBOOK_METHODS, QuantConfig
 from quantkit.errors import QuantkitError
-from quantkit.layers import LINEARS
+from quantkit.layers import linear_shapes
 from quantkit.modelio import Model
 from quantkit.packing import pack as pack_stream, unpack as unpack_stream
 from quantkit.qlinear import GPTQLinear
@@ -47,15 +47,13 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
                             "\"weight\") or use --format safetensors")
     if qconfig.group_size == -1:
         return
-    for i, layer in enumerate(module.model.layers):
-        for name in LINEARS:
-            k = layer.get_submodule(name).weight.shape[1]
-            if k % qconfig.group_size:
-                fits = [g for g in (128, 64, 32) if all(module.model.layers[0].get_submodule(n).weight.shape[1] % g == 0
-                                                        for n in LINEARS)]
-                hint = f"--group-size {fits[0]}" if fits else "--group-size -1 (per channel)"
-                raise QuantkitError(f"model.layers.{i}.{name} has {k} inputs, not a multiple of the group size "
-                                    f"{qconfig.group_size}, which compressed-tensors requires: use {hint}")
+    shapes = list(linear_shapes(module))
+    for name, _, k in shapes:
+        if k % qconfig.group_size:
+            fits = [g for g in (128, 64, 32) if all(k % g == 0 for _, _, k in shapes)]
+            hint = f"--group-size {fits[0]}" if fits else "--group-size -1 (per channel)"
+            raise QuantkitError(f"{name} has {k} inputs, not a multiple of the group size "
+                                f"{qconfig.group_size}, which compressed-tensors requires: use {hint}")
 
 
 def pack(values: torch.Tensor, bits: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from transformers import AutoConfig
 from quantkit import __version__
 from quantkit.config import QuantConfig
 from quantkit.errors import QuantkitError
-from quantkit.layers import LINEARS
+from quantkit.layers import linear_shapes
 from quantkit.modelio import Model, load_tokenizer
 from quantkit.packing import pack, unpack
 from quantkit.qtensor import QuantizedTensor
@@ -33,21 +33,17 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
     """Refuse, before any work, what the layout cannot hold."""
     if qconfig.method != "gptq":
         raise QuantkitError(f"EXL2 is filled by GPTQ, not {qconfig.method}: use --method gptq")
-    for i, layer in enumerate(module.model.layers):
-        for name in LINEARS:
-            n, k = layer.get_submodule(name).weight.shape
-            if k % 32:
-                raise QuantkitError(f"model.layers.{i}.{name} has {k} inputs: EXL2 needs a multiple of 32; "
-                                    "choose another --format")
-            exl2.Setting.for_target(qconfig.exl2, n, k)  # a target the widths cannot reach fails here
+    for name, n, k in linear_shapes(module):
+        if k % 32:
+            raise QuantkitError(f"{name} has {k} inputs: EXL2 needs a multiple of 32; choose another --format")
+        exl2.Setting.for_target(qconfig.exl2, n, k)  # a target the widths cannot reach fails here
 
 
 def encode_scales(qt: QuantizedTensor) -> torch.Tensor:
     """The 4-bit codes c (stored c - 1, so 1..16 here) behind qt's scales, checked to give them back."""
     ratio = qt.scales.float() / qt.scale_max.float()[None, :] * 256
     codes = torch.round(torch.sqrt(ratio)).clamp(1, 16)
-    again = (codes * codes).half() * (qt.scale_max * torch.tensor(1 / 256, dtype=torch.float16))[None, :]
-    if not torch.equal(again, qt.scales.half()):
+    if not torch.equal(exl2.scale_values(codes, qt.scale_max[None, :]), qt.scales.half()):
         raise QuantkitError("scales that are not EXL2 codes times a group maximum: quantize with --format exl2")
     return codes.to(torch.int64)
 
@@ -66,9 +62,8 @@ def pack_tensor(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
         groups += [b, sum(w.shape[0] for w in words)]
         words.append(pack(F.pad(rows[row:row + r], (0, pad), value=1 << (b - 1)), b))
         row += r
-    codes = F.pad(encode_scales(qt).T - 1, (0, pad)).reshape(len(widths), -1, 8)  # [groups, N_pad/8, 8]
-    q_scale = (codes << (4 * torch.arange(8))).sum(dim=-1)
-    return {"q_weight": torch.cat(words), "q_scale": (q_scale - (q_scale >> 31 << 32)).to(torch.int32),
+    q_scale = pack(F.pad(encode_scales(qt) - 1, (0, 0, 0, pad)), 4).T.contiguous()  # along N, element i at bit 4i
+    return {"q_weight": torch.cat(words), "q_scale": q_scale,
             "q_scale_max": qt.scale_max.half(), "q_groups": torch.tensor(groups, dtype=torch.int16),
             "q_invperm": torch.argsort(perm).to(torch.int32)}
 
@@ -124,10 +119,9 @@ def unpack_tensor(name: str, parts: dict[str, torch.Tensor], n: int) -> Quantize
         sizes.append(r)
     if sum(sizes) != k or sorted(invperm.tolist()) != list(range(k)):
         raise QuantkitError(f"{name}: q_groups and q_invperm do not describe {k} inputs: the checkpoint is corrupt")
-    packed = parts["q_scale"].long() & 0xFFFFFFFF
-    codes16 = ((packed[:, :, None] >> (4 * torch.arange(8))) & 15).reshape(ng, -1)[:, :n].T + 1
+    codes16 = unpack(parts["q_scale"].T.contiguous(), 4)[:n] + 1  # [n, groups]
     scale_max = parts["q_scale_max"].half()
-    scales = (codes16 * codes16).half() * (scale_max * torch.tensor(1 / 256, dtype=torch.float16))[None, :]
+    scales = exl2.scale_values(codes16, scale_max[None, :])
     group_of_row = torch.repeat_interleave(torch.arange(ng), torch.tensor(sizes))
     perm = torch.argsort(invperm)
     g_idx = torch.empty(k, dtype=torch.int32)
@@ -135,9 +129,8 @@ def unpack_tensor(name: str, parts: dict[str, torch.Tensor], n: int) -> Quantize
     codes = torch.empty(n, k, dtype=torch.uint8)
     codes[:, perm] = torch.cat(rows).T.to(torch.uint8)
     group_bits = torch.tensor(widths, dtype=torch.uint8)
-    zeros = (1 << (group_bits.long() - 1)).to(torch.uint8).expand(n, -1).contiguous()
-    return QuantizedTensor(codes, scales, zeros, g_idx, max(widths), max(sizes), True, group_bits=group_bits,
-                           scale_max=scale_max)
+    return QuantizedTensor(codes, scales, exl2.zeros(group_bits, n), g_idx, max(widths), max(sizes), True,
+                           group_bits=group_bits, scale_max=scale_max)
 
 
 def read(path: Path, packed: bool = False) -> Model:

@@ -15,7 +15,7 @@ from quantkit import __version__
 from quantkit.config import METHODS, QuantConfig
 from quantkit.errors import QuantkitError
 from quantkit.modelio import Model
-from quantkit.layers import LINEARS
+from quantkit.layers import linear_shapes
 from quantkit.qlinear import GPTQLinear
 from quantkit.qtensor import QuantizedTensor
 
@@ -25,14 +25,12 @@ from .shards import DEFAULT_MAX_SIZE
 
 def check_shapes(module: torch.nn.Module, bits: int) -> None:
     """Refuse, before any work, linears the layout cannot pack: K a multiple of 32, N*bits too."""
-    for i, layer in enumerate(module.model.layers):
-        for name in LINEARS:
-            n, k = layer.get_submodule(name).weight.shape
-            if k % 32 or (n * bits) % 32:
-                raise QuantkitError(
-                    f"model.layers.{i}.{name} is {n}x{k}: the GPTQ layout needs in_features a multiple of 32 "
-                    f"and out_features*bits a multiple of 32: choose another --format or model"
-                )
+    for name, n, k in linear_shapes(module):
+        if k % 32 or (n * bits) % 32:
+            raise QuantkitError(
+                f"{name} is {n}x{k}: the GPTQ layout needs in_features a multiple of 32 "
+                f"and out_features*bits a multiple of 32: choose another --format or model"
+            )
 
 
 def quantization_config(qconfig: QuantConfig, act_order: bool) -> dict:

@@ -135,7 +135,8 @@ def quantize(
         types = exporters.gguf.tensor_types(m.module, config.gguf_type, config.pure, config.imatrix)
     if out is not None:
         exporters.check_format(format, m.module, config)
-    consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
+    if targets:
+        consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
     windows = None
     if config.needs_calibration:
         text = calibration.load_text(calib_data)

@@ -12,7 +12,7 @@ import torch
 
 from .config import CODEBOOK_METHODS, QuantConfig
 from .errors import QuantkitError
-from .layers import LINEARS
+from .layers import linear_shapes
 
 TARGETS = ("vllm", "exllama", "transformers", "llama.cpp")
 
@@ -30,7 +30,7 @@ class Export:
 
     @classmethod
     def of(cls, fmt: str, qconfig: QuantConfig, module: torch.nn.Module) -> Export:
-        shapes = {tuple(layer.get_submodule(n).weight.shape) for layer in module.model.layers for n in LINEARS}
+        shapes = {(n, k) for _, n, k in linear_shapes(module)}
         return cls(fmt, qconfig.method, qconfig.bits, qconfig.group_size, qconfig.sym,
                    qconfig.act_order and not qconfig.static_groups, tuple(sorted(shapes)))
 

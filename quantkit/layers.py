@@ -2,6 +2,8 @@
 input they share, and the hooks that read those inputs."""
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
 # Linears of a decoder layer, grouped by the input they share.
@@ -12,6 +14,14 @@ GROUPS = (
     ("mlp.down_proj",),
 )
 LINEARS = tuple(name for group in GROUPS for name in group)
+
+
+def linear_shapes(module: torch.nn.Module) -> Iterator[tuple[str, int, int]]:
+    """Each decoder linear's name, outputs and inputs, from the skeleton (no weight is read)."""
+    for i, layer in enumerate(module.model.layers):
+        for name in LINEARS:
+            n, k = layer.get_submodule(name).weight.shape
+            yield f"model.layers.{i}.{name}", n, k
 
 
 def on_device(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:

@@ -352,11 +352,3 @@ def default_model_dir() -> Path:
         model.tokenizer.save_pretrained(tmp)
 
     return fill_cache(target, write, lambda t: (t / "config.json").is_file())
-    model = load_gguf(default_gguf())
-    print(f"caching the dequantized {DEFAULT_NAME} in {target}", file=sys.stderr)
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.module.save_pretrained(tmp)
-    model.tokenizer.save_pretrained(tmp)
-    tmp.rename(target)
-    return target

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import QuantkitError
 from ..qtensor import EXL2_BITS, QuantizedTensor
-from .gptq import GPTQResult, run
+from .gptq import GPTQResult, prepare, run
 
 P_MIN, P_MAX, P_STEPS = 0.7, 1.2, 96
 
@@ -54,12 +54,12 @@ class Setting:
     def for_target(cls, bpw: float, n: int, k: int, group_size: int = 32) -> Setting:
         """The two widths nearest the code bits that leave bpw bits per weight of an n x k linear
         after its scales and permutation, the wider on the first inputs."""
-        ng = math.ceil(k / group_size)
-        bits = bpw - (ng * (4 * n + 48) + 32 * k) / (n * k)
+        overhead = (math.ceil(k / group_size) * (4 * n + 48) + 32 * k) / (n * k)  # scales, q_groups, q_invperm
+        bits = bpw - overhead
         if not EXL2_BITS[0] <= bits <= EXL2_BITS[-1]:
-            low = EXL2_BITS[0] + (ng * (4 * n + 48) + 32 * k) / (n * k)
             raise QuantkitError(f"{bpw} bits per weight is outside what EXL2 reaches for a {n}x{k} linear "
-                                f"({low:.3f} to {low - EXL2_BITS[0] + EXL2_BITS[-1]:.3f}): choose a target in that range")
+                                f"({EXL2_BITS[0] + overhead:.3f} to {EXL2_BITS[-1] + overhead:.3f}): "
+                                "choose a target in that range")
         lo = max(b for b in EXL2_BITS if b <= bits)
         hi = min(b for b in EXL2_BITS if b >= bits)
         wide = math.floor(k * (bits - lo) / (hi - lo) / group_size) if hi > lo else 0  # whole groups, not over
@@ -69,8 +69,20 @@ class Setting:
         return cls((hi, lo), (p, 1 - p), group_size) if p < 1 else cls((hi,), (1.0,), group_size)
 
 
-def scale_codes(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A group's grid from its columns x [N, r]: (scales [N] as float16 values, codes 1..16 [N], scale_max)."""
+def scale_values(codes: torch.Tensor, scale_max: torch.Tensor) -> torch.Tensor:
+    """float16 scales from 4-bit codes c + 1 (1..16) and their group maxima, computed as ExLlamaV2's
+    loader and kernels do: the maximum divided by 256, times the squared code, in float16."""
+    return (codes * codes).half() * (scale_max.half() * torch.tensor(1 / 256, dtype=torch.float16,
+                                                                    device=scale_max.device))
+
+
+def zeros(group_bits: torch.Tensor, n: int) -> torch.Tensor:
+    """The symmetric zero 2^(b-1) of each group, for n rows: uint8 [n, groups]."""
+    return (1 << (group_bits.long() - 1)).to(torch.uint8).expand(n, -1).contiguous()
+
+
+def grid(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's grid from its columns x [N, r]: (scales [N] as float16 values, the group's scale_max)."""
     maxq = 2**bits - 1
     base = (x.abs().amax(dim=1) + 1e-12) / (maxq / 2)
     top = base.max()
@@ -80,8 +92,7 @@ def scale_codes(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor,
     ps = torch.linspace(P_MIN, P_MAX, P_STEPS + 1, device=x.device)
     best = ps[int(torch.argmin(err(x, grid[None, :] * ps[:, None], bits)))]
     scale_max = (top * best).half()
-    scales = (codes * codes).half() * (scale_max * torch.tensor(1 / 256, dtype=torch.float16, device=x.device))
-    return scales.float(), codes, scale_max
+    return scale_values(codes, scale_max).float(), scale_max
 
 
 def err(x: torch.Tensor, s: torch.Tensor, bits: int) -> torch.Tensor:
@@ -99,28 +110,21 @@ def quantize(w: torch.Tensor, h: torch.Tensor, setting: Setting, damp: float = 0
     n, k = w.shape
     if k % 32:
         raise QuantkitError(f"{name} has {k} inputs: EXL2 needs a multiple of 32")
-    w, h = w.float().clone(), h.float()
-    dead = torch.diag(h) == 0
-    if dead.any():
-        h = h.clone()
-        h[dead, dead] = 1
-        w[:, dead] = 0
+    w, h = prepare(w, h)
     g = setting.group_size
     widths = setting.group_bits(k)
     scales = torch.zeros(n, len(widths), device=w.device)
-    codes16 = torch.zeros(n, len(widths), device=w.device)
     maxima = torch.zeros(len(widths), dtype=torch.float16, device=w.device)
 
     def fit(span: torch.Tensor, grp: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         b = widths[grp]
-        scales[:, grp], codes16[:, grp], maxima[grp] = scale_codes(span[:, : min(g, k - grp * g)], b)
+        scales[:, grp], maxima[grp] = grid(span[:, : min(g, k - grp * g)], b)
         return scales[:, grp], torch.full((n,), 2.0 ** (b - 1), device=w.device), 2**b - 1
 
     perm = torch.argsort(torch.diag(h), descending=True)
     col_group = torch.arange(k, device=w.device) // g
     codes, loss = run(w, h, perm, col_group, fit, damp, block_size, name)
-    group_bits = torch.tensor(widths, dtype=torch.uint8)
-    zeros = (1 << (group_bits.long() - 1)).to(torch.uint8).expand(n, -1).contiguous()
-    qt = QuantizedTensor(codes, scales.half(), zeros.to(codes.device), col_group[torch.argsort(perm)].to(torch.int32),
-                         int(group_bits.max()), g, True, group_bits=group_bits.to(codes.device), scale_max=maxima)
+    group_bits = torch.tensor(widths, dtype=torch.uint8, device=codes.device)
+    qt = QuantizedTensor(codes, scales.half(), zeros(group_bits, n), col_group[torch.argsort(perm)].to(torch.int32),
+                         int(group_bits.max()), g, True, group_bits=group_bits, scale_max=maxima)
     return GPTQResult(qt, loss)

@@ -41,6 +41,18 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float, name: str = "layer") ->
     )
 
 
+def prepare(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 copy of w to work on and h in float32, inputs that are always zero set to 0 in w
+    (any value is exact; take 0) and to 1 on h's diagonal so that it factors."""
+    w, h = w.float().clone(), h.float()
+    dead = torch.diag(h) == 0
+    if dead.any():
+        h = h.clone()  # the caller's matrix may serve other linears
+        h[dead, dead] = 1
+        w[:, dead] = 0
+    return w, h
+
+
 def column_order(diag: torch.Tensor, g: int, act_order: bool, group_aware: bool) -> torch.Tensor:
     """The order in which columns are quantized."""
     k = diag.shape[0]
@@ -81,13 +93,7 @@ def quantize(
     n, k = w.shape
     g = k if group_size == -1 else group_size
     ng = -(-k // g)
-    w = w.float().clone()
-    h = h.float()
-    dead = torch.diag(h) == 0  # inputs always zero: any value is exact, take 0
-    if dead.any():
-        h = h.clone()  # the caller's matrix may serve other linears
-        h[dead, dead] = 1
-        w[:, dead] = 0
+    w, h = prepare(w, h)
 
     scales = torch.zeros(n, ng, device=w.device)
     zeros = torch.zeros(n, ng, device=w.device)
