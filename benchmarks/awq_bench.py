@@ -36,7 +36,8 @@ def autoawq_quantize(m, windows, bits: int, group_size: int, layers: int) -> Non
     sys.path.insert(0, str(ROOT))
     from tests.refs import autoawq, cpu_snapshots_copied
 
-    from quantkit.pipeline import LINEARS, capture_inputs
+    from quantkit.layers import LINEARS
+    from quantkit.pipeline import capture_inputs
 
     scale = autoawq("quantize.scale")
     q = autoawq("quantize.quantizer").AwqQuantizer.__new__(autoawq("quantize.quantizer").AwqQuantizer)
@@ -78,18 +79,20 @@ def run(a) -> dict:
 
     torch.manual_seed(0)
     m = quantkit.load()
+    m.materialize()  # the first layers are worked on in place, outside the pipeline
     start = time.perf_counter()
     with torch.no_grad():
         if a.impl == "autoawq":
             windows = sample_windows(m.tokenizer, load_text(VALID), a.samples, 512, seed=0)
             autoawq_quantize(m, windows, a.bits, a.group_size, a.layers)
         elif a.layers < len(m.layers):  # our search over the same first layers
-            from quantkit.pipeline import awq_layer, capture_inputs, run_layer
+            from quantkit.pipeline import capture_inputs, run_layer
+            from quantkit.quantizers.awq import quantize_layer
 
             windows = sample_windows(m.tokenizer, load_text(VALID), a.samples, 512, seed=0)
             batches = capture_inputs(m, windows, 8)
             for layer in m.layers[: a.layers]:
-                awq_layer(layer, batches, a.bits, a.group_size, False, a.duo)
+                quantize_layer(layer, batches, a.bits, a.group_size, False, a.duo)
                 batches = run_layer(layer, batches)
         elif a.method != "base":
             extra = dict(act_order=True, mse=True) if a.method == "gptq" else {}

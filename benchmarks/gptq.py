@@ -2,6 +2,7 @@
 
     python benchmarks/gptq.py table [--samples 128] [--seqlen 512] [--windows 40]
     python benchmarks/gptq.py speed [--samples 32] [--bits 3] [--group-size 128] [--windows 20]
+    python benchmarks/gptq.py defaults [--samples 32] [--windows 20] [--settings w3g128,w4g128,w3g-1,w4g-1]
 
 `table`: base, RTN and GPTQ (act-order and MSE clipping) perplexity (llama.cpp protocol, ctx 512,
 first --windows windows of the wikitext-2 test file) at w4 g128, w3 g128 and w4 per channel, sym
@@ -12,6 +13,10 @@ no act-order), driven over the same layers with the same windows: quantization w
 RSS as ours / theirs, and both perplexities; then ours with act-order and MSE clipping against
 GPTQModel 7.7's figures at the same settings, which the issue measured on this kind of machine
 (GPTQModel needs torch 2.15 and its CUDA packages, so it is not re-run here).
+`defaults`: each GPTQ option's effect on perplexity and quantization time at w3/w4, g128 and per
+channel (symmetric, --samples x --seqlen calibration tokens): the reference's settings (no act-order,
+min-max grids), MSE clipping, the orderings that keep the plain g_idx layout (group-aware;
+act-order with static groups) and act-order with its permuted g_idx.
 Each run is a child process (`run`), so that peak RSS is that run's own.
 """
 from __future__ import annotations
@@ -77,7 +82,8 @@ def run(a) -> dict:
             windows = sample_windows(m.tokenizer, load_text(VALID), a.samples, a.seqlen, seed=0)
             autogptq_quantize(m, windows, a.bits, a.group_size, a.sym, a.act_order)
     elif a.method != "base":
-        quantkit.quantize(m, method=a.method, bits=a.bits, group_size=a.group_size, sym=a.sym, act_order=a.act_order, mse=a.mse, calib_data=VALID,
+        quantkit.quantize(m, method=a.method, bits=a.bits, group_size=a.group_size, sym=a.sym, act_order=a.act_order,
+                          static_groups=a.static_groups, group_aware=a.group_aware, mse=a.mse, calib_data=VALID,
                           calib_samples=a.samples, calib_seqlen=a.seqlen, seed=0, progress=False)
     seconds = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
@@ -117,6 +123,37 @@ def speed(a) -> None:
         ratios(best, GPTQMODEL, "ours (act-order + MSE) / GPTQModel 7.7 as measured in the issue")
 
 
+VARIANTS = {  # name: options; the first is the anchor
+    "reference (no act-order, min-max)": dict(act_order=False, static_groups=False, group_aware=False, mse=False),
+    "MSE clipping": dict(act_order=False, static_groups=False, group_aware=False, mse=True),
+    "act-order + static groups (plain g_idx)": dict(act_order=True, static_groups=True, group_aware=False, mse=False),
+    "group-aware + MSE (plain g_idx)": dict(act_order=False, static_groups=False, group_aware=True, mse=True),
+    "act-order + static groups + MSE (plain g_idx)": dict(act_order=True, static_groups=True, group_aware=False, mse=True),
+    "act-order + MSE (permuted g_idx)": dict(act_order=True, static_groups=False, group_aware=False, mse=True),
+}
+REFERENCE, DEFAULT = "reference (no act-order, min-max)", "group-aware + MSE (plain g_idx)"
+ROWS = [((3, 128), list(VARIANTS)), ((4, 128), [REFERENCE, DEFAULT]), ((3, -1), [REFERENCE, DEFAULT]),
+        ((4, -1), [REFERENCE, DEFAULT])]
+
+
+def defaults(a) -> None:
+    print(f"GPTQ, symmetric, {a.samples} x {a.seqlen} calibration tokens, {a.windows} test windows; "
+          "ratios against the reference settings of the same row")
+    print("| setting | options | perplexity | time | perplexity / reference | time / reference |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for (bits, group_size), names in ROWS:
+        if a.settings and f"w{bits}g{group_size}" not in a.settings.split(","):
+            continue
+        anchor = None
+        for name in names:
+            r = child(__file__, method="gptq", bits=bits, group_size=group_size, sym=True, samples=a.samples,
+                      seqlen=a.seqlen, windows=a.windows, **VARIANTS[name])
+            anchor = anchor or r
+            setting = f"w{bits} {'g' + str(group_size) if group_size > 0 else 'per-channel'}"
+            print(f"| {setting} | {name} | {r['perplexity']:.3f} | {r['seconds']:.1f} s | "
+                  f"{r['perplexity'] / anchor['perplexity']:.3f} | {r['seconds'] / anchor['seconds']:.2f} |", flush=True)
+
+
 def ratios(ours: dict, theirs: dict, label: str) -> None:
     print(f"{label}: time {ours['seconds'] / theirs['seconds']:.2f}, "
           f"peak RSS {ours['peak_rss_gib'] / theirs['peak_rss_gib']:.2f}, "
@@ -125,7 +162,7 @@ def ratios(ours: dict, theirs: dict, label: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["table", "speed", "run"])
+    p.add_argument("mode", choices=["table", "speed", "defaults", "run"])
     p.add_argument("--impl", choices=["ours", "autogptq"], default="ours")
     p.add_argument("--method", default="gptq")
     p.add_argument("--bits", type=int, default=3)
@@ -133,9 +170,12 @@ def main() -> None:
     p.add_argument("--sym", type=flag, default=True)
     p.add_argument("--act-order", type=flag, default=False)
     p.add_argument("--mse", type=flag, default=False)
+    p.add_argument("--static-groups", type=flag, default=False)
+    p.add_argument("--group-aware", type=flag, default=False)
     p.add_argument("--samples", type=int)
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--windows", type=int)
+    p.add_argument("--settings", help="defaults: only these rows, e.g. w4g128,w3g-1")
     a = p.parse_args()
     if a.mode == "run":
         print(json.dumps(run(a)))
@@ -144,7 +184,7 @@ def main() -> None:
         table(a)
     else:
         a.samples, a.windows = a.samples or 32, a.windows or 20
-        speed(a)
+        speed(a) if a.mode == "speed" else defaults(a)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ def perplexities(windows: int) -> None:
     import quantkit
 
     model = quantkit.load()
+    model.materialize()
     original = {k: v.clone() for k, v in model.module.state_dict().items()}
     base = quantkit.evaluate(model, TEST, "llamacpp", 512, windows, progress=False).perplexity
     print(f"base perplexity {base:.3f} (llama.cpp protocol, ctx 512, {windows} windows)")
@@ -51,10 +52,11 @@ def speed(repeats: int) -> None:
     import bitsandbytes.functional as F
 
     import quantkit
-    from quantkit.pipeline import LINEARS
+    from quantkit.layers import LINEARS
     from quantkit.quantizers import nf4
 
     model = quantkit.load()
+    model.materialize()
     weights = [layer.get_submodule(name).weight.detach().clone() for layer in model.layers for name in LINEARS]
     n = sum(w.numel() for w in weights)
     print(f"{len(weights)} linears, {n / 1e6:.1f} M weights, float32, {torch.get_num_threads()} threads")

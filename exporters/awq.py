@@ -48,8 +48,9 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
     if qconfig.group_size == -1:
         raise QuantkitError("the AWQ GEMM layout needs one group size for every linear: use --group-size 64 "
                             "(or 32, 128) or --format safetensors")
-    if qconfig.act_order:
-        raise QuantkitError("the AWQ GEMM layout has no g_idx, so no act-order: drop --act-order or use --format safetensors")
+    if qconfig.act_order and not qconfig.static_groups:
+        raise QuantkitError("the AWQ GEMM layout has no g_idx, so no act-order with its groups reordered: "
+                            "add --static-groups, drop --act-order or use --format safetensors")
     for name, n, k in linear_shapes(module):
         if k % qconfig.group_size or n % 8:
             raise QuantkitError(

@@ -103,8 +103,9 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
                                        lambda act_order: quantization_config(qconfig), (), max_shard_size)
 
 
-def scheme(path: Path, qc: dict) -> tuple[int, int, bool]:
-    """bits, group size (-1: per channel) and symmetry of a pack-quantized checkpoint's one weight scheme."""
+def scheme(path: Path, qc: dict) -> tuple[int, int, bool, bool]:
+    """bits, group size (-1: per channel), symmetry and act-order ("weight": static groups) of a
+    pack-quantized checkpoint's one weight scheme."""
     groups = list(qc.get("config_groups", {}).values())
     group = groups[0] if len(groups) == 1 else {}
     w = group.get("weights") or {}
@@ -113,7 +114,8 @@ def scheme(path: Path, qc: dict) -> tuple[int, int, bool]:
             group.get("input_activations"):
         raise QuantkitError(f"{path}: quantkit reads compressed-tensors pack-quantized integer weights with one "
                             "group or channel scheme and unquantized activations")
-    return w["num_bits"], w["group_size"] if w["strategy"] == "group" else -1, w.get("symmetric", True)
+    return (w["num_bits"], w["group_size"] if w["strategy"] == "group" else -1, w.get("symmetric", True),
+            w.get("actorder") == "weight")
 
 
 def read(path: Path, packed: bool = False) -> Model:
@@ -122,7 +124,7 @@ def read(path: Path, packed: bool = False) -> Model:
     cfg = AutoConfig.from_pretrained(path)
     qc = cfg.quantization_config
     del cfg.quantization_config
-    bits, group_size, sym = scheme(path, qc)
+    bits, group_size, sym, ordered = scheme(path, qc)
     state = checkpoint.read_tensors(path)
     layers = {}
     for key in [k for k in state if k.endswith(".weight_packed")]:
@@ -143,5 +145,5 @@ def read(path: Path, packed: bool = False) -> Model:
         qt = QuantizedTensor(unpack(words, bits, k), scales.half(), zeros, group_index(k, group_size), bits,
                              group_size, sym)
         layers[name] = GPTQLinear.from_tensor(qt, state.pop(f"{name}.bias", None), name=f"{path}: {name}")
-    qconfig = QuantConfig("gptq", bits, group_size, sym)
+    qconfig = QuantConfig("gptq", bits, group_size, sym, act_order=ordered, static_groups=ordered)
     return checkpoint.model(path, cfg, state, layers, qconfig, packed)

@@ -47,13 +47,15 @@ def cli() -> None:
 @click.option("--sym/--asym", default=None, help="symmetric grid [default: asym for awq, sym otherwise]")
 @click.option("--damp", type=float, default=0.01, show_default=True, help="GPTQ: damping, of the mean Hessian diagonal")
 @click.option("--block-size", type=int, help="GPTQ: columns per lazy batch [128]; NF4/FP4: values per absmax block [64]")
-@click.option("--act-order/--no-act-order", default=False, show_default=True, help="GPTQ: columns by decreasing Hessian diagonal")
-@click.option("--static-groups", is_flag=True, help="GPTQ: group grids fixed before act-order")
+@click.option("--act-order/--no-act-order", default=False, show_default=True,
+              help="GPTQ: columns by decreasing Hessian diagonal, groups in that order (a permuted g_idx)")
+@click.option("--static-groups", is_flag=True, help="GPTQ: group grids fixed before act-order, so g_idx stays plain")
 @click.option("--true-sequential/--no-true-sequential", default=True, show_default=True,
               help="GPTQ: q/k/v, o, gate/up, down in turn, each on the inputs of the quantized ones")
-@click.option("--mse", is_flag=True, help="search the clipping range (RTN and GPTQ)")
-@click.option("--group-aware", is_flag=True,
-              help="GPTQ: act-order within groups, groups by importance; keeps the plain g_idx layout")
+@click.option("--mse/--no-mse", default=None, help="search the clipping range (RTN and GPTQ) [default: on for GPTQ]")
+@click.option("--group-aware/--no-group-aware", default=None,
+              help="GPTQ: act-order within groups, groups by importance; keeps the plain g_idx layout "
+                   "[default: on unless --act-order]")
 @click.option("--double-quant", is_flag=True, help="NF4/FP4: quantize the absmax values to 8 bits too")
 @click.option("--duo-scaling", is_flag=True, help="AWQ: scales from activations and weights (AutoAWQ's default)")
 @click.option("--out", required=True, type=click.Path(), help="export directory (a .gguf file for --format gguf)")

@@ -20,11 +20,13 @@ class QuantConfig:
     # GPTQ
     damp: float = 0.01  # of the mean Hessian diagonal
     block_size: int | None = None  # GPTQ: columns per lazy batch (128); NF4/FP4: values per absmax block (64)
+    # GPTQ's defaults, from measurements (benchmarks/RESULTS.md): MSE clipping and the group-aware order,
+    # which keeps the plain g_idx layout every consumer loads fastest; RTN rounds min-max grids unless asked
     act_order: bool = False
     static_groups: bool = False
     true_sequential: bool = True
-    mse: bool = False  # search the clipping range (RTN too)
-    group_aware: bool = False  # act-order inside groups, groups by importance; no g_idx permutation
+    mse: bool | None = None  # search the clipping range (RTN too); default: on for GPTQ
+    group_aware: bool | None = None  # act-order inside groups, groups by importance; default: GPTQ without act-order
     double_quant: bool = False  # NF4/FP4: absmax values quantized to 8 bits
     duo_scaling: bool = False  # AWQ: s = mean|x|^a / mean|w|^(1-a) (AutoAWQ's default) instead of mean|x|^a
     gguf_type: str | None = None  # GGUF mix (Q4_K_M, Q8_0, ...): blocks of llama.cpp's types instead of our grids
@@ -38,6 +40,10 @@ class QuantConfig:
         check_bits_group(self.bits, self.group_size)
         if self.sym is None:
             self.sym = self.method != "awq"
+        if self.group_aware is None:
+            self.group_aware = self.method == "gptq" and not self.act_order
+        if self.mse is None:
+            self.mse = self.method == "gptq"
         if self.duo_scaling and self.method != "awq":
             raise QuantkitError("duo scaling is an AWQ option: use it with --method awq")
         if self.block_size is None:

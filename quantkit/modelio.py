@@ -5,6 +5,7 @@ import fcntl
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import zipfile
@@ -84,6 +85,8 @@ class Checkpoint:
     """A float safetensors checkpoint read tensor by tensor: each read maps its shard (mmap) only
     for as long as it takes, so what was read is not counted against the process afterwards."""
 
+    config = "config.json"  # where the model's shapes come from, for error messages
+
     def __init__(self, path: Path):
         self.path = path
         index = path / "model.safetensors.index.json"
@@ -128,19 +131,72 @@ class Checkpoint:
             key = name if name in self.where or name != "lm_head.weight" else "model.embed_tokens.weight"
             if key not in self.where:
                 raise QuantkitError(f"{self.path}: tensor {key} is missing from the checkpoint: download it again")
-            try:  # mapped for one tensor at a time: its pages count as the process's memory while mapped
-                with safe_open(str(self.where[key]), "pt", device=str(device)) as sf:
-                    t = out[name] = sf.get_tensor(key)
-            except (SafetensorError, OSError) as e:
-                raise QuantkitError(f"{self.where[key]}: cannot be read ({e}): the file is damaged or was changed; "
-                                    "re-download it") from None
+            t = out[name] = self.tensor(key, device)
             if tuple(t.shape) != shape:
-                raise QuantkitError(f"{self.path}: tensor {name} has shape {tuple(t.shape)} but config.json implies "
+                raise QuantkitError(f"{self.path}: tensor {name} has shape {tuple(t.shape)} but {self.config} implies "
                                     f"{shape}: the config and the weights are from different models")
             if not all(torch.isfinite(c).all() for c in t.reshape(-1).split(2**24)):  # bounded temporaries
                 raise QuantkitError(f"{self.path}: weight {name} contains NaN or Inf: the checkpoint is damaged; "
                                     "re-download or re-export it")
         return out
+
+    def tensor(self, key: str, device: str | torch.device) -> torch.Tensor:
+        try:  # mapped for one tensor at a time: its pages count as the process's memory while mapped
+            with safe_open(str(self.where[key]), "pt", device=str(device)) as sf:
+                return sf.get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise QuantkitError(f"{self.where[key]}: cannot be read ({e}): the file is damaged or was changed; "
+                                "re-download it") from None
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A GGUF file read like a float checkpoint, tensor by tensor: each one dequantized to float32
+    when asked for (gguf-py), under its Hugging Face name, q/k rows back in Hugging Face's order."""
+
+    config = "the GGUF's metadata"
+
+    def __init__(self, path: Path, header, heads: dict[str, int]):
+        from quantkit.exporters.gguf import NAMES
+
+        self.path, self.heads = path, heads
+        self.infos = {t.name: t for t in header.tensors}
+        self.data_start = header.data_start
+        size = path.stat().st_size
+        hf = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+        hf |= {g: f"model.layers.{{}}.{h}" for h, g in NAMES.items()}
+        self.where: dict[str, str] = {}
+        for name, info in self.infos.items():
+            if self.data_start + info.offset + info.nbytes > size:
+                raise QuantkitError(f"{path}: tensor {name} lies past the end of the file: the file is truncated; "
+                                    "re-download or re-export it")
+            parts = name.split(".")
+            if parts[0] == "blk" and len(parts) == 4 and parts[2] in hf:
+                self.where[hf[parts[2]].format(parts[1]) + "." + parts[3]] = name
+            elif len(parts) == 2 and parts[0] in hf:
+                self.where[f"{hf[parts[0]]}.{parts[1]}"] = name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32  # blocks dequantize to float32, as llama.cpp computes them
+
+    def tensor(self, key: str, device: str | torch.device) -> torch.Tensor:
+        import gguf
+        import numpy as np
+
+        info = self.infos[self.where[key]]
+        start = self.data_start + info.offset
+        raw = np.memmap(self.path, np.uint8, "r", start, (info.nbytes,))
+        kind = gguf.GGMLQuantizationType(info.ggml_type)
+        if kind.name in ("F32", "F16", "BF16"):
+            values = torch.from_numpy(np.array(raw)).view({"F32": torch.float32, "F16": torch.float16,
+                                                           "BF16": torch.bfloat16}[kind.name]).float()
+        else:
+            values = torch.from_numpy(gguf.quants.dequantize(raw, kind))
+        t = values.reshape(info.shape)
+        for suffix, n_head in self.heads.items():  # undo llama.cpp's rope row order (exporters.gguf.permute_rows)
+            if key.endswith(f"{suffix}.weight"):
+                t = t.reshape(n_head, t.shape[0] // n_head // 2, 2, -1).transpose(1, 2).reshape(info.shape)
+        return t.contiguous().to(device)
 
 
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -165,14 +221,6 @@ def check_architecture(model_type: str, source: str) -> None:
         raise QuantkitError(
             f"{source}: architecture {model_type!r} is not supported: quantkit handles {', '.join(SUPPORTED)}"
         )
-
-
-def check_finite(module: torch.nn.Module, source: str) -> None:
-    for name, p in module.named_parameters():
-        if p.is_floating_point() and not torch.isfinite(p).all():
-            raise QuantkitError(
-                f"{source}: weight {name} contains NaN or Inf: the checkpoint is damaged; re-download or re-export it"
-            )
 
 
 def load(path: str | os.PathLike | None = None, packed: bool = False) -> Model:
@@ -216,15 +264,15 @@ def load_dir(path: Path, packed: bool = False) -> Model:
         Checkpoint(path)  # every shard there, every header readable: a damaged file fails here, by name
         return readers[qc["quant_method"]](path, packed)
     checkpoint = Checkpoint(path)
-    return Model(skeleton(path, checkpoint), load_tokenizer(path), str(path), checkpoint=checkpoint)
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    return Model(skeleton(cfg, checkpoint, path), load_tokenizer(path), str(path), checkpoint=checkpoint)
 
 
-def skeleton(path: Path, checkpoint: Checkpoint) -> PreTrainedModel:
-    """The model on the meta device, in the checkpoint's dtype (buffers such as the rotary
-    frequencies are computed for real); refuses a checkpoint that lacks a weight the config needs."""
+def skeleton(cfg, checkpoint: Checkpoint, path: Path) -> PreTrainedModel:
+    """The model of config cfg on the meta device, in the checkpoint's dtype (buffers such as the
+    rotary frequencies are computed for real); refuses a checkpoint that lacks a weight cfg needs."""
     from accelerate import init_empty_weights
 
-    cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
     with init_empty_weights(include_buffers=False):
         module = AutoModelForCausalLM.from_config(cfg, dtype=checkpoint.dtype, trust_remote_code=False)
     if (path / "generation_config.json").is_file():
@@ -232,8 +280,8 @@ def skeleton(path: Path, checkpoint: Checkpoint) -> PreTrainedModel:
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     missing = [n for n, _ in module.named_parameters() if n not in checkpoint.where and n not in tied]
     if missing:
-        raise QuantkitError(f"{path}: the checkpoint lacks {missing[0]} ({len(missing)} missing), which config.json "
-                            "calls for: download the whole checkpoint, or fix config.json")
+        raise QuantkitError(f"{path}: the checkpoint lacks {missing[0]} ({len(missing)} missing), which "
+                            f"{checkpoint.config} calls for: download the whole checkpoint, or fix {checkpoint.config}")
     return module.eval()
 
 
@@ -245,31 +293,55 @@ def load_tokenizer(path: Path, **kw):
 
 
 def load_gguf(path: Path) -> Model:
+    """A GGUF file as a model read lazily, like a float checkpoint: the config and tokenizer from its
+    metadata (transformers' tables), each weight dequantized when the pipeline reaches it."""
     import gguf
+    from transformers.integrations.gguf import GgufHeader, read_gguf_metadata
 
     try:
-        reader = gguf.GGUFReader(path)
-        arch = reader.fields["general.architecture"].contents()
-    except (ValueError, KeyError, IndexError, OSError) as e:
+        metadata, names = read_gguf_metadata(str(path))
+        header = GgufHeader.from_file(str(path))
+        arch = metadata["general.architecture"]
+    except (ValueError, KeyError, IndexError, OSError, struct.error, UnicodeDecodeError, OverflowError) as e:
         raise QuantkitError(f"{path}: not a readable GGUF file, corrupt or truncated ({e or type(e).__name__}): "
                             "re-download or re-export it") from None
     if arch not in GGUF_ARCHS:
         raise QuantkitError(f"{path}: GGUF architecture {arch!r} is not supported: quantkit reads {', '.join(GGUF_ARCHS)}")
-    module = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    # transformers marks GGUF-loaded models as quantized and refuses to save them; the weights are plain floats.
-    del module.config.quantization_config
-    module.hf_quantizer, module.is_quantized, module.quantization_method = None, False, None
-    types = linear_types(module, {t.name: t.tensor_type.name for t in reader.tensors})
-    model = Model(module.eval(), gguf_tokenizer(path, reader), str(path), gguf_types=types)
-    check_finite(model.module, model.source)
-    return model
+    cfg = gguf_config(metadata, names, path)
+    # llama.cpp's converter interleaves llama's q/k rope halves; qwen2's rope takes them as they are
+    heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
+    checkpoint = GGUFCheckpoint(path, header, heads if arch == "llama" else {})
+    module = skeleton(cfg, checkpoint, path)
+    types = linear_types(module, {t.name: gguf.GGMLQuantizationType(t.ggml_type).name for t in header.tensors})
+    return Model(module, gguf_tokenizer(path, metadata), str(path), gguf_types=types, checkpoint=checkpoint)
 
 
-def gguf_tokenizer(path: Path, reader):
+def gguf_config(metadata: dict, names: tuple[str, ...], path: Path):
+    """The transformers config a GGUF's metadata describes (transformers' own key table)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    values = {"model_type": metadata["general.architecture"], "tie_word_embeddings": "output.weight" not in names}
+    for key, value in metadata.items():
+        prefix, _, rest = key.partition(".")
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        if renamed not in (None, -1, "model_type", "_model_name_or_path"):
+            values[renamed] = value
+    try:
+        return CONFIG_MAPPING[values.pop("model_type")](**values)
+    except (TypeError, ValueError) as e:
+        raise QuantkitError(f"{path}: the GGUF's metadata does not make a model config ({e}): re-export it") from None
+
+
+def gguf_tokenizer(path: Path, metadata: dict):
     """The tokenizer of a GGUF file, pre-tokenizing as llama.cpp does."""
-    tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
-    pre = reader.fields.get("tokenizer.ggml.pre")
-    if pre is not None and pre.contents() in DIGIT_SPLIT_PRE:
+    from transformers import TokenizersBackend
+
+    try:
+        tokenizer = TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError, KeyError) as e:
+        raise QuantkitError(f"{path}: no usable tokenizer in the GGUF ({e}): re-export it") from None
+    if metadata.get("tokenizer.ggml.pre") in DIGIT_SPLIT_PRE:
         # transformers' GGUF converter ignores tokenizer.ggml.pre; llama.cpp splits every digit first
         from tokenizers import Regex, pre_tokenizers
 
@@ -347,6 +419,7 @@ def default_model_dir() -> Path:
 
     def write(tmp: Path) -> None:
         model = load_gguf(default_gguf())
+        model.materialize()
         print(f"caching the dequantized {DEFAULT_NAME} in {target}", file=sys.stderr)
         model.module.save_pretrained(tmp)
         model.tokenizer.save_pretrained(tmp)

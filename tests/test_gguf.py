@@ -5,6 +5,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import quantkit
 from quantkit.errors import QuantkitError
@@ -101,14 +102,19 @@ def tiny256(tmp_path_factory):
 
 @pytest.mark.parametrize("mix", ["F32", "BF16", "Q8_0", "Q4_1", "Q4_K_M", "Q2_K"])
 def test_file_reads_back_as_the_quantized_model(tiny256, tmp_path, mix):
-    """transformers' GGUF reader (llama.cpp's layout: names, q/k rows permuted, tokenizer) gives back
-    exactly the weights we quantized, and the same tokenization."""
+    """Our GGUF reader, and for two mixes transformers' (llama.cpp's layout: names, q/k rows permuted,
+    tokenizer), give back exactly the weights we quantized, and the same tokenization."""
     m = quantkit.quantize(tiny256, method="rtn", format="gguf", gguf_type=mix, out=tmp_path / "m.gguf", keep=True,
                           progress=False)
     back = quantkit.load(tmp_path / "m.gguf")
-    theirs = back.module.state_dict()
-    for key, t in m.module.state_dict().items():
-        assert torch.equal(t, theirs[key]), key
+    assert back.module.model.layers[0].mlp.up_proj.weight.is_meta  # read when needed, like a checkpoint
+    back.materialize()
+    readers = [back.module.state_dict()]
+    if mix in ("BF16", "Q4_K_M"):
+        readers.append(AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).state_dict())
+    for theirs in readers:
+        for key, t in m.module.state_dict().items():
+            assert torch.equal(t, theirs[key]), key
     text = VALID.read_text()[:2000]
     assert back.tokenizer(text)["input_ids"] == m.tokenizer(text)["input_ids"]
     r = gguf.GGUFReader(tmp_path / "m.gguf")
@@ -122,6 +128,7 @@ def test_checkpoint_grid_exports_its_codes(tiny256, tmp_path):
                           progress=False)
     quantkit.api.export_gguf(quantkit.load(tmp_path / "ckpt"), tmp_path / "m.gguf")
     back = quantkit.load(tmp_path / "m.gguf")
+    back.materialize()
     for name, qt in m.tensors.items():
         assert torch.equal(back.module.get_submodule(name).weight, qt.dequantize()), name
 

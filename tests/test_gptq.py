@@ -132,7 +132,7 @@ def test_a_linear_without_calibration_input_is_reported():
     quantize = quantizer(QuantConfig("gptq", 4, 128), {})
     with pytest.warns(UserWarning, match="no calibration input reached it, so it was quantized with RTN"):
         qt = quantize("model.layers.3.mlp.up_proj", w, Hessian(w.shape[1]))
-    assert torch.equal(qt.codes, rtn.quantize(w, 4, 128, True).codes)
+    assert torch.equal(qt.codes, rtn.quantize(w, 4, 128, True, mse=True).codes)  # GPTQ's clipping default
 
 
 def test_act_order_export_reloads_bit_identical(tiny_dir, tmp_path):
@@ -142,8 +142,9 @@ def test_act_order_export_reloads_bit_identical(tiny_dir, tmp_path):
 
     from .conftest import VALID
 
-    m = quantkit.quantize(str(tiny_dir), method="gptq", bits=4, group_size=32, act_order=True, calib_data=VALID,
-                          calib_samples=8, calib_seqlen=64, out=tmp_path / "q", keep=True, progress=False)
+    m = quantkit.quantize(str(tiny_dir), method="gptq", bits=4, group_size=32, act_order=True, static_groups=False,
+                          calib_data=VALID, calib_samples=8, calib_seqlen=64, out=tmp_path / "q", keep=True,
+                          progress=False)
     assert any(qt.act_order for qt in m.tensors.values())
     cfg = json.loads((tmp_path / "q" / "quantize_config.json").read_text())
     assert cfg["desc_act"] is True and cfg["meta"]["method"] == "gptq" and cfg["damp_percent"] == 0.01
@@ -153,6 +154,27 @@ def test_act_order_export_reloads_bit_identical(tiny_dir, tmp_path):
         assert torch.equal(back.tensors[name].g_idx, qt.g_idx)
         assert torch.equal(back.module.get_submodule(name).weight, qt.dequantize())
     assert not (tmp_path / ".q.progress.pt").exists()  # the resume file goes once the export is complete
+
+
+def test_defaults_order_the_columns_and_keep_the_plain_layout(tiny_dir, tmp_path):
+    """GPTQ's defaults: the group-aware order and MSE clipping; g_idx stays k // G, so the checkpoint
+    says desc_act false and the AWQ layout takes it too."""
+    import json
+
+    import quantkit
+
+    from .conftest import VALID
+
+    kw = dict(method="gptq", bits=4, group_size=32, calib_data=VALID, calib_samples=8, calib_seqlen=64, keep=True,
+              progress=False)
+    m = quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **kw)
+    assert (m.qconfig.act_order, m.qconfig.group_aware, m.qconfig.mse) == (False, True, True)
+    assert not any(qt.act_order for qt in m.tensors.values())
+    assert json.loads((tmp_path / "q" / "quantize_config.json").read_text())["desc_act"] is False
+    plain = quantkit.quantize(str(tiny_dir), group_aware=False, mse=False, **kw)
+    assert any(not torch.equal(plain.tensors[n].codes, qt.codes) for n, qt in m.tensors.items())
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "awq", format="awq", **kw)  # no g_idx needed
+    assert (tmp_path / "awq" / "config.json").is_file()
 
 
 def test_group_aware_order_keeps_the_plain_layout_and_beats_rtn():
