@@ -18,15 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from gguf_bench import tensors
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-
-def tensors(path: Path) -> dict[str, bytes]:
-    import gguf
-    import numpy as np
-
-    return {t.name: np.asarray(t.data).tobytes() for t in gguf.GGUFReader(path).tensors}
 
 
 def best(command: list[str], repeat: int, env: dict | None = None) -> float:

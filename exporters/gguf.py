@@ -41,6 +41,7 @@ NAMES = {
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 }
 EMBED, HEAD = "model.embed_tokens", "lm_head"
+TOP = {EMBED: "token_embd", "model.norm": "output_norm", HEAD: "output"}  # the modules outside the layers
 DEFAULT_MIX = "Q4_K_M"
 
 
@@ -127,12 +128,9 @@ def permute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_name(key: str) -> str:
-    if key == f"{EMBED}.weight":
-        return "token_embd.weight"
-    if key == "model.norm.weight":
-        return "output_norm.weight"
-    if key == f"{HEAD}.weight":
-        return "output.weight"
+    prefix, _, kind = key.rpartition(".")
+    if prefix in TOP and kind == "weight":
+        return f"{TOP[prefix]}.weight"
     _, _, i, rest = key.split(".", 3)
     module = rest.removesuffix(".weight")
     if module not in NAMES or not rest.endswith(".weight"):

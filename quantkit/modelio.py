@@ -156,14 +156,13 @@ class GGUFCheckpoint(Checkpoint):
     config = "the GGUF's metadata"
 
     def __init__(self, path: Path, header, heads: dict[str, int]):
-        from quantkit.exporters.gguf import NAMES
+        from quantkit.exporters.gguf import NAMES, TOP
 
         self.path, self.heads = path, heads
         self.infos = {t.name: t for t in header.tensors}
         self.data_start = header.data_start
         size = path.stat().st_size
-        hf = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-        hf |= {g: f"model.layers.{{}}.{h}" for h, g in NAMES.items()}
+        hf = {g: h for h, g in TOP.items()} | {g: f"model.layers.{{}}.{h}" for h, g in NAMES.items()}
         self.where: dict[str, str] = {}
         for name, info in self.infos.items():
             if self.data_start + info.offset + info.nbytes > size:
@@ -187,9 +186,8 @@ class GGUFCheckpoint(Checkpoint):
         start = self.data_start + info.offset
         raw = np.memmap(self.path, np.uint8, "r", start, (info.nbytes,))
         kind = gguf.GGMLQuantizationType(info.ggml_type)
-        if kind.name in ("F32", "F16", "BF16"):
-            values = torch.from_numpy(np.array(raw)).view({"F32": torch.float32, "F16": torch.float16,
-                                                           "BF16": torch.bfloat16}[kind.name]).float()
+        if kind.name in FLOAT_DTYPES:
+            values = torch.from_numpy(np.array(raw)).view(FLOAT_DTYPES[kind.name]).float()
         else:
             values = torch.from_numpy(gguf.quants.dequantize(raw, kind))
         t = values.reshape(info.shape)

@@ -277,11 +277,10 @@ def plot(r: dict, out: Path) -> None:
             ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], "o-", label=fam)
             for x, y, n in pts:
                 ax.annotate(n.split("-", 1)[-1], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_yscale("log")
         if key == "perplexity":
             base = r["base"]["perplexity"]
             ax.axhline(base, color="gray", ls="--", label="base (float)")
-        ax.set_yscale("log")
-        if key == "perplexity":
             off = [p for p in ok if p[key] > 20 * base]  # a broken point would flatten the rest: named instead
             if off:
                 ax.set_ylim(min(p[key] for p in ok) * 0.9, 20 * base)

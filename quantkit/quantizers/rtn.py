@@ -30,22 +30,24 @@ def fit_grid(w: torch.Tensor, bits: int, sym: bool, mse: bool = False) -> tuple[
     if not mse:
         return scale, zero
     best = torch.full_like(scale, float("inf"))
-    step = torch.zeros_like(scale)
+    step = torch.zeros_like(scale)  # each row's best shrink so far, in steps of 1%
+
+    def shrunk(i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grid_of(lo * (1 - i / 100), hi * (1 - i / 100), maxq, sym)
 
     def trial(i: torch.Tensor) -> None:
-        nonlocal scale, zero, best, step
-        s, z = grid_of(lo * (1 - i / 100), hi * (1 - i / 100), maxq, sym)
+        nonlocal best, step
+        s, z = shrunk(i)
         err = (dequantize(round_codes(w, s, z, bits), s, z) - w).abs().pow(2.4).sum(dim=1)
         better = err < best
         best, step = torch.where(better, err, best), torch.where(better, i, step)
-        scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
 
     for i in range(0, 80, 5):
         trial(torch.full_like(scale, i))
     coarse = step.clone()
     for d in (-4, -3, -2, -1, 1, 2, 3, 4):
         trial((coarse + d).clamp(0, 79))
-    return scale, zero
+    return shrunk(step)
 
 
 def grid_of(lo: torch.Tensor, hi: torch.Tensor, maxq: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
