@@ -46,7 +46,8 @@ def hub_text(split: str) -> str:
 def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0) -> torch.Tensor:
     """n non-overlapping windows of seqlen tokens at seeded random places: LongTensor [n, seqlen]."""
     if n < 1 or seqlen < 2:
-        raise QuantkitError(f"need at least 1 window of at least 2 tokens, got {n} x {seqlen}")
+        raise QuantkitError(f"{n} windows of {seqlen} tokens asked for: ask for at least 1 window (--calib-samples) "
+                            "of at least 2 tokens (--calib-seqlen)")
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     slots = len(ids) // seqlen
     if slots < n:

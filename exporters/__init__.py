@@ -17,10 +17,14 @@ from .shards import DEFAULT_MAX_SIZE, parse_size
 FORMATS = ("safetensors", "awq", "gguf", "compressed-tensors", "exl2")
 
 
-def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
-    """Refuse, before quantizing, a format that cannot hold this model quantized this way."""
+def check_format_name(fmt: str) -> None:
     if fmt not in FORMATS:
         raise QuantkitError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
+
+
+def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
+    """Refuse, before quantizing, a format that cannot hold this model quantized this way."""
+    check_format_name(fmt)
     if (fmt == "gguf") != (qconfig.gguf_type is not None):
         raise QuantkitError("a GGUF type goes with --format gguf and --format gguf needs one: pass both or neither")
     if (fmt == "exl2") != (qconfig.exl2 is not None):
@@ -90,4 +94,4 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
         raise
 
 
-__all__ = ["DEFAULT_MAX_SIZE", "FORMATS", "gguf", "check_format", "check_out", "export", "open_writer", "parse_size", "progress_path"]
+__all__ = ["DEFAULT_MAX_SIZE", "FORMATS", "gguf", "check_format", "check_format_name", "check_out", "export", "open_writer", "parse_size", "progress_path"]

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from quantkit.errors import QuantkitError
 from quantkit.config import QuantConfig
-from quantkit.modelio import Model, load_tokenizer
+from quantkit.modelio import Model, check_config, finite, load_tokenizer
 from quantkit.qlinear import QuantLinear
 from quantkit.qtensor import QuantizedTensor
 
@@ -111,6 +111,12 @@ def build(path: Path, cfg, state: dict[str, torch.Tensor], layers: dict[str, tor
     """A float32 model from a config (its quantization_config removed), a state dict and the modules
     that replace some linears. Made on the meta device and filled from state, so no weight is
     allocated twice; the buffers checkpoints do not hold (rotary frequencies) are made again."""
+    shapes = {k: tuple(v.shape) for k, v in state.items()} | \
+        {f"{name}.weight": (layer.out_features, layer.in_features) for name, layer in layers.items()}
+    check_config(cfg, shapes, path)
+    for name, t in [*state.items(), *((f"{n}.{k}", t) for n, layer in layers.items() for k, t in layer.state_dict().items())]:
+        if not finite(t):
+            raise QuantkitError(f"{path}: {name} contains NaN or Inf: the checkpoint is damaged; re-export it")
     with torch.device("meta"):
         module = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     for name, layer in layers.items():

@@ -300,6 +300,7 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
     config = TrainConfig(**{k: v for k, v in options.items() if v is not None})
     qconfig, merged = None, f"{out}-merged"
     if quantize_method:
+        exporters.check_format_name(fmt)  # before the training, not after it
         if distributed.world() > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise QuantkitError("--quantize runs in one process: train under torchrun, then run quantkit merge and "
                                 "quantkit quantize")
@@ -362,6 +363,7 @@ def main() -> None:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
-    except click.ClickException as e:
-        e.show()
+    except click.ClickException as e:  # a usage error (2): one line, as every other bad input
+        ctx = getattr(e, "ctx", None)
+        click.echo(f"error: {e.format_message()}{f' (see {ctx.command_path} --help)' if ctx else ''}", err=True)
         sys.exit(e.exit_code)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import shutil
 import struct
@@ -20,7 +21,7 @@ from accelerate.utils import set_module_tensor_to_device
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from .config import QuantConfig
-from .errors import QuantkitError
+from .errors import QuantkitError, untrusted
 from .qtensor import QuantizedTensor
 
 SUPPORTED = ("llama", "mistral", "qwen2")  # decoders with model.layers[i].{self_attn,mlp}.*_proj
@@ -91,11 +92,12 @@ class Checkpoint:
         self.path = path
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise QuantkitError(f"{index}: not a valid shard index ({e}): restore it from the model's files") from None
-            files = sorted({path / f for f in weight_map.values()})
+            with untrusted(index, "not a valid shard index", "restore it from the model's files"):
+                files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+            outside = [f for f in files if f.parent != path]
+            if outside:
+                raise QuantkitError(f"{index}: names a shard outside the model directory ({outside[0]}): "
+                                    "restore it from the model's files")
             missing = [f.name for f in files if not f.is_file()]
             if missing:
                 raise QuantkitError(f"{path}: shard {missing[0]} is named by model.safetensors.index.json but missing: "
@@ -104,11 +106,13 @@ class Checkpoint:
             files = sorted(path.glob("*.safetensors"))
         self.where: dict[str, Path] = {}
         self.dtypes: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
         for f in files:
             try:
                 with safe_open(str(f), "pt") as sf:
                     for key in sf.keys():
-                        self.where[key], self.dtypes[key] = f, sf.get_slice(key).get_dtype()
+                        info = sf.get_slice(key)
+                        self.where[key], self.dtypes[key], self.shapes[key] = f, info.get_dtype(), tuple(info.get_shape())
             except (SafetensorError, OSError) as e:
                 raise QuantkitError(f"{f}: corrupt or truncated safetensors file ({e}): re-download or re-export it") from None
 
@@ -135,7 +139,10 @@ class Checkpoint:
             if tuple(t.shape) != shape:
                 raise QuantkitError(f"{self.path}: tensor {name} has shape {tuple(t.shape)} but {self.config} implies "
                                     f"{shape}: the config and the weights are from different models")
-            if not all(torch.isfinite(c).all() for c in t.reshape(-1).split(2**24)):  # bounded temporaries
+            if not t.is_floating_point():
+                raise QuantkitError(f"{self.path}: tensor {name} is {t.dtype}, not a float type: the checkpoint is "
+                                    "damaged or not a float model; re-download or re-export it")
+            if not finite(t):
                 raise QuantkitError(f"{self.path}: weight {name} contains NaN or Inf: the checkpoint is damaged; "
                                     "re-download or re-export it")
         return out
@@ -164,15 +171,19 @@ class GGUFCheckpoint(Checkpoint):
         size = path.stat().st_size
         hf = {g: h for h, g in TOP.items()} | {g: f"model.layers.{{}}.{h}" for h, g in NAMES.items()}
         self.where: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
         for name, info in self.infos.items():
             if self.data_start + info.offset + info.nbytes > size:
                 raise QuantkitError(f"{path}: tensor {name} lies past the end of the file: the file is truncated; "
                                     "re-download or re-export it")
             parts = name.split(".")
             if parts[0] == "blk" and len(parts) == 4 and parts[2] in hf:
-                self.where[hf[parts[2]].format(parts[1]) + "." + parts[3]] = name
+                key = hf[parts[2]].format(parts[1]) + "." + parts[3]
             elif len(parts) == 2 and parts[0] in hf:
-                self.where[f"{hf[parts[0]]}.{parts[1]}"] = name
+                key = f"{hf[parts[0]]}.{parts[1]}"
+            else:
+                continue
+            self.where[key], self.shapes[key] = name, tuple(int(d) for d in info.shape)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -201,6 +212,11 @@ FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
 # tensor name endings that give away a quantized checkpoint whose config does not say so
 QUANTIZED_MARKS = {".qweight": "GPTQ or AWQ", ".absmax": "bitsandbytes", ".weight_packed": "compressed-tensors",
                    ".weight_scale": "an FP8 or compressed-tensors quantizer", ".SCB": "bitsandbytes 8-bit"}
+
+
+def finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in t (an integer tensor has none), checked in slices so the temporaries stay small."""
+    return not t.is_floating_point() or all(c.isfinite().all() for c in t.reshape(-1).split(2**24))
 
 
 def already_quantized(marked: list[str]) -> str:
@@ -239,30 +255,35 @@ def load_dir(path: Path, packed: bool = False) -> Model:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise QuantkitError(f"{path}: no config.json, so not a model directory: pass a directory saved by save_pretrained")
-    try:
+    with untrusted(cfg_path, "not valid JSON", "restore the model's config.json"):
         cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise QuantkitError(f"{cfg_path}: not valid JSON ({e}): restore the model's config.json") from None
-    check_architecture(cfg.get("model_type", "?"), str(path))
+        model_type = cfg.get("model_type", "?")
+    check_architecture(model_type, str(path))
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         hint = " (pytorch .bin checkpoints are not read: convert them to safetensors)" if any(path.glob("*.bin")) else ""
         raise QuantkitError(f"{path}: no *.safetensors weights{hint}: pass a directory that holds the model's weights")
     qc = cfg.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise QuantkitError(f"{cfg_path}: quantization_config is {type(qc).__name__}, not an object: restore the "
+                            "checkpoint's config.json")
     if qc is not None:
         from quantkit.exporters import awq, bnb, compressed, exl2, gptq
 
         readers = {"gptq": gptq.read, "awq": awq.read, "bitsandbytes": bnb.read, "compressed-tensors": compressed.read,
                    "exl2": exl2.read}
-        if qc.get("quant_method") not in readers:
+        method = qc.get("quant_method")
+        if not isinstance(method, str) or method not in readers:
             raise QuantkitError(
-                f"{path}: already quantized with {qc.get('quant_method')!r}: quantkit reads full-precision "
+                f"{path}: already quantized with {method!r}: quantkit reads full-precision "
                 "checkpoints and GPTQ, AWQ (GEMM), bitsandbytes 4-bit, compressed-tensors pack-quantized and EXL2 ones"
             )
         Checkpoint(path)  # every shard there, every header readable: a damaged file fails here, by name
-        return readers[qc["quant_method"]](path, packed)
+        with untrusted(path, f"not a readable {method} checkpoint", "re-export it"):
+            return readers[method](path, packed)
     checkpoint = Checkpoint(path)
-    cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    with untrusted(cfg_path, "not a model configuration transformers accepts", "restore the model's config.json"):
+        cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
     return Model(skeleton(cfg, checkpoint, path), load_tokenizer(path), str(path), checkpoint=checkpoint)
 
 
@@ -271,10 +292,14 @@ def skeleton(cfg, checkpoint: Checkpoint, path: Path) -> PreTrainedModel:
     rotary frequencies are computed for real); refuses a checkpoint that lacks a weight cfg needs."""
     from accelerate import init_empty_weights
 
-    with init_empty_weights(include_buffers=False):
-        module = AutoModelForCausalLM.from_config(cfg, dtype=checkpoint.dtype, trust_remote_code=False)
+    dtype = checkpoint.dtype
+    check_config(cfg, checkpoint.shapes, path, checkpoint.config)
+    with untrusted(path, f"{checkpoint.config} describes no model transformers can build", f"fix {checkpoint.config}"), \
+            init_empty_weights(include_buffers=False):
+        module = AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=False)
     if (path / "generation_config.json").is_file():
-        module.generation_config = GenerationConfig.from_pretrained(path)
+        with untrusted(path / "generation_config.json", "not a usable generation config", "fix or remove it"):
+            module.generation_config = GenerationConfig.from_pretrained(path)
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     missing = [n for n, _ in module.named_parameters() if n not in checkpoint.where and n not in tied]
     if missing:
@@ -283,11 +308,39 @@ def skeleton(cfg, checkpoint: Checkpoint, path: Path) -> PreTrainedModel:
     return module.eval()
 
 
+def check_config(cfg, shapes: dict[str, tuple[int, ...]], path: Path, source: str = "config.json") -> None:
+    """Before a model skeleton is built from cfg: each setting has the type of its default (transformers
+    checks few), and the sizes the skeleton allocates by (its layers, the rotary tables) agree with
+    the shapes of the weights (by name), so a damaged config cannot ask for 2**31 layers."""
+    for key, default in type(cfg)().to_dict().items():
+        value = getattr(cfg, key, default)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = {bool: isinstance(value, bool), str: isinstance(value, str) or value is None,
+              int: (number and isinstance(value, int)) or value is None or (  # None: unset (a sliding window)
+                  key.endswith("_token_id") and isinstance(value, list) and all(isinstance(v, int) for v in value)),
+              float: number and math.isfinite(value)}.get(type(default), True)
+        if not ok:
+            raise QuantkitError(f"{path}: {source} gives {key} = {value!r}, where a {type(default).__name__} belongs: "
+                                f"fix {source}")
+    layers = {n.split(".")[2] for n in shapes if n.startswith("model.layers.")}
+    embed = shapes.get("model.embed_tokens.weight", (None, None))
+    q = shapes.get("model.layers.0.self_attn.q_proj.weight", (None,))
+    heads, hidden = getattr(cfg, "num_attention_heads", None), getattr(cfg, "hidden_size", None)
+    head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if isinstance(heads, int) and heads > 0
+                                                  and isinstance(hidden, int) else None)
+    found = {"num_hidden_layers": (getattr(cfg, "num_hidden_layers", None), len(layers)),
+             "vocab_size": (getattr(cfg, "vocab_size", None), embed[0]), "hidden_size": (hidden, embed[-1]),
+             "num_attention_heads x head_dim": (isinstance(head_dim, int) and isinstance(heads, int) and heads * head_dim,
+                                                q[0])}
+    for key, (said, there) in found.items():
+        if said != there:
+            raise QuantkitError(f"{path}: {source} gives {key} = {said!r} but the weights have {there}: "
+                                "the config and the weights are from different models")
+
+
 def load_tokenizer(path: Path, **kw):
-    try:
+    with untrusted(path, "no usable tokenizer", "copy the model's tokenizer files beside it"):
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False, **kw)
-    except (OSError, ValueError) as e:
-        raise QuantkitError(f"{path}: no usable tokenizer ({e}): copy the model's tokenizer files beside it") from None
 
 
 def load_gguf(path: Path) -> Model:

