@@ -388,10 +388,8 @@ def gguf_tokenizer(path: Path, metadata: dict):
     """The tokenizer of a GGUF file, pre-tokenizing as llama.cpp does."""
     from transformers import TokenizersBackend
 
-    try:
+    with untrusted(path, "no usable tokenizer in the GGUF", "re-export it"):
         tokenizer = TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)
-    except (OSError, ValueError, KeyError) as e:
-        raise QuantkitError(f"{path}: no usable tokenizer in the GGUF ({e}): re-export it") from None
     if metadata.get("tokenizer.ggml.pre") in DIGIT_SPLIT_PRE:
         # transformers' GGUF converter ignores tokenizer.ggml.pre; llama.cpp splits every digit first
         from tokenizers import Regex, pre_tokenizers
