@@ -6,7 +6,6 @@ import json
 import math
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import zipfile
@@ -349,13 +348,10 @@ def load_gguf(path: Path) -> Model:
     import gguf
     from transformers.integrations.gguf import GgufHeader, read_gguf_metadata
 
-    try:
+    with untrusted(path, "not a readable GGUF file, corrupt or truncated", "re-download or re-export it"):
         metadata, names = read_gguf_metadata(str(path))
         header = GgufHeader.from_file(str(path))
         arch = metadata["general.architecture"]
-    except (ValueError, KeyError, IndexError, OSError, struct.error, UnicodeDecodeError, OverflowError) as e:
-        raise QuantkitError(f"{path}: not a readable GGUF file, corrupt or truncated ({e or type(e).__name__}): "
-                            "re-download or re-export it") from None
     if arch not in GGUF_ARCHS:
         raise QuantkitError(f"{path}: GGUF architecture {arch!r} is not supported: quantkit reads {', '.join(GGUF_ARCHS)}")
     cfg = gguf_config(metadata, names, path)
@@ -378,10 +374,8 @@ def gguf_config(metadata: dict, names: tuple[str, ...], path: Path):
         renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
         if renamed not in (None, -1, "model_type", "_model_name_or_path"):
             values[renamed] = value
-    try:
+    with untrusted(path, "the GGUF's metadata does not make a model config", "re-export it"):
         return CONFIG_MAPPING[values.pop("model_type")](**values)
-    except (TypeError, ValueError) as e:
-        raise QuantkitError(f"{path}: the GGUF's metadata does not make a model config ({e}): re-export it") from None
 
 
 def gguf_tokenizer(path: Path, metadata: dict):
