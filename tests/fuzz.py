@@ -14,8 +14,6 @@ a minimal mutation (printed). Without --seed the examples are derandomized (the 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import math
 import os
@@ -38,6 +36,7 @@ from quantkit.errors import QuantkitError
 TIMEOUT = 30  # seconds for one input: the tiny model loads in well under one
 HEADROOM = 2 << 30  # bytes of heap one input may add
 SHOW = False  # print each refusal (--show)
+REPORT = sys.stdout  # where counts, failures and refusals are printed
 
 DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
           "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4}
@@ -323,8 +322,7 @@ def attempt(kind: str, path: Path, root: Path) -> str:
     tokens = torch.arange(8)[None]
     try:
         if kind == "progress":
-            with contextlib.redirect_stdout(io.StringIO()):  # stdout carries the counts
-                code = quantkit("quantize", root / "tiny", *GPTQ, *calib(), "--out", path / "q")
+            code = quantkit("quantize", root / "tiny", *GPTQ, *calib(), "--out", path / "q")
             if code:
                 raise QuantkitError("exit 2") if code == 2 else AssertionError(f"quantize exited with {code}")
             target = path / "q"
@@ -347,7 +345,7 @@ def attempt(kind: str, path: Path, root: Path) -> str:
         if currently_in_test_context():
             note(f"refused: {e}")
         if SHOW:
-            print(f"  refused: {e}", flush=True)
+            print(f"  refused: {e}", file=REPORT, flush=True)
         return "refused"
     return "loaded"
 
@@ -432,18 +430,23 @@ def main() -> None:
     root = args.root or Path(tempfile.mkdtemp(prefix="quantkit-fuzz-"))
     root.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGALRM, alarm)
-    for kind in args.kinds or KINDS:
-        make_seed(kind, root)
-    bound_heap()
-    with open(root / "stderr.log", "ab") as log:  # the refusals' error lines and progress bars
+    global REPORT
+    REPORT = os.fdopen(os.dup(1), "w")  # the counts and failures; the commands' output (some written from
+    with open(root / "stderr.log", "ab") as log:  # Rust, past sys.stdout) and progress bars go to a log
+        os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
-    for kind in args.kinds or KINDS:
-        try:
-            print(json.dumps(run(kind, args.examples, args.seed, root)), flush=True)
-        except BaseException as e:
-            print(f"FAILED {kind}:", flush=True)
-            traceback.print_exception(e, file=sys.stdout)
-            sys.exit(1)
+    kind = "seeds"
+    try:
+        for kind in args.kinds or KINDS:
+            make_seed(kind, root)
+        bound_heap()
+        for kind in args.kinds or KINDS:
+            print(json.dumps(run(kind, args.examples, args.seed, root)), file=REPORT, flush=True)
+    except BaseException as e:
+        print(f"FAILED {kind}:", file=REPORT, flush=True)
+        traceback.print_exception(e, file=REPORT)
+        REPORT.flush()
+        sys.exit(1)
 
 
 if __name__ == "__main__":
