@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, space_for
 
 from .perplexity import adds_bos, window_logits
 
@@ -303,9 +303,11 @@ def save_base(module: torch.nn.Module, tokenizer, windows: torch.Tensor, path: s
     from quantkit.exporters.atomic import Staged
 
     staged = Staged(path, overwrite=True, directory=False)
+    n, ctx = windows.shape
+    needed = HEADER.size + windows.numel() * 4 + n * (ctx - 1 - ctx // 2) * row_width(module.config.vocab_size) * 2
     try:
         staged.fresh()
-        with open(staged.path, "wb") as f:
+        with space_for(path, needed, "the saved base", "save it again"), open(staged.path, "wb") as f:
             writer = None
             for logits, _ in window_logits(module, tokenizer, windows, "llamacpp", batch_size, progress, "base"):
                 writer = writer or BaseWriter(f, windows, logits.shape[-1])

@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 
 from quantkit.config import CODEBOOK_METHODS, QuantConfig
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, space_for
 
 from . import gguf
 from .atomic import check_out, progress_path
@@ -52,6 +52,28 @@ def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
         gptq.check_shapes(module, qconfig.bits)
 
 
+def expected_size(module, fmt: str, qconfig: QuantConfig, types: dict[str, str] | None = None) -> int:
+    """About how many bytes an export of module takes, from below (a free-space check must not refuse
+    what fits): GGUF exactly, from its types' blocks; the safetensors layouts each decoder linear at
+    its bits plus a 16-bit scale per group (8 bits per block for NF4/FP4), every other tensor in 16 bits."""
+    total = 0
+    for key, t in module.state_dict(keep_vars=True).items():
+        if key == "lm_head.weight" and module.config.tie_word_embeddings:
+            continue
+        name = key.removesuffix(".weight")
+        if fmt == "gguf":
+            total += gguf.nbytes(tuple(t.shape), "F32" if t.dim() == 1 else types[name])
+        elif ".layers." in key and t.dim() == 2:
+            if qconfig.method in CODEBOOK_METHODS:
+                bits = 4 + 8 / qconfig.block_size
+            else:
+                bits = (qconfig.exl2 or qconfig.bits) + 16 / (qconfig.group_size if qconfig.group_size > 0 else t.shape[1])
+            total += int(t.numel() * bits / 8)
+        else:
+            total += t.numel() * 2
+    return total
+
+
 def open_writer(model, out: str | os.PathLike, fmt: str, qconfig: QuantConfig, overwrite: bool = False,
                 max_shard_size: int | str = DEFAULT_MAX_SIZE, types: dict[str, str] | None = None):
     """The writer (quantkit.pipeline.Writer) of a format, for a model quantized with qconfig; types:
@@ -81,17 +103,18 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
     types = {name: qt.ggml for name, qt in model.tensors.items()} if fmt == "gguf" else None
     writer = open_writer(model, out, fmt, model.qconfig, overwrite, max_shard_size, types)
     try:
-        writer.start()
-        for name, qt in model.tensors.items():
-            writer.add_quantized(name, qt)
-        tied = model.module.config.tie_word_embeddings
-        for key, t in model.module.state_dict().items():
-            if key.removesuffix(".weight") not in model.tensors and not (tied and key == "lm_head.weight"):
-                writer.add(key, t)
-        return writer.close()
+        with space_for(out, expected_size(model.module, fmt, model.qconfig, types), "the export", "export again"):
+            writer.start()
+            for name, qt in model.tensors.items():
+                writer.add_quantized(name, qt)
+            tied = model.module.config.tie_word_embeddings
+            for key, t in model.module.state_dict().items():
+                if key.removesuffix(".weight") not in model.tensors and not (tied and key == "lm_head.weight"):
+                    writer.add(key, t)
+            return writer.close()
     except BaseException:
         writer.abort()
         raise
 
 
-__all__ = ["DEFAULT_MAX_SIZE", "FORMATS", "gguf", "check_format", "check_format_name", "check_out", "export", "open_writer", "parse_size", "progress_path"]
+__all__ = ["DEFAULT_MAX_SIZE", "FORMATS", "gguf", "check_format", "check_format_name", "check_out", "expected_size", "export", "open_writer", "parse_size", "progress_path"]

@@ -37,6 +37,28 @@ def progress_files(out: Path) -> list[Path]:
     return list(out.parent.glob(f".{out.name}.progress*.pt"))
 
 
+def size_on_disk(path: Path) -> int:
+    """Bytes of the file at path, or of the files under it (0 when there is none)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync(path: Path) -> None:
+    """Flush a file, or every file under a directory and the directory itself, to the disk: a rename
+    that says an output is complete must not reach the disk before its contents (a power cut)."""
+    for f in [path] if path.is_file() else [*path.rglob("*"), path]:
+        fsync(f)
+
+
 def remove(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
@@ -79,6 +101,7 @@ class Staged:
 
     def commit(self) -> Path:
         check_out(self.out, self.overwrite)  # out may have appeared since the start
+        sync(self.path)
         if not self.directory:
             os.replace(self.path, self.out)
         elif self.out.exists():
@@ -88,6 +111,7 @@ class Staged:
             remove(old)
         else:
             self.path.rename(self.out)
+        fsync(self.out.parent)  # the rename itself
         self.unlock()
         return self.out
 

@@ -81,7 +81,7 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
 def read(path: Path, packed: bool = False) -> Model:
     """Load an AWQ GEMM checkpoint (ours or AutoAWQ's): with dequantized float weights, or packed, its
     grids repacked into GPTQLinear layers (the kernels read the GPTQ layout)."""
-    cfg = AutoConfig.from_pretrained(path)
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
     qc = cfg.quantization_config
     del cfg.quantization_config
     bits, group_size = qc.get("bits", qc.get("w_bit", 4)), qc.get("group_size", qc.get("q_group_size", 128))

@@ -65,7 +65,7 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
 def read(path: Path, packed: bool = False) -> Model:
     """Load a bitsandbytes 4-bit checkpoint (ours or transformers'): with dequantized float weights,
     or packed, its linears NF4Linear layers that hold the file's tensors as they are."""
-    cfg = AutoConfig.from_pretrained(path)
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
     qc = cfg.quantization_config
     del cfg.quantization_config
     if not qc.get("load_in_4bit"):

@@ -121,7 +121,7 @@ def scheme(path: Path, qc: dict) -> tuple[int, int, bool, bool]:
 def read(path: Path, packed: bool = False) -> Model:
     """Load a pack-quantized checkpoint (ours or llm-compressor's): with dequantized float weights, or
     packed, its grids repacked into GPTQLinear layers (the kernels read the GPTQ layout)."""
-    cfg = AutoConfig.from_pretrained(path)
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
     qc = cfg.quantization_config
     del cfg.quantization_config
     bits, group_size, sym, ordered = scheme(path, qc)

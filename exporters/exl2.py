@@ -136,7 +136,7 @@ def unpack_tensor(name: str, parts: dict[str, torch.Tensor], n: int) -> Quantize
 def read(path: Path, packed: bool = False) -> Model:
     """Load an EXL2 checkpoint (ours or ExLlamaV2's converter's) with dequantized float weights (no
     EXL2 kernel runs here, so packed is not used)."""
-    cfg = AutoConfig.from_pretrained(path)
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
     del cfg.quantization_config
     state = checkpoint.read_tensors(path)
     tensors = {}

@@ -20,7 +20,6 @@ from quantkit.qtensor import QuantizedTensor
 from quantkit.quantizers import ggml
 
 from .atomic import Staged
-from .shards import disk_error
 
 ARCHS = ("llama", "mistral")  # both are llama.cpp's "llama"
 # mix -> (general.file_type, the type most tensors get)
@@ -272,11 +271,8 @@ class Writer:
         if data.nbytes != nbytes(shape, kind):
             raise QuantkitError(f"{name}: {data.nbytes} bytes where a {kind} tensor of shape {shape} takes "
                                 f"{nbytes(shape, kind)}: quantize it for the same GGUF types")
-        try:
-            self.file.seek(self.data_start + self.offsets[name])
-            self.file.write(np.ascontiguousarray(data).data)  # no copy of the bytes
-        except OSError as e:
-            raise disk_error(self.staged.path, e) from None
+        self.file.seek(self.data_start + self.offsets[name])
+        self.file.write(np.ascontiguousarray(data).data)  # no copy of the bytes
         self.done.add(name)
 
     def add(self, key: str, tensor: torch.Tensor) -> None:

@@ -68,7 +68,7 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
 def read(path: Path, packed: bool = False) -> Model:
     """Load a GPTQ checkpoint (ours or another tool's): with dequantized float weights, or packed,
     its linears GPTQLinear layers that hold the file's tensors as they are."""
-    cfg = AutoConfig.from_pretrained(path)
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
     qc = cfg.quantization_config
     del cfg.quantization_config  # transformers would hand it to gptqmodel
     bits, group_size, sym = qc["bits"], qc["group_size"], qc.get("sym", True)

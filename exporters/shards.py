@@ -8,7 +8,6 @@ else `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json` mappi
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.errors import QuantkitError, ResumableError
+from quantkit.errors import QuantkitError
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -43,20 +42,18 @@ def parse_size(size: int | str) -> int:
     return n
 
 
-def disk_error(where: Path, e: OSError) -> Exception:
-    """A full disk names itself and the way on; other I/O errors pass through."""
-    if e.errno == errno.ENOSPC:
-        return ResumableError(f"out of disk space while writing in {where.parent}: free some space and run the same "
-                             "command again, it resumes after the last finished layer")
-    return e
+def shard_name(k: int) -> str:
+    """Shard k's name until the writer closes."""
+    return f".shard-{k}.safetensors"
 
 
 def state_intact(directory: Path, state: dict) -> bool:
     """Whether the files a ShardWriter's state refers to are all in directory (a kill while closing
-    removes spills)."""
-    spill = directory / f".spill-{len(state['shards'])}"
-    return all((directory / name).is_file() for name, _ in state["shards"]) and (
-        not state["entries"] or (spill.is_file() and spill.stat().st_size >= state["used"]))
+    removes spills). The names must be the writer's own: a progress file is not trusted to name paths."""
+    names = [name for name, _ in state["shards"]]
+    spill = directory / f".spill-{len(names)}"
+    return names == [shard_name(k) for k in range(len(names))] and all((directory / n).is_file() for n in names) \
+        and (not state["entries"] or (spill.is_file() and spill.stat().st_size >= state["used"]))
 
 
 class ShardWriter:
@@ -83,10 +80,7 @@ class ShardWriter:
             self.flush()
         if self.spill is None:
             self.spill = open(self.dir / f".spill-{len(self.shards)}", "w+b")
-        try:
-            self.spill.write(data.numpy().data)
-        except OSError as e:
-            raise disk_error(self.dir, e) from None
+        self.spill.write(data.numpy().data)
         self.entries[name] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape),
                               "data_offsets": [self.used, self.used + data.numel()]}
         self.names.add(name)
@@ -121,7 +115,7 @@ class ShardWriter:
         """Write the open shard: header, then its spilled data."""
         header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
         header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-        path = self.dir / f".shard-{len(self.shards)}.safetensors"
+        path = self.dir / shard_name(len(self.shards))
         try:
             with open(path, "wb") as f:
                 f.write(struct.pack("<Q", len(header)) + header)
@@ -130,8 +124,9 @@ class ShardWriter:
                     shutil.copyfileobj(self.spill, f, 2**24)
                 f.flush()
                 os.fsync(f.fileno())  # its spill goes once a later state is saved
-        except OSError as e:
-            raise disk_error(self.dir, e) from None
+        except OSError:  # a full disk: the shard is written again on resume
+            path.unlink(missing_ok=True)
+            raise
         if self.spill is not None:
             self.spill.close()  # removed once no saved state can need it
         self.shards.append((path, list(self.entries)))

@@ -12,10 +12,11 @@ from pathlib import Path
 import torch
 
 from quantkit import calibration, evals, exporters
+from quantkit.exporters.atomic import partial_path, size_on_disk
 
 from . import consumers, distributed
 from .config import QuantConfig
-from .errors import QuantkitError, ResumableError
+from .errors import QuantkitError, ResumableError, space_for
 from .modelio import Model, linear_types, load
 from .pipeline import Hessian, quantize_layers
 from .qtensor import QuantizedTensor
@@ -157,13 +158,18 @@ def quantize(
 
     writes = out is not None and distributed.rank() == 0  # under torchrun, rank 0 writes
     writer = exporters.open_writer(m, out, format, config, overwrite, max_shard_size, types) if writes else None
+    # the space check counts what a killed run of the same command wrote already
+    needed = exporters.expected_size(m.module, format, config, types) - size_on_disk(partial_path(out)) if writes else 0
     try:
-        m.tensors = quantize_layers(m, quantizer(config, m.losses, types), windows, sequential=config.true_sequential,
-                                    device=dev, writer=writer, other=other if writes or keep else None, keep=keep,
-                                    progress=progress and distributed.rank() == 0,
-                                    resume=resume, layer_fn=awq_layer if config.method == "awq" else None)
-        if writer is not None:
-            writer.close()
+        with space_for(out, needed, "the export", "run the same command again: it resumes after the last finished "
+                       "layer") if writes else nullcontext():
+            m.tensors = quantize_layers(m, quantizer(config, m.losses, types), windows,
+                                        sequential=config.true_sequential, device=dev, writer=writer,
+                                        other=other if writes or keep else None, keep=keep,
+                                        progress=progress and distributed.rank() == 0, resume=resume,
+                                        layer_fn=awq_layer if config.method == "awq" else None)
+            if writer is not None:
+                writer.close()
     except BaseException as e:
         # what a resumed run needs stays, unless the input is at fault: running again would fail the same way
         resumable = resume is not None and resume[0].exists() and not (

@@ -1,4 +1,7 @@
+import errno
+import shutil
 from contextlib import contextmanager
+from pathlib import Path
 
 
 class QuantkitError(Exception):
@@ -28,3 +31,37 @@ def untrusted(path, what: str, fix: str):
         raise
     except Exception as e:
         raise QuantkitError(f"{path}: {what} ({type(e).__name__}: {one_line(e)}): {fix}") from None
+
+
+def size(n: float) -> str:
+    """Bytes as people read them (1.4 GB)."""
+    for unit in ("bytes", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+
+
+def free_space(path) -> int:
+    """Bytes free on the file system that holds path (or would: its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+@contextmanager
+def space_for(path, needed: int | None, what: str, then: str):
+    """Around writing path (needed bytes more, about, when known): refuses at once when the disk has
+    less free, and turns running out of space while writing into one line naming path and the sizes.
+    Both are ResumableErrors, so that what a run finished stays; then: what to do once there is space."""
+    free = free_space(path)
+    need = f"{what} needs about {size(needed)}" if needed is not None else f"{what} did not fit"
+    if needed is not None and free < needed:
+        raise ResumableError(f"{path}: {need} and {size(free)} is free there: free some space or write it elsewhere")
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise ResumableError(f"out of disk space writing {path}: {need}, {size(free_space(path))} is free now: "
+                             f"free some space and {then}") from None

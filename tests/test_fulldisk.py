@@ -1,0 +1,43 @@
+"""A full disk, for real: tests/fulldisk.py runs each writer on a small tmpfs in a mount namespace
+of its own. Each ends in one `error:` line naming the output and the bytes it needs, leaves no
+output that is not complete (a previous one replaced with --overwrite stays as it was), and the
+same command writes the complete output once there is space, resuming where it can."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import ROOT
+
+UNSHARE = ["unshare", "--user", "--map-root-user", "--mount"]
+
+
+def namespaces() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run([*UNSHARE, "true"]).returncode == 0
+
+
+@pytest.mark.skipif(not namespaces(), reason="no user and mount namespaces here, so no tmpfs can be mounted")
+def test_full_disk(tmp_path):
+    run = subprocess.run([*UNSHARE, sys.executable, "-m", "tests.fulldisk", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    cases = {c["case"]: c for c in map(json.loads, [s for s in run.stdout.splitlines() if s.startswith("{")])}
+    assert set(cases) == {"quantize-refused", "quantize-midway", "gguf-midway", "overwrite", "train-checkpoint",
+                          "save-base", "cache"}
+    for c in cases.values():
+        where, name = c["path"].rsplit("/", 1)  # the output, or the partial one a checkpoint goes into
+        assert c["code"] == 2 and c["line"].startswith("error: "), c
+        assert c["path"] in c["line"] or f"{where}/.{name}.partial" in c["line"], c
+        assert "needs about" in c["line"] or "(about" in c["line"], c
+        assert " free" in c["line"] and "free some space" in c["line"], c
+        assert not [n for n in c["left"] if not n.startswith(".")] or c["case"] in ("overwrite", "cache"), c
+        if c["case"] != "cache":
+            assert c["intact"] and c["rerun_code"] == 0 and c["rerun_same"], c
+            assert c["left_after_rerun"] == [c["path"].rsplit("/", 1)[1]], c
+    assert cases["overwrite"]["left"] == ["q"]  # the previous export, as it was ("intact")
+    assert "is kept" in cases["train-checkpoint"]["line"]  # the first checkpoint stays for --resume
+    assert "resumes" in cases["gguf-midway"]["line"] and cases["gguf-midway"]["left"]  # its progress stays
+    # the cache: the GGUF it fits is complete, the float entry it does not fit was never begun
+    assert [n for n in cases["cache"]["left"] if not n.endswith(".lock")] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]

@@ -1,0 +1,274 @@
+"""The security promises: no pickle runs from a file we are given (torch.load only with
+weights_only=True), no model code runs from a model directory (trust_remote_code off), chat
+templates render only in jinja's sandbox, and names and paths read from a file never take a
+write (or a read) outside the directories they belong to."""
+import ast
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import jinja2
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import quantkit
+from quantkit import modelio
+from quantkit.exporters import progress_path, shards
+from quantkit.exporters.atomic import partial_path
+from quantkit.pipeline import read_progress, save_progress
+from quantkit.trainer.loop import Checkpoints
+
+from .conftest import ROOT, VALID, cli, refused
+
+PRODUCT = ["quantkit", "exporters", "evals", "calibration", "trainer"]
+PICKLERS = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
+FAST = ["--seqlen", 32, "--batch-size", 2, "--rank", 4, "--warmup", 0, "--eval-fraction", 0]
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+
+@functools.cache
+def product_nodes():
+    """Every AST node of the product's source, with where it is (file:line)."""
+    return [(f"{f.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}", node)
+            for folder in PRODUCT for f in sorted((ROOT / folder).rglob("*.py"))
+            for node in ast.walk(ast.parse(f.read_text(), str(f)))]
+
+
+def dotted(node):
+    if isinstance(node, ast.Attribute):
+        return f"{dotted(node.value)}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else "?"
+
+
+def calls(*names):
+    """(where, call) for each call of a function whose dotted name ends with one of names."""
+    return [(where, node) for where, node in product_nodes()
+            if isinstance(node, ast.Call) and dotted(node.func).endswith(names)]
+
+
+def keyword(call, name):
+    """The value node of keyword name in call; None when it is not passed by name."""
+    return next((k.value for k in call.keywords if k.arg == name), None)
+
+
+def is_const(node, value):
+    return isinstance(node, ast.Constant) and node.value is value
+
+
+def test_torch_load_only_with_weights_only():
+    """And no other way into pickle: no pickling module, no torch.load by another name, no np.load
+    with allow_pickle."""
+    loads = calls("torch.load")
+    assert loads, "the progress files are read with torch.load: the search finds none, so it is broken"
+    assert [where for where, call in loads if not is_const(keyword(call, "weights_only"), True)] == []
+    assert [where for where, call in calls("np.load", "numpy.load")
+            if keyword(call, "allow_pickle") is not None and not is_const(keyword(call, "allow_pickle"), False)] == []
+    imports = [(where, getattr(node, "module", None), alias.name) for where, node in product_nodes()
+               if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names]
+    assert [where for where, module, name in imports
+            if (module or name).split(".")[0] in PICKLERS or (module == "torch" and name == "load")] == []
+
+
+def test_trust_remote_code_is_never_on():
+    """quantkit has no --trust-remote-code: every call that takes the flag passes False, or leaves
+    transformers' default, which for the architectures we accept (checked first) is False; a call
+    with **kwargs must pass False itself, so nothing can slip True in."""
+    loaders = calls("from_pretrained", "from_config", "load_dataset", "pipeline", "HFLM")
+    assert loaders, "the search finds no loader, so it is broken"
+
+    def may_trust(call):
+        flag = keyword(call, "trust_remote_code")
+        return not is_const(flag, False) and (flag is not None or any(k.arg is None for k in call.keywords))
+
+    assert [where for where, call in loaders if may_trust(call)] == []
+
+
+class Payload:
+    """Unpickling this creates marker, as a booby-trapped .pt file would run its code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def booby_trap(path, marker):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(Payload(marker), path)
+    assert not marker.exists()
+
+
+def test_quantize_progress_file_is_not_unpickled(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A .pt progress file planted beside --out: read with weights_only, refused as unreadable, and the
+    run starts afresh. (With weights_only=False the unpickling creates the marker.)"""
+    out, marker = tmp_path / "q", tmp_path / "pwned"
+    booby_trap(progress_path(out), marker)
+    code, _, err = cli(["quantize", tiny_dir, "--out", out, "--group-size", 32], capsys, monkeypatch)
+    assert code == 0 and any("ignoring unreadable progress file" in line for line in err), err
+    assert not marker.exists() and (out / "model.safetensors").is_file()
+
+
+def test_train_checkpoint_is_not_unpickled(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A planted trainer checkpoint (state.pt): --resume refuses it as damaged, without running it."""
+    (tmp_path / "train.txt").write_text(VALID.read_text()[:5000])
+    out, marker = tmp_path / "out", tmp_path / "pwned"
+    booby_trap(Checkpoints(partial_path(out)).path / "state.pt", marker)
+    refused(["train", tiny_dir, "--data", tmp_path / "train.txt", "--out", out, *FAST, "--steps", 2, "--resume"],
+            capsys, monkeypatch, "the checkpoint is damaged")
+    assert not marker.exists()
+
+
+def with_remote_code(directory, marker):
+    """directory's config and tokenizer point at evil.py beside them, which creates marker when imported."""
+    for name, auto_map in [("config.json", {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}),
+                           ("tokenizer_config.json", {"AutoTokenizer": ["evil.EvilTokenizer", None]})]:
+        cfg = json.loads((directory / name).read_text())
+        (directory / name).write_text(json.dumps({**cfg, "auto_map": auto_map}))
+    (directory / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    return directory
+
+
+def test_remote_code_in_a_model_is_not_run(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A model whose config names its own code (auto_map) loads as the llama its model_type says,
+    for quantize and eval, and so does its export (read by the exporters' own AutoConfig call)."""
+    marker, out = tmp_path / "pwned", tmp_path / "q"
+    model = with_remote_code(shutil.copytree(tiny_dir, tmp_path / "model"), marker)
+    (tmp_path / "text.txt").write_text(VALID.read_text()[:3000])
+    code, _, err = cli(["quantize", model, "--out", out, "--group-size", 32], capsys, monkeypatch)
+    assert not marker.exists() and code == 0, err
+    with_remote_code(out, marker)
+    for path in (model, out):
+        code, _, err = cli(["eval", path, "--data", tmp_path / "text.txt", "--ctx", 64, "--max-windows", 2],
+                           capsys, monkeypatch)
+        assert not marker.exists() and code == 0, err
+
+
+ESCAPES = ["{{ cycler.__init__.__globals__.os.system('touch MARKER') }}",
+           "{% for c in ''.__class__.__mro__[1].__subclasses__() %}{% if c.__name__ == 'catch_warnings' %}"
+           "{{ c()._module.__builtins__['open']('MARKER', 'w') }}{% endif %}{% endfor %}"]
+
+
+def escaping(chat_dir, tmp_path, escape):
+    """A copy of chat_dir whose chat template runs escape (checked to create the marker outside the
+    sandbox), with chat data for it; (model, data, marker)."""
+    marker = tmp_path / "pwned"
+    template = escape.replace("MARKER", str(marker)) + "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    jinja2.Environment().from_string(template).render(messages=[])
+    assert marker.exists(), "the escape does not work even unsandboxed: the test would prove nothing"
+    marker.unlink()
+    model = shutil.copytree(chat_dir, tmp_path / "model")
+    (model / "chat_template.jinja").write_text(template)
+    data = tmp_path / "data.jsonl"
+    data.write_text(f"{json.dumps(CHAT)}\n" * 2)
+    return model, data, marker
+
+
+@pytest.mark.parametrize("escape", ESCAPES, ids=["globals", "subclasses"])
+def test_chat_template_is_sandboxed(chat_dir, tmp_path, escape):
+    """The trainer renders chat records through transformers' sandboxed jinja, which refuses the escape."""
+    model, data, marker = escaping(chat_dir, tmp_path, escape)
+    with pytest.raises(quantkit.QuantkitError, match="SecurityError"):  # the sandbox refused it
+        quantkit.train(str(model), data=data, out=tmp_path / "out", steps=1, seqlen=32, batch_size=2, rank=4,
+                       eval_fraction=0, progress=False)
+    assert not marker.exists()
+
+
+def test_chat_template_escape_is_one_error_line(chat_dir, tmp_path, capsys, monkeypatch):
+    model, data, marker = escaping(chat_dir, tmp_path, ESCAPES[0])
+    refused(["train", model, "--data", data, "--out", tmp_path / "out", *FAST, "--steps", 1], capsys, monkeypatch,
+            "chat template")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("where", ["../outside.safetensors", "sub/../../outside.safetensors", "absolute"])
+def test_shard_index_outside_the_model_is_refused(tiny_dir, tmp_path, capsys, monkeypatch, where):
+    """model.safetensors.index.json naming a shard outside the model directory: refused before any
+    shard is opened, so nothing outside is read (without the check, the shard there is read and used)."""
+    model = shutil.copytree(tiny_dir, tmp_path / "model")
+    outside = shutil.copy(model / "model.safetensors", tmp_path / "outside.safetensors")
+    names = sorted(load_file(model / "model.safetensors"))
+    weight_map = {n: "model.safetensors" for n in names} | {names[0]: str(outside) if where == "absolute" else where}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    opened, real = [], modelio.safe_open
+    monkeypatch.setattr(modelio, "safe_open", lambda f, *a, **kw: opened.append(f) or real(f, *a, **kw))
+    refused(["quantize", model, "--out", tmp_path / "out"], capsys, monkeypatch,
+            "names a shard outside the model directory")
+    assert [f for f in opened if model.resolve() not in Path(f).resolve().parents] == []
+
+
+def tree(root, out):
+    """Every path under root but out (and what a run writing out keeps beside it while it runs),
+    each file with its size and modification time."""
+    return sorted((str(p.relative_to(root)), *((p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else ()))
+                  for p in root.rglob("*") if out not in (p, *p.parents) and not p.name.startswith(f".{out.name}."))
+
+
+@pytest.fixture
+def evil_names(tiny_dir, tmp_path):
+    """tiny_dir, two folders down from tmp_path, with extra tensors named as paths out of there."""
+    model = shutil.copytree(tiny_dir, tmp_path / "a" / "b" / "model")
+    state = load_file(model / "model.safetensors")
+    for name in ["../../evil", "../../../evil", str(tmp_path / "evil"),
+                 "model.embed_tokens.weight/../../../evil"]:
+        state[name] = torch.ones(4)
+    save_file(state, model / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+EXPORTS = {"gptq-layout": [], "gguf": ["--format", "gguf", "--gguf-type", "Q4_0"], "awq": ["--format", "awq"],
+           "compressed-tensors": ["--format", "compressed-tensors"],
+           "exl2": ["--format", "exl2", "--bits", "4.0", "--method", "gptq", "--calib-data", VALID,
+                    "--calib-samples", 2, "--calib-seqlen", 32]}
+
+
+@pytest.mark.parametrize("args", EXPORTS.values(), ids=EXPORTS.keys())
+def test_tensor_names_do_not_become_paths_in_an_export(evil_names, tmp_path, capsys, monkeypatch, args):
+    """Each format writes its files under its own names: the extra tensors are not the model's, so
+    they are left out, and nothing appears or changes outside --out."""
+    out = evil_names.parent / ("out.gguf" if "gguf" in args else "out")
+    before = tree(tmp_path, out)
+    code, _, err = cli(["quantize", evil_names, "--out", out, "--group-size", 32, *args], capsys, monkeypatch)
+    assert code == 0 and not any("Traceback" in line for line in err), err
+    assert out.exists() and tree(tmp_path, out) == before
+
+
+def test_tensor_names_do_not_become_paths_in_a_merge(tiny_dir, evil_names, tmp_path, capsys, monkeypatch):
+    """quantkit merge into a base with such tensors: the same, for the merged model directory."""
+    (tmp_path / "train.txt").write_text(VALID.read_text()[:5000])
+    adapter, out = tmp_path / "adapter", evil_names.parent / "merged"
+    quantkit.train(str(tiny_dir), data=tmp_path / "train.txt", out=adapter, steps=1, seqlen=32, batch_size=2, rank=4,
+                   eval_fraction=0, progress=False)
+    before = tree(tmp_path, out)
+    code, _, err = cli(["merge", adapter, "--base", evil_names, "--out", out], capsys, monkeypatch)
+    assert code == 0, err
+    assert (out / "model.safetensors").is_file() and tree(tmp_path, out) == before
+
+
+def test_progress_shard_names_stay_in_the_output(tiny_dir, tmp_path, monkeypatch):
+    """A progress file naming a shard '../../victim' (its digest recomputed, as anyone can): the
+    resumed run must not move that file outside the output into it."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"someone else's file")
+    out = tmp_path / "a" / "q"
+    out.parent.mkdir()
+    kw = dict(bits=4, group_size=32, max_shard_size="30kB", progress=False)
+    real = shards.ShardWriter.add
+
+    def dies_in_layer_1(self, name, tensor):
+        if name.startswith("model.layers.1."):
+            raise KeyboardInterrupt
+        return real(self, name, tensor)
+
+    monkeypatch.setattr(shards.ShardWriter, "add", dies_in_layer_1)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_dir), out=out, **kw)
+    monkeypatch.setattr(shards.ShardWriter, "add", real)
+    state = read_progress(progress_path(out))
+    assert state["writer"]["shards"]["shards"], "no shard was finished before the kill: the test would prove nothing"
+    state["writer"]["shards"]["shards"][0][0] = "../../victim"  # from out's partial directory: tmp_path/victim
+    save_progress(progress_path(out), state)
+    quantkit.quantize(str(tiny_dir), out=out, **kw)
+    assert victim.read_bytes() == b"someone else's file"
