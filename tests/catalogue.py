@@ -37,6 +37,15 @@ def truncate(name: str) -> Callable[[Path], None]:
     return damage
 
 
+def chat_with_template(template: str) -> Callable[[Path], None]:
+    """A chat template for the model's tokenizer, and chat records at {model}/chat.jsonl."""
+    def damage(model: Path) -> None:
+        (model / "chat_template.jinja").write_text(template)
+        turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        (model / "chat.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+    return damage
+
+
 DEEP = "[" * 100_000 + "]" * 100_000
 
 CATALOGUE = {
@@ -116,6 +125,12 @@ CATALOGUE = {
     "train: resume without a run": Bad("train {model} --data {text} --out {tmp}/a --resume", "nothing to resume"),
     "train: quantize unknown format": Bad("train {model} --data {text} --out {tmp}/a --quantize rtn --format onnx",
                                           "onnx"),
+    "train: chat template escaping jinja's sandbox": Bad(
+        "train {model} --data {model}/chat.jsonl --out {tmp}/a --steps 1 --seqlen 32 --batch-size 2",
+        "chat template fails (SecurityError", chat_with_template("{{ cycler.__init__.__globals__.os.system('id') }}")),
+    "train: chat template that does not parse": Bad(
+        "train {model} --data {model}/chat.jsonl --out {tmp}/a --steps 1 --seqlen 32 --batch-size 2",
+        "chat template fails (TemplateSyntaxError", chat_with_template("{% for m in messages %}")),
     # merge
     "merge: not an adapter": Bad("merge {model} --out {tmp}/m", "pass a LoRA adapter directory"),
     "merge: missing adapter": Bad("merge {tmp}/nope --out {tmp}/m", "pass a LoRA adapter directory"),
