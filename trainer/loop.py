@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from quantkit import distributed
 from quantkit.api import device_of
-from quantkit.errors import QuantkitError, ResumableError, free_space, size, untrusted
+from quantkit.errors import QuantkitError, ResumableError, free_space, size, space_for, untrusted
 from quantkit.exporters.atomic import Staged, partial_path, remove
 from quantkit.modelio import Model, load
 from quantkit.pipeline import peak_memory, read_progress, save_progress
@@ -261,14 +261,8 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
         result, layers = run(m, config, names, train_set, held_out, total, dev, amp, checkpoints, state, key,
                              progress, callback)
         if rank == 0:
-            try:
+            with space_for(out, None, "the adapter", "run again with --resume (the last checkpoint holds every step)"):
                 write(partial, m, config, result, layers)
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise ResumableError(f"out of disk space writing the adapter in {partial} ({size(free_space(partial))} "
-                                         "free): free some space and run again with --resume (the last checkpoint "
-                                         "holds every step)") from None
-                raise
             remove(checkpoints.path)
             staged.commit()
         result.out = str(out)
