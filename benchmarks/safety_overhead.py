@@ -1,5 +1,6 @@
-"""What the write safety costs: export time of the embedded model with every fsync and file lock
-as shipped, against the same export with os.fsync and fcntl.flock made no-ops (the anchor).
+"""What the write safety costs: export time of the embedded model with every fsync, file lock and
+resume CRC as shipped, against the same export with os.fsync, fcntl.flock and zlib.crc32 made no-ops
+(the anchor).
 
     python benchmarks/safety_overhead.py [--repeat 3] [--dir DIR]
 
@@ -18,6 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,11 +29,11 @@ import quantkit  # noqa: E402
 from quantkit.exporters.atomic import remove  # noqa: E402
 
 ROWS = [("GPTQ layout, RTN w4 g128", {}), ("GGUF Q8_0", {"format": "gguf", "gguf_type": "Q8_0"})]
-REAL = os.fsync, fcntl.flock
+REAL = os.fsync, fcntl.flock, zlib.crc32
 
 
 def safety(on: bool) -> None:
-    os.fsync, fcntl.flock = REAL if on else (lambda *a: None, lambda *a: None)
+    os.fsync, fcntl.flock, zlib.crc32 = REAL if on else (lambda *a: None, lambda *a: None, lambda *a: 0)
 
 
 def timed(out: Path, options: dict) -> float:
@@ -49,7 +51,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(dir=args.dir, prefix="quantkit-safety-"))
     model = quantkit.load(None)  # the cache fill, and the first run's imports, before any timing
     del model
-    print("| export | with fsync and locks, s (best / median) | without (anchor), s | ratio of medians |")
+    print("| export | with fsync, locks and CRCs, s (best / median) | without (anchor), s | ratio of medians |")
     print("|---|---|---|---|")
     try:
         for label, options in ROWS:

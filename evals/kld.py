@@ -142,8 +142,18 @@ class BaseFile:
         self.rows = data[HEADER.size + tokens:].view("<u2").reshape(self.n, self.scored, self.width)
 
     def logprobs(self, i: int) -> torch.Tensor:
-        """Window i's base log-probabilities (scored, vocab)."""
-        return expand(self.rows[i], self.n_vocab)
+        """Window i's base log-probabilities (scored, vocab), checked to be distributions: each row's
+        probabilities sum to 1, up to the rounding of the saved steps and the tail raised to the
+        floor RANGE under the top."""
+        logprobs = expand(self.rows[i], self.n_vocab)
+        total = torch.logsumexp(logprobs.double(), -1)
+        high = math.log1p(self.n_vocab * math.exp(-RANGE)) + 1e-3
+        ok = (total >= -1e-3) & (total <= high)
+        if not ok.all():
+            t = int((~ok).nonzero()[0])
+            raise QuantkitError(f"{self.path}: window {i}, prediction {t} is not a distribution (its probabilities "
+                                f"sum to {float(total[t].exp()):.6g}): corrupt, save the base again")
+        return logprobs
 
     def perplexity(self) -> float:
         """The base's perplexity of its windows, from the saved rows."""
@@ -261,13 +271,13 @@ class Divergence:
     def failures(self, max_ppl_increase: float | None = None, max_kld: float | None = None,
                  min_same_top: float | None = None) -> list[str]:
         """The limits this result breaks, each with its measured value (for a pass/fail gate)."""
-        out = []
-        if max_ppl_increase is not None and self.ppl_ratio - 1 > max_ppl_increase:
+        out = []  # written as "not within": a NaN figure (broken logits) breaks every limit
+        if max_ppl_increase is not None and not self.ppl_ratio - 1 <= max_ppl_increase:
             out.append(f"perplexity increase {self.ppl_ratio - 1:.4f} (PPL {self.perplexity:.4f} against the "
                        f"base's {self.base_perplexity:.4f}) is above --max-ppl-increase {max_ppl_increase:g}")
-        if max_kld is not None and self.kld_mean > max_kld:
+        if max_kld is not None and not self.kld_mean <= max_kld:
             out.append(f"mean KL divergence {self.kld_mean:.6f} is above --max-kld {max_kld:g}")
-        if min_same_top is not None and self.same_top < min_same_top:
+        if min_same_top is not None and not self.same_top >= min_same_top:
             out.append(f"same top token {self.same_top:.4f} is below --min-same-top {min_same_top:g}")
         return out
 

@@ -54,16 +54,16 @@ def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
 
 def expected_size(module, fmt: str, qconfig: QuantConfig, types: dict[str, str] | None = None) -> int:
     """About how many bytes an export of module takes, from below (a free-space check must not refuse
-    what fits): GGUF exactly, from its types' blocks; the safetensors layouts each decoder linear at
-    its bits plus a 16-bit scale per group (8 bits per block for NF4/FP4), every other tensor in 16 bits."""
+    what fits): GGUF's tensor data exactly, from its types' blocks; the safetensors layouts each
+    decoder linear at its bits plus a 16-bit scale per group (8 bits per block for NF4/FP4), every
+    other tensor in 16 bits."""
+    if fmt == "gguf":
+        return sum(gguf.nbytes(shape, kind) for shape, kind in gguf.plan(module, types).values())
     total = 0
     for key, t in module.state_dict(keep_vars=True).items():
         if key == "lm_head.weight" and module.config.tie_word_embeddings:
             continue
-        name = key.removesuffix(".weight")
-        if fmt == "gguf":
-            total += gguf.nbytes(tuple(t.shape), "F32" if t.dim() == 1 else types[name])
-        elif ".layers." in key and t.dim() == 2:
+        if ".layers." in key and t.dim() == 2:
             if qconfig.method in CODEBOOK_METHODS:
                 bits = 4 + 8 / qconfig.block_size
             else:

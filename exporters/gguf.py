@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import zlib
 from pathlib import Path
 
 import gguf
@@ -20,6 +22,7 @@ from quantkit.qtensor import QuantizedTensor
 from quantkit.quantizers import ggml
 
 from .atomic import Staged
+from .shards import crc
 
 ARCHS = ("llama", "mistral")  # both are llama.cpp's "llama"
 # mix -> (general.file_type, the type most tensors get)
@@ -68,15 +71,39 @@ def fit_row(t: str, k: int) -> str:
     return t if k % ggml.sizes(t)[0] == 0 else "F16"
 
 
-def tensor_types(module: torch.nn.Module, mix: str, pure: bool = False, imatrix: bool = False) -> dict[str, str]:
+def parse_overrides(overrides: tuple[str, ...] | list[str]) -> list[tuple[re.Pattern, str]]:
+    """llama-quantize's --tensor-type PATTERN=TYPE: a regular expression searched in each GGUF tensor
+    name (lower-cased, as llama.cpp reads it) and the type the first match gets."""
+    out = []
+    for o in overrides:
+        pattern, sep, kind = o.partition("=")
+        kind = kind.upper()
+        if not sep or not pattern:
+            raise QuantkitError(f"--tensor-type {o!r} is not PATTERN=TYPE: write e.g. attn_v=Q8_0")
+        if kind not in ggml.FLOAT_TYPES + ggml.LEGACY_TYPES + ggml.K_TYPES:
+            raise QuantkitError(f"--tensor-type {o!r}: unknown GGUF type {kind!r}: use one of "
+                                f"{', '.join(ggml.FLOAT_TYPES + ggml.LEGACY_TYPES + ggml.K_TYPES)}")
+        try:
+            out.append((re.compile(pattern.lower()), kind))
+        except re.error as e:
+            raise QuantkitError(f"--tensor-type {o!r}: {pattern!r} is not a regular expression ({e})") from None
+    return out
+
+
+def tensor_types(module: torch.nn.Module, mix: str, pure: bool = False, imatrix: bool = False,
+                 overrides: tuple[str, ...] = ()) -> dict[str, str]:
     """The GGUF type of each 2-D weight (by module name) for a mix, as llama-quantize chooses it.
     pure: every tensor the mix's main type (--pure). imatrix: the rules llama-quantize applies when
-    it has an importance matrix."""
+    it has an importance matrix. overrides: --tensor-type PATTERN=TYPE, as llama-quantize applies them
+    to a quantized mix: the first match wins over the mix's rules, and the layer count those rules
+    read skips the tensors it took (llama.cpp counts the attn_v and ffn_down tensors it decides)."""
     cfg = module.config
     default = MIXES[mix][1]
     n = cfg.num_hidden_layers
     gqa = cfg.num_attention_heads // cfg.num_key_value_heads
     tied = cfg.tie_word_embeddings
+    manual = parse_overrides(overrides) if default not in ggml.FLOAT_TYPES else []
+    decided = dict.fromkeys(NAMES.values(), 0)  # per role, the tensors the mix's rules have typed
     types = {}
     for name, mod in module.named_modules():
         if not isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
@@ -84,15 +111,18 @@ def tensor_types(module: torch.nn.Module, mix: str, pure: bool = False, imatrix:
         if name == HEAD and tied:
             continue
         k = mod.weight.shape[1]
-        t = default
-        if default in ggml.FLOAT_TYPES or pure:
-            pass
+        key = gguf_name(f"{name}.weight")
+        t = next((kind for pattern, kind in manual if pattern.search(key)), None)
+        if t is not None or default in ggml.FLOAT_TYPES or pure:
+            t = t or default
         elif name == HEAD or (name == EMBED and tied):  # the output matrix
             t = "Q8_0" if k % ggml.sizes(default)[0] or default == "Q8_0" else "Q6_K"
         elif name != EMBED:
-            i = int(name.split(".")[2])
             role = NAMES[name.split(".", 3)[3]]
-            t = layer_type(mix, role, i, n, gqa, imatrix) or default
+            t = layer_type(mix, role, decided[role], n, gqa, imatrix) or default
+            decided[role] += 1
+        else:
+            t = default
         types[name] = fit_row(t, k)
     return types
 
@@ -209,33 +239,42 @@ def add_metadata(w: gguf.GGUFWriter, model: Model, mix: str) -> None:
     add_tokenizer(w, model.tokenizer, cfg.vocab_size)
 
 
+def plan(module: torch.nn.Module, types: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The file's tensors: GGUF name -> (shape, type); norms in F32, each 2-D weight the type of its
+    module name in types."""
+    out = {}
+    for key, t in module.state_dict(keep_vars=True).items():
+        if key == f"{HEAD}.weight" and module.config.tie_word_embeddings:
+            continue
+        kind = "F32" if t.dim() == 1 else types.get(key.removesuffix(".weight"))
+        if kind is None:
+            raise QuantkitError(f"{key} has no GGUF type: quantize the model for GGUF first")
+        out[gguf_name(key)] = (tuple(t.shape), kind)
+    return out
+
+
 class Writer:
     """The GGUF file written as results arrive (exporters.Writer). Metadata and every tensor's info
     (from the model's shapes and types, the GGUF type of each 2-D weight by module name) go first
     through gguf-py's writer; each tensor's data is then written at its offset when it comes, in any
-    order, so a resumed run just writes what is missing."""
+    order, so a resumed run just writes what is missing. The state holds the CRC of the header and of
+    each tensor written rather than forcing them to the disk after every layer: a resumed run checks
+    them, and a file torn by a power cut is started afresh."""
 
     def __init__(self, model: Model, out: str | os.PathLike, mix: str, types: dict[str, str], overwrite: bool = False):
         self.staged = Staged(out, overwrite, directory=False)
         self.model, self.mix = model, mix
         cfg = model.module.config
         self.heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
-        self.plan: dict[str, tuple[tuple[int, ...], str]] = {}  # GGUF name -> (shape, type)
-        for key, t in model.module.state_dict(keep_vars=True).items():
-            if key == f"{HEAD}.weight" and cfg.tie_word_embeddings:
-                continue
-            kind = "F32" if t.dim() == 1 else types.get(key.removesuffix(".weight"))
-            if kind is None:
-                raise QuantkitError(f"{key} has no GGUF type: quantize the model for GGUF first")
-            self.plan[gguf_name(key)] = (tuple(t.shape), kind)
+        self.plan = plan(model.module, types)
         self.offsets, offset = {}, 0
         for name, (shape, kind) in self.plan.items():
             self.offsets[name] = offset
             offset += gguf.GGUFWriter.ggml_pad(nbytes(shape, kind), gguf.GGUF_DEFAULT_ALIGNMENT)
         self.end = offset
-        self.done: set[str] = set()
+        self.done: dict[str, int] = {}  # name -> CRC of its bytes
         self.file = None
-        self.data_start = 0
+        self.data_start, self.header = 0, 0
 
     @property
     def written(self) -> int:
@@ -256,15 +295,19 @@ class Writer:
             w.fout[0].flush()
             self.data_start = gguf.GGUFWriter.ggml_pad(w.fout[0].tell(), gguf.GGUF_DEFAULT_ALIGNMENT)
             w.close()
+            self.header = crc(self.staged.path, self.data_start)
         else:
-            self.data_start, self.done = state["data_start"], set(state["done"])
+            self.data_start, self.header, self.done = state["data_start"], state["header"], dict(state["done"])
         self.file = open(self.staged.path, "r+b")
 
     def resumable(self, state: dict) -> bool:
-        """Whether the partial file is there with its header and every tensor the state says is done."""
-        path = self.staged.path
-        done = [state["data_start"] + self.offsets[n] + nbytes(*self.plan[n]) for n in state["done"]]
-        return path.is_file() and path.stat().st_size >= max(done, default=state["data_start"])
+        """Whether the partial file is there with the header and every tensor the state says is done."""
+        path, start, done = self.staged.path, state["data_start"], state.get("done")
+        if not isinstance(done, dict) or not set(done) <= set(self.plan) or not isinstance(start, int) \
+                or start < 0 or not path.is_file() \
+                or crc(path, start) != state.get("header"):
+            return False
+        return all(crc(path, nbytes(*self.plan[n]), start + self.offsets[n]) == c for n, c in done.items())
 
     def write(self, name: str, data: np.ndarray) -> None:
         shape, kind = self.plan[name]
@@ -272,8 +315,9 @@ class Writer:
             raise QuantkitError(f"{name}: {data.nbytes} bytes where a {kind} tensor of shape {shape} takes "
                                 f"{nbytes(shape, kind)}: quantize it for the same GGUF types")
         self.file.seek(self.data_start + self.offsets[name])
-        self.file.write(np.ascontiguousarray(data).data)  # no copy of the bytes
-        self.done.add(name)
+        data = np.ascontiguousarray(data)
+        self.file.write(data.data)  # no copy of the bytes
+        self.done[name] = zlib.crc32(data.data)
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         if tensor.dim() != 1:
@@ -293,9 +337,8 @@ class Writer:
         self.write(key, rows)
 
     def state(self) -> dict:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        return {"data_start": self.data_start, "done": sorted(self.done)}
+        self.file.flush()  # the kernel has it: a kill loses nothing; the CRCs tell a power cut's loss
+        return {"data_start": self.data_start, "header": self.header, "done": dict(self.done)}
 
     def close(self) -> Path:
         missing = [name for name in self.plan if name not in self.done]

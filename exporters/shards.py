@@ -2,8 +2,9 @@
 
 Each tensor's bytes are appended to a spill file as it arrives; when the next tensor would take the
 shard past max_size, the shard is written (8-byte header length, JSON header, the spilled data) and a
-new one begins. state() (after flushing the spill to disk) and resume(state) let a killed run go on
-where the state was taken. close() names the shards as transformers does: `model.safetensors` when there is one,
+new one begins. state() and resume(state) let a killed run go on where the state was taken; the state
+holds the CRC of the spilled bytes instead of forcing them to the disk after every layer, so a spill
+torn by a power cut is found and the run starts afresh. close() names the shards as transformers does: `model.safetensors` when there is one,
 else `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json` mapping tensors to files.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import re
 import shutil
 import struct
+import zlib
 from pathlib import Path
 
 import torch
@@ -49,11 +51,27 @@ def shard_name(k: int) -> str:
 
 def state_intact(directory: Path, state: dict) -> bool:
     """Whether the files a ShardWriter's state refers to are all in directory (a kill while closing
-    removes spills). The names must be the writer's own: a progress file is not trusted to name paths."""
+    removes spills) and the open shard's spill holds the bytes it had. The names must be the writer's
+    own: a progress file is not trusted to name paths."""
     names = [name for name, _ in state["shards"]]
     spill = directory / f".spill-{len(names)}"
-    return names == [shard_name(k) for k in range(len(names))] and all((directory / n).is_file() for n in names) \
-        and (not state["entries"] or (spill.is_file() and spill.stat().st_size >= state["used"]))
+    if names != [shard_name(k) for k in range(len(names))] or not all((directory / n).is_file() for n in names):
+        return False
+    return not state["entries"] or (spill.is_file() and spill.stat().st_size >= state["used"]
+                                    and crc(spill, state["used"]) == state.get("crc"))
+
+
+def crc(path: Path, size: int, start: int = 0) -> int:
+    """CRC-32 of size bytes of the file at path from start."""
+    value = 0
+    with open(path, "rb") as f:
+        f.seek(start)
+        while size > 0:
+            chunk = f.read(min(size, 2**24))
+            if not chunk:
+                break
+            value, size = zlib.crc32(chunk, value), size - len(chunk)
+    return value
 
 
 class ShardWriter:
@@ -67,6 +85,7 @@ class ShardWriter:
         self.names: set[str] = set()  # every tensor written so far
         self.spill = None
         self.used = 0  # data bytes in the open shard
+        self.crc = 0  # of those bytes
         self.total = 0
         self.saved_shards = 0  # shards when state() was last taken
 
@@ -81,6 +100,7 @@ class ShardWriter:
         if self.spill is None:
             self.spill = open(self.dir / f".spill-{len(self.shards)}", "w+b")
         self.spill.write(data.numpy().data)
+        self.crc = zlib.crc32(data.numpy().data, self.crc)
         self.entries[name] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape),
                               "data_offsets": [self.used, self.used + data.numel()]}
         self.names.add(name)
@@ -90,19 +110,18 @@ class ShardWriter:
     def state(self) -> dict:
         """What resume needs, with everything it refers to on disk."""
         if self.spill is not None:
-            self.spill.flush()
-            os.fsync(self.spill.fileno())
+            self.spill.flush()  # the kernel has it: a kill loses nothing; the CRC tells a power cut's loss
         # a spill is needed until a state past its shard has been saved: the one before this, at the latest
         for k in range(self.saved_shards):
             (self.dir / f".spill-{k}").unlink(missing_ok=True)
         self.saved_shards = len(self.shards)
         return {"shards": [[p.name, names] for p, names in self.shards], "entries": self.entries,
-                "used": self.used, "total": self.total}
+                "used": self.used, "crc": self.crc, "total": self.total}
 
     def resume(self, state: dict) -> None:
         """Go on from a state taken by state(): what was written after it is dropped."""
         self.shards = [(self.dir / name, names) for name, names in state["shards"]]
-        self.entries, self.used, self.total = state["entries"], state["used"], state["total"]
+        self.entries, self.used, self.crc, self.total = state["entries"], state["used"], state["crc"], state["total"]
         self.names = {n for _, names in self.shards for n in names} | set(self.entries)
         self.saved_shards = len(self.shards)
         spill = self.dir / f".spill-{len(self.shards)}"
@@ -123,14 +142,14 @@ class ShardWriter:
                     self.spill.seek(0)
                     shutil.copyfileobj(self.spill, f, 2**24)
                 f.flush()
-                os.fsync(f.fileno())  # its spill goes once a later state is saved
+                os.fsync(f.fileno())  # once a shard (GBs), not per layer: its spill goes once a later state is saved
         except OSError:  # a full disk: the shard is written again on resume
             path.unlink(missing_ok=True)
             raise
         if self.spill is not None:
             self.spill.close()  # removed once no saved state can need it
         self.shards.append((path, list(self.entries)))
-        self.entries, self.spill, self.used = {}, None, 0
+        self.entries, self.spill, self.used, self.crc = {}, None, 0, 0
 
     def close(self) -> list[Path]:
         """Write the last shard, give the shards their final names and write the index; the files."""

@@ -25,14 +25,18 @@ from .quantizers import awq, exl2, ggml, gptq, nf4, rtn
 PathLike = str | os.PathLike
 
 
-def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, str] | None = None):
+def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, str] | None = None,
+              importance: dict[str, torch.Tensor] | None = None):
     """The per-linear core for a method: (name, weight, hessian or None) -> QuantizedTensor; None for
     AWQ, which quantizes whole layers. GPTQ's per-linear losses are recorded in losses. types: each
-    linear's GGUF type when quantizing for GGUF."""
+    linear's GGUF type when quantizing for GGUF; importance: an importance matrix read from a file, by
+    GGUF tensor name."""
     c = qconfig
     if types is not None:
         def quantize_ggml(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
             w = w.cpu()  # the block searches pack with numpy
+            if importance is not None:
+                return ggml.quantize(w, types[name], importance.get(exporters.gguf.gguf_name(f"{name}.weight")))
             if h is None or h.count == 0:
                 if c.needs_calibration:
                     warnings.warn(f"{name}: no calibration input reached it, so it was quantized without it")
@@ -133,7 +137,13 @@ def quantize(
     types = None
     if config.gguf_type is not None:
         exporters.gguf.check(m.module, config.gguf_type)
-        types = exporters.gguf.tensor_types(m.module, config.gguf_type, config.pure, config.imatrix)
+        types = exporters.gguf.tensor_types(m.module, config.gguf_type, config.pure, config.weighted,
+                                            config.tensor_type)
+    importance = None
+    if config.imatrix_file is not None:
+        importance = calibration.imatrix.read(config.imatrix_file)
+        columns = {exporters.gguf.gguf_name(f"{n}.weight"): m.module.get_submodule(n).weight.shape[1] for n in types}
+        calibration.imatrix.check(importance, config.imatrix_file, columns)
     if out is not None:
         exporters.check_format(format, m.module, config)
     if targets:
@@ -145,6 +155,8 @@ def quantize(
     resume = None
     if out is not None and not keep:  # saved beside the output: an interrupted run goes on
         data = windows.numpy().tobytes() if windows is not None else b""
+        if importance is not None:  # the file's contents, not only its name
+            data += b"".join(name.encode() + v.numpy().tobytes() for name, v in sorted(importance.items()))
         run = f"{m.source}|{config}|{format}|{max_shard_size}|{dev.type}|{distributed.world()}"
         key = hashlib.sha256(run.encode() + data).hexdigest()
         resume = (exporters.progress_path(out, distributed.rank() if distributed.world() > 1 else None), key)
@@ -154,7 +166,10 @@ def quantize(
                                   prefix=f"model.layers.{i}.")
 
     def other(name: str, w: torch.Tensor) -> QuantizedTensor | None:  # GGUF: the embedding and output matrix too
-        return ggml.quantize(w, types[name]) if types is not None and name in types else None
+        if types is None or name not in types:
+            return None
+        key = exporters.gguf.gguf_name(f"{name}.weight")
+        return ggml.quantize(w, types[name], importance.get(key) if importance is not None else None)
 
     writes = out is not None and distributed.rank() == 0  # under torchrun, rank 0 writes
     writer = exporters.open_writer(m, out, format, config, overwrite, max_shard_size, types) if writes else None
@@ -163,7 +178,7 @@ def quantize(
     try:
         with space_for(out, needed, "the export", "run the same command again: it resumes after the last finished "
                        "layer") if writes else nullcontext():
-            m.tensors = quantize_layers(m, quantizer(config, m.losses, types), windows,
+            m.tensors = quantize_layers(m, quantizer(config, m.losses, types, importance), windows,
                                         sequential=config.true_sequential, device=dev, writer=writer,
                                         other=other if writes or keep else None, keep=keep,
                                         progress=progress and distributed.rank() == 0, resume=resume,

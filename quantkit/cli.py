@@ -63,8 +63,13 @@ def cli() -> None:
               help="safetensors: GPTQ checkpoint layout (bitsandbytes' for nf4/fp4); awq: AutoAWQ GEMM layout; "
                    "gguf: llama.cpp; compressed-tensors: llm-compressor's pack-quantized (vLLM); exl2: ExLlamaV2")
 @click.option("--gguf-type", help="GGUF: the mix (Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, Q2_K, Q8_0, Q4_0, ...) [Q4_K_M]")
-@click.option("--imatrix", is_flag=True, help="GGUF with RTN: weight the block search by the calibration inputs")
+@click.option("--imatrix", is_flag=False, flag_value="", metavar="[FILE]",
+              help="GGUF with RTN: weight the block search by the calibration inputs, or by llama.cpp's "
+                   "importance matrix FILE (llama-imatrix's GGUF or legacy .dat)")
 @click.option("--pure", is_flag=True, help="GGUF: every tensor the mix's main type (llama-quantize --pure)")
+@click.option("--tensor-type", multiple=True, metavar="PATTERN=TYPE",
+              help="GGUF: tensors whose name matches PATTERN (a regular expression, e.g. blk\\.0\\.ffn_down) get "
+                   "TYPE instead of the mix's choice, the first match winning (llama-quantize --tensor-type)")
 @click.option("--for", "targets", multiple=True,
               help=f"refuse, before quantizing, settings this consumer cannot load: {', '.join(consumers.TARGETS)}")
 @click.option("--overwrite", is_flag=True, help="replace --out if it exists")
@@ -85,6 +90,9 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     # options and output path first: a mistake there should not cost a model load
     if fmt == "gguf" and options["gguf_type"] is None:
         options["gguf_type"] = exporters.gguf.DEFAULT_MIX
+    options["tensor_type"] = tuple(options["tensor_type"])
+    imatrix = options.pop("imatrix")
+    options.update(imatrix=imatrix == "", imatrix_file=imatrix or None)
     bits = options.pop("bits")
     if fmt == "exl2":
         options["exl2"] = bits

@@ -31,7 +31,9 @@ class QuantConfig:
     duo_scaling: bool = False  # AWQ: s = mean|x|^a / mean|w|^(1-a) (AutoAWQ's default) instead of mean|x|^a
     gguf_type: str | None = None  # GGUF mix (Q4_K_M, Q8_0, ...): blocks of llama.cpp's types instead of our grids
     imatrix: bool = False  # GGUF with RTN: weight the block search by each input's mean square (calibration)
+    imatrix_file: str | None = None  # the same from llama.cpp's importance-matrix file (no calibration)
     pure: bool = False  # GGUF: every tensor the mix's main type (llama-quantize --pure)
+    tensor_type: tuple[str, ...] = ()  # GGUF: PATTERN=TYPE overrides of the mix (llama-quantize --tensor-type)
     exl2: float | None = None  # EXL2: the linears' target bits per weight, widths mixed within each (GPTQ fills it)
 
     def __post_init__(self) -> None:
@@ -60,15 +62,27 @@ class QuantConfig:
             raise QuantkitError("act-order and group-aware ordering exclude each other: choose one")
         if self.gguf_type is not None and self.method not in ("rtn", "gptq"):
             raise QuantkitError(f"GGUF types are filled by RTN or GPTQ, not {self.method}: use --method rtn or gptq")
-        if self.imatrix and (self.gguf_type is None or self.method != "rtn"):
+        if (self.imatrix or self.imatrix_file) and (self.gguf_type is None or self.method != "rtn"):
             raise QuantkitError("--imatrix weights GGUF round-to-nearest: use it with --method rtn --format gguf "
                                 "(GPTQ always weighs by the Hessian)")
+        if self.imatrix and self.imatrix_file:
+            raise QuantkitError("an importance matrix is computed from calibration or read from a file, not both: "
+                                "pass --imatrix alone or --imatrix FILE")
         if self.pure and self.gguf_type is None:
             raise QuantkitError("--pure chooses GGUF types: use it with --format gguf")
+        self.tensor_type = (self.tensor_type,) if isinstance(self.tensor_type, str) else tuple(self.tensor_type)
+        if self.tensor_type and self.gguf_type in (None, "F32", "F16", "BF16"):
+            raise QuantkitError("--tensor-type overrides the types of a quantized GGUF mix: use it with --format gguf "
+                                "and a --gguf-type such as Q4_K_M")
         if self.exl2 is not None and self.method != "gptq":
             raise QuantkitError(f"EXL2 is filled by GPTQ, not {self.method}: use --method gptq")
         if self.block_size < 1:
             raise QuantkitError(f"block size {self.block_size} is invalid: use a positive number of columns such as 128")
+
+    @property
+    def weighted(self) -> bool:
+        """GGUF with an importance matrix, computed or read: llama-quantize's type choices change with one."""
+        return self.imatrix or self.imatrix_file is not None
 
     @property
     def needs_calibration(self) -> bool:

@@ -87,6 +87,16 @@ CATALOGUE = {
     "unknown format": Bad("quantize {model} --format onnx --out {tmp}/q", "unknown export format 'onnx'"),
     "unknown GGUF type": Bad("quantize {model} --format gguf --gguf-type Q9_K --out {tmp}/q.gguf",
                              "unknown GGUF type 'Q9_K'"),
+    "imatrix file missing": Bad("quantize {model} --format gguf --gguf-type Q8_0 --imatrix {tmp}/nope.dat "
+                                "--out {tmp}/q.gguf", "no such file"),
+    "imatrix not an importance matrix": Bad("quantize {model} --format gguf --gguf-type Q8_0 --imatrix {text} "
+                                            "--out {tmp}/q.gguf", "give a file llama-imatrix wrote"),
+    "imatrix taking the model's place": Bad("quantize --imatrix {model} --format gguf --gguf-type Q8_0 "
+                                            "--out {tmp}/q.gguf", "a directory, not an importance matrix"),
+    "tensor type without a type": Bad("quantize {model} --format gguf --gguf-type Q4_0 --tensor-type attn_v "
+                                      "--out {tmp}/q.gguf", "is not PATTERN=TYPE"),
+    "tensor type for a float mix": Bad("quantize {model} --format gguf --gguf-type F16 --tensor-type attn_v=Q8_0 "
+                                       "--out {tmp}/q.gguf", "overrides the types of a quantized GGUF mix"),
     "bits not a number": Bad("quantize {model} --bits four --out {tmp}/q", "'four' is not a valid float"),
     "unknown option": Bad("quantize {model} --bitz 4 --out {tmp}/q", "No such option '--bitz'"),
     "missing calibration file": Bad("quantize {model} --method gptq --calib-data {tmp}/nope.txt --out {tmp}/q",

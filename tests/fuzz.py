@@ -1,5 +1,6 @@
 """Fuzzing the readers of untrusted files. Each kind of input quantkit reads (a float checkpoint,
-a sharded one, each packed export, a GGUF file, the quantize progress file, a PEFT adapter) is
+a sharded one, each packed export, a GGUF file, the quantize progress file, a PEFT adapter, a base's
+saved log-probabilities, llama.cpp's importance matrices) is
 written once for a tiny model, then mutated by hypothesis: bit flips, truncation, huge lengths and
 counts, other dtypes and shapes in safetensors headers, NaN/Inf values and scales, out-of-range
 indices, JSON values replaced, removed or nested deeply. Every mutated input must load (and run a
@@ -216,6 +217,24 @@ def mutate_progress(data, path: Path) -> None:
     torch.save({**saved, "state": state}, path)
 
 
+def mutate_base(data, raw: bytearray) -> bytearray:
+    """A saved base: its header's counts, a row's scale or offset made NaN/Inf/huge, or byte damage."""
+    op = data.draw(st.sampled_from(["header", "row", "bytes"]))
+    if op == "header":  # the counts after the magic
+        return mutate_bytes(data, raw, 8, min(20, len(raw)))
+    if op == "row" and len(raw) >= 20:
+        ctx, n_vocab, n = struct.unpack("<iii", raw[8:20])
+        rows = 20 + n * ctx * 4
+        width = (2 * ((n_vocab + 1) // 2) + 4) * 2
+        k = data.draw(st.integers(0, max((len(raw) - rows) // width - 1, 0))) if width > 0 else 0
+        at = rows + k * width + data.draw(st.sampled_from([0, 4]))
+    if op != "row" or len(raw) < 20 or not 20 <= at <= len(raw) - 4:  # the header is damaged already
+        return mutate_bytes(data, raw)
+    raw[at:at + 4] = struct.pack("<f", data.draw(st.sampled_from(SPECIAL)))
+    note(f"base: row {k} {'scale' if (at - rows) % width == 0 else 'offset'} <- {raw[at:at + 4].hex()}")
+    return raw
+
+
 def mutate_file(data, path: Path, header_ends: dict[str, int]) -> None:
     raw = bytearray(path.read_bytes())
     if path.suffix == ".json":
@@ -226,6 +245,8 @@ def mutate_file(data, path: Path, header_ends: dict[str, int]) -> None:
         path.write_bytes(mutate_gguf(data, raw, header_ends[path.name]))
     elif path.name.endswith(".progress.pt"):
         mutate_progress(data, path)
+    elif path.suffix == ".logits":
+        path.write_bytes(mutate_base(data, raw))
     else:
         path.write_bytes(mutate_bytes(data, raw))
 
@@ -241,7 +262,8 @@ PACKED = {  # kind -> quantize options
     "exl2": ["--method", "gptq", "--format", "exl2", "--bits", "4.125"],
 }
 GPTQ = ["--method", "gptq", "--group-size", "32"]
-KINDS = ("float", "sharded", *PACKED, "gguf", "progress", "adapter")
+KINDS = ("float", "sharded", *PACKED, "gguf", "progress", "adapter", "base", "imatrix")
+BASE = ["--ctx", 64, "--max-windows", 3]  # the saved base's windows
 
 
 def quantkit(*args) -> int:
@@ -312,6 +334,16 @@ def make_seed(kind: str, root: Path) -> Path:
         text = root / "text.txt"
         text.write_text(VALID.read_text()[:20_000])
         succeed("train", tiny, "--data", text, "--steps", 2, "--seqlen", 32, "--batch-size", 2, "--out", out)
+    elif kind == "base":
+        out.mkdir()
+        succeed("eval", tiny, "--data", VALID, *BASE, "--base", tiny, "--save-base", out / "base.logits")
+    elif kind == "imatrix":  # both of llama-imatrix's layouts
+        from tests.test_imatrix import importance, write_gguf, write_legacy
+
+        out.mkdir()
+        table = importance(tiny)
+        write_legacy(out / "m.dat", table)
+        write_gguf(out / "m.gguf", table)
     return out
 
 
@@ -321,18 +353,34 @@ def attempt(kind: str, path: Path, root: Path) -> str:
 
     tokens = torch.arange(8)[None]
     try:
-        if kind == "progress":
+        if kind == "base":  # the tiny model compared with it: every figure finite
+            from quantkit.api import compare
+            from tests.conftest import VALID
+
+            figures = compare(root / "tiny", path / "base.logits", VALID, ctx=BASE[1], progress=False).to_dict()
+            bad = [k for k, v in figures.items() if not math.isfinite(v)]
+            if bad:
+                raise AssertionError(f"compared with non-finite figures: {bad[:3]}")
+            return "loaded"
+        if kind == "imatrix":  # a GGUF quantization weighted by each file, which must then load
+            from quantkit.api import quantize
+
+            for f in ("m.dat", "m.gguf"):
+                quantize(root / "tiny", method="rtn", format="gguf", gguf_type="Q4_0", imatrix_file=str(path / f),
+                         out=path / f"{f}.q.gguf", progress=False)
+            targets = [path / "m.dat.q.gguf", path / "m.gguf.q.gguf"]
+        elif kind == "progress":
             code = quantkit("quantize", root / "tiny", *GPTQ, *calib(), "--out", path / "q")
             if code:
                 raise QuantkitError("exit 2") if code == 2 else AssertionError(f"quantize exited with {code}")
-            target = path / "q"
+            targets = [path / "q"]
         elif kind == "adapter":
             from quantkit.trainer import merge
 
-            target = merge(path, path.parent / "merged", base=root / "tiny")
+            targets = [merge(path, path.parent / "merged", base=root / "tiny")]
         else:
-            target = path / "model.gguf" if kind == "gguf" else path
-        for packed in (False, True) if kind in PACKED else (False,):
+            targets = [path / "model.gguf" if kind == "gguf" else path]
+        for target, packed in [(t, p) for t in targets for p in ((False, True) if kind in PACKED else (False,))]:
             m = load(target, packed=packed)
             m.materialize()
             if not packed:

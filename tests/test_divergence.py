@@ -1,8 +1,10 @@
 """Divergence from the base (quantkit eval --base): the figures against a direct float64 computation,
 the saved base file, the gate, and the refusals. llama-perplexity's agreement is in test_gguf."""
+import dataclasses
 import json
 import math
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -80,6 +82,26 @@ def test_saved_base_is_reused_with_the_same_figures(pair, tmp_path):
     assert again.to_dict() == first.to_dict()
     fewer = quantkit.compare(quant, saved, TEST, ctx=CTX, max_windows=2, progress=False)
     assert fewer.windows == 2
+
+
+def test_a_damaged_row_is_refused_and_nan_figures_fail_every_limit(pair, tmp_path):
+    """A saved row whose probabilities no longer sum to 1 (its scale doubled) is refused by window and
+    prediction; figures that are NaN (broken logits) break every gate limit instead of passing them."""
+    base, quant = pair
+    saved = tmp_path / "base.logits"
+    d = quantkit.compare(quant, base, TEST, ctx=CTX, max_windows=2, save_base=saved, progress=False)
+    f = evals.BaseFile(saved)
+    at = evals.kld.HEADER.size + f.n * f.ctx * 4 + (f.scored + 3) * f.width * 2  # window 1, prediction 3
+    del f
+    raw = bytearray(saved.read_bytes())
+    raw[at:at + 4] = struct.pack("<f", 2 * struct.unpack("<f", raw[at:at + 4])[0])
+    saved.write_bytes(raw)
+    with pytest.raises(quantkit.QuantkitError, match="window 1, prediction 3 is not a distribution"):
+        quantkit.compare(quant, saved, TEST, ctx=CTX, progress=False)
+    limits = dict(max_ppl_increase=1e9, max_kld=1e9, min_same_top=0)
+    assert d.failures(**limits) == []
+    broken = dataclasses.replace(d, ppl_ratio=math.nan, kld_mean=math.nan, same_top=math.nan)
+    assert [line.split()[0] for line in broken.failures(**limits)] == ["perplexity", "mean", "same"]
 
 
 def test_rows_keep_sixteen_nats_as_llama_cpp_does():

@@ -326,3 +326,44 @@ def test_kl_divergence_agrees_with_llama_perplexity(embedded, tmp_path):
             assert (a.n, a.ctx, a.n_vocab) == (b.n, b.ctx, b.n_vocab) and torch.equal(a.windows, b.windows)
             kept = b.logprobs(0) > -10
             assert (a.logprobs(0) - b.logprobs(0))[kept].abs().max() < 0.02
+
+
+def test_tensor_type_overrides_take_the_first_match_and_shift_the_mix_count(tiny256):
+    """--tensor-type as llama-quantize applies it: the first matching pattern wins, even under --pure;
+    the mix's layer rules then count only the tensors they decided, so overriding layer 0's ffn_down
+    makes layer 1's the first of Q4_K_M's use_more_bits count (Q4_K where it was Q6_K)."""
+    module = quantkit.load(tiny256).module
+    plain = G.tensor_types(module, "Q4_K_M")
+    assert plain["model.layers.1.mlp.down_proj"] == "Q6_K"
+    types = G.tensor_types(module, "Q4_K_M", overrides=(r"blk\.0\.ffn_down=q8_0", "ffn_down=Q5_K", "ATTN_Q=q4_0"))
+    assert types["model.layers.0.mlp.down_proj"] == "Q8_0" and types["model.layers.1.mlp.down_proj"] == "Q5_K"
+    assert types["model.layers.0.self_attn.q_proj"] == "Q4_0"
+    shifted = G.tensor_types(module, "Q4_K_M", overrides=(r"blk\.0\.ffn_down=q8_0",))
+    assert shifted["model.layers.1.mlp.down_proj"] == "Q4_K"
+    assert G.tensor_types(module, "Q4_K_M", pure=True, overrides=("attn_v=Q8_0",))["model.layers.1.self_attn.v_proj"] \
+        == "Q8_0"
+    for bad, match in [("attn_v", "not PATTERN=TYPE"), ("attn_v=Q9_K", "unknown GGUF type"), ("(=Q8_0", "not a regular")]:
+        with pytest.raises(QuantkitError, match=match):
+            G.tensor_types(module, "Q4_K_M", overrides=(bad,))
+    with pytest.raises(QuantkitError, match="quantized GGUF mix"):
+        quantkit.QuantConfig(gguf_type="F16", tensor_type=("attn_v=Q8_0",))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mix,overrides", [("Q4_K_M", [r"blk\.0\.ffn_down=q8_0", "attn_v=q4_0", "output=q5_k"]),
+                                           ("Q3_K_M", ["ffn_.*=Q6_K", r"blk\.1\.attn_q=F16"])])
+def test_tensor_type_bytes_equal_llama_quantize(tiny256, tmp_path, mix, overrides):
+    """The same overrides through llama-quantize --tensor-type from our F32 file and through quantkit:
+    every tensor's type and bytes are the same."""
+    from . import llamacpp
+
+    quantkit.api.export_gguf(quantkit.load(tiny256), tmp_path / "f32.gguf", "F32", progress=False)
+    llamacpp.quantize(tmp_path / "f32.gguf", tmp_path / "theirs.gguf", mix,
+                      *[a for o in overrides for a in ("--tensor-type", o)])
+    quantkit.quantize(tiny256, method="rtn", format="gguf", gguf_type=mix, tensor_type=tuple(overrides),
+                      out=tmp_path / "ours.gguf", progress=False)
+    ours, theirs = tensors(tmp_path / "ours.gguf"), tensors(tmp_path / "theirs.gguf")
+    assert ours.keys() == theirs.keys()
+    assert [k for k in ours if ours[k] != theirs[k]] == []
+    plain = G.tensor_types(quantkit.load(tiny256).module, mix)["model.layers.1.mlp.down_proj"]
+    assert ours["blk.1.ffn_down.weight"][0] != plain  # the overrides changed what the mix would give

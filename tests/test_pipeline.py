@@ -184,3 +184,41 @@ def test_progress_whose_partial_output_is_gone_starts_afresh(tiny_dir, tmp_path,
     quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **kw)
     assert "the partial output it describes is gone" in capsys.readouterr().err
     assert files(tmp_path / "q") == files(tmp_path / "whole")
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "gguf"])
+def test_a_partial_output_torn_by_a_power_cut_is_not_resumed(tiny_dir, tmp_path, monkeypatch, capsys, fmt):
+    """Progress is saved after each layer without forcing the data to the disk, so after a power cut
+    it can outlive the bytes it describes (they read back as zeros here). The CRCs it holds tell, and
+    the run starts afresh instead of resuming onto them."""
+    from quantkit import pipeline
+    from quantkit.exporters import progress_path
+    from quantkit.exporters.atomic import partial_path
+
+    kw = dict(method="rtn", progress=False, **({"format": "gguf", "gguf_type": "Q8_0"} if fmt == "gguf" else {}))
+    name = "q.gguf" if fmt == "gguf" else "q"
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "whole", **kw)
+    real = pipeline.save_progress
+
+    def save_then_stop(path, state):
+        real(path, state)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "save_progress", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_dir), out=tmp_path / name, **kw)
+    monkeypatch.setattr(pipeline, "save_progress", real)
+    partial = partial_path(tmp_path / name)
+    if fmt == "gguf":  # layer 0's tensors, after the header
+        start = pipeline.read_progress(progress_path(tmp_path / name))["writer"]["data_start"]
+        raw = partial.read_bytes()
+        partial.write_bytes(raw[:start] + bytes(len(raw) - start))
+    else:  # the open shard's spilled layer 0
+        spills = list(partial.glob(".spill-*"))
+        assert spills
+        for spill in spills:
+            spill.write_bytes(bytes(spill.stat().st_size))
+    quantkit.quantize(str(tiny_dir), out=tmp_path / name, **kw)
+    assert "the partial output it describes is gone or changed" in capsys.readouterr().err
+    whole, out = tmp_path / "whole", tmp_path / name
+    assert (out.read_bytes() == whole.read_bytes()) if fmt == "gguf" else files(out) == files(whole)

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from quantkit import distributed
 from quantkit.api import device_of
 from quantkit.errors import QuantkitError, ResumableError, free_space, size, space_for, untrusted
-from quantkit.exporters.atomic import Staged, partial_path, remove
+from quantkit.exporters.atomic import Staged, fsync, partial_path, remove
 from quantkit.modelio import Model, load
 from quantkit.pipeline import peak_memory, read_progress, save_progress
 
@@ -161,6 +161,7 @@ class Checkpoints:
                 f.flush()
                 os.fsync(f.fileno())
             save_progress(tmp / "state.pt", state)
+            fsync(tmp / "state.pt")  # unlike quantize's progress, the only copy once the old checkpoint goes
         except OSError as e:
             remove(tmp)
             previous = self.load()["step"] if self.latest() else None

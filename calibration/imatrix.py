@@ -1,0 +1,97 @@
+"""llama.cpp's importance-matrix files (what llama-imatrix writes), read for GGUF quantization: the
+GGUF layout (`<tensor>.in_sum2` and `<tensor>.counts`, F32, one count per expert) or the legacy .dat
+one (entries of name, ncall, nval and nval float32 values holding the mean times ncall). A tensor's
+importance is the mean square of each input column, divided out in float32 as llama-quantize does."""
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from quantkit.errors import QuantkitError, untrusted
+
+FIX = "give a file llama-imatrix wrote (GGUF or legacy .dat), or --imatrix alone to compute one from --calib-data"
+
+
+def read(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Each tensor's importance (float32, one value per input column and expert) by GGUF tensor name."""
+    path = Path(path)
+    if path.is_dir():
+        raise QuantkitError(f"--imatrix {path}: a directory, not an importance matrix: put MODEL before "
+                            f"--imatrix, or {FIX}")
+    if not path.is_file():
+        raise QuantkitError(f"--imatrix {path}: no such file: {FIX}")
+    with open(path, "rb") as f:
+        gguf_file = f.read(4) == b"GGUF"
+    table = from_gguf(path) if gguf_file else legacy(path)
+    if not table:
+        raise QuantkitError(f"{path}: no importance entries in it: {FIX}")
+    bad = next((name for name, v in table.items() if not (torch.isfinite(v).all() and (v >= 0).all())), None)
+    if bad is not None:
+        raise QuantkitError(f"{path}: the importance of {bad} is negative or not finite: {FIX}")
+    return table
+
+
+def from_gguf(path: Path) -> dict[str, torch.Tensor]:
+    import gguf
+
+    with untrusted(path, "not a readable imatrix GGUF", FIX):
+        tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+        table = {}
+        for key, t in tensors.items():
+            if not key.endswith(".in_sum2"):
+                continue
+            name = key.removesuffix(".in_sum2")
+            counts = tensors.get(f"{name}.counts")
+            if counts is None or {t.tensor_type.name, counts.tensor_type.name} != {"F32"}:
+                raise QuantkitError(f"{path}: {name} needs F32 .in_sum2 and .counts tensors: {FIX}")
+            sums = np.asarray(t.data, dtype=np.float32).reshape(-1)
+            n = np.asarray(counts.data, dtype=np.float32).reshape(-1)
+            if n.size == 0 or sums.size % n.size:
+                raise QuantkitError(f"{path}: {name} has {sums.size} sums for {n.size} counts: {FIX}")
+            n = np.trunc(n + np.copysign(0.5, n)).astype(np.float32)  # counts are read with lround
+            per_expert = sums.reshape(n.size, -1)
+            values = np.where(n[:, None] > 0, per_expert / np.where(n > 0, n, 1)[:, None], np.float32(1))
+            table[name] = torch.from_numpy(values.astype(np.float32).reshape(-1))
+    return table
+
+
+def legacy(path: Path) -> dict[str, torch.Tensor]:
+    raw = path.read_bytes()
+    at, table = 0, {}
+
+    def take(n: int, what: str) -> bytes:
+        nonlocal at
+        if n < 0 or at + n > len(raw):
+            raise QuantkitError(f"{path}: cut short in {what} (byte {at} of {len(raw)}): {FIX}")
+        at += n
+        return raw[at - n:at]
+
+    (entries,) = struct.unpack("<i", take(4, "the entry count"))
+    if entries < 1:
+        raise QuantkitError(f"{path}: {entries} entries: {FIX}")
+    for i in range(entries):
+        (length,) = struct.unpack("<i", take(4, f"entry {i}"))
+        name = take(length, f"entry {i}'s name").split(b"\0")[0].decode(errors="replace")
+        ncall, nval = struct.unpack("<ii", take(8, f"entry {i}"))
+        if nval < 1:
+            raise QuantkitError(f"{path}: entry {name} has {nval} values: {FIX}")
+        sums = np.frombuffer(take(4 * nval, f"entry {name}'s values"), dtype="<f4").astype(np.float32)
+        table[name] = torch.from_numpy(sums / np.float32(ncall) if ncall > 0 else sums.copy())
+    return table  # what follows (the chunk count, the dataset's name) is not needed
+
+
+def check(table: dict[str, torch.Tensor], path: str | os.PathLike, columns: dict[str, int]) -> None:
+    """Fail before any work unless the table is for this model: columns, each weight's input width by
+    GGUF tensor name; an entry must hold one value per column."""
+    known = [name for name in columns if name in table]
+    if not known:
+        raise QuantkitError(f"{path}: no entry for this model's tensors (it has {next(iter(table))}, the model "
+                            f"{next(iter(columns))}): use the imatrix computed for this model")
+    for name in known:
+        if table[name].numel() != columns[name]:
+            raise QuantkitError(f"{path}: {name} has {table[name].numel()} values for {columns[name]} input "
+                                "columns: use the imatrix computed for this model")

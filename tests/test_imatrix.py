@@ -1,0 +1,111 @@
+"""llama.cpp's importance-matrix files read for GGUF quantization (`--imatrix FILE`): both layouts give
+llama-quantize's bytes from the same file, and a file that does not fit the model is refused first."""
+import struct
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import quantkit
+from quantkit.calibration import imatrix
+from quantkit.exporters.gguf import gguf_name
+
+from .conftest import cli, make_tiny, refused
+from .test_gguf import tensors
+
+NCALL = 7  # chunks the importance was "measured" on
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("imatrix") / "model", hidden=256, intermediate=512)
+
+
+def importance(model_dir) -> dict[str, np.ndarray]:
+    """A mean square per input column of every linear, by GGUF name, skewed so that it changes the fits."""
+    m = quantkit.load(model_dir)
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for name, module in m.module.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            k = module.weight.shape[1]
+            out[gguf_name(f"{name}.weight")] = (torch.rand(k, generator=g) ** 4 * 50 + 0.01).numpy()
+    return out
+
+
+def write_legacy(path, table: dict[str, np.ndarray]) -> None:
+    """llama-imatrix's legacy layout: the values are the mean times ncall."""
+    with open(path, "wb") as f:
+        f.write(struct.pack("<i", len(table)))
+        for name, v in table.items():
+            f.write(struct.pack("<i", len(name)) + name.encode() + struct.pack("<ii", NCALL, v.size))
+            f.write((v * NCALL).astype("<f4").tobytes())
+        f.write(struct.pack("<i", NCALL) + struct.pack("<i", 4) + b"test")
+
+
+def write_gguf(path, table: dict[str, np.ndarray]) -> None:
+    """llama-imatrix's GGUF layout: sums of squares and the count of inputs."""
+    w = gguf.GGUFWriter(path, arch=None)
+    w.add_type("imatrix")
+    w.add_array("imatrix.datasets", ["test"])
+    w.add_uint32("imatrix.chunk_count", NCALL)
+    w.add_uint32("imatrix.chunk_size", 64)
+    for name, v in table.items():
+        w.add_tensor(f"{name}.in_sum2", (v * NCALL * 64).astype(np.float32))
+        w.add_tensor(f"{name}.counts", np.array([NCALL * 64], dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("layout", ["dat", "gguf"])
+def test_both_layouts_read_as_the_mean_square(tiny, tmp_path, layout):
+    table = importance(tiny)
+    path = tmp_path / f"m.{layout}"
+    (write_legacy if layout == "dat" else write_gguf)(path, table)
+    back = imatrix.read(path)
+    assert back.keys() == table.keys()
+    for name, v in table.items():
+        assert torch.allclose(back[name], torch.from_numpy(v), rtol=1e-6), name
+
+
+def test_files_that_do_not_fit_are_refused_before_any_work(tiny, tmp_path, capsys, monkeypatch):
+    table = importance(tiny)
+    args = ["quantize", tiny, "--format", "gguf", "--gguf-type", "Q4_K_M", "--out", tmp_path / "q.gguf", "--imatrix"]
+    write_legacy(tmp_path / "m.dat", table)
+    raw = (tmp_path / "m.dat").read_bytes()
+    (tmp_path / "cut.dat").write_bytes(raw[:len(raw) // 2])
+    refused([*args, tmp_path / "cut.dat"], capsys, monkeypatch, "cut short in entry")
+    write_legacy(tmp_path / "other.dat", {f"x.{k}": v for k, v in table.items()})
+    refused([*args, tmp_path / "other.dat"], capsys, monkeypatch, "no entry for this model's tensors")
+    write_legacy(tmp_path / "wide.dat", {k: np.concatenate([v, v]) for k, v in table.items()})
+    refused([*args, tmp_path / "wide.dat"], capsys, monkeypatch, "values for 256 input columns")
+    write_legacy(tmp_path / "nan.dat", {k: v * np.nan for k, v in table.items()})
+    refused([*args, tmp_path / "nan.dat"], capsys, monkeypatch, "negative or not finite")
+    refused([*args, tmp_path], capsys, monkeypatch, "a directory, not an importance matrix")
+    refused([*args, tmp_path / "m.dat", "--method", "gptq"], capsys, monkeypatch, "use it with --method rtn")
+    assert not (tmp_path / "q.gguf").exists()
+    code, _, _ = cli([*args, tmp_path / "m.dat"], capsys, monkeypatch)
+    assert code == 0 and (tmp_path / "q.gguf").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,mix", [("dat", "Q4_K_M"), ("gguf", "Q4_K_M"), ("dat", "Q4_0"), ("gguf", "Q3_K_M")])
+def test_bytes_equal_llama_quantize_with_the_same_file(tiny, tmp_path, layout, mix):
+    """llama-quantize --imatrix FILE from our F32 file and quantkit --imatrix FILE from the model: every
+    tensor's type and bytes are the same, and differ from the unweighted ones."""
+    from . import llamacpp
+
+    path = tmp_path / f"m.{layout}"
+    (write_legacy if layout == "dat" else write_gguf)(path, importance(tiny))
+    quantkit.api.export_gguf(quantkit.load(tiny), tmp_path / "f32.gguf", "F32", progress=False)
+    llamacpp.quantize(tmp_path / "f32.gguf", tmp_path / "theirs.gguf", mix, "--imatrix", str(path))
+    quantkit.quantize(tiny, method="rtn", format="gguf", gguf_type=mix, imatrix_file=str(path),
+                      out=tmp_path / "ours.gguf", progress=False)
+    quantkit.quantize(tiny, method="rtn", format="gguf", gguf_type=mix, out=tmp_path / "plain.gguf", progress=False)
+    ours, theirs, plain = (tensors(tmp_path / f"{n}.gguf") for n in ("ours", "theirs", "plain"))
+    assert ours.keys() == theirs.keys()
+    assert [k for k in ours if ours[k] != theirs[k]] == []
+    assert [k for k in ours if k.startswith("blk.") and ours[k] != plain[k]]
