@@ -135,6 +135,6 @@ class QuantizedTensor:
             s = self.scales.float().repeat_interleave(self.group_size)[: n * k].view(n, k)
             return (self.codebook[self.codes.long()] * s).to(dtype)
         g = self.g_idx.long()
-        s = self.scales.to(torch.float32)[:, g]
-        z = self.zeros.to(torch.float32)[:, g]
-        return (s * (self.codes.to(torch.float32) - z)).to(dtype)
+        w = self.codes.to(torch.float32)  # s * (q - z) in place: one [N, K] temporary at a time beside w
+        w.sub_(self.zeros.to(torch.float32)[:, g])
+        return w.mul_(self.scales.to(torch.float32)[:, g]).to(dtype)

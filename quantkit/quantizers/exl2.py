@@ -118,7 +118,7 @@ def quantize(w: torch.Tensor, h: torch.Tensor, setting: Setting, damp: float = 0
 
     def fit(span: torch.Tensor, grp: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         b = widths[grp]
-        scales[:, grp], maxima[grp] = grid(span[:, : min(g, k - grp * g)], b)
+        scales[:, grp], maxima[grp] = grid(span, b)
         return scales[:, grp], torch.full((n,), 2.0 ** (b - 1), device=w.device), 2**b - 1
 
     perm = torch.argsort(torch.diag(h), descending=True)

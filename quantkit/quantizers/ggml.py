@@ -520,7 +520,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, t: str, importance: torch.Tensor | No
     for c0 in range(0, k, b):
         w1 = w[:, c0:c0 + b].clone()
         err = torch.zeros_like(w1)
-        hinv1 = hinv[c0:c0 + b, c0:c0 + b]
+        hinv1 = hinv[c0:c0 + b, c0:c0 + b].contiguous()  # its rows are read one by one
         qw = None if importance is None else importance[c0:c0 + b].float().expand(n, -1)
         f = FITS[t](w1, qw, row_sigma2(t, w, importance))
         for i in range(b):

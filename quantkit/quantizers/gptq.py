@@ -23,13 +23,19 @@ class GPTQResult:
     loss: float  # sum over weights of (w - q)^2 / Hinv_jj^2 / 2: the layer's output error the method minimizes
 
 
-def inverse_hessian_factor(h: torch.Tensor, damp: float, name: str = "layer") -> torch.Tensor:
-    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, raising damping tenfold on failure."""
+def inverse_hessian_factor(h: torch.Tensor, damp: float, name: str = "layer",
+                           perm: torch.Tensor | None = None) -> torch.Tensor:
+    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, with H's rows and columns in perm's
+    order when given, raising damping tenfold on failure. One K x K copy of H (485 MB for K = 11008),
+    factored in place: it is column-major, LAPACK's order, so torch needs no copy of its own."""
     mean_diag = torch.mean(torch.diag(h))
     for attempt in range(6):
         d = damp * 10**attempt
         try:
-            m = h.clone()  # one K x K copy, factored in place (for K = 11008 it is 485 MB)
+            m = torch.empty_like(h).mT  # column-major
+            step = max(1, 2**22 // len(h))
+            for r in range(0, len(h), step):  # a slice of rows at a time: no second K x K temporary
+                m[r:r + step] = h[r:r + step] if perm is None else h[perm[r:r + step]][:, perm]
             m.diagonal().add_(d * mean_diag)
             torch.linalg.cholesky(m, out=m)
             torch.cholesky_inverse(m, out=m)
@@ -108,7 +114,7 @@ def quantize(
 
     def fit(span: torch.Tensor, grp: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         if not static_groups:
-            scales[:, grp], zeros[:, grp] = fit_grid(span[:, : min(g, k - grp * g)], bits, sym, mse)
+            scales[:, grp], zeros[:, grp] = fit_grid(span, bits, sym, mse)
         return scales[:, grp], zeros[:, grp], maxq
 
     codes, loss = run(w, h, perm, col_group, fit, damp, block_size, name)
@@ -131,26 +137,32 @@ def run(w: torch.Tensor, h: torch.Tensor, perm: torch.Tensor, col_group: torch.T
         name: str) -> tuple[torch.Tensor, float]:
     """GPTQ's loop: w [N, K]'s columns quantized in perm order, col_group[i] the group of the i-th
     of them (each group's columns contiguous in that order). At a group's first column,
-    fit(span, group) gives its scale, zero (per row) and top code from the columns not yet quantized
-    as updated so far (span starts at the group). Codes [N, K] in the original column order, and the loss."""
+    fit(span, group) gives its scale, zero (per row) and top code from the group's columns (span) as
+    updated so far. w is a working copy (prepare's), permuted and updated in place. Codes [N, K] in
+    the original column order, and the loss."""
     n, k = w.shape
-    if not torch.equal(perm, torch.arange(k, device=perm.device)):
-        w, h = w[:, perm], h[perm][:, perm]
-    hinv = inverse_hessian_factor(h, damp, name)
-    groups = col_group.tolist()
+    if torch.equal(perm, torch.arange(k, device=perm.device)):
+        hinv = inverse_hessian_factor(h, damp, name)
+    else:
+        step = max(1, 2**22 // k)
+        for r in range(0, n, step):  # in place, a slice of rows at a time: no second copy of w
+            w[r:r + step] = w[r:r + step, perm]
+        hinv = inverse_hessian_factor(h, damp, name, perm)
+    groups, sizes = col_group.tolist(), torch.bincount(col_group).tolist()
     codes = torch.zeros(n, k, dtype=torch.uint8, device=w.device)
     loss = 0.0
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
         w1 = w[:, i1:i2].clone()
         err1 = torch.zeros_like(w1)
-        hinv1 = hinv[i1:i2, i1:i2]
+        hinv1 = hinv[i1:i2, i1:i2].contiguous()  # its rows are read one by one
         diag = hinv1.diagonal().tolist()
         for i in range(i2 - i1):
             col = i1 + i
             grp = groups[col]
             if col == 0 or grp != groups[col - 1]:
-                s, z, maxq = fit(torch.cat([w1[:, i:], w[:, i2:]], dim=1), grp)
+                end = col + sizes[grp]  # the group's columns, contiguous in this order
+                s, z, maxq = fit(torch.cat([w1[:, i:end - i1], w[:, i2:max(end, i2)]], dim=1), grp)
             q = torch.round(w1[:, i] / s).add_(z).clamp_(0, maxq)
             codes[:, col] = q
             e = (w1[:, i] - (q - z) * s) / diag[i]
