@@ -11,8 +11,11 @@ On a GPU (Triton kernels, float16 activations), per shape and batch:
     same run (read + written bytes), and of the datasheet peak where the device is known.
   Times: triton.testing.do_bench, median, over several weight copies in rotation so that a 8 MiB
   weight is not served from L2.
-On the CPU (the torch fallback, float32 activations): ours against dequantize-then-matmul (the
-whole weight dequantized, then one matmul), best of --repeats, ratio ours / baseline.
+On the CPU, per shape and batch, best of --repeats: our packed layers as quantkit runs them (4-bit
+g128 in plain group order with bfloat16 activations: torch's fused int4 matmul; 4-bit g128 act-order
+and NF4 with double quantization, float32 activations: the fallback that dequantizes a slice of rows
+at a time), against the anchor, a dense float32 matmul of the same shape, against a dense bfloat16
+one, and against dequantizing the whole weight then one matmul in the same dtype as ours.
 """
 from __future__ import annotations
 
@@ -29,41 +32,53 @@ DATASHEET_TBPS = {"H100 80GB HBM3": 3.35, "H100 PCIe": 2.0, "H200": 4.8}
 
 
 def layers(n: int, k: int, device: str):
-    """A 4-bit g128 act-order GPTQ layer and an NF4 double-quantized layer of one random weight."""
+    """A 4-bit g128 act-order GPTQ layer, an NF4 double-quantized layer and (CPU) a 4-bit g128 GPTQ layer in
+    plain group order, of one random weight."""
     from quantkit.qlinear import GPTQLinear, NF4Linear
     from quantkit.quantizers import nf4, rtn
 
     w = torch.randn(n, k) * 0.02
     qt = rtn.quantize(w, 4, 128, sym=True)
+    plain = GPTQLinear.from_tensor(qt).to(device)
     qt.g_idx = qt.g_idx[torch.randperm(k)].contiguous()
-    return w, GPTQLinear.from_tensor(qt).to(device), NF4Linear.from_tensor(nf4.quantize(w, "nf4", 64, True)).to(device)
+    return w, GPTQLinear.from_tensor(qt).to(device), NF4Linear.from_tensor(nf4.quantize(w, "nf4", 64, True)).to(device), plain
 
 
 def cpu(batches: list[int], repeats: int) -> None:
     print(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print("| shape (out x in) | batch | format | ours (torch fallback) | dequantize, then matmul | ours / baseline "
-          "| dense float32 matmul |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| shape (out x in) | batch | format (path, activations) | ours | dense float32 (anchor) | ours / anchor "
+          "| dense bfloat16 | ours / that | dequantize, then matmul | ours / that |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n, k in SHAPES:
-        w, gptq, nf = layers(n, k, "cpu")
-        for layer, label in ((gptq, "4-bit g128 act-order"), (nf, "NF4 dq")):
-            layer.backend = "torch"
+        w, act, nf, plain = layers(n, k, "cpu")
+        wb = w.bfloat16()
+        for layer, label, dtype in ((plain, "4-bit g128 (fused int4, bf16)", torch.bfloat16),
+                                    (act, "4-bit g128 act-order (slices, f32)", torch.float32),
+                                    (nf, "NF4 dq (slices, f32)", torch.float32)):
             for b in batches:
                 x = torch.randn(b, k)
+                xq, xb = x.to(dtype), x.bfloat16()
 
                 def ours():
-                    return layer(x)
+                    return layer(xq)
 
                 def baseline():
-                    return F.linear(x, layer.dequantize(torch.float32))
+                    return F.linear(xq, layer.dequantize(dtype))
 
                 def dense():
                     return F.linear(x, w)
 
-                torch.testing.assert_close(ours(), baseline(), rtol=1e-4, atol=1e-4)
-                t = {f: best(f, repeats) for f in (ours, baseline, dense)}
-                print(f"| {n}x{k} | {b} | {label} | {t[ours] * 1e3:.1f} ms | {t[baseline] * 1e3:.1f} ms | "
-                      f"{t[ours] / t[baseline]:.2f} | {t[dense] * 1e3:.1f} ms |", flush=True)
+                def dense_bf16():
+                    return F.linear(xb, wb)
+
+                with torch.no_grad():
+                    ref = F.linear(x, layer.dequantize())
+                    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bfloat16: 2^-8 per rounding
+                    torch.testing.assert_close(ours().float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+                    t = {f: best(f, repeats) for f in (ours, dense, dense_bf16, baseline)}
+                print(f"| {n}x{k} | {b} | {label} | {t[ours] * 1e3:.2f} ms | {t[dense] * 1e3:.2f} ms | "
+                      f"{t[ours] / t[dense]:.2f} | {t[dense_bf16] * 1e3:.2f} ms | {t[ours] / t[dense_bf16]:.2f} | "
+                      f"{t[baseline] * 1e3:.2f} ms | {t[ours] / t[baseline]:.2f} |", flush=True)
 
 
 def best(fn, repeats: int) -> float:
@@ -100,7 +115,7 @@ def gpu(batches: list[int]) -> None:
           "| GEMV bandwidth / copy (4-bit, NF4) | / datasheet |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n, k in SHAPES:
-        w, q4, nf = layers(n, k, "cuda")
+        w, q4, nf, _ = layers(n, k, "cuda")
         copies = 8  # weights in rotation, more bytes than L2 holds
         q4s = [copy.deepcopy(q4) for _ in range(copies)]
         nfs = [copy.deepcopy(nf) for _ in range(copies)]

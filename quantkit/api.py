@@ -210,17 +210,28 @@ def default_device(given: object, device: str | None) -> str | None:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def ready(model: Model | PathLike | None, packed: bool = True, device: str | None = None) -> Model:
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def ready(model: Model | PathLike | None, packed: bool = True, device: str | None = None,
+          dtype: str | None = None) -> Model:
     """A model to score, with every weight in memory. From a path: a quantized checkpoint runs packed
     (its linears reading the exported tensors through quantkit.qlinear) unless packed=False, on device
-    (default: CUDA, in float16, when there is a GPU); a Model passed in is moved only when device is given."""
+    (default: CUDA, in float16, when there is a GPU; else the CPU in float32); a Model passed in is moved
+    only when device or dtype is given. dtype: the activations' and float weights' dtype, one of DTYPES
+    (bfloat16 on the CPU runs 4-bit layers through torch's fused int4 matmul)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise QuantkitError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     m = model if isinstance(model, Model) else load(model, packed=packed)
     m.materialize()
+    if m.gguf_types and dtype not in (None, "float32"):
+        raise QuantkitError(f"a GGUF file is scored in llama.cpp's float32 arithmetic: drop --dtype {dtype}")
     where = default_device(model, device)
-    if where is not None:
-        dev = torch.device(where)
+    if where is not None or dtype is not None:
+        dev = torch.device(where) if where is not None else next(m.module.parameters()).device
         # float16 on a GPU, except a GGUF scored with llama.cpp's float32 arithmetic
-        m.module.to(dev, torch.float16 if dev.type == "cuda" and not m.gguf_types else torch.float32)
+        default = torch.float16 if dev.type == "cuda" and not m.gguf_types else torch.float32
+        m.module.to(dev, getattr(torch, dtype) if dtype else default)
     return m
 
 
@@ -240,13 +251,14 @@ def evaluate(
     progress: bool = True,
     packed: bool = True,
     device: str | None = None,
+    dtype: str | None = None,
 ) -> evals.Perplexity:
     """Perplexity of a model (or a model path, or the embedded default) on a text file. A quantized
     checkpoint loaded from a path runs packed, its linears reading the exported tensors through
     quantkit.qlinear (Triton on CUDA, torch on the CPU); packed=False evaluates a dequantized copy.
-    device: where a model loaded from a path runs (default: CUDA, in float16, when there is a GPU);
-    a Model passed in is moved only when device is given."""
-    m = ready(model, packed, device)
+    device, dtype: where and in what a model loaded from a path runs (default: CUDA, in float16, when
+    there is a GPU; else float32); a Model passed in is moved only when one is given."""
+    m = ready(model, packed, device, dtype)
     text = calibration.load_text(data, split="test")
     with scoring(m, protocol):  # a GGUF's blocks, scored with llama.cpp's arithmetic
         return evals.perplexity(m.module, m.tokenizer, text, protocol, ctx, max_windows, progress=progress)
@@ -262,12 +274,14 @@ def compare(
     progress: bool = True,
     packed: bool = True,
     device: str | None = None,
+    dtype: str | None = None,
 ) -> evals.Divergence:
     """Divergence of model from base, as `llama-perplexity --kl-divergence` measures it: perplexity of
     both, KL divergence, delta-p and top-token agreement on the second half of each window of data.
     base: a model (a Model, a path), or a file of its log-probabilities saved by save_base (or by
     llama-perplexity --kl-divergence-base), which skips running the base. One model is in memory at a
-    time: the base's log-probabilities go to disk (save_base, or a temporary file) first."""
+    time: the base's log-probabilities go to disk (save_base, or a temporary file) first. dtype: both
+    models run in it (as in evaluate)."""
     text = calibration.load_text(data, split="test")
     saved = base is not None and not isinstance(base, Model) and evals.kld.is_saved_base(base)
     if saved and save_base is not None:
@@ -285,20 +299,20 @@ def compare(
                 raise QuantkitError(f"{b.source} and {m.source} have different tokenizers ({difference}): compare a "
                                     "model with the base it was quantized from")
             path = save_base or Path(tmp) / "base.logits"
-            write_base(b, path, text, ctx, max_windows, default_device(base, device), progress)
+            write_base(b, path, text, ctx, max_windows, default_device(base, device), progress, dtype)
             del b  # one model in memory at a time
             base_file = evals.BaseFile(path)
         n = base_file.n if max_windows is None else max_windows
         windows = evals.windows(m.tokenizer, text, "llamacpp", ctx, n)
-        m = ready(m, packed, default_device(model, device))
+        m = ready(m, packed, default_device(model, device), dtype)
         with scoring(m):
             return evals.divergence(m.module, m.tokenizer, windows, base_file, progress=progress)
 
 
 def write_base(base: Model, path: PathLike, text: str, ctx: int = 512, max_windows: int | None = None,
-               device: str | None = None, progress: bool = True) -> None:
+               device: str | None = None, progress: bool = True, dtype: str | None = None) -> None:
     """Score the text's windows on the base and save its log-probabilities at path (llama.cpp's layout)."""
-    b = ready(base, device=device)
+    b = ready(base, device=device, dtype=dtype)
     with scoring(b):
         evals.save_base(b.module, b.tokenizer, evals.windows(b.tokenizer, text, "llamacpp", ctx, max_windows), path,
                         progress=progress)

@@ -150,8 +150,10 @@ def export(model, out, gguf_type, overwrite) -> None:
 @click.option("--json", "as_json", is_flag=True, help="end with one JSON line")
 @click.option("--dequantized", is_flag=True, help="a quantized export: evaluate a dequantized copy, not the packed model")
 @click.option("--device", help="cpu or cuda [cuda, in float16, when there is a GPU]")
+@click.option("--dtype", type=click.Choice(api.DTYPES), help="the activations' dtype [float16 on a GPU, float32 on "
+              "the CPU]; bfloat16 on the CPU runs 4-bit layers in torch's fused int4 matmul")
 def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_increase, max_kld, min_same_top,
-             as_json, dequantized, device) -> None:
+             as_json, dequantized, device, dtype) -> None:
     """Perplexity of MODEL (a directory, an export, a .gguf file, or the embedded model). A quantized
     export runs packed: Triton kernels on a GPU, a torch fallback on the CPU. With --base, its
     divergence from the base; with the gate limits, exit 1 when one is broken."""
@@ -162,12 +164,13 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_i
     if base is not None and protocol != "llamacpp":
         raise QuantkitError("--base compares under the llamacpp protocol (the second half of each window): drop --protocol")
     if base is None:
-        ppl = api.evaluate(model, data, protocol, ctx, max_windows, packed=not dequantized, device=device)
+        ppl = api.evaluate(model, data, protocol, ctx, max_windows, packed=not dequantized, device=device, dtype=dtype)
         show(model or "embedded model", ppl)
         if as_json:
             click.echo(json.dumps({**ppl.to_dict(), "model": model}))
         return
-    d = api.compare(model, base, data, ctx, max_windows, save_base, packed=not dequantized, device=device)
+    d = api.compare(model, base, data, ctx, max_windows, save_base, packed=not dequantized, device=device,
+                    dtype=dtype)
     click.echo(f"{model or 'embedded model'} against {base}: {d.windows} windows of {d.ctx}, {d.tokens} predictions")
     click.echo(d.report())
     if save_base:

@@ -8,6 +8,7 @@ config fails at load time, before any kernel reads out of bounds.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -45,10 +46,16 @@ class QuantLinear(torch.nn.Module):
         elif triton:  # the kernels have no backward: dequantize with them, multiply with torch
             y = F.linear(x, kernels.dequantize(self, x.dtype))
         else:
-            rows = self.rows_per_chunk()
-            y = torch.cat([F.linear(x, self.dequantize(x.dtype, r, min(r + rows, self.out_features)))
-                           for r in range(0, self.out_features, rows)], dim=-1)
+            y = self.fused(x) if self.backend == "auto" and not (torch.is_grad_enabled() and x.requires_grad) else None
+            if y is None:
+                rows = self.rows_per_chunk()
+                y = torch.cat([F.linear(x, self.dequantize(x.dtype, r, min(r + rows, self.out_features)))
+                               for r in range(0, self.out_features, rows)], dim=-1)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x W^T by a fused CPU kernel for this layout (no gradient), or None where there is none."""
+        return None
 
     def rows_per_chunk(self) -> int:
         return max(CHUNK // self.in_features, 1)
@@ -64,11 +71,16 @@ class QuantLinear(torch.nn.Module):
 
     def _apply(self, fn, recurse=True):
         # .to(), .half(), .cuda() move packed buffers but never cast them: fp16 scales would not survive bf16
+        self.__dict__.pop("int4", None)  # made again from the buffers where they go
         packed = {name: self._buffers.pop(name) for name in self.PACKED if self._buffers.get(name) is not None}
         super()._apply(fn, recurse)
         for name, t in packed.items():
             self.register_buffer(name, t.to(fn(t.new_empty(0)).device))
         return self
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.__dict__.pop("int4", None)  # the buffers change under it
+        super()._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -152,6 +164,39 @@ class GPTQLinear(QuantLinear):
             idx = self.g_idx.long()
             w = (q - z[idx]).float().mul_(s[idx])
         return w.to(dtype).T
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor | None:
+        """4-bit weights in plain group order, bfloat16 activations on the CPU: torch's int4 matmul
+        (_weight_int4pack_mm_for_cpu, which reads W = (q - 8) s + (8 - z) s with s and (8 - z) s rounded to
+        bfloat16), the inputs padded with zeros to whole kernel groups. Its float32 and float16 paths are
+        not vectorized: 4x a dense float32 matmul at batch 1 and 30x at batch 16 (benchmarks/kernels.py)."""
+        if x.is_cuda or self.bits != 4 or x.dtype != torch.bfloat16 or self.int4 is None:
+            return None
+        packed, scales_zeros, group, k = self.int4
+        x2 = F.pad(x.reshape(-1, self.in_features), (0, k - self.in_features))
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group, scales_zeros)
+        return y[:, :self.out_features].reshape(*x.shape[:-1], self.out_features)
+
+    @functools.cached_property
+    def int4(self) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """The int4 kernel's operands, made once: packed codes, scales and float zeros [K'/G', N', 2],
+        its group size G' (the largest of 256/128/64/32 that divides ours; per channel: 128) and K'
+        (K padded to whole groups; N' is N padded to the kernel's 16); None for 4-bit act-order, which it
+        cannot read."""
+        k, n = self.in_features, self.out_features
+        size = k if self.group_size == -1 else self.group_size
+        group = 128 if self.group_size == -1 else next((c for c in (256, 128, 64, 32) if size % c == 0), None)
+        if self.bits != 4 or group is None or not torch.equal(
+                self.g_idx.cpu(), torch.arange(k, dtype=torch.int32) // size):
+            return None
+        padded = -(-k // group) * group
+        codes = torch.full((-(-n // 16) * 16, padded), 8, dtype=torch.int32)  # padding: code 8, scale 0
+        codes[:n, :k] = unpack(self.qweight.cpu(), 4).T
+        ours = torch.arange(0, padded, group) // size  # each kernel group's group
+        s = self.scales.cpu().float()[ours]
+        z = self.zeros().cpu().T.float()[ours]
+        scales_zeros = F.pad(torch.stack([s, (8 - z) * s], -1), (0, 0, 0, codes.shape[0] - n)).bfloat16()
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), scales_zeros, group, padded
 
     def kernel_args(self, tile_k: int) -> tuple[tuple, dict]:
         # GROUP: the group size where every tile lies in one group, so scales and zeros are read per tile

@@ -127,6 +127,33 @@ def test_torch_fallback_slices_rows(monkeypatch):
                        q4.dequantize())
 
 
+@pytest.mark.parametrize("group_size", [-1, 32, 64, 128])
+def test_cpu_int4_path(group_size):
+    """4-bit weights in plain group order with bfloat16 inputs run torch's fused int4 matmul on the CPU
+    (K=160 pads to whole kernel groups, N=40 to the kernel's 16). It rounds s and (8 - z) s to bfloat16
+    (2^-9 relative each, |q - 8| and |8 - z| at most 8) and may round the weight, |q - z| s <= 15 s, once
+    more: each weight is off by at most 31 s 2^-9 < s / 16; the output is rounded to bfloat16 (2^-8)."""
+    qt = grid(4, group_size, False, seed=6)
+    layer = GPTQLinear.from_tensor(qt, bias=torch.randn(OUTPUTS[4]))
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 3, IN, generator=g).bfloat16()
+    with torch.no_grad():
+        y = layer.fused(x)
+        assert y is not None and layer.fused(x.float()) is None  # float32: the sliced fallback is faster
+        assert torch.equal(layer(x), y + layer.bias.bfloat16())
+    x2, y2 = x.reshape(-1, IN).float(), y.reshape(-1, OUTPUTS[4]).float()
+    exact = x2 @ qt.dequantize().T
+    bound = x2.abs() @ qt.scales.float()[:, qt.g_idx.long()].T / 16 + exact.abs() * 2 ** -8
+    assert ((y2 - exact).abs() <= bound).all()
+    x = torch.randn(5, IN, generator=g).bfloat16().requires_grad_()
+    layer(x).sum().backward()  # the fallback: the fused kernel has no backward
+    torch.testing.assert_close(x.grad, torch.ones(5, OUTPUTS[4]).bfloat16() @ qt.dequantize(torch.bfloat16))
+    # per channel, act-order is plain order (every g_idx is 0)
+    others = [grid(3, group_size, False)] + ([grid(4, group_size, True)] if group_size != -1 else [])
+    for qt in others:
+        assert GPTQLinear.from_tensor(qt).fused(x.detach()) is None
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_quant_linear_module(backend):
     torch.manual_seed(0)
@@ -278,6 +305,31 @@ def test_packed_perplexity_equals_fake_quantized(embedded_w4):
     fake = quantkit.evaluate(embedded_w4, TEST, max_windows=8, progress=False, packed=False, device=DEVICE)
     packed = quantkit.evaluate(embedded_w4, TEST, max_windows=8, progress=False, device=DEVICE)
     assert abs(packed.perplexity - fake.perplexity) <= (1e-5 if DEVICE == "cpu" else 2e-3) * fake.perplexity
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(DEVICE != "cpu", reason="the fused int4 path is the CPU's")
+def test_packed_bfloat16_on_the_cpu(embedded_w4, monkeypatch):
+    """--dtype bfloat16 on the CPU: every one of the 210 4-bit linears runs the fused int4 matmul, and
+    the perplexity stays within 1% of float32's (bfloat16 activations carry 8 bits)."""
+    from .conftest import TEST
+
+    used, fused = set(), GPTQLinear.fused
+
+    def counted(self, x):
+        y = fused(self, x)
+        if y is not None:
+            used.add(self)
+        return y
+
+    monkeypatch.setattr(GPTQLinear, "fused", counted)
+    f32 = quantkit.evaluate(embedded_w4, TEST, max_windows=2, progress=False, device="cpu")
+    assert not used
+    bf16 = quantkit.evaluate(embedded_w4, TEST, max_windows=2, progress=False, device="cpu", dtype="bfloat16")
+    assert len(used) == 210
+    assert abs(bf16.perplexity / f32.perplexity - 1) < 0.01
+    with pytest.raises(QuantkitError, match="unknown dtype 'int4': use one of float32, bfloat16, float16"):
+        quantkit.evaluate(embedded_w4, TEST, dtype="int4")
 
 
 @pytest.mark.slow
