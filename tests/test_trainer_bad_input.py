@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import sys
+import warnings
 
 import pytest
 from tqdm import tqdm
@@ -123,6 +124,17 @@ def test_merge_onto_another_base(adapter, capsys, monkeypatch, tmp_path):
     line = fails(["merge", adapter, "--base", narrow, "--out", tmp_path / "out"], capsys, monkeypatch,
                  "but this base needs")
     assert line.endswith("pass the --base it was trained on") and left(tmp_path) == []
+
+
+def test_merge_onto_a_base_of_the_same_shapes_warns(adapter, tiny_dir, tmp_path):
+    from quantkit.trainer import merge
+
+    other = make_tiny(tmp_path / "other", seed=1)  # the shapes checks cannot tell it from the adapter's base
+    with pytest.warns(UserWarning, match=re.escape(f"trained on {tiny_dir}; merging it into {other}")):
+        merge(adapter, tmp_path / "out", base=other, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        merge(adapter, tmp_path / "same", base=tiny_dir / ".." / tiny_dir.name, progress=False)
 
 
 @pytest.mark.parametrize("missing", ["adapter_config.json", "adapter_model.safetensors"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -41,7 +42,11 @@ def read(adapter: str | os.PathLike) -> tuple[TrainConfig, dict, dict[str, torch
 
 
 def base_of(cfg: dict, base: str | os.PathLike | None, adapter) -> Model:
-    base = base or cfg.get("base_model_name_or_path")
+    named = cfg.get("base_model_name_or_path")
+    if base and named and not same_model(base, named):
+        # same shapes pass every check below, so a wrong base of the same architecture would merge silently
+        warnings.warn(f"{adapter} was trained on {named}; merging it into {base} as asked")
+    base = base or named
     if not base:
         raise QuantkitError(f"{adapter}: the adapter names no base model: pass --base MODEL")
     if not Path(base).exists():
@@ -50,6 +55,14 @@ def base_of(cfg: dict, base: str | os.PathLike | None, adapter) -> Model:
     if m.checkpoint is None or m.tensors:
         raise QuantkitError(f"{base}: merge into a float model directory (safetensors), not a GGUF file or a quantized export")
     return m
+
+
+def same_model(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two model names or directories are the same model (a hub id matches its last part)."""
+    pa, pb = Path(a), Path(b)
+    if pa.exists() and pb.exists():
+        return pa.resolve() == pb.resolve()
+    return pa.name == pb.name
 
 
 def fitted(m: Model, config: TrainConfig, tensors: dict[str, torch.Tensor], adapter) -> dict[str, dict[str, torch.Tensor]]:
