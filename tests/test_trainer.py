@@ -2,6 +2,7 @@
 merges equal PEFT's, QLoRA's base is bitsandbytes' NF4, a resumed run repeats an uninterrupted
 one, and two processes repeat one."""
 import json
+import math
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from quantkit.trainer import TrainConfig, lora, merge, train
 from quantkit.trainer.merge import attach
 
-from .conftest import VALID
+from .conftest import TEST, VALID
 from .test_distributed import one_process, torchrun
 
 IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -137,6 +138,53 @@ def test_lora_plus_and_8bit_adamw(tiny_dir, text, tmp_path):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in result.log)
     assert load_file(tmp_path / "a" / lora.WEIGHTS)[
         "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"].abs().sum() > 0  # it stepped
+
+
+def test_epochs_and_a_held_out_file(tiny_dir, text, tmp_path):
+    """--epochs counts optimizer steps over every window of --data (nothing is split off when
+    --eval-data is given), and the first held-out loss is the base's mean token loss on that file."""
+    from quantkit import load
+    from quantkit.trainer import dataset
+
+    held = tmp_path / "held.txt"
+    held.write_text(TEST.read_text()[:4000])
+    tok = load(tiny_dir).tokenizer
+    result = train(tiny_dir, data=text, out=tmp_path / "a", eval_data=held, epochs=0.25, grad_accum=2, rank=4,
+                   precision="fp32", eval_every=1000, **{**SHORT, "eval_fraction": 0.5})
+    assert result.steps == math.ceil(0.25 * len(dataset.read(text, tok, 32)) / 4)
+    ids = torch.stack([e.ids for e in dataset.read(held, tok, 32)])
+    with torch.no_grad():
+        expected = float(base(tiny_dir)(ids, labels=ids).loss)
+    assert result.evals[0]["step"] == 0 and result.evals[0]["eval_loss"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_early_stopping_keeps_the_best_adapter(tiny_dir, text, tmp_path, monkeypatch):
+    """--patience 2: held-out losses 3.0, 2.0, 2.5, 2.6 at steps 0-3 stop the run after step 3 with
+    step 1's adapter, which equals a run of one step."""
+    from quantkit.trainer import loop
+
+    losses = iter([3.0, 2.0, 2.5, 2.6])
+    monkeypatch.setattr(loop, "held_out_loss", lambda *args: next(losses))
+    opts = dict(rank=4, lr=1e-2, dropout=0.0, warmup=0, precision="fp32", eval_every=1, seqlen=32, batch_size=2,
+                eval_fraction=0.1, progress=False)
+    stopped = train(tiny_dir, data=text, out=tmp_path / "stopped", steps=10, patience=2, **opts)
+    assert stopped.stopped_early and stopped.steps == 3 and stopped.best_step == 1
+    monkeypatch.undo()
+    train(tiny_dir, data=text, out=tmp_path / "one", steps=1, **opts)
+    a, b = load_file(tmp_path / "stopped" / lora.WEIGHTS), load_file(tmp_path / "one" / lora.WEIGHTS)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fp16_with_a_gradient_scaler(tiny_dir, text, tmp_path):
+    """--precision fp16 (for GPUs without bf16) scales the loss and unscales before clipping: the same
+    losses as float32 to fp16's precision, and the adapter steps."""
+    opts = dict(steps=3, rank=4, lr=1e-2, dropout=0.0, **SHORT)
+    full = train(tiny_dir, data=text, out=tmp_path / "fp32", precision="fp32", **opts)
+    half = train(tiny_dir, data=text, out=tmp_path / "fp16", precision="fp16", **opts)
+    assert [r["loss"] for r in half.log] == pytest.approx([r["loss"] for r in full.log], rel=1e-2)
+    assert [r["grad_norm"] for r in half.log] == pytest.approx([r["grad_norm"] for r in full.log], rel=5e-2)
+    assert load_file(tmp_path / "fp16" / lora.WEIGHTS)[
+        "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"].abs().sum() > 0
 
 
 def test_two_processes_repeat_one(tiny_dir, text, tmp_path):

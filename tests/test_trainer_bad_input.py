@@ -9,6 +9,7 @@ import sys
 import warnings
 
 import pytest
+import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -255,3 +256,14 @@ def test_dolly_records_score_only_the_response(chat_dir, monkeypatch, tmp_path):
     for record, example in zip(DOLLY, dataset.read(data, tok, 128), strict=True):
         scored = example.labels[example.labels != dataset.IGNORE]
         assert tok.decode(scored) == record["response"] + "<|im_end|>\n"  # the reply and its end of turn, whole
+
+
+def test_every_assistant_turn_is_scored(chat_dir, tmp_path):
+    chat = [{"role": "user", "content": "Say red."}, {"role": "assistant", "content": "Red it is."},
+            {"role": "user", "content": "Now blue."}, {"role": "assistant", "content": "Blue as asked."}]
+    tok = AutoTokenizer.from_pretrained(chat_dir)
+    (example,) = dataset.read(jsonl(tmp_path / "chat.jsonl", {"messages": chat}), tok, 256)
+    kept = (example.labels != dataset.IGNORE).int()
+    edges = torch.diff(kept, prepend=torch.tensor([0]), append=torch.tensor([0])).nonzero().flatten().tolist()
+    runs = [tok.decode(example.ids[a:b]) for a, b in zip(edges[::2], edges[1::2])]
+    assert runs == ["Red it is.<|im_end|>\n", "Blue as asked.<|im_end|>\n"]  # the replies, not the user's turns

@@ -129,8 +129,9 @@ def parameters(layers: dict[str, LoraLinear]) -> dict[str, torch.nn.Parameter]:
 
 
 def adapter_state(layers: dict[str, LoraLinear]) -> dict[str, torch.Tensor]:
-    """The trained tensors under PEFT's names, float32 on the CPU."""
-    return {k: v.detach().float().cpu().contiguous() for k, v in parameters(layers).items()}
+    """The trained tensors under PEFT's names, float32 on the CPU: copies, since early stopping keeps
+    the best step's while training goes on."""
+    return {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in parameters(layers).items()}
 
 
 def load_state(layers: dict[str, LoraLinear], state: dict[str, torch.Tensor], source: str) -> None:
