@@ -346,11 +346,10 @@ def load_gguf(path: Path) -> Model:
     """A GGUF file as a model read lazily, like a float checkpoint: the config and tokenizer from its
     metadata (transformers' tables), each weight dequantized when the pipeline reaches it."""
     import gguf
-    from transformers.integrations.gguf import GgufHeader, read_gguf_metadata
 
     with untrusted(path, "not a readable GGUF file, corrupt or truncated", "re-download or re-export it"):
-        metadata, names = read_gguf_metadata(str(path))
-        header = GgufHeader.from_file(str(path))
+        metadata, header = gguf_header(path)
+        names = tuple(t.name for t in header.tensors)
         arch = metadata["general.architecture"]
     if arch not in GGUF_ARCHS:
         raise QuantkitError(f"{path}: GGUF architecture {arch!r} is not supported: quantkit reads {', '.join(GGUF_ARCHS)}")
@@ -361,6 +360,24 @@ def load_gguf(path: Path) -> Model:
     module = skeleton(cfg, checkpoint, path)
     types = linear_types(module, {t.name: gguf.GGMLQuantizationType(t.ggml_type).name for t in header.tensors})
     return Model(module, gguf_tokenizer(path, metadata), str(path), gguf_types=types, checkpoint=checkpoint)
+
+
+def gguf_header(path: Path):
+    """A GGUF's metadata and tensor table (transformers' reader: it skips the vocabulary, which
+    gguf-py's reader parses value by value), the tensors' sizes from gguf-py's table of every type
+    (transformers' own knows only the types it dequantizes, not Q5_0 or IQ4_NL)."""
+    import gguf
+    from transformers.integrations.gguf.reader import GgufHeader, TensorInfo, _mapped, _read_metadata, _read_tensor_table
+
+    blob = _mapped(str(path))
+    metadata, count, pos = _read_metadata(blob, str(path))
+    entries, end = _read_tensor_table(blob, count, pos)
+    align = metadata.get("general.alignment", 32)
+    infos = []
+    for name, shape, kind, offset in entries:
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+        infos.append(TensorInfo(name, shape, kind, offset, math.prod(shape) // block * size))
+    return metadata, GgufHeader(str(path), metadata["general.architecture"], tuple(infos), -(-end // align) * align)
 
 
 def gguf_config(metadata: dict, names: tuple[str, ...], path: Path):

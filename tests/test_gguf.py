@@ -122,6 +122,20 @@ def test_file_reads_back_as_the_quantized_model(tiny256, tmp_path, mix):
     assert r.fields["tokenizer.ggml.pre"].contents() == "gpt-2"
 
 
+@pytest.mark.parametrize("mix", ["Q3_K_M", "Q4_K_M", "Q5_K_M"])
+def test_fallback_types_read_back(tiny_dir, tmp_path, mix):
+    """Rows of 64 do not fill a K-quant block of 256, so the mixes fall back to legacy types (IQ4_NL,
+    Q5_0, Q5_1) that transformers' GGUF reader does not size; the file still loads, weights exact."""
+    m = quantkit.quantize(tiny_dir, method="rtn", format="gguf", gguf_type=mix, out=tmp_path / "m.gguf", keep=True,
+                          progress=False)
+    back = quantkit.load(tmp_path / "m.gguf")
+    assert set(back.gguf_types.values()) & {"IQ4_NL", "Q5_0", "Q5_1"}
+    back.materialize()
+    theirs = back.module.state_dict()
+    for key, t in m.module.state_dict().items():
+        assert torch.equal(t, theirs[key]), key
+
+
 def test_checkpoint_grid_exports_its_codes(tiny256, tmp_path):
     """A 4-bit symmetric g32 checkpoint becomes Q4_0 blocks with the same values, bit for bit."""
     m = quantkit.quantize(tiny256, method="rtn", bits=4, group_size=32, sym=True, out=tmp_path / "ckpt", keep=True,
