@@ -1,6 +1,7 @@
 """The same quantization on the GPU and on the CPU (issue 13). Runs only where torch sees a CUDA GPU;
-the CPU machines of CI skip it. RTN, NF4 and llama.cpp's block types give the same codes; GPTQ and
-AWQ agree within float rounding, whose size the test prints (pytest -s) and bounds."""
+the CPU machines of CI skip it. RTN and NF4 give the same codes; GPTQ and
+AWQ (and the searches of MSE clipping and llama.cpp's K-quants) agree within float rounding, whose
+size the test prints (pytest -s) and bounds."""
 import pytest
 import torch
 
@@ -26,27 +27,30 @@ def both(path, **options):
     return cpu, gpu, runs
 
 
-@pytest.mark.parametrize("options", [dict(method="rtn", bits=4), dict(method="rtn", bits=3, mse=True),
-                                     dict(method="nf4"), dict(method="rtn", gguf_type="Q4_K_M")],
-                         ids=["rtn-w4", "rtn-w3-mse", "nf4", "Q4_K_M"])
+@pytest.mark.parametrize("options", [dict(method="rtn", bits=4), dict(method="rtn", bits=3, group_size=-1),
+                                     dict(method="nf4")], ids=["rtn-w4", "rtn-w3-channel", "nf4"])
 def test_same_codes_on_the_gpu(model_dir, options):
     cpu, gpu, _ = both(model_dir, **options)
     for name in cpu:
         assert torch.equal(cpu[name].codes, gpu[name].codes), name
-        if cpu[name].scales is not None:
-            assert torch.equal(cpu[name].scales, gpu[name].scales), name
+        assert torch.equal(cpu[name].scales, gpu[name].scales), name
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_gptq_and_awq_within_rounding_on_the_gpu(model_dir, method):
-    cpu, gpu, runs = both(model_dir, method=method, bits=4, group_size=64)
-    differ = sum(int((cpu[n].codes != gpu[n].codes).sum()) for n in cpu)
-    total = sum(cpu[n].codes.numel() for n in cpu)
-    worst = max(float(((cpu[n].dequantize() - gpu[n].dequantize()).abs().max()
-                       / cpu[n].scales.float().abs().max())) for n in cpu)
-    print(f"{method}: {differ} of {total} codes differ ({differ / total:.4%}), "
-          f"largest weight difference {worst:.3f} of the tensor's largest grid step")
+@pytest.mark.parametrize("options", [dict(method="gptq", bits=4, group_size=64), dict(method="awq", bits=4, group_size=64),
+                                     dict(method="rtn", bits=3, mse=True), dict(method="rtn", gguf_type="Q4_K_M")],
+                         ids=["gptq", "awq", "rtn-mse", "Q4_K_M"])
+def test_searches_within_rounding_on_the_gpu(model_dir, options):
+    """Methods that search or feed errors forward: a sum taken in another order on the GPU can tip a
+    near tie, so a few weights may land one step apart."""
+    cpu, gpu, runs = both(model_dir, **options)
+    differ = total = 0
+    worst = 0.0
+    for name in cpu:
+        a, b = cpu[name].dequantize(), gpu[name].dequantize()
+        differ, total = differ + int((a != b).sum()), total + a.numel()
+        worst = max(worst, float((a - b).abs().max() / a.abs().max()))
+    print(f"{options}: {differ} of {total} weights differ ({differ / total:.4%}), the largest difference "
+          f"{worst:.4f} of its tensor's largest weight")
     assert differ / total < 0.01
-    if method == "gptq":  # the per-layer losses the pipeline records (AWQ keeps none)
-        for name, loss in runs[0].losses.items():
-            assert runs[1].losses[name] == pytest.approx(loss, rel=0.01), name
+    for name, loss in runs[0].losses.items():  # GPTQ's per-linear losses (the other methods record none)
+        assert runs[1].losses[name] == pytest.approx(loss, rel=0.01), name
