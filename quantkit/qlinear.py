@@ -169,7 +169,7 @@ class GPTQLinear(QuantLinear):
         """4-bit weights in plain group order, bfloat16 activations on the CPU: torch's int4 matmul
         (_weight_int4pack_mm_for_cpu, which reads W = (q - 8) s + (8 - z) s with s and (8 - z) s rounded to
         bfloat16), the inputs padded with zeros to whole kernel groups. Its float32 and float16 paths are
-        not vectorized: 4x a dense float32 matmul at batch 1 and 30x at batch 16 (benchmarks/kernels.py)."""
+        not vectorized: 4x a dense float32 matmul at batch 1 and 30x at batch 16 (benchmarks/kernel_bench.py)."""
         if x.is_cuda or self.bits != 4 or x.dtype != torch.bfloat16 or self.int4 is None:
             return None
         packed, scales_zeros, group, k = self.int4

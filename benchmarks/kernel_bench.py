@@ -1,6 +1,6 @@
 """Packed quantized matmuls on the linear shapes of a 7B Llama, at batch 1, 16 and 512.
 
-    python benchmarks/kernels.py [--batches 1,16,512] [--repeats 5]
+    python benchmarks/kernel_bench.py [--batches 1,16,512] [--repeats 5]
 
 On a GPU (Triton kernels, float16 activations), per shape and batch:
   - time of ours (4-bit g128 GPTQ layout; NF4 with double quantization), torch's float16 matmul on
