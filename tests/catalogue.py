@@ -133,6 +133,7 @@ CATALOGUE = {
     "train: rank 0": Bad("train {model} --data {text} --out {tmp}/a --rank 0", "rank"),
     "train: target matching nothing": Bad("train {model} --data {text} --out {tmp}/a --target nothing", "nothing"),
     "train: resume without a run": Bad("train {model} --data {text} --out {tmp}/a --resume", "nothing to resume"),
+    "train: resume a finished run": Bad("train {model} --data {text} --out {model} --resume", "no checkpoint of a run"),
     "train: quantize unknown format": Bad("train {model} --data {text} --out {tmp}/a --quantize rtn --format onnx",
                                           "onnx"),
     "train: chat template escaping jinja's sandbox": Bad(

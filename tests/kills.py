@@ -198,6 +198,12 @@ def check(s: Scenario, work: Path, ref: Path, killed: bool, log: Path) -> None:
         raise Failed(f"a traceback:\n{text[-4000:]}")
 
 
+def clear(s: Scenario, work: Path) -> None:
+    """Remove a complete output so that the next run starts over."""
+    for out in s.outputs:
+        shutil.rmtree(work / out) if (work / out).is_dir() else (work / out).unlink(missing_ok=True)
+
+
 def run(name: str, s: Scenario, points: int, rng: random.Random, root: Path) -> dict:
     work, ref, log = root / name, root / f"{name}.reference", root / f"{name}.log"
     for p in (work, ref):
@@ -221,7 +227,9 @@ def run(name: str, s: Scenario, points: int, rng: random.Random, root: Path) -> 
         if killed:
             s.kills += 1
             check(s, work, ref, True, log)
-            rerun = True
+            rerun = not all((work / out).exists() for out in s.outputs)
+            if not rerun:  # killed once its output was complete: the user has it, as from a finished run
+                clear(s, work)
             continue
         if code == 2 and rerun and "nothing to resume" in text:  # killed before its first checkpoint
             rerun = False
@@ -232,8 +240,7 @@ def run(name: str, s: Scenario, points: int, rng: random.Random, root: Path) -> 
         check(s, work, ref, False, log)
         if s.kills >= points:
             break
-        for out in s.outputs:
-            shutil.rmtree(work / out) if (work / out).is_dir() else (work / out).unlink(missing_ok=True)
+        clear(s, work)
         rerun = False
     return {"scenario": name, "kills": s.kills, "finished": s.finished, "resumed": s.resumed,
             "reference_seconds": round(whole, 2)}

@@ -242,15 +242,16 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
         "model": m.source, "data": digest(data_file), "eval": digest(eval_file),
         "config": {k: v for k, v in config.to_dict().items() if k not in SAME_RUN}}, sort_keys=True).encode()).hexdigest()
 
-    staged = Staged(out, overwrite) if rank == 0 else None
     partial = partial_path(out)  # every process reads the checkpoint; only rank 0 holds the lock
     checkpoints = Checkpoints(partial)
+    if resume and checkpoints.latest() is None:
+        raise QuantkitError(f"nothing to resume: {out} exists and no checkpoint of a run writing it is left (the run "
+                            "finished): use it, or train again without --resume, with --overwrite or another --out" if Path(out).exists() else
+                            f"nothing to resume: no checkpoint of a run writing {out} (in {partial}): run without --resume")
+    staged = Staged(out, overwrite) if rank == 0 else None
     state = None
     try:
         if resume:
-            if checkpoints.latest() is None:
-                raise QuantkitError(f"nothing to resume: no checkpoint of a run writing {out} (in {partial}): "
-                                    "run without --resume")
             state = checkpoints.load()
             if state["key"] != key:
                 raise QuantkitError(f"the checkpoint in {partial} is of another run (a different model, data or "
