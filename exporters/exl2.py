@@ -33,10 +33,14 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
     """Refuse, before any work, what the layout cannot hold."""
     if qconfig.method != "gptq":
         raise QuantkitError(f"EXL2 is filled by GPTQ, not {qconfig.method}: use --method gptq")
-    for name, n, k in linear_shapes(module):
+    shapes = {name: (n, k) for name, n, k in linear_shapes(module)}
+    for name, (n, k) in shapes.items():
         if k % 32:
             raise QuantkitError(f"{name} has {k} inputs: EXL2 needs a multiple of 32; choose another --format")
-        exl2.Setting.for_target(qconfig.exl2, n, k)  # a target the widths cannot reach fails here
+        if qconfig.exl2_uniform:
+            exl2.Setting.for_target(qconfig.exl2, n, k)  # a target the widths cannot reach fails here
+    if not qconfig.exl2_uniform:
+        exl2.check_target(shapes, qconfig.exl2)
 
 
 def encode_scales(qt: QuantizedTensor) -> torch.Tensor:
@@ -70,7 +74,8 @@ def pack_tensor(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
 
 def quantization_config(qconfig: QuantConfig, bits: float) -> dict:
     return {"quant_method": "exl2", "version": "0.3.2", "bits": round(bits, 4), "head_bits": 16,
-            "calibration": {"quantizer": f"quantkit:{__version__}", "target": qconfig.exl2, "damp": qconfig.damp}}
+            "calibration": {"quantizer": f"quantkit:{__version__}", "target": qconfig.exl2, "damp": qconfig.damp,
+                            "allocation": "uniform" if qconfig.exl2_uniform else "measured"}}
 
 
 class Writer(checkpoint.CheckpointWriter):

@@ -12,11 +12,12 @@ from pathlib import Path
 import torch
 
 from quantkit import calibration, evals, exporters
-from quantkit.exporters.atomic import partial_path, size_on_disk
+from quantkit.exporters.atomic import partial_path, progress_files, size_on_disk
 
-from . import consumers, distributed
+from . import consumers, distributed, measurement
 from .config import QuantConfig
 from .errors import QuantkitError, ResumableError, space_for
+from .layers import linear_shapes
 from .modelio import Model, linear_types, load
 from .pipeline import Hessian, quantize_layers
 from .qtensor import QuantizedTensor
@@ -26,11 +27,11 @@ PathLike = str | os.PathLike
 
 
 def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, str] | None = None,
-              importance: dict[str, torch.Tensor] | None = None):
+              importance: dict[str, torch.Tensor] | None = None, settings: dict[str, exl2.Setting] | None = None):
     """The per-linear core for a method: (name, weight, hessian or None) -> QuantizedTensor; None for
     AWQ, which quantizes whole layers. GPTQ's per-linear losses are recorded in losses. types: each
     linear's GGUF type when quantizing for GGUF; importance: an importance matrix read from a file, by
-    GGUF tensor name."""
+    GGUF tensor name; settings: each linear's EXL2 widths (default: the target's, the same for all)."""
     c = qconfig
     if types is not None:
         def quantize_ggml(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
@@ -56,7 +57,8 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, s
     def quantize_gptq(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
         if c.exl2 is not None:  # without calibration input: an identity Hessian, plain rounding onto the grid
             hm = h.matrix() if h is not None and h.count else torch.eye(w.shape[1], device=w.device)
-            r = exl2.quantize(w, hm, exl2.Setting.for_target(c.exl2, *w.shape), c.damp, c.block_size, name)
+            setting = settings[name] if settings is not None else exl2.Setting.for_target(c.exl2, *w.shape)
+            r = exl2.quantize(w, hm, setting, c.damp, c.block_size, name)
             losses[name] = r.loss
             return r.tensor
         if h is None or h.count == 0:
@@ -72,6 +74,47 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, s
         return nf4.quantize(w, c.method, c.block_size, c.double_quant)
 
     return {"rtn": quantize_rtn, "gptq": quantize_gptq, "nf4": quantize_codebook, "fp4": quantize_codebook}.get(c.method)
+
+
+def exl2_settings(m: Model, config: QuantConfig, windows: torch.Tensor | None, dev: torch.device,
+                  progress: bool, out: PathLike | None) -> dict[str, exl2.Setting]:
+    """Each linear's EXL2 widths for the target: from the measurement file when it exists, else from a
+    measurement pass (saved to config.measurement when given; a killed pass resumes after its last layer)."""
+    shapes = {name: (n, k) for name, n, k in linear_shapes(m.module)}
+    exl2.check_target(shapes, config.exl2)
+    data = windows.numpy().tobytes() if windows is not None else b""
+    key = hashlib.sha256(f"{m.source}|{config.damp}|{config.block_size}|{config.true_sequential}".encode()
+                         + data).hexdigest()
+    path = Path(config.measurement) if config.measurement else None
+    if path is not None and path.exists():
+        errors = measurement.read(path, key, shapes)
+    else:
+        if m.checkpoint is None:
+            raise QuantkitError(f"{m.source}: the measurement pass reads layers from a checkpoint: quantize a model "
+                                "loaded from its directory")
+        if path is not None and not path.parent.is_dir():
+            raise QuantkitError(f"{path.parent}: no such directory: create it or choose another --measurement")
+        beside = path or (Path(out) if out is not None else None)  # the progress file's place
+        resume = None
+        if beside is not None:
+            rank = f"-{distributed.rank()}" if distributed.world() > 1 else ""
+            resume = (beside.with_name(f".{beside.name}.progress-measurement{rank}.pt"), f"{key}|{distributed.world()}")
+        recorder = measurement.Recorder()
+
+        def measure(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
+            hm = h.matrix() if h is not None and h.count else torch.eye(w.shape[1], device=w.device)
+            recorder.errors[name], qt = exl2.measure(w, hm, damp=config.damp, block_size=config.block_size, name=name)
+            return qt
+
+        quantize_layers(m, measure, windows, sequential=config.true_sequential, device=dev, writer=recorder,
+                        keep=False, progress=progress and distributed.rank() == 0, resume=resume,
+                        desc=f"measuring {len(exl2.CANDIDATES)} EXL2 settings per linear")
+        errors = recorder.gathered(list(shapes))
+        if path is not None and distributed.rank() == 0:
+            measurement.save(path, key, m.source, shapes, errors)
+        if resume is not None:
+            resume[0].unlink(missing_ok=True)
+    return exl2.allocate(shapes, errors, config.exl2)
 
 
 def device_of(device: str | torch.device | None) -> torch.device:
@@ -178,7 +221,9 @@ def quantize(
     try:
         with space_for(out, needed, "the export", "run the same command again: it resumes after the last finished "
                        "layer") if writes else nullcontext():
-            m.tensors = quantize_layers(m, quantizer(config, m.losses, types, importance), windows,
+            settings = exl2_settings(m, config, windows, dev, progress, out) \
+                if config.exl2 is not None and not config.exl2_uniform else None
+            m.tensors = quantize_layers(m, quantizer(config, m.losses, types, importance, settings), windows,
                                         sequential=config.true_sequential, device=dev, writer=writer,
                                         other=other if writes or keep else None, keep=keep,
                                         progress=progress and distributed.rank() == 0, resume=resume,
@@ -187,7 +232,7 @@ def quantize(
                 writer.close()
     except BaseException as e:
         # what a resumed run needs stays, unless the input is at fault: running again would fail the same way
-        resumable = resume is not None and resume[0].exists() and not (
+        resumable = resume is not None and bool(progress_files(Path(out))) and not (
             isinstance(e, QuantkitError) and not isinstance(e, ResumableError))
         if writer is not None:  # the process holding the output's lock clears every process's progress
             writer.abort(keep=resumable)

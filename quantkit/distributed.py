@@ -76,11 +76,16 @@ def sum_(t: torch.Tensor, what: str = "summing calibration statistics") -> torch
     return t
 
 
+def collective_device() -> str:
+    """Where tensors for a collective live: NCCL reduces only GPU tensors."""
+    return "cuda" if world() > 1 and dist.get_backend() == "nccl" else "cpu"
+
+
 def agree(value: int, op: str) -> int:
     """The min or max of an integer over the processes."""
     if world() == 1:
         return value
-    t = torch.tensor([value], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    t = torch.tensor([value], dtype=torch.int64, device=collective_device())
     with collective("agreeing where to start"):
         dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
     return int(t.item())

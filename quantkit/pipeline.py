@@ -374,6 +374,7 @@ def quantize_layers(
     progress: bool = True,
     resume: tuple[Path, str] | None = None,
     layer_fn: LayerFn | None = None,
+    desc: str = "quantizing layers",
 ) -> dict[str, QuantizedTensor]:
     """Quantize every decoder linear, layer by layer; the quantized tensors by name.
 
@@ -415,7 +416,7 @@ def quantize_layers(
         tensors |= write_other(model, "model.embed_tokens", writer, other, keep)
     stages = [(group,) for group in GROUPS] if sequential else [GROUPS]
     tokens = 0 if windows is None else windows.numel()
-    bar = tqdm(range(start, n), desc="quantizing layers", unit="layer", initial=start, total=n,
+    bar = tqdm(range(start, n), desc=desc, unit="layer", initial=start, total=n,
                disable=not progress, file=sys.stderr)
     began = time.monotonic()
     for i in bar:

@@ -1,6 +1,6 @@
 """Fuzzing the readers of untrusted files. Each kind of input quantkit reads (a float checkpoint,
 a sharded one, each packed export, a GGUF file, the quantize progress file, a PEFT adapter, a base's
-saved log-probabilities, llama.cpp's importance matrices) is
+saved log-probabilities, llama.cpp's importance matrices, an EXL2 measurement) is
 written once for a tiny model, then mutated by hypothesis: bit flips, truncation, huge lengths and
 counts, other dtypes and shapes in safetensors headers, NaN/Inf values and scales, out-of-range
 indices, JSON values replaced, removed or nested deeply. Every mutated input must load (and run a
@@ -262,7 +262,7 @@ PACKED = {  # kind -> quantize options
     "exl2": ["--method", "gptq", "--format", "exl2", "--bits", "4.125"],
 }
 GPTQ = ["--method", "gptq", "--group-size", "32"]
-KINDS = ("float", "sharded", *PACKED, "gguf", "progress", "adapter", "base", "imatrix")
+KINDS = ("float", "sharded", *PACKED, "gguf", "progress", "adapter", "base", "imatrix", "measurement")
 BASE = ["--ctx", 64, "--max-windows", 3]  # the saved base's windows
 
 
@@ -337,6 +337,10 @@ def make_seed(kind: str, root: Path) -> Path:
     elif kind == "base":
         out.mkdir()
         succeed("eval", tiny, "--data", VALID, *BASE, "--base", tiny, "--save-base", out / "base.logits")
+    elif kind == "measurement":  # an EXL2 measurement, read by the next run with the same calibration
+        out.mkdir()
+        succeed("quantize", tiny, *PACKED["exl2"], *calib(), "--measurement", out / "m.json", "--out", out / "q")
+        shutil.rmtree(out / "q")
     elif kind == "imatrix":  # both of llama-imatrix's layouts
         from tests.test_imatrix import importance, write_gguf, write_legacy
 
@@ -369,6 +373,12 @@ def attempt(kind: str, path: Path, root: Path) -> str:
                 quantize(root / "tiny", method="rtn", format="gguf", gguf_type="Q4_0", imatrix_file=str(path / f),
                          out=path / f"{f}.q.gguf", progress=False)
             targets = [path / "m.dat.q.gguf", path / "m.gguf.q.gguf"]
+        elif kind == "measurement":  # the allocation read from it, then the export
+            code = quantkit("quantize", root / "tiny", *PACKED["exl2"], *calib(), "--measurement", path / "m.json",
+                            "--out", path / "q")
+            if code:
+                raise QuantkitError("exit 2") if code == 2 else AssertionError(f"quantize exited with {code}")
+            targets = [path / "q"]
         elif kind == "progress":
             code = quantkit("quantize", root / "tiny", *GPTQ, *calib(), "--out", path / "q")
             if code:

@@ -39,7 +39,8 @@ def files(directory: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("args", [
     ["--method", "gptq", "--group-size", 32, "--act-order"],
     ["--method", "rtn", "--imatrix", "--format", "gguf", "--gguf-type", "Q4_0"],
-], ids=["gptq", "gguf-imatrix"])
+    ["--method", "gptq", "--format", "exl2", "--bits", "4.0"],
+], ids=["gptq", "gguf-imatrix", "exl2-measured"])
 def test_two_processes_write_what_one_writes(tiny_dir, tmp_path, args):
     """24 windows in 3 batches: rank 0 calibrates on two, rank 1 on one; the Hessians are summed and
     each rank quantizes every other linear. The files equal a single process's, byte for byte."""

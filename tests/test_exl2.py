@@ -1,6 +1,9 @@
 """EXL2: an independent decoder of ExLlamaV2's layout, written from the format's description
 (../shared/docs/FORMATS.md section 6, not from our packer), gives our dequantized weights; the
-widths mix within a linear and meet the target; quantkit loads and scores the files."""
+widths mix within a linear and meet the target; quantkit loads and scores the files. The
+measurement (each linear's error at each candidate setting) is saved, reused and refused when it is
+another run's; the allocation from it is the knapsack's optimum."""
+import itertools
 import json
 
 import numpy as np
@@ -9,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 import quantkit
-from quantkit.quantizers.exl2 import Setting
+from quantkit.quantizers import exl2
+from quantkit.quantizers.exl2 import CANDIDATES, Setting
 
 from .conftest import TEST, VALID, refused
 
@@ -38,11 +42,20 @@ def decode(parts: dict[str, torch.Tensor], n: int) -> np.ndarray:
     return w[:n]
 
 
+CALIB = dict(calib_data=VALID, calib_samples=16, calib_seqlen=64)
+
+
 @pytest.fixture(scope="module")
-def exported(tiny_dir, tmp_path_factory):
+def measured(tmp_path_factory):
+    """A measurement of the tiny model, for the tests that do not test the measurement itself."""
+    return tmp_path_factory.mktemp("measurement") / "measurement.json"
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_dir, measured, tmp_path_factory):
     out = tmp_path_factory.mktemp("exl2") / "q"
-    m = quantkit.quantize(str(tiny_dir), method="gptq", format="exl2", exl2=4.0, calib_data=VALID, calib_samples=16,
-                          calib_seqlen=64, out=out, keep=True, progress=False)
+    m = quantkit.quantize(str(tiny_dir), method="gptq", format="exl2", exl2=4.0, measurement=str(measured), **CALIB,
+                          out=out, keep=True, progress=False)
     return m, out
 
 
@@ -68,10 +81,15 @@ def test_bits_per_weight_meet_the_target(exported):
                  if key.rsplit(".", 1)[-1].startswith("q_"))
     weights = sum(qt.codes.numel() for qt in m.tensors.values())
     assert qc["bits"] == pytest.approx(stored / weights, abs=1e-4)
-    assert 3.5 < qc["bits"] <= 4.0
+    assert 3.5 < qc["bits"] <= 4.0 and qc["calibration"]["allocation"] == "measured"
+
+
+def test_uniform_gives_every_linear_the_targets_widths(tiny_dir):
+    m = quantkit.quantize(str(tiny_dir), method="gptq", format="exl2", exl2=4.0, exl2_uniform=True, **CALIB,
+                          keep=True, progress=False)
     for qt in m.tensors.values():
         n, k = qt.shape
-        assert qt.bits_per_weight <= Setting.for_target(4.0, n, k).total_bits(n, k) / (n * k)
+        assert qt.group_bits.tolist() == Setting.for_target(4.0, n, k).group_bits(k)
 
 
 def test_quantkit_loads_and_scores_the_file(exported):
@@ -85,20 +103,115 @@ def test_quantkit_loads_and_scores_the_file(exported):
     assert quantkit.evaluate(out, TEST, max_windows=2, ctx=128, progress=False).perplexity == pytest.approx(ours, rel=1e-3)
 
 
-def test_wider_targets_fit_better(tiny_dir):
-    """The same GPTQ onto wider EXL2 grids: the layer loss falls as the target rises."""
+def test_wider_targets_fit_better(tiny_dir, measured, exported, monkeypatch):
+    """The same GPTQ onto wider EXL2 grids: the layer loss falls as the target rises. Each run reads
+    the measurement the first one saved: none measures again."""
+    monkeypatch.setattr(exl2, "measure", None)  # a call would fail
     losses = []
     for target in (3.5, 4.5, 6.0):
-        m = quantkit.quantize(str(tiny_dir), method="gptq", format="exl2", exl2=target, calib_data=VALID,
-                              calib_samples=16, calib_seqlen=64, keep=True, progress=False)
+        m = quantkit.quantize(str(tiny_dir), method="gptq", format="exl2", exl2=target, measurement=str(measured),
+                              **CALIB, keep=True, progress=False)
         losses.append(sum(m.losses.values()))
     assert losses[0] > losses[1] > losses[2]
+
+
+def test_the_measurement_falls_with_width(measured, exported):
+    body = json.loads(measured.read_text())
+    assert body["candidates"] == [{"bits": list(c.bits), "props": list(c.props)} for c in CANDIDATES]
+    order = sorted(range(len(CANDIDATES)), key=lambda c: CANDIDATES[c].total_bits(64, 64))
+    for name, entry in body["linears"].items():
+        errors = [entry["errors"][c] for c in order]
+        assert errors == sorted(errors, reverse=True) and errors[-1] < 1e-3 < errors[0] < 1, name
+
+
+def width(setting: Setting) -> float:
+    """The mean code width of a setting."""
+    return sum(b * p for b, p in zip(setting.bits, setting.props))
+
+
+def brute_force(shapes, errors, target):
+    """The least summed error within the budget, over every choice."""
+    weights = sum(n * k for n, k in shapes.values())
+    return min(sum(errors[n][c] for n, c in zip(shapes, combo))
+               for combo in itertools.product(range(len(CANDIDATES)), repeat=len(shapes))
+               if sum(CANDIDATES[c].total_bits(*shapes[n]) for n, c in zip(shapes, combo)) <= target * weights)
+
+
+def test_the_allocation_is_the_optimum():
+    """Random errors falling with width, random shapes and targets: the allocation stays within the
+    budget and its summed error is the least of every choice (4 linears: 11^4 choices)."""
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        shapes = {f"l{i}": (int(rng.choice([64, 256])), int(rng.choice([64, 128, 256]))) for i in range(4)}
+        errors = {}
+        for name in shapes:
+            slope, scale = rng.uniform(2, 6), rng.uniform(0.01, 2)
+            errors[name] = [scale * slope ** -width(c) for c in CANDIDATES]
+        target = rng.uniform(2.5, 8)
+        chosen = exl2.allocate(shapes, errors, target)
+        bits = sum(chosen[n].total_bits(*shapes[n]) for n in shapes)
+        assert bits <= target * sum(n * k for n, k in shapes.values())
+        assert sum(errors[n][CANDIDATES.index(chosen[n])] for n in shapes) == pytest.approx(
+            brute_force(shapes, errors, target), rel=1e-12)
+
+
+def test_bits_go_where_they_save_most_error():
+    """Two linears of one shape, one whose error falls steeply with width: at a 4-bit average it
+    gets the wider setting."""
+    shapes = {"steep": (256, 256), "flat": (256, 256)}
+    errors = {"steep": [4.0 ** -width(c) for c in CANDIDATES], "flat": [0.05 * 1.1 ** -width(c) for c in CANDIDATES]}
+    chosen = exl2.allocate(shapes, errors, 4.2)
+    assert chosen["steep"].total_bits(256, 256) > chosen["flat"].total_bits(256, 256)
+
+
+def test_a_killed_measurement_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
+    """Interrupted in layer 1 of 2: the same command goes on measuring from layer 1, and the
+    measurement and export equal an uninterrupted run's."""
+    kw = dict(method="gptq", format="exl2", exl2=4.0, **CALIB, progress=False)
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "whole", measurement=str(tmp_path / "whole.json"), **kw)
+    real, calls, killed = exl2.measure, [], []
+
+    def dies_in_layer_1(*args, **kwargs):
+        calls.append(kwargs["name"])
+        if "layers.1." in kwargs["name"] and not killed:
+            killed.append(kwargs["name"])
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(exl2, "measure", dies_in_layer_1)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_dir), out=tmp_path / "q", measurement=str(tmp_path / "q.json"), **kw)
+    assert (tmp_path / ".q.json.progress-measurement.pt").is_file() and not (tmp_path / "q.json").exists()
+    calls.clear()
+    capsys.readouterr()
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "q", measurement=str(tmp_path / "q.json"), **kw)
+    assert "resuming after layer 1/2" in capsys.readouterr().err
+    assert calls and all("layers.1." in c for c in calls)
+    whole, resumed = json.loads((tmp_path / "whole.json").read_text()), json.loads((tmp_path / "q.json").read_text())
+    assert resumed["linears"] == whole["linears"]
+    assert load_file(tmp_path / "q" / "model.safetensors").keys() == load_file(tmp_path / "whole" / "model.safetensors").keys()
+    for key, t in load_file(tmp_path / "q" / "model.safetensors").items():
+        assert torch.equal(t, load_file(tmp_path / "whole" / "model.safetensors")[key]), key
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "q.json", "whole", "whole.json"]
+
+
+def test_a_measurement_of_another_calibration_is_refused(tiny_dir, measured, exported, tmp_path, capsys, monkeypatch):
+    args = ["quantize", str(tiny_dir), "--method", "gptq", "--format", "exl2", "--bits", "4.0", "--calib-data",
+            str(VALID), "--calib-samples", "16", "--calib-seqlen", "64", "--measurement", str(measured)]
+    refused([*args, "--seed", "1", "--out", str(tmp_path / "q")], capsys, monkeypatch,
+            "the measurement of another model or calibration")
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text(measured.read_text()[:-40])
+    refused([*args[:-1], str(damaged), "--out", str(tmp_path / "q")], capsys, monkeypatch, "not a measurement file")
+    assert not (tmp_path / "q").exists()
 
 
 @pytest.mark.parametrize("args,match", [
     (["--format", "exl2", "--method", "gptq", "--bits", "9"], "outside what EXL2 reaches"),
     (["--format", "exl2", "--bits", "4.5"], "EXL2 is filled by GPTQ"),
     (["--bits", "4.5"], "only --format exl2 takes a bits-per-weight target"),
+    (["--measurement", "m.json"], "use them with --format exl2"),
+    (["--format", "exl2", "--method", "gptq", "--bits", "4.5", "--uniform", "--measurement", "m.json"], "not both"),
 ])
 def test_bad_exl2_input(tiny_dir, tmp_path, capsys, monkeypatch, args, match):
     refused(["quantize", str(tiny_dir), "--out", str(tmp_path / "q"), *args], capsys, monkeypatch, match)

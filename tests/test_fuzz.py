@@ -12,8 +12,8 @@ from tests import fuzz
 from .conftest import ROOT
 
 EXAMPLES = 150  # per kind: about 10 s each
-SLOW = {"progress": 8, "base": 60, "imatrix": 60}  # a quantization resumed (or started afresh), a comparison,
-# two weighted GGUF quantizations, per input
+SLOW = {"progress": 8, "base": 60, "imatrix": 60, "measurement": 30}  # a quantization resumed (or started
+# afresh), a comparison, two weighted GGUF quantizations, an EXL2 quantization, per input
 
 
 @pytest.mark.slow

@@ -5,11 +5,17 @@ group_size; the first groups, the most important inputs, get the widest codes. C
 around 2^(b-1); each group's scale per output row is ((c + 1)^2 / 256) * scale_max for a 4-bit code
 c, scale_max the group's largest scale, searched (times p in [0.7, 1.2]) for the least error in the
 3.5-norm, as ExLlamaV2's converter does.
+
+A target bits per weight is spent where it helps most: a measurement quantizes every linear at
+each of CANDIDATES and records its relative output error on the calibration inputs; allocate then
+picks one candidate per linear, the least total error within the budget.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 import torch
 
@@ -128,3 +134,81 @@ def quantize(w: torch.Tensor, h: torch.Tensor, setting: Setting, damp: float = 0
     qt = QuantizedTensor(codes, scales.half(), zeros(group_bits, n), col_group[torch.argsort(perm)].to(torch.int32),
                          int(group_bits.max()), g, True, group_bits=group_bits, scale_max=maxima)
     return GPTQResult(qt, loss)
+
+
+# what a measurement tries on each linear: every width alone, and half of the inputs at the next wider
+CANDIDATES = tuple(Setting((b,), (1.0,)) for b in EXL2_BITS) + tuple(
+    Setting((hi, lo), (0.5, 0.5)) for lo, hi in zip(EXL2_BITS, EXL2_BITS[1:]))
+
+
+def measure(w: torch.Tensor, h: torch.Tensor, settings: tuple[Setting, ...] = CANDIDATES, damp: float = 0.01,
+            block_size: int = 128, name: str = "layer") -> tuple[list[float], QuantizedTensor]:
+    """Each setting's relative output error ||(W - Q) X||^2 / ||W X||^2 on the inputs X behind h, and
+    the widest setting's tensor (the nearly float weights later layers are measured on)."""
+    w32 = w.float()
+    norm = max(float((w32 @ h * w32).sum()), 1e-30)
+    errors, widest = [], None
+    for s in settings:
+        qt = quantize(w, h, s, damp, block_size, name).tensor
+        d = w32 - qt.dequantize().float()
+        errors.append(float((d @ h * d).sum()) / norm)
+        if widest is None or s.total_bits(*w.shape) > widest[0]:
+            widest = (s.total_bits(*w.shape), qt)
+    return errors, widest[1]
+
+
+def check_target(shapes: dict[str, tuple[int, int]], target: float,
+                 settings: tuple[Setting, ...] = CANDIDATES) -> None:
+    """Refuse a target bits per weight that no choice of settings meets."""
+    weights = sum(n * k for n, k in shapes.values())
+    low = sum(min(s.total_bits(n, k) for s in settings) for n, k in shapes.values()) / weights
+    high = sum(max(s.total_bits(n, k) for s in settings) for n, k in shapes.values()) / weights
+    if not low <= target <= high:
+        raise QuantkitError(f"{target} bits per weight is outside what EXL2 reaches for this model "
+                            f"({low:.3f} to {high:.3f}): choose a target in that range")
+
+
+def allocate(shapes: dict[str, tuple[int, int]], errors: dict[str, list[float]], target: float,
+             settings: tuple[Setting, ...] = CANDIDATES, units: int = 100_000) -> dict[str, Setting]:
+    """One setting per linear with the least summed error whose bits, over all the linears' weights,
+    are at most target per weight: a knapsack solved exactly over bits rounded up to 1/units of the
+    budget (one choice per linear, dynamic programming), then upgrades by error saved per bit while
+    the exact bits left allow."""
+    check_target(shapes, target, settings)
+    names = list(shapes)
+    e = np.array([errors[n] for n in names], dtype=np.float64)
+    b = np.array([[s.total_bits(*shapes[n]) for s in settings] for n in names], dtype=np.float64)
+    budget = target * sum(n * k for n, k in shapes.values())
+    cost = np.ceil(b / budget * units).astype(np.int64)
+    best = np.full(units + 1, np.inf)  # least error using u units
+    best[0] = 0.0
+    choice = np.zeros((len(names), units + 1), dtype=np.int8)
+    for i in range(len(names)):
+        new = np.full(units + 1, np.inf)
+        for c in range(len(settings)):
+            shifted = np.full(units + 1, np.inf)
+            if cost[i, c] <= units:
+                shifted[cost[i, c]:] = best[:units + 1 - cost[i, c]] + e[i, c]
+            better = shifted < new
+            new[better], choice[i, better] = shifted[better], c
+        best = new
+    rows = np.arange(len(names))
+    if np.isfinite(best).any():
+        pick, u = np.zeros(len(names), dtype=np.int64), int(np.argmin(best))
+        for i in reversed(range(len(names))):
+            pick[i] = choice[i, u]
+            u -= cost[i, pick[i]]
+    else:  # rounding took the narrowest choices over the budget: they are within it unrounded
+        pick = np.argmin(b, axis=1)
+    left = budget - b[rows, pick].sum()
+    while True:
+        gain_bits = b - b[rows, pick][:, None]
+        saved = e[rows, pick][:, None] - e
+        ok = (gain_bits > 0) & (gain_bits <= left) & (saved > 0)
+        if not ok.any():
+            break
+        ratio = np.where(ok, saved / np.where(ok, gain_bits, 1), -1)
+        i, c = np.unravel_index(np.argmax(ratio), ratio.shape)
+        left -= gain_bits[i, c]
+        pick[i] = c
+    return {n: settings[c] for n, c in zip(names, pick)}
