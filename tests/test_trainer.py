@@ -187,6 +187,29 @@ def test_fp16_with_a_gradient_scaler(tiny_dir, text, tmp_path):
         "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"].abs().sum() > 0
 
 
+@pytest.mark.parametrize("limit", [0.01, 1e6], ids=["clipped", "unclipped"])
+def test_the_optimizer_steps_with_clipped_gradients(tiny_dir, text, tmp_path, limit):
+    """--max-grad-norm: every step's gradients reach the optimizer with a norm of at most the limit
+    (the log keeps the norm before clipping); a limit above it leaves them as they are."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    stepped = []
+
+    def norm(opt, args, kwargs):
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        stepped.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+
+    handle = register_optimizer_step_pre_hook(norm)
+    try:
+        result = train(tiny_dir, data=text, out=tmp_path / "a", steps=3, rank=4, lr=1e-2, max_grad_norm=limit,
+                       precision="fp32", **SHORT)
+    finally:
+        handle.remove()
+    before = [r["grad_norm"] for r in result.log]
+    assert all(0.01 < b < 1e6 for b in before)
+    assert stepped == pytest.approx([min(b, limit) for b in before], rel=1e-4)
+
+
 def test_two_processes_repeat_one(tiny_dir, text, tmp_path):
     """The same global batch of 4 split 2 + 2: the summed gradients, hence the losses, are the same."""
     common = [tiny_dir, "--data", text, "--steps", 3, "--seqlen", 32, "--batch-size", 4, "--rank", 4,
