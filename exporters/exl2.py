@@ -37,9 +37,9 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
     for name, (n, k) in shapes.items():
         if k % 32:
             raise QuantkitError(f"{name} has {k} inputs: EXL2 needs a multiple of 32; choose another --format")
-        if qconfig.exl2_uniform:
+        if qconfig.measurement is None:
             exl2.Setting.for_target(qconfig.exl2, n, k)  # a target the widths cannot reach fails here
-    if not qconfig.exl2_uniform:
+    if qconfig.measurement is not None:
         exl2.check_target(shapes, qconfig.exl2)
 
 
@@ -75,7 +75,7 @@ def pack_tensor(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
 def quantization_config(qconfig: QuantConfig, bits: float) -> dict:
     return {"quant_method": "exl2", "version": "0.3.2", "bits": round(bits, 4), "head_bits": 16,
             "calibration": {"quantizer": f"quantkit:{__version__}", "target": qconfig.exl2, "damp": qconfig.damp,
-                            "allocation": "uniform" if qconfig.exl2_uniform else "measured"}}
+                            "allocation": "uniform" if qconfig.measurement is None else "measured"}}
 
 
 class Writer(checkpoint.CheckpointWriter):

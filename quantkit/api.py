@@ -77,28 +77,23 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, s
 
 
 def exl2_settings(m: Model, config: QuantConfig, windows: torch.Tensor | None, dev: torch.device,
-                  progress: bool, out: PathLike | None) -> dict[str, exl2.Setting]:
-    """Each linear's EXL2 widths for the target: from the measurement file when it exists, else from a
-    measurement pass (saved to config.measurement when given; a killed pass resumes after its last layer)."""
+                  progress: bool) -> dict[str, exl2.Setting]:
+    """Each linear's EXL2 widths for the target: from the measurement file config.measurement when it
+    exists, else from a measurement pass saved there (a killed pass resumes after its last layer)."""
     shapes = {name: (n, k) for name, n, k in linear_shapes(m.module)}
     exl2.check_target(shapes, config.exl2)
     data = windows.numpy().tobytes() if windows is not None else b""
     key = hashlib.sha256(f"{m.source}|{config.damp}|{config.block_size}|{config.true_sequential}".encode()
                          + data).hexdigest()
-    path = Path(config.measurement) if config.measurement else None
-    if path is not None and path.exists():
+    path = Path(config.measurement)
+    if path.exists():
         errors = measurement.read(path, key, shapes)
     else:
         if m.checkpoint is None:
             raise QuantkitError(f"{m.source}: the measurement pass reads layers from a checkpoint: quantize a model "
                                 "loaded from its directory")
-        if path is not None and not path.parent.is_dir():
-            raise QuantkitError(f"{path.parent}: no such directory: create it or choose another --measurement")
-        beside = path or (Path(out) if out is not None else None)  # the progress file's place
-        resume = None
-        if beside is not None:
-            rank = f"-{distributed.rank()}" if distributed.world() > 1 else ""
-            resume = (beside.with_name(f".{beside.name}.progress-measurement{rank}.pt"), f"{key}|{distributed.world()}")
+        rank = f"-{distributed.rank()}" if distributed.world() > 1 else ""
+        resume = (path.with_name(f".{path.name}.progress-measurement{rank}.pt"), f"{key}|{distributed.world()}")
         recorder = measurement.Recorder()
 
         def measure(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
@@ -110,10 +105,9 @@ def exl2_settings(m: Model, config: QuantConfig, windows: torch.Tensor | None, d
                         keep=False, progress=progress and distributed.rank() == 0, resume=resume,
                         desc=f"measuring {len(exl2.CANDIDATES)} EXL2 settings per linear")
         errors = recorder.gathered(list(shapes))
-        if path is not None and distributed.rank() == 0:
+        if distributed.rank() == 0:
             measurement.save(path, key, m.source, shapes, errors)
-        if resume is not None:
-            resume[0].unlink(missing_ok=True)
+        resume[0].unlink(missing_ok=True)
     return exl2.allocate(shapes, errors, config.exl2)
 
 
@@ -189,6 +183,8 @@ def quantize(
         calibration.imatrix.check(importance, config.imatrix_file, columns)
     if out is not None:
         exporters.check_format(format, m.module, config)
+    if config.measurement is not None:
+        measurement.check_path(config.measurement)
     if targets:
         consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
     windows = None
@@ -221,8 +217,8 @@ def quantize(
     try:
         with space_for(out, needed, "the export", "run the same command again: it resumes after the last finished "
                        "layer") if writes else nullcontext():
-            settings = exl2_settings(m, config, windows, dev, progress, out) \
-                if config.exl2 is not None and not config.exl2_uniform else None
+            settings = exl2_settings(m, config, windows, dev, progress) \
+                if config.exl2 is not None and config.measurement is not None else None
             m.tensors = quantize_layers(m, quantizer(config, m.losses, types, importance, settings), windows,
                                         sequential=config.true_sequential, device=dev, writer=writer,
                                         other=other if writes or keep else None, keep=keep,

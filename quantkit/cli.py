@@ -42,8 +42,7 @@ def cli() -> None:
 @click.argument("model", required=False)
 @click.option("--method", default="rtn", show_default=True, help=f"one of {', '.join(METHODS)}")
 @click.option("--bits", type=float, default=4, show_default=True,
-              help="bits per weight; --format exl2: a target such as 4.125, spent where a measurement of each linear's "
-                   "error says it helps most")
+              help="bits per weight; --format exl2: a target such as 4.125, widths mixed within each linear")
 @click.option("--group-size", type=int, default=128, show_default=True, help="-1: per output channel")
 @click.option("--sym/--asym", default=None, help="symmetric grid [default: asym for awq, sym otherwise]")
 @click.option("--damp", type=float, default=0.01, show_default=True, help="GPTQ: damping, of the mean Hessian diagonal")
@@ -72,10 +71,9 @@ def cli() -> None:
               help="GGUF: tensors whose name matches PATTERN (a regular expression, e.g. blk\\.0\\.ffn_down) get "
                    "TYPE instead of the mix's choice, the first match winning (llama-quantize --tensor-type)")
 @click.option("--measurement", type=click.Path(dir_okay=False), metavar="FILE",
-              help="EXL2: each linear's error at each width, read from FILE when it exists, else measured and saved "
-                   "there for other targets (as ExLlamaV2's measurement.json)")
-@click.option("--uniform", "exl2_uniform", is_flag=True,
-              help="EXL2: the same widths for every linear, no measurement pass (faster, less accurate)")
+              help="EXL2: widths per linear from each one's measured error, read from FILE when it exists, else "
+                   "measured and saved there for other targets (experimental: on the embedded model it scores "
+                   "worse than the default, the same widths for every linear; benchmarks/RESULTS.md)")
 @click.option("--for", "targets", multiple=True,
               help=f"refuse, before quantizing, settings this consumer cannot load: {', '.join(consumers.TARGETS)}")
 @click.option("--overwrite", is_flag=True, help="replace --out if it exists")

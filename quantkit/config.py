@@ -35,8 +35,9 @@ class QuantConfig:
     pure: bool = False  # GGUF: every tensor the mix's main type (llama-quantize --pure)
     tensor_type: tuple[str, ...] = ()  # GGUF: PATTERN=TYPE overrides of the mix (llama-quantize --tensor-type)
     exl2: float | None = None  # EXL2: the linears' target bits per weight, widths mixed within each (GPTQ fills it)
-    measurement: str | None = None  # EXL2: a file of measured errors, read when it exists, else measured into
-    exl2_uniform: bool = False  # EXL2: every linear the same widths, no measurement pass
+    # EXL2: widths per linear from a measurement of each one's error, kept in this file (read when it
+    # exists); without, every linear mixes the two widths nearest the target
+    measurement: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -78,11 +79,9 @@ class QuantConfig:
                                 "and a --gguf-type such as Q4_K_M")
         if self.exl2 is not None and self.method != "gptq":
             raise QuantkitError(f"EXL2 is filled by GPTQ, not {self.method}: use --method gptq")
-        if (self.measurement is not None or self.exl2_uniform) and self.exl2 is None:
-            raise QuantkitError("--measurement and --uniform choose EXL2's widths: use them with --format exl2 "
-                                "and a target such as --bits 4.125")
-        if self.measurement is not None and self.exl2_uniform:
-            raise QuantkitError("--uniform skips the measurement: pass --measurement or --uniform, not both")
+        if self.measurement is not None and self.exl2 is None:
+            raise QuantkitError("--measurement chooses EXL2's widths: use it with --format exl2 and a target such as "
+                                "--bits 4.125")
         if self.block_size < 1:
             raise QuantkitError(f"block size {self.block_size} is invalid: use a positive number of columns such as 128")
 

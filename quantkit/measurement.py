@@ -57,6 +57,15 @@ class Recorder:
         return {name: table[i].tolist() for i, name in enumerate(names)}
 
 
+def check_path(path: str | os.PathLike) -> None:
+    """Refuse, before any work, a measurement path that can be neither read nor written."""
+    path = Path(path)
+    if path.is_dir():
+        raise QuantkitError(f"{path} is a directory: pass --measurement a file name, such as {path / 'measurement.json'}")
+    if not path.exists() and not path.parent.is_dir():
+        raise QuantkitError(f"{path.parent}: no such directory: create it or choose another --measurement")
+
+
 def save(path: str | os.PathLike, key: str, source: str, shapes: dict[str, tuple[int, int]],
          errors: dict[str, list[float]]) -> None:
     """The measurement at path, complete or not at all."""

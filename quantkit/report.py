@@ -122,9 +122,7 @@ def run_point(spec: dict) -> dict:
     p, s, out = Point(**spec["point"]), Settings(**spec["settings"]), Path(spec["out"])
     export = out / "exports" / (p.name + (".gguf" if p.format == "gguf" else ""))
     m = load(s.model or None)
-    # the EXL2 points share one measurement, made by the first
-    measured = {"measurement": str(out / "exl2-measurement.json")} if p.exl2 else {}
-    config = QuantConfig(group_size=s.group_size, **p.config(), **measured)
+    config = QuantConfig(group_size=s.group_size, **p.config())
     fmt = p.format
     if fmt == "awq":  # AWQ's own layout where it holds this model, else the GPTQ layout
         try:

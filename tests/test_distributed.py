@@ -1,5 +1,6 @@
 """torchrun: two CPU processes (gloo) write the bytes one process writes; a process that dies stops the
 job, and the same command resumes it."""
+import json
 import os
 import socket
 import subprocess
@@ -46,16 +47,25 @@ def test_two_processes_write_what_one_writes(tiny_dir, tmp_path, args):
     each rank quantizes every other linear. The files equal a single process's, byte for byte."""
     common = [tiny_dir, *args, "--calib-data", VALID, "--calib-samples", 24, "--calib-seqlen", 64]
     suffix = ".gguf" if "gguf" in args else ""
-    single = one_process(*common, "--out", tmp_path / f"one{suffix}")
+    measured = "exl2" in args  # each linear's error measured by one process, the sums gathered
+
+    def out(name: str) -> list:
+        return ["--out", tmp_path / f"{name}{suffix}", *(["--measurement", tmp_path / f"{name}.json"] if measured else [])]
+
+    single = one_process(*common, *out("one"))
     assert single.returncode == 0, single.stderr[-3000:]
-    job = torchrun(*common, "--out", tmp_path / f"two{suffix}")
+    job = torchrun(*common, *out("two"))
     assert job.returncode == 0, job.stderr[-3000:]
     assert job.stdout.count("exported to") == 1  # rank 0 reports
     if suffix:
         assert (tmp_path / "two.gguf").read_bytes() == (tmp_path / "one.gguf").read_bytes()
     else:
         assert files(tmp_path / "two") == files(tmp_path / "one")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"one{suffix}", f"two{suffix}"])
+    made = [f"one{suffix}", f"two{suffix}", *(["one.json", "two.json"] if measured else [])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(made)
+    if measured:
+        assert (json.loads((tmp_path / "two.json").read_text())["linears"]
+                == json.loads((tmp_path / "one.json").read_text())["linears"])
 
 
 def test_a_process_that_dies_stops_the_job_and_the_same_command_resumes(tiny_dir, tmp_path):

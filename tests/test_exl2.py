@@ -84,9 +84,8 @@ def test_bits_per_weight_meet_the_target(exported):
     assert 3.5 < qc["bits"] <= 4.0 and qc["calibration"]["allocation"] == "measured"
 
 
-def test_uniform_gives_every_linear_the_targets_widths(tiny_dir):
-    m = quantkit.quantize(str(tiny_dir), method="gptq", format="exl2", exl2=4.0, exl2_uniform=True, **CALIB,
-                          keep=True, progress=False)
+def test_without_a_measurement_every_linear_gets_the_targets_widths(tiny_dir):
+    m = quantkit.quantize(str(tiny_dir), method="gptq", format="exl2", exl2=4.0, **CALIB, keep=True, progress=False)
     for qt in m.tensors.values():
         n, k = qt.shape
         assert qt.group_bits.tolist() == Setting.for_target(4.0, n, k).group_bits(k)
@@ -210,8 +209,8 @@ def test_a_measurement_of_another_calibration_is_refused(tiny_dir, measured, exp
     (["--format", "exl2", "--method", "gptq", "--bits", "9"], "outside what EXL2 reaches"),
     (["--format", "exl2", "--bits", "4.5"], "EXL2 is filled by GPTQ"),
     (["--bits", "4.5"], "only --format exl2 takes a bits-per-weight target"),
-    (["--measurement", "m.json"], "use them with --format exl2"),
-    (["--format", "exl2", "--method", "gptq", "--bits", "4.5", "--uniform", "--measurement", "m.json"], "not both"),
+    (["--measurement", "m.json"], "use it with --format exl2"),
+    (["--format", "exl2", "--method", "gptq", "--bits", "4.5", "--measurement", "nowhere/m.json"], "no such directory"),
 ])
 def test_bad_exl2_input(tiny_dir, tmp_path, capsys, monkeypatch, args, match):
     refused(["quantize", str(tiny_dir), "--out", str(tmp_path / "q"), *args], capsys, monkeypatch, match)

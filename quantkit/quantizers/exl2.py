@@ -6,9 +6,9 @@ around 2^(b-1); each group's scale per output row is ((c + 1)^2 / 256) * scale_m
 c, scale_max the group's largest scale, searched (times p in [0.7, 1.2]) for the least error in the
 3.5-norm, as ExLlamaV2's converter does.
 
-A target bits per weight is spent where it helps most: a measurement quantizes every linear at
-each of CANDIDATES and records its relative output error on the calibration inputs; allocate then
-picks one candidate per linear, the least total error within the budget.
+Each linear gets the target's two nearest widths (Setting.for_target), or, with a measurement (every
+linear quantized at each of CANDIDATES, its relative output error on the calibration inputs
+recorded), allocate picks one candidate per linear: the least summed error within the budget.
 """
 from __future__ import annotations
 

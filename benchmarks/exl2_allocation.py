@@ -1,0 +1,53 @@
+"""EXL2's two allocations against each other, from two report directories of the same settings:
+every linear at the target's two nearest widths (the default) and widths per linear from a
+measurement (--measurement). Prints each target's KLD and perplexity as ratios to the default's
+and plots KLD against bits per weight.
+
+    python benchmarks/exl2_allocation.py benchmarks/report-exl2 benchmarks/report-exl2-measured
+"""
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def exl2_points(directory: Path) -> dict[float, dict]:
+    report = json.loads((directory / "report.json").read_text())
+    return {p["exl2"]: p for p in report["points"] if p["format"] == "exl2" and p["status"] == "ok"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("default", type=Path, help="report directory of the default allocation")
+    parser.add_argument("measured", type=Path, help="report directory of the measured allocation")
+    parser.add_argument("--plot", type=Path, help="where the plot goes [MEASURED/allocation.png]")
+    args = parser.parse_args()
+    default, measured = exl2_points(args.default), exl2_points(args.measured)
+    print("| target | default bpw | default KLD | measured bpw | measured KLD | KLD ratio | PPL ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for t in sorted(default.keys() & measured.keys()):
+        d, m = default[t], measured[t]
+        print(f"| {t:g} | {d['bpw_linear']:.3f} | {d['kld_mean']:.4f} | {m['bpw_linear']:.3f} | {m['kld_mean']:.4f} "
+              f"| {m['kld_mean'] / d['kld_mean']:.2f} | {m['perplexity'] / d['perplexity']:.3f} |")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, points in (("same widths in every linear (default)", default), ("widths per linear from a measurement", measured)):
+        xs = sorted(points)
+        ax.plot([points[t]["bpw_linear"] for t in xs], [points[t]["kld_mean"] for t in xs], "o-", label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per weight of the decoder linears (from the file)")
+    ax.set_ylabel("mean KL divergence from the base")
+    ax.set_title("EXL2 on the embedded model: two ways to spend a target")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = args.plot or args.measured / "allocation.png"
+    fig.savefig(out, dpi=110)
+    print(f"plot: {out}")
+
+
+if __name__ == "__main__":
+    main()
