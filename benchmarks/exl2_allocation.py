@@ -1,7 +1,8 @@
 """EXL2's two allocations against each other, from two report directories of the same settings:
-every linear at the target's two nearest widths (the default) and widths per linear from a
-measurement (--measurement). Prints each target's KLD and perplexity as ratios to the default's
-and plots KLD against bits per weight.
+every linear at the target's two nearest widths (the default) and widths per attention and MLP
+block from a measurement (quantkit report --exl2-measured). Prints each target's KLD and perplexity
+as ratios to the default's, and plots KLD against bits per weight and the bits the measurement gave
+each block at each target.
 
     python benchmarks/exl2_allocation.py benchmarks/report-exl2 benchmarks/report-exl2-measured
 """
@@ -11,8 +12,19 @@ from pathlib import Path
 
 import matplotlib
 
+from quantkit.quantizers import exl2
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+
+def block_bits(measurement: Path, target: float) -> dict[str, float]:
+    """Bits per weight of each block in the allocation the measurement gives the target."""
+    body = json.loads(measurement.read_text())
+    blocks = {name: [tuple(s) for s in entry["linears"].values()] for name, entry in body["blocks"].items()}
+    chosen = exl2.allocate(blocks, {name: entry["errors"] for name, entry in body["blocks"].items()}, target)
+    return {name: sum(chosen[name].total_bits(*s) for s in shapes) / sum(n * k for n, k in shapes)
+            for name, shapes in blocks.items()}
 
 
 def exl2_points(directory: Path) -> dict[float, dict]:
@@ -33,8 +45,8 @@ def main() -> None:
         d, m = default[t], measured[t]
         print(f"| {t:g} | {d['bpw_linear']:.3f} | {d['kld_mean']:.4f} | {m['bpw_linear']:.3f} | {m['kld_mean']:.4f} "
               f"| {m['kld_mean'] / d['kld_mean']:.2f} | {m['perplexity'] / d['perplexity']:.3f} |")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, points in (("same widths in every linear (default)", default), ("widths per linear from a measurement", measured)):
+    fig, (ax, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for label, points in (("same widths in every linear (default)", default), ("widths per block from a measurement", measured)):
         xs = sorted(points)
         ax.plot([points[t]["bpw_linear"] for t in xs], [points[t]["kld_mean"] for t in xs], "o-", label=label)
     ax.set_yscale("log")
@@ -43,6 +55,17 @@ def main() -> None:
     ax.set_title("EXL2 on the embedded model: two ways to spend a target")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
+    for i, t in enumerate(sorted(measured)):
+        bits = block_bits(args.measured / "exl2-measurement.json", t)
+        for kind, style in (("self_attn", "-"), ("mlp", "--")):
+            layers = [b for b in bits if b.endswith(kind)]
+            right.plot(range(len(layers)), [bits[b] for b in layers], style, color=f"C{i}",
+                       label=f"{t:g}: {kind}")
+    right.set_xlabel("decoder layer")
+    right.set_ylabel("bits per weight of the block")
+    right.set_title("what the measurement gives each block, per target")
+    right.grid(True, alpha=0.3)
+    right.legend(ncol=2, fontsize=7)
     fig.tight_layout()
     out = args.plot or args.measured / "allocation.png"
     fig.savefig(out, dpi=110)

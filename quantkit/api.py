@@ -17,9 +17,9 @@ from quantkit.exporters.atomic import partial_path, progress_files, size_on_disk
 from . import consumers, distributed, measurement
 from .config import QuantConfig
 from .errors import QuantkitError, ResumableError, space_for
-from .layers import linear_shapes
+from .layers import GROUPS, linear_shapes
 from .modelio import Model, linear_types, load
-from .pipeline import Hessian, quantize_layers
+from .pipeline import Hessian, gather_hessians, quantize_layers
 from .qtensor import QuantizedTensor
 from .quantizers import awq, exl2, ggml, gptq, nf4, rtn
 
@@ -83,8 +83,7 @@ def exl2_settings(m: Model, config: QuantConfig, windows: torch.Tensor | None, d
     shapes = {name: (n, k) for name, n, k in linear_shapes(m.module)}
     exl2.check_target(shapes, config.exl2)
     data = windows.numpy().tobytes() if windows is not None else b""
-    key = hashlib.sha256(f"{m.source}|{config.damp}|{config.block_size}|{config.true_sequential}".encode()
-                         + data).hexdigest()
+    key = hashlib.sha256(f"{m.source}|{config.damp}|{config.block_size}".encode() + data).hexdigest()
     path = Path(config.measurement)
     if path.exists():
         errors = measurement.read(path, key, shapes)
@@ -96,19 +95,26 @@ def exl2_settings(m: Model, config: QuantConfig, windows: torch.Tensor | None, d
         resume = (path.with_name(f".{path.name}.progress-measurement{rank}.pt"), f"{key}|{distributed.world()}")
         recorder = measurement.Recorder()
 
-        def measure(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
-            hm = h.matrix() if h is not None and h.count else torch.eye(w.shape[1], device=w.device)
-            recorder.errors[name], qt = exl2.measure(w, hm, damp=config.damp, block_size=config.block_size, name=name)
-            return qt
+        def measure(i: int, layer: torch.nn.Module, batches: list) -> dict[str, QuantizedTensor]:
+            hessians, _ = gather_hessians(layer, batches, GROUPS)
+            sq, norms = exl2.measure_layer(layer, batches, {name: h.matrix() for name, h in hessians.items()},
+                                           damp=config.damp, block_size=config.block_size, prefix=f"model.layers.{i}.")
+            # every batch's figures, from the process that ran it, summed in one order: a single process's sums
+            sq, norms = distributed.gather_rows(sq).sum(0), distributed.gather_rows(norms).sum(0)
+            for b, block in enumerate(exl2.BLOCKS):
+                recorder.errors[f"model.layers.{i}.{block}"] = (sq[b] / norms[b]).tolist()
+            return {}
 
-        quantize_layers(m, measure, windows, sequential=config.true_sequential, device=dev, writer=recorder,
-                        keep=False, progress=progress and distributed.rank() == 0, resume=resume,
-                        desc=f"measuring {len(exl2.CANDIDATES)} EXL2 settings per linear")
-        errors = recorder.gathered(list(shapes))
+        quantize_layers(m, None, windows, device=dev, writer=recorder, keep=False,
+                        progress=progress and distributed.rank() == 0, resume=resume, layer_fn=measure,
+                        desc=f"measuring {len(exl2.CANDIDATES)} EXL2 settings per block")
         if distributed.rank() == 0:
-            measurement.save(path, key, m.source, shapes, errors)
+            measurement.save(path, key, m.source, shapes, recorder.errors)
         resume[0].unlink(missing_ok=True)
-    return exl2.allocate(shapes, errors, config.exl2)
+        errors = recorder.errors
+    blocks = measurement.blocks(shapes)
+    chosen = exl2.allocate({block: list(linears.values()) for block, linears in blocks.items()}, errors, config.exl2)
+    return {name: chosen[exl2.block_of(name)] for name in shapes}
 
 
 def device_of(device: str | torch.device | None) -> torch.device:

@@ -71,9 +71,9 @@ def cli() -> None:
               help="GGUF: tensors whose name matches PATTERN (a regular expression, e.g. blk\\.0\\.ffn_down) get "
                    "TYPE instead of the mix's choice, the first match winning (llama-quantize --tensor-type)")
 @click.option("--measurement", type=click.Path(dir_okay=False), metavar="FILE",
-              help="EXL2: widths per linear from each one's measured error, read from FILE when it exists, else "
-                   "measured and saved there for other targets (experimental: on the embedded model it scores "
-                   "worse than the default, the same widths for every linear; benchmarks/RESULTS.md)")
+              help="EXL2: widths per attention and MLP block from each one's measured output error, read from FILE "
+                   "when it exists, else measured and saved there for other targets (experimental: on the embedded "
+                   "model it scores worse than the default, the same widths for every linear; benchmarks/RESULTS.md)")
 @click.option("--for", "targets", multiple=True,
               help=f"refuse, before quantizing, settings this consumer cannot load: {', '.join(consumers.TARGETS)}")
 @click.option("--overwrite", is_flag=True, help="replace --out if it exists")
@@ -234,6 +234,8 @@ def listed(value: str, kind=str, option: str = "") -> list:
 @click.option("--gguf-types", default=",".join(report_.GGUF_TYPES), show_default=True)
 @click.option("--exl2-bits", default=",".join(map(str, report_.EXL2_TARGETS)), show_default=True,
               help="EXL2 targets, bits per weight")
+@click.option("--exl2-measured", is_flag=True, help="EXL2 widths per block from one measurement, kept in "
+              "OUT/exl2-measurement.json (quantize --measurement)")
 @click.option("--group-size", type=int, default=128, show_default=True)
 @click.option("--calib-data", type=click.Path(), help="calibration text (default: WikiText-2 train from the hub)")
 @click.option("--calib-samples", type=int, default=128, show_default=True)
@@ -242,15 +244,15 @@ def listed(value: str, kind=str, option: str = "") -> list:
 @click.option("--tasks", default="", help="also run these lm-eval tasks on each point (comma-separated)")
 @click.option("--lm-eval-limit", type=float, help="documents per lm-eval task")
 @click.option("--keep-exports", is_flag=True, help="keep each point's export under OUT/exports")
-def report(model, out, data, methods, bits, gguf_types, exl2_bits, group_size, calib_data, calib_samples, windows, ctx,
-           tasks, lm_eval_limit, keep_exports) -> None:
+def report(model, out, data, methods, bits, gguf_types, exl2_bits, exl2_measured, group_size, calib_data, calib_samples,
+           windows, ctx, tasks, lm_eval_limit, keep_exports) -> None:
     """Sweep methods and sizes over MODEL: for each point the export's size and bits per weight,
     perplexity, divergence from the base, time and peak memory; a markdown table, JSON and plots."""
     if not os.path.isfile(data):
         raise QuantkitError(f"{data}: no such file: pass --data with the evaluation text")
     settings = report_.Settings(model=model or "", data=data, calib_data=calib_data, calib_samples=calib_samples,
                                 group_size=group_size, windows=windows, ctx=ctx, tasks=listed(tasks),
-                                lm_eval_limit=lm_eval_limit)
+                                lm_eval_limit=lm_eval_limit, exl2_measured=exl2_measured)
     sweep = report_.Sweep(methods=listed(methods), bits=listed(bits, int, "--bits"), gguf_types=listed(gguf_types),
                           exl2_targets=listed(exl2_bits, float, "--exl2-bits"), keep_exports=keep_exports)
     r = report_.report(out, settings, sweep, echo=click.echo)

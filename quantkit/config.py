@@ -35,8 +35,8 @@ class QuantConfig:
     pure: bool = False  # GGUF: every tensor the mix's main type (llama-quantize --pure)
     tensor_type: tuple[str, ...] = ()  # GGUF: PATTERN=TYPE overrides of the mix (llama-quantize --tensor-type)
     exl2: float | None = None  # EXL2: the linears' target bits per weight, widths mixed within each (GPTQ fills it)
-    # EXL2: widths per linear from a measurement of each one's error, kept in this file (read when it
-    # exists); without, every linear mixes the two widths nearest the target
+    # EXL2: widths per attention and MLP block from a measurement of each one's output error, kept in
+    # this file (read when it exists); without, every linear mixes the two widths nearest the target
     measurement: str | None = None
 
     def __post_init__(self) -> None:

@@ -76,6 +76,17 @@ def sum_(t: torch.Tensor, what: str = "summing calibration statistics") -> torch
     return t
 
 
+def gather_rows(t: torch.Tensor, what: str = "gathering the measurement") -> torch.Tensor:
+    """Every process's rows of t (one per item share() dealt it), in the items' order, on the CPU.
+    Each row comes from one process and zeros from the others, so the sum is exact."""
+    if world() == 1:
+        return t
+    count = sum_(torch.tensor([len(t)], dtype=torch.int64, device=collective_device()), what)
+    full = torch.zeros(int(count.item()), *t.shape[1:], dtype=t.dtype, device=collective_device())
+    full[rank()::world()] = t.to(full.device)
+    return sum_(full, what).cpu()
+
+
 def collective_device() -> str:
     """Where tensors for a collective live: NCCL reduces only GPU tensors."""
     return "cuda" if world() > 1 and dist.get_backend() == "nccl" else "cpu"

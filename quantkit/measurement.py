@@ -1,5 +1,6 @@
-"""EXL2's measurement: each decoder linear's relative output error at each candidate setting
-(quantizers.exl2.CANDIDATES), gathered by a pass of the pipeline and saved as JSON, so that one
+"""EXL2's measurement: each decoder block's relative output error at each candidate setting
+(quantizers.exl2.CANDIDATES, quantizers.exl2.measure_layer), gathered by a pass of the pipeline and
+saved as JSON, so that one
 measurement serves any number of targets (ExLlamaV2's converter keeps its measurement.json too).
 A file is tied to its model and calibration by a key; one of another run is refused."""
 from __future__ import annotations
@@ -11,11 +12,10 @@ from pathlib import Path
 
 import torch
 
-from . import distributed
 from .errors import QuantkitError, untrusted
 from .quantizers import exl2
 
-FORMAT = "quantkit-exl2-measurement"
+FORMAT = "quantkit-exl2-measurement/2"  # 1 held errors per linear
 
 
 def candidates() -> list[dict]:
@@ -45,16 +45,13 @@ class Recorder:
     def state(self) -> dict:
         return {"errors": dict(self.errors)}
 
-    def gathered(self, names: list[str]) -> dict[str, list[float]]:
-        """Every process's errors (under torchrun each linear is measured by one of them)."""
-        if distributed.world() == 1:
-            return self.errors
-        table = torch.zeros(len(names), len(exl2.CANDIDATES), dtype=torch.float64)
-        for i, name in enumerate(names):
-            if name in self.errors:
-                table[i] = torch.tensor(self.errors[name], dtype=torch.float64)
-        table = distributed.sum_(table.to(distributed.collective_device()), "gathering the measurement").cpu()
-        return {name: table[i].tolist() for i, name in enumerate(names)}
+
+def blocks(shapes: dict[str, tuple[int, int]]) -> dict[str, dict[str, tuple[int, int]]]:
+    """The linears' shapes grouped by the block a measurement scores them in."""
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    for name, shape in shapes.items():
+        out.setdefault(exl2.block_of(name), {})[name] = shape
+    return out
 
 
 def check_path(path: str | os.PathLike) -> None:
@@ -71,7 +68,8 @@ def save(path: str | os.PathLike, key: str, source: str, shapes: dict[str, tuple
     """The measurement at path, complete or not at all."""
     path = Path(path)
     body = {"format": FORMAT, "key": key, "model": source, "candidates": candidates(),
-            "linears": {name: {"shape": list(shapes[name]), "errors": errors[name]} for name in shapes}}
+            "blocks": {block: {"linears": {name: list(shape) for name, shape in linears.items()}, "errors": errors[block]}
+                       for block, linears in blocks(shapes).items()}}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         tmp.write_text(json.dumps(body, indent=1))
@@ -95,13 +93,13 @@ def read(path: str | os.PathLike, key: str, shapes: dict[str, tuple[int, int]]) 
         if body.get("candidates") != candidates():
             raise QuantkitError(f"{path} was measured over other candidate settings (another quantkit version): "
                                 "measure again into a new --measurement path")
-        linears = body["linears"]
+        entries = body["blocks"]
         errors = {}
-        for name, shape in shapes.items():
-            entry = linears[name]
+        for block, linears in blocks(shapes).items():
+            entry = entries[block]
             values = [float(v) for v in entry["errors"]]
-            if list(entry["shape"]) != list(shape) or len(values) != len(exl2.CANDIDATES) or \
-                    not all(math.isfinite(v) and v >= 0 for v in values):
-                raise ValueError(f"its entry for {name} does not fit the model")
-            errors[name] = values
+            if entry["linears"] != {name: list(shape) for name, shape in linears.items()} or \
+                    len(values) != len(exl2.CANDIDATES) or not all(math.isfinite(v) and v >= 0 for v in values):
+                raise ValueError(f"its entry for {block} does not fit the model")
+            errors[block] = values
         return errors

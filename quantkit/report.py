@@ -80,6 +80,7 @@ class Settings:
     ctx: int
     tasks: list[str] = field(default_factory=list)
     lm_eval_limit: float | None = None
+    exl2_measured: bool = False  # EXL2 points spend the target by one measurement, OUT/exl2-measurement.json
 
 
 def tensor_bytes(path: Path) -> dict[str, int]:
@@ -122,7 +123,8 @@ def run_point(spec: dict) -> dict:
     p, s, out = Point(**spec["point"]), Settings(**spec["settings"]), Path(spec["out"])
     export = out / "exports" / (p.name + (".gguf" if p.format == "gguf" else ""))
     m = load(s.model or None)
-    config = QuantConfig(group_size=s.group_size, **p.config())
+    measurement = str(out / "exl2-measurement.json") if p.exl2 and s.exl2_measured else None
+    config = QuantConfig(group_size=s.group_size, measurement=measurement, **p.config())
     fmt = p.format
     if fmt == "awq":  # AWQ's own layout where it holds this model, else the GPTQ layout
         try:

@@ -47,7 +47,7 @@ def test_two_processes_write_what_one_writes(tiny_dir, tmp_path, args):
     each rank quantizes every other linear. The files equal a single process's, byte for byte."""
     common = [tiny_dir, *args, "--calib-data", VALID, "--calib-samples", 24, "--calib-seqlen", 64]
     suffix = ".gguf" if "gguf" in args else ""
-    measured = "exl2" in args  # each linear's error measured by one process, the sums gathered
+    measured = "exl2" in args  # each block's error measured on each process's batches, the sums gathered
 
     def out(name: str) -> list:
         return ["--out", tmp_path / f"{name}{suffix}", *(["--measurement", tmp_path / f"{name}.json"] if measured else [])]
@@ -64,8 +64,8 @@ def test_two_processes_write_what_one_writes(tiny_dir, tmp_path, args):
     made = [f"one{suffix}", f"two{suffix}", *(["one.json", "two.json"] if measured else [])]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(made)
     if measured:
-        assert (json.loads((tmp_path / "two.json").read_text())["linears"]
-                == json.loads((tmp_path / "one.json").read_text())["linears"])
+        assert (json.loads((tmp_path / "two.json").read_text())["blocks"]
+                == json.loads((tmp_path / "one.json").read_text())["blocks"])
 
 
 def test_a_process_that_dies_stops_the_job_and_the_same_command_resumes(tiny_dir, tmp_path):

@@ -1,8 +1,8 @@
 """EXL2: an independent decoder of ExLlamaV2's layout, written from the format's description
 (../shared/docs/FORMATS.md section 6, not from our packer), gives our dequantized weights; the
 widths mix within a linear and meet the target; quantkit loads and scores the files. The
-measurement (each linear's error at each candidate setting) is saved, reused and refused when it is
-another run's; the allocation from it is the knapsack's optimum."""
+measurement (each attention and MLP block's output error at each candidate setting) is saved, reused
+and refused when it is another run's; the allocation from it is the knapsack's optimum."""
 import itertools
 import json
 
@@ -59,8 +59,18 @@ def exported(tiny_dir, measured, tmp_path_factory):
     return m, out
 
 
-def test_independent_decoder_reads_our_weights(exported):
-    m, out = exported
+@pytest.fixture(scope="module")
+def uniform(tiny_dir, tmp_path_factory):
+    """The default allocation, which mixes two widths in every linear."""
+    out = tmp_path_factory.mktemp("exl2-uniform") / "q"
+    m = quantkit.quantize(str(tiny_dir), method="gptq", format="exl2", exl2=4.0, **CALIB, out=out, keep=True,
+                          progress=False)
+    return m, out
+
+
+@pytest.mark.parametrize("which", ["uniform", "exported"])
+def test_independent_decoder_reads_our_weights(which, request):
+    m, out = request.getfixturevalue(which)
     state = load_file(out / "model.safetensors")
     mixed = 0
     for name, qt in m.tensors.items():
@@ -70,7 +80,7 @@ def test_independent_decoder_reads_our_weights(exported):
         pairs = parts["q_groups"].view(-1, 2)
         assert pairs[:, 0].tolist() == sorted(pairs[:, 0].tolist(), reverse=True), name  # widest first
         mixed += len(set(pairs[:, 0].tolist())) > 1
-    assert mixed  # widths mix within linears
+    assert mixed or which == "exported"  # widths mix within linears (the measured ones may not)
 
 
 def test_bits_per_weight_meet_the_target(exported):
@@ -84,8 +94,8 @@ def test_bits_per_weight_meet_the_target(exported):
     assert 3.5 < qc["bits"] <= 4.0 and qc["calibration"]["allocation"] == "measured"
 
 
-def test_without_a_measurement_every_linear_gets_the_targets_widths(tiny_dir):
-    m = quantkit.quantize(str(tiny_dir), method="gptq", format="exl2", exl2=4.0, **CALIB, keep=True, progress=False)
+def test_without_a_measurement_every_linear_gets_the_targets_widths(uniform):
+    m, _ = uniform
     for qt in m.tensors.values():
         n, k = qt.shape
         assert qt.group_bits.tolist() == Setting.for_target(4.0, n, k).group_bits(k)
@@ -105,7 +115,7 @@ def test_quantkit_loads_and_scores_the_file(exported):
 def test_wider_targets_fit_better(tiny_dir, measured, exported, monkeypatch):
     """The same GPTQ onto wider EXL2 grids: the layer loss falls as the target rises. Each run reads
     the measurement the first one saved: none measures again."""
-    monkeypatch.setattr(exl2, "measure", None)  # a call would fail
+    monkeypatch.setattr(exl2, "measure_layer", None)  # a call would fail
     losses = []
     for target in (3.5, 4.5, 6.0):
         m = quantkit.quantize(str(tiny_dir), method="gptq", format="exl2", exl2=target, measurement=str(measured),
@@ -115,12 +125,46 @@ def test_wider_targets_fit_better(tiny_dir, measured, exported, monkeypatch):
 
 
 def test_the_measurement_falls_with_width(measured, exported):
+    """Every attention and MLP block of the tiny model is measured; its error relative to the hidden
+    state falls as the setting widens, from a visible one at 2 bits to almost none at 8."""
     body = json.loads(measured.read_text())
     assert body["candidates"] == [{"bits": list(c.bits), "props": list(c.props)} for c in CANDIDATES]
+    assert list(body["blocks"]) == [f"model.layers.{i}.{b}" for i in range(2) for b in ("self_attn", "mlp")]
     order = sorted(range(len(CANDIDATES)), key=lambda c: CANDIDATES[c].total_bits(64, 64))
-    for name, entry in body["linears"].items():
+    for name, entry in body["blocks"].items():
+        assert sorted(entry["linears"]) == sorted(f"{name}.{lin.split('.')[1]}" for lin in exl2.BLOCKS[name.split(".")[-1]])
         errors = [entry["errors"][c] for c in order]
-        assert errors == sorted(errors, reverse=True) and errors[-1] < 1e-3 < errors[0] < 1, name
+        assert errors == sorted(errors, reverse=True) and errors[-1] < 1e-3 * errors[0] < errors[0] < 1, name
+
+
+def test_the_measurement_is_the_blocks_output_error(tiny_dir):
+    """measure_layer against a direct computation: the MLP of layer 0 with its three linears
+    quantized at 3 bits, run on the float hidden state after attention, against the float MLP."""
+    torch.manual_seed(0)
+    m = quantkit.load(str(tiny_dir))
+    m.materialize()
+    layer = m.module.model.layers[0].float()
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    x = torch.randn(2, 16, layer.mlp.gate_proj.in_features)
+    pos = torch.arange(16)[None].expand(2, -1)
+    kw = {"position_embeddings": m.module.model.rotary_emb(x, pos), "attention_mask": None}
+    h_in = layer.post_attention_layernorm
+    xs = {name: torch.randn(64, layer.get_submodule(name).in_features) for name in exl2.BLOCKS["mlp"] + exl2.BLOCKS["self_attn"]}
+    hessians = {name: 2 * v.T @ v / len(v) for name, v in xs.items()}
+    setting = CANDIDATES[1]  # 3 bits
+    sq, norms = exl2.measure_layer(layer, [(x, kw)], hessians, settings=(setting,))
+    with torch.no_grad():
+        h = x + layer.self_attn(hidden_states=layer.input_layernorm(x), **kw)[0]
+        ref = layer.mlp(h_in(h))
+        quantized = {name: exl2.quantize(layer.get_submodule(name).weight.data, hessians[name], setting).tensor.dequantize()
+                     for name in exl2.BLOCKS["mlp"]}
+        mlp = layer.mlp
+        act = mlp.act_fn(torch.nn.functional.linear(h_in(h), quantized["mlp.gate_proj"]))
+        out = torch.nn.functional.linear(act * torch.nn.functional.linear(h_in(h), quantized["mlp.up_proj"]),
+                                         quantized["mlp.down_proj"])
+    assert float(sq[0, 1, 0]) == pytest.approx(float((out - ref).double().square().sum()), rel=1e-4)
+    assert float(norms[0, 1]) == pytest.approx(float((h + ref).double().square().sum()), rel=1e-6)
+    assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())  # left float
 
 
 def width(setting: Setting) -> float:
@@ -128,38 +172,41 @@ def width(setting: Setting) -> float:
     return sum(b * p for b, p in zip(setting.bits, setting.props))
 
 
-def brute_force(shapes, errors, target):
+def brute_force(blocks, errors, target):
     """The least summed error within the budget, over every choice."""
-    weights = sum(n * k for n, k in shapes.values())
-    return min(sum(errors[n][c] for n, c in zip(shapes, combo))
-               for combo in itertools.product(range(len(CANDIDATES)), repeat=len(shapes))
-               if sum(CANDIDATES[c].total_bits(*shapes[n]) for n, c in zip(shapes, combo)) <= target * weights)
+    weights = sum(n * k for shapes in blocks.values() for n, k in shapes)
+    return min(sum(errors[b][c] for b, c in zip(blocks, combo))
+               for combo in itertools.product(range(len(CANDIDATES)), repeat=len(blocks))
+               if sum(CANDIDATES[c].total_bits(*shape) for b, c in zip(blocks, combo) for shape in blocks[b])
+               <= target * weights)
 
 
 def test_the_allocation_is_the_optimum():
-    """Random errors falling with width, random shapes and targets: the allocation stays within the
-    budget and its summed error is the least of every choice (4 linears: 11^4 choices)."""
+    """Random errors falling with width, random blocks of one or two linears of random shapes, and
+    random targets: the allocation stays within the budget and its summed error is the least of
+    every choice (4 blocks: 11^4 choices)."""
     rng = np.random.default_rng(0)
     for _ in range(12):
-        shapes = {f"l{i}": (int(rng.choice([64, 256])), int(rng.choice([64, 128, 256]))) for i in range(4)}
+        blocks = {f"b{i}": [(int(rng.choice([64, 256])), int(rng.choice([64, 128, 256])))
+                            for _ in range(int(rng.integers(1, 3)))] for i in range(4)}
         errors = {}
-        for name in shapes:
+        for name in blocks:
             slope, scale = rng.uniform(2, 6), rng.uniform(0.01, 2)
             errors[name] = [scale * slope ** -width(c) for c in CANDIDATES]
         target = rng.uniform(2.5, 8)
-        chosen = exl2.allocate(shapes, errors, target)
-        bits = sum(chosen[n].total_bits(*shapes[n]) for n in shapes)
-        assert bits <= target * sum(n * k for n, k in shapes.values())
-        assert sum(errors[n][CANDIDATES.index(chosen[n])] for n in shapes) == pytest.approx(
-            brute_force(shapes, errors, target), rel=1e-12)
+        chosen = exl2.allocate(blocks, errors, target)
+        bits = sum(chosen[b].total_bits(*shape) for b in blocks for shape in blocks[b])
+        assert bits <= target * sum(n * k for shapes in blocks.values() for n, k in shapes)
+        assert sum(errors[b][CANDIDATES.index(chosen[b])] for b in blocks) == pytest.approx(
+            brute_force(blocks, errors, target), rel=1e-12)
 
 
 def test_bits_go_where_they_save_most_error():
-    """Two linears of one shape, one whose error falls steeply with width: at a 4-bit average it
+    """Two blocks of one shape, one whose error falls steeply with width: at a 4-bit average it
     gets the wider setting."""
-    shapes = {"steep": (256, 256), "flat": (256, 256)}
+    blocks = {"steep": [(256, 256)], "flat": [(256, 256)]}
     errors = {"steep": [4.0 ** -width(c) for c in CANDIDATES], "flat": [0.05 * 1.1 ** -width(c) for c in CANDIDATES]}
-    chosen = exl2.allocate(shapes, errors, 4.2)
+    chosen = exl2.allocate(blocks, errors, 4.2)
     assert chosen["steep"].total_bits(256, 256) > chosen["flat"].total_bits(256, 256)
 
 
@@ -168,16 +215,16 @@ def test_a_killed_measurement_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
     measurement and export equal an uninterrupted run's."""
     kw = dict(method="gptq", format="exl2", exl2=4.0, **CALIB, progress=False)
     quantkit.quantize(str(tiny_dir), out=tmp_path / "whole", measurement=str(tmp_path / "whole.json"), **kw)
-    real, calls, killed = exl2.measure, [], []
+    real, calls, killed = exl2.measure_layer, [], []
 
     def dies_in_layer_1(*args, **kwargs):
-        calls.append(kwargs["name"])
-        if "layers.1." in kwargs["name"] and not killed:
-            killed.append(kwargs["name"])
+        calls.append(kwargs["prefix"])
+        if kwargs["prefix"] == "model.layers.1." and not killed:
+            killed.append(kwargs["prefix"])
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(exl2, "measure", dies_in_layer_1)
+    monkeypatch.setattr(exl2, "measure_layer", dies_in_layer_1)
     with pytest.raises(KeyboardInterrupt):
         quantkit.quantize(str(tiny_dir), out=tmp_path / "q", measurement=str(tmp_path / "q.json"), **kw)
     assert (tmp_path / ".q.json.progress-measurement.pt").is_file() and not (tmp_path / "q.json").exists()
@@ -187,7 +234,7 @@ def test_a_killed_measurement_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
     assert "resuming after layer 1/2" in capsys.readouterr().err
     assert calls and all("layers.1." in c for c in calls)
     whole, resumed = json.loads((tmp_path / "whole.json").read_text()), json.loads((tmp_path / "q.json").read_text())
-    assert resumed["linears"] == whole["linears"]
+    assert resumed["blocks"] == whole["blocks"]
     assert load_file(tmp_path / "q" / "model.safetensors").keys() == load_file(tmp_path / "whole" / "model.safetensors").keys()
     for key, t in load_file(tmp_path / "q" / "model.safetensors").items():
         assert torch.equal(t, load_file(tmp_path / "whole" / "model.safetensors")[key]), key

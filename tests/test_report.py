@@ -40,3 +40,20 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
 
     code, _, err = cli([*common, "--windows", 2], capsys, monkeypatch)
     assert code == 2 and err[-1].startswith(f"error: {out} holds a report of other settings")
+
+
+def test_exl2_points_share_one_measurement(tiny_dir, tmp_path, capsys, monkeypatch):
+    """--exl2-measured: the first EXL2 point measures into OUT/exl2-measurement.json, the next reads
+    it; each meets its target."""
+    out = tmp_path / "report"
+    args = ["report", tiny_dir, "--out", out, "--data", TEST, "--calib-data", VALID, "--calib-samples", 4,
+            "--methods", "exl2", "--exl2-bits", "3.0,4.0", "--exl2-measured", "--windows", 2, "--ctx", 128]
+    code, _, _ = cli(args, capsys, monkeypatch)
+    points = json.loads((out / "report.json").read_text())["points"]
+    assert code == 0 and [p["status"] for p in points] == ["ok", "ok"]
+    assert all(p["exl2"] - 0.5 < p["bpw_linear"] <= p["exl2"] for p in points)
+    measured = json.loads((out / "exl2-measurement.json").read_text())
+    assert len(measured["blocks"]) == 4  # two layers, attention and MLP
+    # written during the first point, not again
+    assert (out / "exl2-measurement.json").stat().st_mtime_ns < (out / "points" / "exl2-3.json").stat().st_mtime_ns
+    assert points[0]["kld_mean"] > points[1]["kld_mean"]
