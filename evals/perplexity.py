@@ -62,8 +62,8 @@ def windows(tokenizer, text: str, protocol: str = "llamacpp", ctx: int = 512,
     if ctx < 2 or (protocol == "llamacpp" and ctx < 4):
         raise QuantkitError(f"context {ctx} is too short: use --ctx 512 or another length of at least 4")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if adds_bos(tokenizer) and protocol == "wikitext":
-        ids = [tokenizer.bos_token_id] + ids  # what tokenizer(text) gives: one BOS for the whole text
+    if adds_bos(tokenizer):  # one BOS for the whole text, as tokenizer(text) and llama-perplexity give it
+        ids = [tokenizer.bos_token_id] + ids
     ids = torch.tensor(ids, dtype=torch.long)
     n = len(ids) // ctx
     if max_windows is not None:

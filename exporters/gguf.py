@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, untrusted
 from quantkit.evals import adds_bos
 from quantkit.modelio import Model
 from quantkit.qtensor import QuantizedTensor
@@ -24,7 +24,8 @@ from quantkit.quantizers import ggml
 from .atomic import Staged
 from .shards import crc
 
-ARCHS = ("llama", "mistral")  # both are llama.cpp's "llama"
+ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # model_type -> llama.cpp's architecture
+ROPES = ("default", "linear", "yarn", "llama3")  # the rope scalings llama.cpp's converter writes for these
 # mix -> (general.file_type, the type most tensors get)
 MIXES = {
     "F32": (gguf.LlamaFileType.ALL_F32, "F32"), "F16": (gguf.LlamaFileType.MOSTLY_F16, "F16"),
@@ -45,18 +46,47 @@ NAMES = {
 EMBED, HEAD = "model.embed_tokens", "lm_head"
 TOP = {EMBED: "token_embd", "model.norm": "output_norm", HEAD: "output"}  # the modules outside the layers
 DEFAULT_MIX = "Q4_K_M"
+ROPE_FREQS = "rope_freqs.weight"
 
 
 def check(module: torch.nn.Module, mix: str) -> None:
     cfg = module.config
     if cfg.model_type not in ARCHS:
-        raise QuantkitError(f"GGUF export writes Llama-architecture models ({', '.join(ARCHS)}), not {cfg.model_type!r}: "
+        raise QuantkitError(f"GGUF export writes {', '.join(ARCHS)} models, not {cfg.model_type!r}: "
                             "use --format safetensors")
     if mix not in MIXES:
         raise QuantkitError(f"unknown GGUF type {mix!r}: use one of {', '.join(MIXES)}")
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise QuantkitError(f"rope scaling {rope.get('rope_type')!r} is not written to GGUF yet: only default rope")
+    kind = rope(cfg).get("rope_type", "default")
+    if kind not in ROPES or kind == "llama3" and ARCHS[cfg.model_type] != "llama":
+        raise QuantkitError(f"rope scaling {kind!r} of a {cfg.model_type} model is not written to GGUF: "
+                            f"quantkit writes {', '.join(ROPES[1:])} (llama3 for Llama only); use --format safetensors")
+
+
+def rope(cfg) -> dict:
+    return getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+
+
+def rope_factors(cfg) -> np.ndarray | None:
+    """Llama 3's rope: the divisor of each rotary frequency (llama.cpp's rope_freqs tensor, as its
+    converter computes it from the config); None for the other ropes."""
+    r = rope(cfg)
+    if r.get("rope_type") != "llama3":
+        return None
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (r.get("rope_theta", 10000.0) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = r.get("factor", 8.0), r.get("low_freq_factor", 1.0), r.get("high_freq_factor", 4.0)
+    context = r.get("original_max_position_embeddings", 8192)
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < context / high:
+            out.append(1.0)
+        elif wavelen > context / low:
+            out.append(factor)
+        else:  # between the two: a smooth step from 1 to factor
+            smooth = (context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -161,10 +191,10 @@ def gguf_name(key: str) -> str:
     if prefix in TOP and kind == "weight":
         return f"{TOP[prefix]}.weight"
     _, _, i, rest = key.split(".", 3)
-    module = rest.removesuffix(".weight")
-    if module not in NAMES or not rest.endswith(".weight"):
-        raise QuantkitError(f"tensor {key} has no GGUF name for llama: the model has parts llama.cpp's llama lacks")
-    return f"blk.{i}.{NAMES[module]}.weight"
+    module, _, kind = rest.rpartition(".")
+    if module not in NAMES or kind not in ("weight", "bias"):
+        raise QuantkitError(f"tensor {key} has no GGUF name: the model has parts llama.cpp's llama and qwen2 lack")
+    return f"blk.{i}.{NAMES[module]}.{kind}"
 
 
 def pre_tokenizer(spec: dict | None) -> str:
@@ -177,18 +207,39 @@ def pre_tokenizer(spec: dict | None) -> str:
         return "gpt-2"
     if len(kinds) == 2 and kinds[1] == "ByteLevel" and digits:
         return "smollm"
-    if kinds == ["Split", "ByteLevel"] and r"\p{N}{1,3}" in steps[0]["pattern"].get("Regex", ""):
+    regex = steps[0]["pattern"].get("Regex", "") if kinds == ["Split", "ByteLevel"] else ""
+    if r"\p{N}{1,3}" in regex:
         return "llama-bpe"
+    if r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|" in regex:  # Qwen2's: single digits, a letter run after one mark
+        return "qwen2"
     raise QuantkitError(f"the tokenizer's pre-tokenization {kinds} is not one llama.cpp names here: "
                         "convert this model's tokenizer with llama.cpp's convert_hf_to_gguf.py")
 
 
-def add_tokenizer(w: gguf.GGUFWriter, tokenizer, vocab_size: int) -> None:
-    """tokenizer.ggml.* for a byte-level BPE tokenizer, as convert_hf_to_gguf writes them."""
+def add_tokenizer(w: gguf.GGUFWriter, model: Model, vocab_size: int) -> None:
+    """tokenizer.ggml.* as convert_hf_to_gguf writes them: a byte-level BPE tokenizer's vocabulary
+    and merges, or a sentencepiece model's pieces, scores and types (Llama 2, Mistral)."""
+    tokenizer = model.tokenizer
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    if spec["model"]["type"] != "BPE" or spec["model"].get("byte_fallback"):
-        raise QuantkitError("only byte-level BPE tokenizers are written to GGUF here (not sentencepiece): "
-                            "convert this model with llama.cpp's convert_hf_to_gguf.py")
+    if spec["model"]["type"] == "BPE" and spec["model"].get("byte_fallback"):
+        source = Path(model.source)
+        add_sentencepiece(w, (source if source.is_dir() else source.parent) / "tokenizer.model", tokenizer, vocab_size)
+    elif spec["model"]["type"] == "BPE":
+        add_bpe(w, spec, tokenizer, vocab_size)
+    else:
+        raise QuantkitError(f"a {spec['model']['type']} tokenizer is not written to GGUF here, only byte-level BPE and "
+                            "sentencepiece BPE: convert this model with llama.cpp's convert_hf_to_gguf.py")
+    for kind, token in (("bos", tokenizer.bos_token), ("eos", tokenizer.eos_token),
+                        ("unk", tokenizer.unk_token), ("pad", tokenizer.pad_token)):
+        if token is not None:
+            getattr(w, {"unk": "add_unk_token_id", "pad": "add_pad_token_id"}.get(kind, f"add_{kind}_token_id"))(
+                tokenizer.convert_tokens_to_ids(token))
+    w.add_add_bos_token(adds_bos(tokenizer))
+    if tokenizer.chat_template:
+        w.add_chat_template(tokenizer.chat_template)
+
+
+def add_bpe(w: gguf.GGUFWriter, spec: dict, tokenizer, vocab_size: int) -> None:
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
     added = {a["id"]: a["special"] for a in spec.get("added_tokens", [])}
     tokens, kinds = [], []
@@ -206,20 +257,52 @@ def add_tokenizer(w: gguf.GGUFWriter, tokenizer, vocab_size: int) -> None:
     w.add_token_list(tokens)
     w.add_token_types(kinds)
     w.add_token_merges(merges)
-    for kind, token in (("bos", tokenizer.bos_token), ("eos", tokenizer.eos_token),
-                        ("unk", tokenizer.unk_token), ("pad", tokenizer.pad_token)):
-        if token is not None:
-            getattr(w, {"unk": "add_unk_token_id", "pad": "add_pad_token_id"}.get(kind, f"add_{kind}_token_id"))(
-                tokenizer.convert_tokens_to_ids(token))
-    w.add_add_bos_token(adds_bos(tokenizer))
-    if tokenizer.chat_template:
-        w.add_chat_template(tokenizer.chat_template)
+
+
+def looks_special(token: str) -> bool:
+    """Added tokens the converter makes control tokens though they are not marked special."""
+    return token in ("<pad>", "<mask>") or token.startswith("<|") and token.endswith("|>") \
+        or token.startswith("<unused") and token.endswith(">")
+
+
+def add_sentencepiece(w: gguf.GGUFWriter, path: Path, tokenizer, vocab_size: int) -> None:
+    """The pieces, scores and types of the sentencepiece model (llama.cpp's tokenizer merges by the
+    scores, which tokenizer.json does not hold), then the tokens added over it, as the converter
+    reads them."""
+    from sentencepiece import SentencePieceProcessor
+
+    if not path.is_file():
+        raise QuantkitError(f"{path} is missing: a sentencepiece tokenizer's GGUF needs its tokenizer.model "
+                            "(llama.cpp tokenizes by its scores); copy it from the original model")
+    sp = SentencePieceProcessor()
+    with untrusted(path, "not a sentencepiece model", "copy the original model's tokenizer.model"):
+        sp.LoadFromFile(str(path))
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    scores = [-10000.0] * vocab_size
+    kinds = [gguf.TokenType.UNUSED] * vocab_size
+    for i in range(min(sp.vocab_size(), vocab_size)):
+        tokens[i], scores[i] = sp.IdToPiece(i), sp.GetScore(i)
+        kinds[i] = (gguf.TokenType.UNKNOWN if sp.IsUnknown(i) else gguf.TokenType.CONTROL if sp.IsControl(i) else
+                    gguf.TokenType.UNUSED if sp.IsUnused(i) else gguf.TokenType.BYTE if sp.IsByte(i) else
+                    gguf.TokenType.NORMAL)
+    for i, added in tokenizer.added_tokens_decoder.items():
+        if i < vocab_size:
+            control = added.special or looks_special(added.content)
+            tokens[i] = added.content if control else added.content.replace("\u2581", " ")
+            scores[i] = -1000.0
+            kinds[i] = gguf.TokenType.CONTROL if control else gguf.TokenType.USER_DEFINED
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(kinds)
 
 
 def add_metadata(w: gguf.GGUFWriter, model: Model, mix: str) -> None:
+    """The model's hyperparameters and tokenizer under the keys llama.cpp's converter writes."""
     cfg = model.module.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    rope = getattr(cfg, "rope_parameters", None) or {}
+    r = rope(cfg)
     w.add_name(Path(model.source).name.removesuffix(".gguf"))
     w.add_file_type(MIXES[mix][0])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -230,19 +313,35 @@ def add_metadata(w: gguf.GGUFWriter, model: Model, mix: str) -> None:
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-    w.add_rope_dimension_count(head_dim)
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+    w.add_rope_freq_base(r.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    if r.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(r["factor"])
+    elif r.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(r["factor"])
+        w.add_rope_scaling_orig_ctx_len(r["original_max_position_embeddings"])
+        for key, add in (("extrapolation_factor", w.add_rope_scaling_yarn_ext_factor),
+                         ("attention_factor", w.add_rope_scaling_yarn_attn_factor),
+                         ("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if r.get(key) is not None:
+                add(r[key])
+    if ARCHS[cfg.model_type] == "llama":
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_rope_dimension_count(head_dim)
+    if getattr(cfg, "head_dim", None):  # as the converter: when the config names it (Llama's, not Qwen2's)
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    w.add_vocab_size(cfg.vocab_size)
-    add_tokenizer(w, model.tokenizer, cfg.vocab_size)
+    add_tokenizer(w, model, cfg.vocab_size)
 
 
 def plan(module: torch.nn.Module, types: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The file's tensors: GGUF name -> (shape, type); norms in F32, each 2-D weight the type of its
-    module name in types."""
+    """The file's tensors: GGUF name -> (shape, type); norms, biases and Llama 3's rope factors in F32,
+    each 2-D weight the type of its module name in types."""
     out = {}
+    factors = rope_factors(module.config)
+    if factors is not None:
+        out[ROPE_FREQS] = (factors.shape, "F32")
     for key, t in module.state_dict(keep_vars=True).items():
         if key == f"{HEAD}.weight" and module.config.tie_word_embeddings:
             continue
@@ -265,7 +364,10 @@ class Writer:
         self.staged = Staged(out, overwrite, directory=False)
         self.model, self.mix = model, mix
         cfg = model.module.config
-        self.heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
+        self.arch = ARCHS[cfg.model_type]
+        # llama.cpp's llama rotates interleaved pairs, its qwen2 (NeoX rope) the halves as transformers does
+        self.heads = {"self_attn.q_proj": cfg.num_attention_heads,
+                      "self_attn.k_proj": cfg.num_key_value_heads} if self.arch == "llama" else {}
         self.plan = plan(model.module, types)
         self.offsets, offset = {}, 0
         for name, (shape, kind) in self.plan.items():
@@ -283,7 +385,7 @@ class Writer:
     def start(self, state: dict | None = None) -> None:
         if state is None:
             self.staged.fresh()
-            w = gguf.GGUFWriter(self.staged.path, "llama")
+            w = gguf.GGUFWriter(self.staged.path, self.arch)
             add_metadata(w, self.model, self.mix)
             for name, (shape, kind) in self.plan.items():
                 w.add_tensor_info(name, [shape[0], nbytes(shape, kind) // shape[0]] if len(shape) == 2 else shape,
@@ -299,6 +401,8 @@ class Writer:
         else:
             self.data_start, self.header, self.done = state["data_start"], state["header"], dict(state["done"])
         self.file = open(self.staged.path, "r+b")
+        if ROPE_FREQS in self.plan and ROPE_FREQS not in self.done:  # computed, not read: written first
+            self.write(ROPE_FREQS, rope_factors(self.model.module.config))
 
     def resumable(self, state: dict) -> bool:
         """Whether the partial file is there with the header and every tensor the state says is done."""

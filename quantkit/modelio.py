@@ -189,10 +189,18 @@ class GGUFCheckpoint(Checkpoint):
         return torch.float32  # blocks dequantize to float32, as llama.cpp computes them
 
     def tensor(self, key: str, device: str | torch.device) -> torch.Tensor:
+        t = self.by_name(self.where[key])
+        for suffix, n_head in self.heads.items():  # undo llama.cpp's rope row order (exporters.gguf.permute_rows)
+            if key.endswith(f"{suffix}.weight"):
+                t = t.reshape(n_head, t.shape[0] // n_head // 2, 2, -1).transpose(1, 2).reshape(t.shape)
+        return t.contiguous().to(device)
+
+    def by_name(self, name: str) -> torch.Tensor:
+        """A tensor by its GGUF name, in float32."""
         import gguf
         import numpy as np
 
-        info = self.infos[self.where[key]]
+        info = self.infos[name]
         start = self.data_start + info.offset
         raw = np.memmap(self.path, np.uint8, "r", start, (info.nbytes,))
         kind = gguf.GGMLQuantizationType(info.ggml_type)
@@ -200,11 +208,7 @@ class GGUFCheckpoint(Checkpoint):
             values = torch.from_numpy(np.array(raw)).view(FLOAT_DTYPES[kind.name]).float()
         else:
             values = torch.from_numpy(gguf.quants.dequantize(raw, kind))
-        t = values.reshape(info.shape)
-        for suffix, n_head in self.heads.items():  # undo llama.cpp's rope row order (exporters.gguf.permute_rows)
-            if key.endswith(f"{suffix}.weight"):
-                t = t.reshape(n_head, t.shape[0] // n_head // 2, 2, -1).transpose(1, 2).reshape(info.shape)
-        return t.contiguous().to(device)
+        return values.reshape(info.shape)
 
 
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -358,6 +362,14 @@ def load_gguf(path: Path) -> Model:
     heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
     checkpoint = GGUFCheckpoint(path, header, heads if arch == "llama" else {})
     module = skeleton(cfg, checkpoint, path)
+    if "rope_freqs.weight" in names:  # Llama 3's rope: each rotary frequency divided by its factor
+        rotary = module.model.rotary_emb
+        factors = checkpoint.by_name("rope_freqs.weight")
+        if factors.shape != rotary.inv_freq.shape or not finite(factors) or (factors <= 0).any():
+            raise QuantkitError(f"{path}: rope_freqs.weight is not {rotary.inv_freq.numel()} positive factors: "
+                                "the file is damaged; re-export it")
+        rotary.inv_freq /= factors
+        rotary.original_inv_freq = rotary.inv_freq.clone()
     types = linear_types(module, {t.name: gguf.GGMLQuantizationType(t.ggml_type).name for t in header.tensors})
     return Model(module, gguf_tokenizer(path, metadata), str(path), gguf_types=types, checkpoint=checkpoint)
 
@@ -385,12 +397,27 @@ def gguf_config(metadata: dict, names: tuple[str, ...], path: Path):
     from transformers import CONFIG_MAPPING
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    values = {"model_type": metadata["general.architecture"], "tie_word_embeddings": "output.weight" not in names}
+    arch = metadata["general.architecture"]
+    values = {"model_type": arch, "tie_word_embeddings": "output.weight" not in names}
     for key, value in metadata.items():
         prefix, _, rest = key.partition(".")
         renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
         if renamed not in (None, -1, "model_type", "_model_name_or_path"):
             values[renamed] = value
+    if "vocab_size" not in values and "tokenizer.ggml.tokens" in metadata:  # qwen2 files have no vocab_size key
+        tokens = metadata["tokenizer.ggml.tokens"]  # transformers' reader gives the count of a skipped array
+        values["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
+    kind = metadata.get(f"{arch}.rope.scaling.type")
+    if kind in ("linear", "yarn"):  # transformers' table leaves these out (llama3's factors are a tensor)
+        rope = {"rope_type": kind, "factor": metadata.get(f"{arch}.rope.scaling.factor")}
+        for key, name in (("original_context_length", "original_max_position_embeddings"),
+                          ("yarn_ext_factor", "extrapolation_factor"), ("yarn_attn_factor", "attention_factor"),
+                          ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if f"{arch}.rope.scaling.{key}" in metadata:
+                rope[name] = metadata[f"{arch}.rope.scaling.{key}"]
+        values["rope_parameters"] = rope
+    elif kind not in (None, "none"):
+        raise QuantkitError(f"{path}: rope scaling {kind!r} is not read here: quantkit reads linear, yarn and llama3 ropes")
     with untrusted(path, "the GGUF's metadata does not make a model config", "re-export it"):
         return CONFIG_MAPPING[values.pop("model_type")](**values)
 

