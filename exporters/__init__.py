@@ -30,6 +30,9 @@ def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
     if (fmt == "exl2") != (qconfig.exl2 is not None):
         raise QuantkitError("--format exl2 takes a target bits per weight (--bits 4.125) and only it does: "
                             "pass a whole --bits for the other formats")
+    if qconfig.rules and fmt not in ("safetensors", "compressed-tensors"):
+        raise QuantkitError(f"--rules mixes settings per linear in the safetensors (GPTQ) and compressed-tensors "
+                            f"formats; the {fmt} layout holds one: use one of those formats")
     if fmt == "gguf":
         gguf.check(module, qconfig.gguf_type)
     elif fmt == "exl2":
@@ -49,7 +52,7 @@ def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
     elif qconfig.method not in CODEBOOK_METHODS:
         from . import gptq
 
-        gptq.check_shapes(module, qconfig.bits)
+        gptq.check_shapes(module, qconfig)
 
 
 def expected_size(module, fmt: str, qconfig: QuantConfig, types: dict[str, str] | None = None) -> int:
@@ -63,11 +66,12 @@ def expected_size(module, fmt: str, qconfig: QuantConfig, types: dict[str, str] 
     for key, t in module.state_dict(keep_vars=True).items():
         if key == "lm_head.weight" and module.config.tie_word_embeddings:
             continue
-        if ".layers." in key and t.dim() == 2:
-            if qconfig.method in CODEBOOK_METHODS:
-                bits = 4 + 8 / qconfig.block_size
+        c = qconfig.for_linear(key.removesuffix(".weight")) if ".layers." in key and t.dim() == 2 else None
+        if c is not None:
+            if c.method in CODEBOOK_METHODS:
+                bits = 4 + 8 / c.block_size
             else:
-                bits = (qconfig.exl2 or qconfig.bits) + 16 / (qconfig.group_size if qconfig.group_size > 0 else t.shape[1])
+                bits = (c.exl2 or c.bits) + 16 / (c.group_size if c.group_size > 0 else t.shape[1])
             total += int(t.numel() * bits / 8)
         else:
             total += t.numel() * 2

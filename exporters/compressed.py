@@ -10,7 +10,10 @@ way, which is our zero. W = scale * (stored - 2^(b-1) - zero_point), so W = s * 
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,7 @@ from quantkit.modelio import Model
 from quantkit.packing import pack as pack_stream, unpack as unpack_stream
 from quantkit.qlinear import GPTQLinear
 from quantkit.qtensor import QuantizedTensor, group_index
+from quantkit.rules import Rule
 
 from . import checkpoint
 from .shards import DEFAULT_MAX_SIZE
@@ -35,25 +39,26 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
     if qconfig.method in CODEBOOK_METHODS:
         raise QuantkitError(f"pack-quantized compressed-tensors holds integer grids, not {qconfig.method}: "
                             "use --method rtn, gptq or awq, or --format safetensors")
-    if qconfig.bits not in BITS:
-        raise QuantkitError(f"vLLM reads compressed-tensors weights of 4 or 8 bits, not {qconfig.bits}: "
-                            "use --bits 4 or 8, or --format safetensors")
-    if not qconfig.sym and qconfig.bits != 4:
-        raise QuantkitError("vLLM reads asymmetric compressed-tensors weights as 4-bit only: "
-                            "use --bits 4 or symmetric weights")
     if qconfig.act_order and not qconfig.static_groups:
         raise QuantkitError("compressed-tensors no longer reads a g_idx (actorder \"group\" was removed in 0.20): "
                             "add --static-groups (act-order with groups kept in column order, its actorder "
                             "\"weight\") or use --format safetensors")
-    if qconfig.group_size == -1:
-        return
     shapes = list(linear_shapes(module))
     for name, _, k in shapes:
-        if k % qconfig.group_size:
+        c = qconfig.for_linear(name)
+        if c is None:
+            continue
+        if c.bits not in BITS:
+            raise QuantkitError(f"vLLM reads compressed-tensors weights of 4 or 8 bits, not {c.bits}"
+                                + (f" ({name})" if qconfig.rules else "") + ": use --bits 4 or 8, or --format safetensors")
+        if not c.sym and c.bits != 4:
+            raise QuantkitError("vLLM reads asymmetric compressed-tensors weights as 4-bit only: "
+                                "use --bits 4 or symmetric weights")
+        if c.group_size != -1 and k % c.group_size:
             fits = [g for g in (128, 64, 32) if all(k % g == 0 for _, _, k in shapes)]
             hint = f"--group-size {fits[0]}" if fits else "--group-size -1 (per channel)"
             raise QuantkitError(f"{name} has {k} inputs, not a multiple of the group size "
-                                f"{qconfig.group_size}, which compressed-tensors requires: use {hint}")
+                                f"{c.group_size}, which compressed-tensors requires: use {hint}")
 
 
 def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -80,18 +85,36 @@ def pack_tensor(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def quantization_config(qconfig: QuantConfig) -> dict:
-    channel = qconfig.group_size == -1
-    weights = {"num_bits": qconfig.bits, "type": "int", "symmetric": qconfig.sym,
-               "strategy": "channel" if channel else "group", "group_size": None if channel else qconfig.group_size,
-               "dynamic": False, "actorder": "weight" if qconfig.act_order else None}
+def weights_scheme(c: QuantConfig) -> dict:
+    channel = c.group_size == -1
+    return {"num_bits": c.bits, "type": "int", "symmetric": c.sym, "strategy": "channel" if channel else "group",
+            "group_size": None if channel else c.group_size, "dynamic": False,
+            "actorder": "weight" if c.act_order else None}
+
+
+def quantization_config(qconfig: QuantConfig, names: list[str]) -> dict:
+    """One config group for the run's settings, targeting every Linear; with rules, one more per other
+    setting before it, targeting its linears by exact name (compressed-tensors prefers an exact name to
+    a class), and the linears the rules skip ignored."""
+    targets: dict[tuple, list[str]] = {}
+    ignore = ["lm_head"]
+    for name in names:
+        c = qconfig.for_linear(name)
+        if c is None:
+            ignore.append(name)
+        elif (c.bits, c.group_size) != (qconfig.bits, qconfig.group_size):
+            targets.setdefault((c.bits, c.group_size), []).append(name)
+    # the named groups first: transformers' loader takes the first group that matches a module
+    schemes = [(replace(qconfig, rules=(), bits=b, group_size=g), t) for (b, g), t in targets.items()] + \
+        [(qconfig, ["Linear"])]
     return {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                                      "output_activations": None, "format": "pack-quantized"}},
-        "ignore": ["lm_head"],
+        "config_groups": {f"group_{i}": {"targets": t, "weights": weights_scheme(c), "input_activations": None,
+                                         "output_activations": None, "format": "pack-quantized"}
+                          for i, (c, t) in enumerate(schemes)},
+        "ignore": ignore,
         "kv_cache_scheme": None,
     }
 
@@ -99,23 +122,43 @@ def quantization_config(qconfig: QuantConfig) -> dict:
 def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool = False,
            max_shard_size: int | str = DEFAULT_MAX_SIZE) -> checkpoint.CheckpointWriter:
     """Called by exporters.open_writer, which has run check; the other tensors in float16."""
+    names = [name for name, _, _ in linear_shapes(model.module)]
     return checkpoint.CheckpointWriter(model, out, overwrite, torch.float16, pack_tensor,
-                                       lambda act_order: quantization_config(qconfig), (), max_shard_size)
+                                       lambda act_order: quantization_config(qconfig, names), (), max_shard_size)
 
 
-def scheme(path: Path, qc: dict) -> tuple[int, int, bool, bool]:
-    """bits, group size (-1: per channel), symmetry and act-order ("weight": static groups) of a
-    pack-quantized checkpoint's one weight scheme."""
-    groups = list(qc.get("config_groups", {}).values())
-    group = groups[0] if len(groups) == 1 else {}
+def scheme(path: Path, group: dict) -> tuple[int, int, bool, bool]:
+    """bits, group size (-1: per channel), symmetry and act-order ("weight": static groups) of one
+    config group of a pack-quantized checkpoint."""
     w = group.get("weights") or {}
-    if qc.get("format", group.get("format")) != "pack-quantized" or w.get("type", "int") != "int" or \
+    if group.get("format", "pack-quantized") != "pack-quantized" or w.get("type", "int") != "int" or \
             w.get("strategy") not in ("group", "channel") or w.get("actorder") == "group" or \
-            group.get("input_activations"):
-        raise QuantkitError(f"{path}: quantkit reads compressed-tensors pack-quantized integer weights with one "
-                            "group or channel scheme and unquantized activations")
+            group.get("input_activations") or not isinstance(w.get("num_bits"), int):
+        raise QuantkitError(f"{path}: quantkit reads compressed-tensors pack-quantized integer weights in group or "
+                            "channel schemes and unquantized activations")
     return (w["num_bits"], w["group_size"] if w["strategy"] == "group" else -1, w.get("symmetric", True),
             w.get("actorder") == "weight")
+
+
+def schemes(path: Path, qc: dict) -> Callable[[str], tuple[int, int, bool, bool]]:
+    """Each linear's scheme by name, as compressed-tensors resolves its config groups: a target naming
+    the module exactly first, then a "re:" pattern, then a class name (Linear)."""
+    if qc.get("format") not in (None, "pack-quantized"):
+        raise QuantkitError(f"{path}: quantkit reads compressed-tensors pack-quantized checkpoints, not {qc.get('format')}")
+    groups = list(qc.get("config_groups", {}).values())
+    if not groups:
+        raise QuantkitError(f"{path}: the quantization_config has no config_groups: the checkpoint is incomplete")
+    by_target = {t: scheme(path, g) for g in groups for t in g.get("targets", [])}
+
+    def of(name: str) -> tuple[int, int, bool, bool]:
+        hit = by_target.get(name) or next((v for t, v in by_target.items()
+                                           if t.startswith("re:") and re.match(t[3:], name)), None)
+        hit = hit or by_target.get("Linear")
+        if hit is None:
+            raise QuantkitError(f"{path}: no config group targets {name}: the checkpoint is inconsistent")
+        return hit
+
+    return of
 
 
 def read(path: Path, packed: bool = False) -> Model:
@@ -124,11 +167,13 @@ def read(path: Path, packed: bool = False) -> Model:
     cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
     qc = cfg.quantization_config
     del cfg.quantization_config
-    bits, group_size, sym, ordered = scheme(path, qc)
+    scheme_of = schemes(path, qc)
     state = checkpoint.read_tensors(path)
-    layers = {}
+    layers, seen = {}, set()
     for key in [k for k in state if k.endswith(".weight_packed")]:
         name = key.removesuffix(".weight_packed")
+        bits, group_size, sym, ordered = scheme_of(name)
+        seen.add((bits, group_size, sym, ordered))
         try:
             words, scales = state.pop(key), state.pop(f"{name}.weight_scale")
             n, k = state.pop(f"{name}.weight_shape").tolist()
@@ -145,5 +190,11 @@ def read(path: Path, packed: bool = False) -> Model:
         qt = QuantizedTensor(unpack(words, bits, k), scales.half(), zeros, group_index(k, group_size), bits,
                              group_size, sym)
         layers[name] = GPTQLinear.from_tensor(qt, state.pop(f"{name}.bias", None), name=f"{path}: {name}")
-    qconfig = QuantConfig("gptq", bits, group_size, sym, act_order=ordered, static_groups=ordered)
+    # the run's settings: those of the group targeting every Linear (or the only one); the others as
+    # rules by exact name, so that the model exports again as it was read
+    bits, group_size, sym, ordered = next(iter(seen)) if len(seen) == 1 else scheme_of("Linear")
+    rules = [Rule(f"^{re.escape(n)}$", layer.bits, layer.group_size) for n, layer in layers.items()
+             if (layer.bits, layer.group_size) != (bits, group_size)]
+    rules += [Rule(f"^{re.escape(n)}$", skip=True) for n in qc.get("ignore", []) if ".layers." in n]
+    qconfig = QuantConfig("gptq", bits, group_size, sym, act_order=ordered, static_groups=ordered, rules=tuple(rules))
     return checkpoint.model(path, cfg, state, layers, qconfig, packed)

@@ -6,6 +6,7 @@ zeros stored minus one); asymmetric ones `gptq_v2` (raw zeros), since a v1 zero 
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -18,15 +19,17 @@ from quantkit.modelio import Model
 from quantkit.layers import linear_shapes
 from quantkit.qlinear import GPTQLinear
 from quantkit.qtensor import QuantizedTensor
+from quantkit.rules import parse
 
 from . import checkpoint
 from .shards import DEFAULT_MAX_SIZE
 
 
-def check_shapes(module: torch.nn.Module, bits: int) -> None:
+def check_shapes(module: torch.nn.Module, qconfig: QuantConfig) -> None:
     """Refuse, before any work, linears the layout cannot pack: K a multiple of 32, N*bits too."""
     for name, n, k in linear_shapes(module):
-        if k % 32 or (n * bits) % 32:
+        c = qconfig.for_linear(name)
+        if c is not None and (k % 32 or (n * c.bits) % 32):
             raise QuantkitError(
                 f"{name} is {n}x{k}: the GPTQ layout needs in_features a multiple of 32 "
                 f"and out_features*bits a multiple of 32: choose another --format or model"
@@ -49,7 +52,24 @@ def quantization_config(qconfig: QuantConfig, act_order: bool) -> dict:
         "format": fmt,
         "pack_dtype": "int32",
         "meta": {"quantizer": [f"quantkit:{__version__}"], **qconfig.to_dict()},
+        **({"dynamic": dynamic(qconfig)} if qconfig.rules else {}),
     }
+
+
+def dynamic(qconfig: QuantConfig) -> dict[str, dict]:
+    """The rules as GPTQModel's and vLLM's `dynamic`: in order, the first pattern that re.match-es a
+    module name wins; "-:" leaves the module unquantized, "+:" overrides the settings."""
+    return {f"{'-' if r.skip else '+'}:.*(?:{r.match})":
+            {} if r.skip else {k: v for k, v in (("bits", r.bits), ("group_size", r.group_size)) if v is not None}
+            for r in qconfig.rules}
+
+
+def override(qc: dict, name: str) -> dict | None:
+    """A module's settings under a checkpoint's `dynamic` (None: left unquantized)."""
+    for pattern, settings in (qc.get("dynamic") or {}).items():
+        if re.match(pattern.removeprefix("-:").removeprefix("+:"), name):
+            return None if pattern.startswith("-:") else {**qc, **settings}
+    return qc
 
 
 def pack(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
@@ -81,9 +101,14 @@ def read(path: Path, packed: bool = False) -> Model:
             tensors = {part: state.pop(f"{name}.{part}") for part in GPTQLinear.PACKED}
         except KeyError as e:
             raise QuantkitError(f"{path}: {name} lacks {e.args[0]}: the checkpoint is incomplete; re-export it") from None
-        layers[name] = GPTQLinear(**tensors, bits=bits, group_size=group_size, v1=v1, sym=sym,
-                                  bias=state.pop(f"{name}.bias", None), name=f"{path}: {name}")
+        mine = override(qc, name)
+        if mine is None:
+            raise QuantkitError(f"{path}: {name} is quantized where the config's dynamic says it is not: "
+                                "the checkpoint is inconsistent; re-export it")
+        layers[name] = GPTQLinear(**tensors, bits=mine["bits"], group_size=mine["group_size"], v1=v1,
+                                  sym=mine.get("sym", sym), bias=state.pop(f"{name}.bias", None), name=f"{path}: {name}")
     method = qc.get("meta", {}).get("method")
     qconfig = QuantConfig(method if method in METHODS else "gptq", bits, group_size, sym,
-                          act_order=bool(qc.get("desc_act")), static_groups=bool(qc.get("static_groups")))
+                          act_order=bool(qc.get("desc_act")), static_groups=bool(qc.get("static_groups")),
+                          rules=parse(r, f"{path}: meta.rules") if (r := qc.get("meta", {}).get("rules")) else ())
     return checkpoint.model(path, cfg, state, layers, qconfig, packed)

@@ -15,6 +15,7 @@ from quantkit import calibration, evals, exporters
 from quantkit.exporters.atomic import partial_path, progress_files, size_on_disk
 
 from . import consumers, distributed, measurement
+from . import rules as layer_rules
 from .config import QuantConfig
 from .errors import QuantkitError, ResumableError, space_for
 from .layers import GROUPS, linear_shapes
@@ -33,6 +34,8 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, s
     linear's GGUF type when quantizing for GGUF; importance: an importance matrix read from a file, by
     GGUF tensor name; settings: each linear's EXL2 widths (default: the target's, the same for all)."""
     c = qconfig
+    if c.rules:  # each linear the core of its own settings; None for one left in float
+        return lambda name, w, h: None if (mine := c.for_linear(name)) is None else quantizer(mine, losses)(name, w, h)
     if types is not None:
         def quantize_ggml(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
             w = w.cpu()  # the block searches pack with numpy
@@ -191,6 +194,8 @@ def quantize(
         exporters.check_format(format, m.module, config)
     if config.measurement is not None:
         measurement.check_path(config.measurement)
+    if config.rules:
+        layer_rules.check(config.rules, [name for name, _, _ in linear_shapes(m.module)])
     if targets:
         consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
     windows = None

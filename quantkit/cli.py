@@ -70,6 +70,10 @@ def cli() -> None:
 @click.option("--tensor-type", multiple=True, metavar="PATTERN=TYPE",
               help="GGUF: tensors whose name matches PATTERN (a regular expression, e.g. blk\\.0\\.ffn_down) get "
                    "TYPE instead of the mix's choice, the first match winning (llama-quantize --tensor-type)")
+@click.option("--rules", type=click.Path(dir_okay=False), metavar="FILE",
+              help="per-layer mixed precision: a JSON or YAML list of {match: REGEX, bits, group_size} or {match: "
+                   "REGEX, skip: true} entries; the first whose pattern is found in a linear's name decides its "
+                   "settings (safetensors and compressed-tensors formats, RTN and GPTQ)")
 @click.option("--measurement", type=click.Path(dir_okay=False), metavar="FILE",
               help="EXL2: widths per attention and MLP block from each one's measured output error, read from FILE "
                    "when it exists, else measured and saved there for other targets (experimental: on the embedded "
@@ -95,6 +99,7 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     if fmt == "gguf" and options["gguf_type"] is None:
         options["gguf_type"] = exporters.gguf.DEFAULT_MIX
     options["tensor_type"] = tuple(options["tensor_type"])
+    options["rules"] = options["rules"] or ()
     imatrix = options.pop("imatrix")
     options.update(imatrix=imatrix == "", imatrix_file=imatrix or None)
     bits = options.pop("bits")

@@ -1,8 +1,10 @@
 """What to quantize and how: one small dataclass shared by the CLI, the API and the exports."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import os
+from dataclasses import asdict, dataclass, replace
 
+from . import rules as layer_rules
 from .errors import QuantkitError
 from .qtensor import check_bits_group
 from .quantizers import nf4
@@ -38,6 +40,9 @@ class QuantConfig:
     # EXL2: widths per attention and MLP block from a measurement of each one's output error, kept in
     # this file (read when it exists); without, every linear mixes the two widths nearest the target
     measurement: str | None = None
+    # per-layer mixed precision (quantkit.rules): other bits or group size, or skip, by module name;
+    # a rules file's path or a list of {match, bits, group_size, skip} mappings is read here
+    rules: tuple[layer_rules.Rule, ...] = ()
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -84,6 +89,23 @@ class QuantConfig:
                                 "--bits 4.125")
         if self.block_size < 1:
             raise QuantkitError(f"block size {self.block_size} is invalid: use a positive number of columns such as 128")
+        if isinstance(self.rules, (str, os.PathLike)):
+            self.rules = layer_rules.read(self.rules)
+        elif not all(isinstance(r, layer_rules.Rule) for r in self.rules):  # the API's list of mappings
+            self.rules = layer_rules.parse(list(self.rules), "rules")
+        self.rules = tuple(self.rules)
+        if self.rules and (self.method not in ("rtn", "gptq") or self.gguf_type is not None or self.exl2 is not None):
+            raise QuantkitError("--rules mixes bits and group sizes of RTN and GPTQ grids in the safetensors and "
+                                "compressed-tensors formats: for GGUF use --tensor-type, for EXL2 its measurement")
+
+    def for_linear(self, name: str) -> QuantConfig | None:
+        """The settings of one linear under the rules (the first that matches); None: left in float."""
+        rule = next((r for r in self.rules if r.matches(name)), None)
+        if rule is None:
+            return replace(self, rules=())
+        if rule.skip:
+            return None
+        return replace(self, rules=(), bits=rule.bits or self.bits, group_size=rule.group_size or self.group_size)
 
     @property
     def weighted(self) -> bool:

@@ -5,7 +5,7 @@ Each rule returns why its loader refuses the export, or None when it reads it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -19,7 +19,9 @@ TARGETS = ("vllm", "exllama", "transformers", "llama.cpp")
 
 @dataclass(frozen=True)
 class Export:
-    """What a loader looks at: the format, the grid, and the (out, in) shape of every quantized linear."""
+    """What a loader looks at: the format, the grid, and the (out, in) shape of every quantized linear.
+    With --rules, parts holds one Export per setting (the shapes of its linears) and split names
+    linears a loader fuses (q/k/v, gate/up) that got different settings."""
     format: str
     method: str
     bits: int
@@ -27,12 +29,44 @@ class Export:
     sym: bool
     g_idx: bool  # a g_idx that is not k // G (act-order without static groups)
     shapes: tuple[tuple[int, int], ...]
+    parts: tuple[Export, ...] = ()
+    split: str = ""
 
     @classmethod
     def of(cls, fmt: str, qconfig: QuantConfig, module: torch.nn.Module) -> Export:
-        shapes = {(n, k) for _, n, k in linear_shapes(module)}
-        return cls(fmt, qconfig.method, qconfig.bits, qconfig.group_size, qconfig.sym,
-                   qconfig.act_order and not qconfig.static_groups, tuple(sorted(shapes)))
+        linears = list(linear_shapes(module))
+
+        def one(c: QuantConfig, shapes) -> Export:
+            return cls(fmt, c.method, c.bits, c.group_size, c.sym, c.act_order and not c.static_groups,
+                       tuple(sorted(set(shapes))))
+
+        whole = one(qconfig, [(n, k) for _, n, k in linears])
+        if not qconfig.rules:
+            return whole
+        settings = {name: qconfig.for_linear(name) for name, _, _ in linears}
+        key = {name: c and (c.bits, c.group_size) for name, c in settings.items()}
+        by_setting: dict[tuple, tuple[QuantConfig, list]] = {}
+        for name, n, k in linears:
+            if settings[name] is not None:
+                by_setting.setdefault(key[name], (settings[name], []))[1].append((n, k))
+        fused = [[f"{prefix}{m}" for m in members] for prefix, members in FUSED]
+        split = next((" / ".join(n.format(i) for n in group) for i in range(len(module.model.layers))
+                      for group in fused if len({key[n.format(i)] for n in group}) > 1), "")
+        return replace(whole, parts=tuple(one(c, shapes) for c, shapes in by_setting.values()), split=split)
+
+
+# the linears vLLM loads as one (qkv_proj, gate_up_proj): they must share their settings
+FUSED = (("model.layers.{}.self_attn.", ("q_proj", "k_proj", "v_proj")), ("model.layers.{}.mlp.", ("gate_proj", "up_proj")))
+
+
+def one_setting(e: Export) -> str | None:
+    """transformers 5's dequantize-at-load path decompresses every dense linear with the first config group."""
+    return f"{len(e.parts)} settings in one file (it decompresses every linear with the first)" \
+        if len(e.parts) > 1 else None
+
+
+def unfused(e: Export) -> str | None:
+    return f"{e.split} at different settings (it loads them as one linear)" if e.split else None
 
 
 def bits_in(*allowed: int) -> Callable[[Export], str | None]:
@@ -71,16 +105,18 @@ class Consumer:
     name: str
     target: str  # the --for name
     format: str  # the export format it reads ("safetensors" here means the GPTQ layout)
-    rules: tuple[Callable[[Export], str | None], ...] = ()
+    rules: tuple[Callable[[Export], str | None], ...] = ()  # each setting of the export
     note: str = ""
+    whole: tuple[Callable[[Export], str | None], ...] = ()  # the export as one (its mix of settings)
 
     def refuses(self, e: Export) -> str | None:
-        return next((r for rule in self.rules if (r := rule(e)) is not None), None)
+        return next((r for rule in self.whole if (r := rule(e)) is not None), None) or \
+            next((r for part in (e.parts or (e,)) for rule in self.rules if (r := rule(part)) is not None), None)
 
 
 CONSUMERS = (
-    Consumer("vLLM gptq_marlin", "vllm", "safetensors", (bits_in(4, 8), symmetric, marlin)),
-    Consumer("vLLM gptq", "vllm", "safetensors", (bits_in(2, 3, 4, 8),), "slow kernel, float16 only"),
+    Consumer("vLLM gptq_marlin", "vllm", "safetensors", (bits_in(4, 8), symmetric, marlin), whole=(unfused,)),
+    Consumer("vLLM gptq", "vllm", "safetensors", (bits_in(2, 3, 4, 8),), "slow kernel, float16 only", (unfused,)),
     Consumer("transformers + GPTQModel (torch kernel)", "transformers", "safetensors", (bits_in(2, 3, 4, 8),),
              "backend=\"torch\"; float16/bfloat16"),
     Consumer("GPTQModel default CPU kernel", "transformers", "safetensors", (bits_in(4), k_divisible)),
@@ -89,9 +125,12 @@ CONSUMERS = (
     Consumer("vLLM awq", "vllm", "awq", (), "float16"),
     Consumer("transformers + GPTQModel (AWQ)", "transformers", "awq"),
     Consumer("vLLM compressed-tensors (Marlin)", "vllm", "compressed-tensors",
-             (bits_in(4, 8), lambda e: None if e.sym or e.bits == 4 else "asymmetric 8-bit weights", marlin, no_g_idx)),
-    Consumer("transformers + compressed-tensors", "transformers", "compressed-tensors", (k_divisible, no_g_idx),
-             "dequantizes at load"),
+             (bits_in(4, 8), lambda e: None if e.sym or e.bits == 4 else "asymmetric 8-bit weights", marlin, no_g_idx),
+             whole=(unfused,)),
+    Consumer("transformers + compressed-tensors (dequantized at load)", "transformers", "compressed-tensors",
+             (k_divisible, no_g_idx), "CompressedTensorsConfig(dequantize=True)", (one_setting,)),
+    Consumer("transformers + compressed-tensors (compressed)", "transformers", "compressed-tensors",
+             (k_divisible, no_g_idx), "the package's forward"),
     Consumer("transformers + bitsandbytes", "transformers", "bitsandbytes"),
     Consumer("ExLlamaV2", "exllama", "exl2"),
     Consumer("llama.cpp", "llama.cpp", "gguf"),

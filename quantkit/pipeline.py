@@ -321,7 +321,10 @@ def quantize_layer(i: int, layer: torch.nn.Module, quantize: QuantizeFn, batches
         mine = {name: quantize(f"model.layers.{i}.{name}", layer.get_submodule(name).weight.data, hessians.get(name))
                 for j, name in enumerate(names) if distributed.owner(j) == distributed.rank()}
         for j, name in enumerate(names):  # under torchrun, each linear from the process that quantized it
-            qt = distributed.broadcast(mine[name].to("cpu") if name in mine else None, distributed.owner(j))
+            qt = distributed.broadcast(mine[name].to("cpu") if mine.get(name) is not None else None,
+                                       distributed.owner(j))
+            if qt is None:  # left in float (a rule skips it)
+                continue
             if update or batches is not None:
                 linear = layer.get_submodule(name)
                 linear.weight.data.copy_(qt.dequantize().to(linear.weight.device))  # in place: no second copy

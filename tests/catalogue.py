@@ -93,6 +93,10 @@ CATALOGUE = {
                                             "--out {tmp}/q.gguf", "give a file llama-imatrix wrote"),
     "imatrix taking the model's place": Bad("quantize --imatrix {model} --format gguf --gguf-type Q8_0 "
                                             "--out {tmp}/q.gguf", "a directory, not an importance matrix"),
+    "rules file missing": Bad("quantize {model} --rules {tmp}/nope.yaml --out {tmp}/q", "no such rules file"),
+    "rules file not rules": Bad("quantize {model} --rules {text} --out {tmp}/q", "rules are a non-empty list"),
+    "rules file not YAML": Bad("quantize {model} --rules {model}/rules.yaml --out {tmp}/q",
+                               "not a JSON or YAML rules file", write("rules.yaml", "- [unclosed")),
     "GGUF of a rope llama.cpp lacks": Bad("quantize {model} --format gguf --gguf-type Q8_0 --out {tmp}/q.gguf",
                                           "rope scaling 'dynamic' of a llama model is not written to GGUF",
                                           edit_config(rope_parameters={"rope_type": "dynamic", "factor": 2.0,

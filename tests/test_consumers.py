@@ -32,7 +32,7 @@ def test_a_7b_shape_fits_marlin_and_what_breaks_it():
     assert "group size 256" in verdict(Export("safetensors", "gptq", 4, 256, True, False, LLAMA_7B))["vLLM gptq_marlin"]
     ct = verdict(Export("compressed-tensors", "gptq", 8, 128, False, False, LLAMA_7B))
     assert "asymmetric 8-bit" in ct["vLLM compressed-tensors (Marlin)"]
-    assert ct["transformers + compressed-tensors"] is None
+    assert ct["transformers + compressed-tensors (dequantized at load)"] is None
 
 
 def test_each_format_lists_its_own_loaders():
