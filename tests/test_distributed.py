@@ -41,10 +41,17 @@ def files(directory: Path) -> dict[str, bytes]:
     ["--method", "gptq", "--group-size", 32, "--act-order"],
     ["--method", "rtn", "--imatrix", "--format", "gguf", "--gguf-type", "Q4_0"],
     ["--method", "gptq", "--format", "exl2", "--bits", "4.0"],
-], ids=["gptq", "gguf-imatrix", "exl2-measured"])
+    ["--method", "gptq", "--group-size", 32, "--rules", "RULES"],
+], ids=["gptq", "gguf-imatrix", "exl2-measured", "gptq-rules"])
 def test_two_processes_write_what_one_writes(tiny_dir, tmp_path, args):
     """24 windows in 3 batches: rank 0 calibrates on two, rank 1 on one; the Hessians are summed and
-    each rank quantizes every other linear. The files equal a single process's, byte for byte."""
+    each rank quantizes every other linear (a linear the rules skip travels as nothing). The files
+    equal a single process's, byte for byte."""
+    if "RULES" in args:
+        rules = tmp_path.with_name(f"{tmp_path.name}-rules.json")
+        rules.write_text(json.dumps([{"match": r"layers\.0\.mlp\.down_proj", "bits": 8},
+                                     {"match": r"layers\.1\.self_attn\.o_proj", "skip": True}]))
+        args = [rules if a == "RULES" else a for a in args]
     common = [tiny_dir, *args, "--calib-data", VALID, "--calib-samples", 24, "--calib-seqlen", 64]
     suffix = ".gguf" if "gguf" in args else ""
     measured = "exl2" in args  # each block's error measured on each process's batches, the sums gathered
