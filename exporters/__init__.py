@@ -67,7 +67,9 @@ def expected_size(module, fmt: str, qconfig: QuantConfig, types: dict[str, str] 
         if key == "lm_head.weight" and module.config.tie_word_embeddings:
             continue
         c = qconfig.for_linear(key.removesuffix(".weight")) if ".layers." in key and t.dim() == 2 else None
-        if c is not None:
+        if key == "lm_head.weight" and qconfig.head_bits is not None:
+            total += int(t.numel() * qconfig.head_bits / 8)
+        elif c is not None:
             if c.method in CODEBOOK_METHODS:
                 bits = 4 + 8 / c.block_size
             else:

@@ -41,6 +41,23 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
             exl2.Setting.for_target(qconfig.exl2, n, k)  # a target the widths cannot reach fails here
     if qconfig.measurement is not None:
         exl2.check_target(shapes, qconfig.exl2)
+    if qconfig.head_bits is not None:
+        cfg = module.config
+        if cfg.tie_word_embeddings:
+            raise QuantkitError("--head-bits: this model ties its output head to the embedding, which quantkit keeps "
+                                "in float16: drop --head-bits")
+        if cfg.hidden_size % 32:
+            raise QuantkitError(f"lm_head has {cfg.hidden_size} inputs: EXL2 needs a multiple of 32; drop --head-bits")
+        exl2.Setting.for_target(qconfig.head_bits, cfg.vocab_size, cfg.hidden_size)
+
+
+def quantize_head(w: torch.Tensor, qconfig: QuantConfig) -> QuantizedTensor:
+    """lm_head on the EXL2 grid at qconfig.head_bits: rounded to nearest (GPTQ with an identity
+    Hessian: no calibration reaches the head here)."""
+    k = w.shape[1]
+    setting = exl2.Setting.for_target(qconfig.head_bits, *w.shape)
+    return exl2.quantize(w.float(), torch.eye(k, device=w.device), setting, qconfig.damp, qconfig.block_size,
+                         "lm_head").tensor
 
 
 def encode_scales(qt: QuantizedTensor) -> torch.Tensor:
@@ -72,35 +89,41 @@ def pack_tensor(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
             "q_invperm": torch.argsort(perm).to(torch.int32)}
 
 
-def quantization_config(qconfig: QuantConfig, bits: float) -> dict:
-    return {"quant_method": "exl2", "version": "0.3.2", "bits": round(bits, 4), "head_bits": 16,
+def quantization_config(qconfig: QuantConfig, bits: float, head_bits: float) -> dict:
+    """bits: the decoder linears' bits per weight, as ExLlamaV2 counts them; head_bits: the head's
+    (16 when it is kept in float16)."""
+    return {"quant_method": "exl2", "version": "0.3.2", "bits": round(bits, 4), "head_bits": round(head_bits, 4),
             "calibration": {"quantizer": f"quantkit:{__version__}", "target": qconfig.exl2, "damp": qconfig.damp,
                             "allocation": "uniform" if qconfig.measurement is None else "measured"}}
 
 
 class Writer(checkpoint.CheckpointWriter):
-    """The checkpoint writer, counting the linears' bits for the config's bits per weight."""
+    """The checkpoint writer, counting the bits of the decoder linears and of the head apart for the
+    config's bits and head_bits."""
 
     def __init__(self, model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool, max_shard_size):
         super().__init__(model, out, overwrite, torch.float16, self.pack_counted,
-                         lambda act_order: quantization_config(qconfig, self.bits / max(self.weights, 1)),
+                         lambda act_order: quantization_config(qconfig, self.counts["bits"] / max(self.counts["weights"], 1),
+                                                               self.counts["head_bits"] / self.counts["head_weights"]
+                                                               if self.counts["head_weights"] else 16),
                          (), max_shard_size)
-        self.bits = self.weights = 0
+        self.counts = dict.fromkeys(("bits", "weights", "head_bits", "head_weights"), 0)
 
     def pack_counted(self, name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
         tensors = pack_tensor(name, qt)
         n, k = qt.shape
-        self.bits += sum(t.numel() * t.element_size() * 8 for t in tensors.values())
-        self.weights += n * k
+        head = "head_" if name == "lm_head" else ""
+        self.counts[f"{head}bits"] += sum(t.numel() * t.element_size() * 8 for t in tensors.values())
+        self.counts[f"{head}weights"] += n * k
         return tensors
 
     def start(self, state: dict | None = None) -> None:
         super().start(state)
         if state is not None:
-            self.bits, self.weights = state["bits"], state["weights"]
+            self.counts = dict(state["counts"])
 
     def state(self) -> dict:
-        return {**super().state(), "bits": self.bits, "weights": self.weights}
+        return {**super().state(), "counts": dict(self.counts)}
 
 
 def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool = False,
@@ -163,4 +186,4 @@ def out_features(cfg, name: str) -> int:
     part = name.rsplit(".", 1)[-1]
     return {"q_proj": cfg.num_attention_heads * head, "k_proj": cfg.num_key_value_heads * head,
             "v_proj": cfg.num_key_value_heads * head, "o_proj": cfg.hidden_size, "gate_proj": cfg.intermediate_size,
-            "up_proj": cfg.intermediate_size, "down_proj": cfg.hidden_size}[part]
+            "up_proj": cfg.intermediate_size, "down_proj": cfg.hidden_size, "lm_head": cfg.vocab_size}[part]

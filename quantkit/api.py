@@ -216,6 +216,10 @@ def quantize(
                                   prefix=f"model.layers.{i}.")
 
     def other(name: str, w: torch.Tensor) -> QuantizedTensor | None:  # GGUF: the embedding and output matrix too
+        if name == "lm_head" and config.head_bits is not None:  # EXL2's head
+            from quantkit.exporters.exl2 import quantize_head
+
+            return quantize_head(w, config)
         if types is None or name not in types:
             return None
         key = exporters.gguf.gguf_name(f"{name}.weight")

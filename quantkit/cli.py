@@ -78,6 +78,8 @@ def cli() -> None:
               help="EXL2: widths per attention and MLP block from each one's measured output error, read from FILE "
                    "when it exists, else measured and saved there for other targets (experimental: on the embedded "
                    "model it scores worse than the default, the same widths for every linear; benchmarks/RESULTS.md)")
+@click.option("--head-bits", type=float, help="EXL2: the output head's bits per weight, e.g. 6 or 8 (ExLlamaV2's "
+              "head_bits; rounded onto its grid without calibration) [kept in float16]")
 @click.option("--for", "targets", multiple=True,
               help=f"refuse, before quantizing, settings this consumer cannot load: {', '.join(consumers.TARGETS)}")
 @click.option("--overwrite", is_flag=True, help="replace --out if it exists")

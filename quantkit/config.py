@@ -40,6 +40,7 @@ class QuantConfig:
     # EXL2: widths per attention and MLP block from a measurement of each one's output error, kept in
     # this file (read when it exists); without, every linear mixes the two widths nearest the target
     measurement: str | None = None
+    head_bits: float | None = None  # EXL2: lm_head's bits per weight (ExLlamaV2's head_bits); default: float16
     # per-layer mixed precision (quantkit.rules): other bits or group size, or skip, by module name;
     # a rules file's path or a list of {match, bits, group_size, skip} mappings is read here
     rules: tuple[layer_rules.Rule, ...] = ()
@@ -84,6 +85,8 @@ class QuantConfig:
                                 "and a --gguf-type such as Q4_K_M")
         if self.exl2 is not None and self.method != "gptq":
             raise QuantkitError(f"EXL2 is filled by GPTQ, not {self.method}: use --method gptq")
+        if self.head_bits is not None and self.exl2 is None:
+            raise QuantkitError("--head-bits quantizes the output head of an EXL2 export: use it with --format exl2")
         if self.measurement is not None and self.exl2 is None:
             raise QuantkitError("--measurement chooses EXL2's widths: use it with --format exl2 and a target such as "
                                 "--bits 4.125")

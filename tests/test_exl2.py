@@ -252,7 +252,40 @@ def test_a_measurement_of_another_calibration_is_refused(tiny_dir, measured, exp
     assert not (tmp_path / "q").exists()
 
 
+def test_head_bits_quantize_an_untied_head(tmp_path):
+    """--head-bits 6: lm_head is stored in the layout at about 6 bits per weight (the independent
+    decoder reads our dequantized head), the config's head_bits says what it holds while bits counts
+    the decoder linears alone, and the file reads back as the model that was scored."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .conftest import tiny_tokenizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "m")
+    tiny_tokenizer(tmp_path / "m")
+    m = quantkit.quantize(str(tmp_path / "m"), method="gptq", format="exl2", exl2=4.0, head_bits=6.0, **CALIB,
+                          out=tmp_path / "q", keep=True, progress=False)
+    state = load_file(tmp_path / "q" / "model.safetensors")
+    head = {p: state[f"lm_head.{p}"] for p in ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")}
+    assert "lm_head.weight" not in state
+    np.testing.assert_array_equal(decode(head, 512), m.tensors["lm_head"].dequantize().numpy())
+    assert torch.equal(m.module.lm_head.weight, m.tensors["lm_head"].dequantize())
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    head_bits = sum(t.numel() * t.element_size() * 8 for t in head.values()) / (512 * 64)
+    assert qc["head_bits"] == pytest.approx(head_bits, abs=1e-4) and 5.5 < head_bits <= 6.0
+    assert 3.5 < qc["bits"] <= 4.0
+    back = quantkit.load(tmp_path / "q")
+    assert torch.equal(back.tensors["lm_head"].dequantize(), m.tensors["lm_head"].dequantize())
+    ours = quantkit.evaluate(m, TEST, max_windows=2, ctx=64, progress=False).perplexity
+    assert quantkit.evaluate(tmp_path / "q", TEST, max_windows=2, ctx=64, progress=False).perplexity == \
+        pytest.approx(ours, rel=1e-3)
+
+
 @pytest.mark.parametrize("args,match", [
+    (["--format", "exl2", "--method", "gptq", "--bits", "4.0", "--head-bits", "6"], "ties its output head"),
+    (["--head-bits", "6"], "--head-bits quantizes the output head of an EXL2 export"),
     (["--format", "exl2", "--method", "gptq", "--bits", "9"], "outside what EXL2 reaches"),
     (["--format", "exl2", "--bits", "4.5"], "EXL2 is filled by GPTQ"),
     (["--bits", "4.5"], "only --format exl2 takes a bits-per-weight target"),
