@@ -47,6 +47,9 @@ EMBED, HEAD = "model.embed_tokens", "lm_head"
 TOP = {EMBED: "token_embd", "model.norm": "output_norm", HEAD: "output"}  # the modules outside the layers
 DEFAULT_MIX = "Q4_K_M"
 ROPE_FREQS = "rope_freqs.weight"
+# YaRN's optional parameters: the config's name -> the key after {arch}.rope.scaling.
+YARN = {"extrapolation_factor": "yarn_ext_factor", "attention_factor": "yarn_attn_factor",
+        "beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow"}
 
 
 def check(module: torch.nn.Module, mix: str) -> None:
@@ -321,11 +324,9 @@ def add_metadata(w: gguf.GGUFWriter, model: Model, mix: str) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(r["factor"])
         w.add_rope_scaling_orig_ctx_len(r["original_max_position_embeddings"])
-        for key, add in (("extrapolation_factor", w.add_rope_scaling_yarn_ext_factor),
-                         ("attention_factor", w.add_rope_scaling_yarn_attn_factor),
-                         ("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
-            if r.get(key) is not None:
-                add(r[key])
+        for name, key in YARN.items():
+            if r.get(name) is not None:
+                getattr(w, f"add_rope_scaling_{key}")(r[name])
     if ARCHS[cfg.model_type] == "llama":
         w.add_vocab_size(cfg.vocab_size)
         w.add_rope_dimension_count(head_dim)

@@ -351,6 +351,8 @@ def load_gguf(path: Path) -> Model:
     metadata (transformers' tables), each weight dequantized when the pipeline reaches it."""
     import gguf
 
+    from quantkit.exporters.gguf import ROPE_FREQS
+
     with untrusted(path, "not a readable GGUF file, corrupt or truncated", "re-download or re-export it"):
         metadata, header = gguf_header(path)
         names = tuple(t.name for t in header.tensors)
@@ -362,9 +364,9 @@ def load_gguf(path: Path) -> Model:
     heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
     checkpoint = GGUFCheckpoint(path, header, heads if arch == "llama" else {})
     module = skeleton(cfg, checkpoint, path)
-    if "rope_freqs.weight" in names:  # Llama 3's rope: each rotary frequency divided by its factor
+    if ROPE_FREQS in names:  # Llama 3's rope: each rotary frequency divided by its factor
         rotary = module.model.rotary_emb
-        factors = checkpoint.by_name("rope_freqs.weight")
+        factors = checkpoint.by_name(ROPE_FREQS)
         if factors.shape != rotary.inv_freq.shape or not finite(factors) or (factors <= 0).any():
             raise QuantkitError(f"{path}: rope_freqs.weight is not {rotary.inv_freq.numel()} positive factors: "
                                 "the file is damaged; re-export it")
@@ -410,9 +412,9 @@ def gguf_config(metadata: dict, names: tuple[str, ...], path: Path):
     kind = metadata.get(f"{arch}.rope.scaling.type")
     if kind in ("linear", "yarn"):  # transformers' table leaves these out (llama3's factors are a tensor)
         rope = {"rope_type": kind, "factor": metadata.get(f"{arch}.rope.scaling.factor")}
-        for key, name in (("original_context_length", "original_max_position_embeddings"),
-                          ("yarn_ext_factor", "extrapolation_factor"), ("yarn_attn_factor", "attention_factor"),
-                          ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        from quantkit.exporters.gguf import YARN
+
+        for name, key in {"original_max_position_embeddings": "original_context_length", **YARN}.items():
             if f"{arch}.rope.scaling.{key}" in metadata:
                 rope[name] = metadata[f"{arch}.rope.scaling.{key}"]
         values["rope_parameters"] = rope
