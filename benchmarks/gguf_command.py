@@ -1,24 +1,25 @@
 """GGUF export, whole command against whole command: `quantkit export` against `llama-quantize`.
 
-    python benchmarks/gguf_command.py [--types Q8_0,Q6_K,...] [--repeat 2] [--source F32]
+    python benchmarks/gguf_command.py [--types Q8_0,Q6_K,...] [--repeat 2] [--source F32] [--model 1b]
 
-Both start from the same F32 (or F16) GGUF of the embedded SmolLM2-135M and write the same mix
-(plain rounding, no importance matrix); each command runs as a fresh process, as a user runs it
-(interpreter start, imports, reading the file, quantizing, writing), best of --repeat. The tensors of
-the two files are compared byte for byte. Ratios: ours / llama-quantize's, the anchor measured in
-the same run.
+Both start from the same F32 (or F16) GGUF of the embedded SmolLM2-135M (or --model 1b: the random
+TinyLlama-1.1B-shaped model of benchmarks/scale.py, whose rows fill the K-quants' 256-value blocks
+where SmolLM2's 576-wide rows fall back to 32-value types) and write the same mix (plain rounding, no
+importance matrix); each command runs as a fresh process, as a user runs it (interpreter start,
+imports, reading the file, quantizing, writing), best of --repeat. The two files are compared byte
+for byte. Ratios: ours / llama-quantize's, the anchor measured in the same run.
 """
 from __future__ import annotations
 
 import argparse
+import filecmp
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-from gguf_bench import tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--types", default="Q8_0,Q6_K,Q5_K_M,Q4_K_M,Q4_0,Q3_K_M,Q2_K")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--source", default="F32", choices=["F32", "F16"])
+    ap.add_argument("--model", default="embedded", choices=["embedded", "1b"])
     a = ap.parse_args()
 
     import quantkit
@@ -45,20 +47,30 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="gguf-command-"))
     src = tmp / f"{a.source.lower()}.gguf"
-    quantkit.api.export_gguf(quantkit.load(), src, a.source, progress=False)
+    if a.model == "1b":
+        from scale import model_dir
+
+        model = quantkit.load(model_dir("1b"))
+    else:
+        model = quantkit.load()
+    quantkit.api.export_gguf(model, src, a.source, progress=False)
     tools = llamacpp.binaries()
     lq, env = str(tools / "llama-quantize"), {**os.environ, "LD_LIBRARY_PATH": str(tools)}
-    print(f"source: {src.name} of the embedded model; best of {a.repeat}; ratios ours / llama-quantize")
-    print("| type | llama-quantize | quantkit export | ours / llama-quantize | tensors equal |")
+    print(f"source: {src.name} ({src.stat().st_size / 1e9:.2f} GB) of the {a.model} model; best of {a.repeat}; "
+          "ratios ours / llama-quantize")
+    print("| type | llama-quantize | quantkit export | ours / llama-quantize | files equal |")
     print("| --- | --- | --- | --- | --- |")
     for kind in a.types.split(","):
         ref, ours = tmp / f"lq-{kind}.gguf", tmp / f"ours-{kind}.gguf"
         t_lq = best([lq, str(src), str(ref), kind, "2"], a.repeat, env)
         t_ours = best([sys.executable, "-m", "quantkit", "export", str(src), "--out", str(ours), "--gguf-type", kind,
                        "--overwrite"], a.repeat)
-        equal = tensors(ref) == tensors(ours)
-        print(f"| {kind} | {t_lq:.2f} s | {t_ours:.2f} s | {t_ours / t_lq:.1f} | {'yes' if equal else 'NO'} |",
+        equal = filecmp.cmp(ref, ours, shallow=False)
+        ref.unlink()
+        ours.unlink()
+        print(f"| {kind} | {t_lq:.2f} s | {t_ours:.2f} s | {t_ours / t_lq:.2f} | {'yes' if equal else 'NO'} |",
               flush=True)
+    shutil.rmtree(tmp)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import quantkit  # noqa: E402
-from quantkit.exporters.atomic import remove  # noqa: E402
+from quantkit.atomic import remove  # noqa: E402
 
 ROWS = [("GPTQ layout, RTN w4 g128", {}), ("GGUF Q8_0", {"format": "gguf", "gguf_type": "Q8_0"})]
 REAL = os.fsync, fcntl.flock, zlib.crc32

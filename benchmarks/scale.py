@@ -118,7 +118,7 @@ def main() -> None:
     model = model_dir(a.shape)
     disk = size_of(model)
     out = Path(tempfile.mkdtemp(prefix="scale-", dir=model.parent))
-    qk = [sys.executable, "-c", "from quantkit.cli import main; main()"]
+    qk = [sys.executable, "-c", "from quantkit.command import main; main()"]
     common = ["--device", "cpu"]
     results = []
     try:
@@ -134,7 +134,7 @@ def main() -> None:
             # the editable install's finder comes before sys.path: drop it so that DIR's quantkit is imported
             before = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(a.before)!r}); "
                       "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
-                      "from quantkit.cli import main; main()"]
+                      "from quantkit.command import main; main()"]
             results.append(measure("before: RTN 4-bit g128 -> safetensors",
                                    [*before, "quantize", model, "--method", "rtn", "--out", out / "before-rtn"]))
             shutil.rmtree(out / "before-rtn")

@@ -310,7 +310,7 @@ class Divergence:
 def save_base(module: torch.nn.Module, tokenizer, windows: torch.Tensor, path: str | os.PathLike,
               batch_size: int = 4, progress: bool = True) -> None:
     """Score windows (n, ctx) on the base model and save its log-probabilities at path (atomically)."""
-    from quantkit.exporters.atomic import Staged
+    from quantkit.atomic import Staged
 
     staged = Staged(path, overwrite=True, directory=False)
     n, ctx = windows.shape

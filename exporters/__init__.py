@@ -8,7 +8,7 @@ from quantkit.config import CODEBOOK_METHODS, QuantConfig
 from quantkit.errors import QuantkitError, space_for
 
 from . import gguf
-from .atomic import check_out, progress_path
+from quantkit.atomic import check_out, progress_path
 from .shards import DEFAULT_MAX_SIZE, parse_size
 
 # safetensors: the GPTQ checkpoint layout for integer grids, bitsandbytes' 4-bit layout for NF4/FP4;

@@ -18,7 +18,7 @@ from quantkit.modelio import Model, check_config, finite, load_tokenizer
 from quantkit.qlinear import QuantLinear
 from quantkit.qtensor import QuantizedTensor
 
-from .atomic import Staged
+from quantkit.atomic import Staged
 from .shards import DEFAULT_MAX_SIZE, ShardWriter, state_intact
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import zlib
 from pathlib import Path
 
@@ -19,25 +18,14 @@ from quantkit.errors import QuantkitError, untrusted
 from quantkit.evals import adds_bos
 from quantkit.modelio import Model
 from quantkit.qtensor import QuantizedTensor
+from quantkit.requant import DEFAULT_MIX, MIXES, choose  # noqa: F401 (DEFAULT_MIX: read as gguf.DEFAULT_MIX)
 from quantkit.quantizers import ggml
 
-from .atomic import Staged
+from quantkit.atomic import Staged
 from .shards import crc
 
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # model_type -> llama.cpp's architecture
 ROPES = ("default", "linear", "yarn", "llama3")  # the rope scalings llama.cpp's converter writes for these
-# mix -> (general.file_type, the type most tensors get)
-MIXES = {
-    "F32": (gguf.LlamaFileType.ALL_F32, "F32"), "F16": (gguf.LlamaFileType.MOSTLY_F16, "F16"),
-    "BF16": (gguf.LlamaFileType.MOSTLY_BF16, "BF16"), "Q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, "Q8_0"),
-    "Q4_0": (gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_0"), "Q4_1": (gguf.LlamaFileType.MOSTLY_Q4_1, "Q4_1"),
-    "Q5_0": (gguf.LlamaFileType.MOSTLY_Q5_0, "Q5_0"), "Q5_1": (gguf.LlamaFileType.MOSTLY_Q5_1, "Q5_1"),
-    "Q2_K": (gguf.LlamaFileType.MOSTLY_Q2_K, "Q2_K"), "Q3_K_M": (gguf.LlamaFileType.MOSTLY_Q3_K_M, "Q3_K"),
-    "Q4_K_M": (gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q4_K"), "Q5_K_M": (gguf.LlamaFileType.MOSTLY_Q5_K_M, "Q5_K"),
-    "Q6_K": (gguf.LlamaFileType.MOSTLY_Q6_K, "Q6_K"),
-}
-# a row that does not fill 256-value blocks takes a 32-value type instead
-FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -45,7 +33,6 @@ NAMES = {
 }
 EMBED, HEAD = "model.embed_tokens", "lm_head"
 TOP = {EMBED: "token_embd", "model.norm": "output_norm", HEAD: "output"}  # the modules outside the layers
-DEFAULT_MIX = "Q4_K_M"
 ROPE_FREQS = "rope_freqs.weight"
 # YaRN's optional parameters: the config's name -> the key after {arch}.rope.scaling.
 YARN = {"extrapolation_factor": "yarn_ext_factor", "attention_factor": "yarn_attn_factor",
@@ -92,95 +79,17 @@ def rope_factors(cfg) -> np.ndarray | None:
     return np.array(out, dtype=np.float32)
 
 
-def use_more_bits(i: int, n: int) -> bool:
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
-
-
-def fit_row(t: str, k: int) -> str:
-    """llama-quantize's fallback when rows of k values do not fill t's blocks."""
-    if k % ggml.sizes(t)[0] == 0:
-        return t
-    t = FALLBACK.get(t, t)
-    return t if k % ggml.sizes(t)[0] == 0 else "F16"
-
-
-def parse_overrides(overrides: tuple[str, ...] | list[str]) -> list[tuple[re.Pattern, str]]:
-    """llama-quantize's --tensor-type PATTERN=TYPE: a regular expression searched in each GGUF tensor
-    name (lower-cased, as llama.cpp reads it) and the type the first match gets."""
-    out = []
-    for o in overrides:
-        pattern, sep, kind = o.partition("=")
-        kind = kind.upper()
-        if not sep or not pattern:
-            raise QuantkitError(f"--tensor-type {o!r} is not PATTERN=TYPE: write e.g. attn_v=Q8_0")
-        if kind not in ggml.FLOAT_TYPES + ggml.LEGACY_TYPES + ggml.K_TYPES:
-            raise QuantkitError(f"--tensor-type {o!r}: unknown GGUF type {kind!r}: use one of "
-                                f"{', '.join(ggml.FLOAT_TYPES + ggml.LEGACY_TYPES + ggml.K_TYPES)}")
-        try:
-            out.append((re.compile(pattern.lower()), kind))
-        except re.error as e:
-            raise QuantkitError(f"--tensor-type {o!r}: {pattern!r} is not a regular expression ({e})") from None
-    return out
-
-
 def tensor_types(module: torch.nn.Module, mix: str, pure: bool = False, imatrix: bool = False,
                  overrides: tuple[str, ...] = ()) -> dict[str, str]:
-    """The GGUF type of each 2-D weight (by module name) for a mix, as llama-quantize chooses it.
-    pure: every tensor the mix's main type (--pure). imatrix: the rules llama-quantize applies when
-    it has an importance matrix. overrides: --tensor-type PATTERN=TYPE, as llama-quantize applies them
-    to a quantized mix: the first match wins over the mix's rules, and the layer count those rules
-    read skips the tensors it took (llama.cpp counts the attn_v and ffn_down tensors it decides)."""
+    """The GGUF type of each 2-D weight (by module name) for a mix, as llama-quantize chooses it
+    (quantkit.requant.choose, on the names the file gives them)."""
     cfg = module.config
-    default = MIXES[mix][1]
-    n = cfg.num_hidden_layers
-    gqa = cfg.num_attention_heads // cfg.num_key_value_heads
-    tied = cfg.tie_word_embeddings
-    manual = parse_overrides(overrides) if default not in ggml.FLOAT_TYPES else []
-    decided = dict.fromkeys(NAMES.values(), 0)  # per role, the tensors the mix's rules have typed
-    types = {}
-    for name, mod in module.named_modules():
-        if not isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
-            continue
-        if name == HEAD and tied:
-            continue
-        k = mod.weight.shape[1]
-        key = gguf_name(f"{name}.weight")
-        t = next((kind for pattern, kind in manual if pattern.search(key)), None)
-        if t is not None or default in ggml.FLOAT_TYPES or pure:
-            t = t or default
-        elif name == HEAD or (name == EMBED and tied):  # the output matrix
-            t = "Q8_0" if k % ggml.sizes(default)[0] or default == "Q8_0" else "Q6_K"
-        elif name != EMBED:
-            role = NAMES[name.split(".", 3)[3]]
-            t = layer_type(mix, role, decided[role], n, gqa, imatrix) or default
-            decided[role] += 1
-        else:
-            t = default
-        types[name] = fit_row(t, k)
-    return types
-
-
-def layer_type(mix: str, role: str, i: int, n: int, gqa: int, imatrix: bool) -> str | None:
-    """llama_tensor_get_type's choices for the mixes we write (None: the mix's main type)."""
-    if role == "attn_v":
-        if mix == "Q2_K":
-            return "Q4_K" if gqa >= 4 else "Q3_K"
-        if mix == "Q3_K_M":
-            return "Q5_K" if i < 2 else "Q4_K"
-        if mix in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
-            return "Q6_K"
-    elif role == "ffn_down":
-        if mix == "Q2_K":
-            return "Q3_K"
-        if mix == "Q3_K_M":
-            return "Q5_K" if i < n // 16 else "Q4_K"
-        if mix in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
-            return "Q6_K"
-        if mix in ("Q4_0", "Q5_0") and imatrix and i < n // 8:
-            return "Q4_1" if mix == "Q4_0" else "Q5_1"
-    elif role == "attn_output":
-        return {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K"}.get(mix)
-    return None
+    names = {gguf_name(f"{name}.weight"): name for name, mod in module.named_modules()
+             if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)) and not (name == HEAD and cfg.tie_word_embeddings)}
+    weights = [(key, module.get_submodule(name).weight.shape[1]) for key, name in names.items()]
+    types = choose(weights, mix, cfg.num_hidden_layers, cfg.num_attention_heads // cfg.num_key_value_heads,
+                   pure, imatrix, overrides)
+    return {names[key]: t for key, t in types.items()}
 
 
 def permute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:

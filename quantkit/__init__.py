@@ -1,12 +1,22 @@
-"""quantkit: post-training quantization and export for large language models."""
+"""quantkit: post-training quantization and export for large language models.
+
+The names below are imported on first use, so that a command that needs no torch starts without it."""
+from importlib import import_module
+
 __version__ = "0.1.0"
 
-from .api import compare, evaluate, export, lm_eval, quantize  # noqa: E402
-from .config import QuantConfig  # noqa: E402
-from .errors import QuantkitError  # noqa: E402
-from .modelio import Model, load  # noqa: E402
-from .qtensor import QuantizedTensor  # noqa: E402
-from .trainer import TrainConfig, merge, train  # noqa: E402
+API = {"compare": ".api", "evaluate": ".api", "export": ".api", "lm_eval": ".api", "quantize": ".api",
+       "QuantConfig": ".config", "QuantkitError": ".errors", "Model": ".modelio", "load": ".modelio",
+       "QuantizedTensor": ".qtensor", "TrainConfig": ".trainer", "merge": ".trainer", "train": ".trainer"}
+__all__ = sorted(API)
 
-__all__ = ["Model", "QuantConfig", "QuantizedTensor", "QuantkitError", "TrainConfig", "compare", "evaluate", "export", "lm_eval", "load",
-           "merge", "quantize", "train"]
+
+def __getattr__(name: str):
+    if name in API:
+        return getattr(import_module(API[name], __name__), name)
+    try:  # a submodule (quantkit.api, ...) read as an attribute before anything imported it
+        return import_module(f".{name}", __name__)
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -1,4 +1,4 @@
 """`python -m quantkit ...`, and `torchrun --nproc-per-node N -m quantkit quantize ...`."""
-from .cli import main
+from .command import main
 
 main()

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from quantkit import calibration, evals, exporters
-from quantkit.exporters.atomic import partial_path, progress_files, size_on_disk
+from quantkit.atomic import partial_path, progress_files, size_on_disk
 
 from . import consumers, distributed, measurement
 from . import rules as layer_rules

@@ -1,10 +1,9 @@
-"""`quantkit quantize`, `eval`, `export`, `train` and `merge`: a thin layer over quantkit.api and
-quantkit.trainer."""
+"""`quantkit quantize`, `eval`, `report`, `lm-eval`, `train` and `merge` (and `export`, from quantkit.command):
+a thin layer over quantkit.api and quantkit.trainer."""
 from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 
 import click
@@ -16,6 +15,7 @@ from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECIS
 
 from . import api, consumers, distributed
 from . import report as report_
+from .command import export
 from .config import METHODS, QuantConfig
 from .errors import QuantkitError
 from .modelio import load
@@ -29,6 +29,11 @@ def show(label: str, ppl) -> None:
 @click.version_option(package_name="quantkit")
 def cli() -> None:
     """Quantize, evaluate and export large language models."""
+    quiet()
+
+
+def quiet() -> None:
+    """No warnings from transformers and bitsandbytes that a user cannot act on."""
     import logging
 
     from transformers.utils import logging as transformers_logging
@@ -132,17 +137,7 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
         show("after", api.evaluate(out, eval_data, "llamacpp", ctx, eval_windows))
 
 
-@cli.command()
-@click.argument("model", required=False)
-@click.option("--out", required=True, type=click.Path(), help="the .gguf file to write")
-@click.option("--gguf-type", help="for a float model: the mix to round to nearest (F16, Q8_0, Q4_K_M, ...) [F16]")
-@click.option("--overwrite", is_flag=True, help="replace --out if it exists")
-def export(model, out, gguf_type, overwrite) -> None:
-    """Write MODEL as GGUF: a quantkit checkpoint whose grids are GGUF blocks (4-bit or 8-bit, groups
-    of 32, no act-order) keeps its codes exactly; a float model is rounded to --gguf-type."""
-    check_out(out, overwrite)
-    api.export_gguf(load(model), out, gguf_type, overwrite)
-    click.echo(f"wrote {out}")
+cli.add_command(export)
 
 
 @cli.command("eval")
@@ -366,28 +361,3 @@ def merge(adapter, out, base, onto_nf4, overwrite, max_shard_size) -> None:
     check_out(out, overwrite)
     trainer.merge(adapter, out, base, onto_nf4=onto_nf4, overwrite=overwrite, max_shard_size=max_shard_size)
     click.echo(f"merged into {out}")
-
-
-def terminated(signum, frame) -> None:
-    # unwinds like Ctrl-C: a partial export and its progress stay for a resumed run. torchrun's agent
-    # stops the survivors of a process that died, often before their collective notices
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise distributed.stopped(", or the job was killed (SIGTERM)")
-    raise KeyboardInterrupt
-
-
-def main() -> None:
-    signal.signal(signal.SIGTERM, terminated)
-    try:
-        cli.main(standalone_mode=False)
-        distributed.finish()
-    except QuantkitError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
-    except click.ClickException as e:  # a usage error (2): one line, as every other bad input
-        ctx = getattr(e, "ctx", None)
-        click.echo(f"error: {e.format_message()}{f' (see {ctx.command_path} --help)' if ctx else ''}", err=True)
-        sys.exit(e.exit_code)

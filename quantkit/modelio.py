@@ -459,7 +459,7 @@ def fill_cache(target: Path, write: Callable[[Path], None], ready: Callable[[Pat
     this process's own, renamed to target when complete. A process that waited on the lock finds
     target ready and reuses it; temporaries left by killed processes are removed first, a failed
     write's at once. needed: the entry's bytes, when known, for the free-space check."""
-    from quantkit.exporters.atomic import fsync, remove, sync
+    from quantkit.atomic import fsync, remove, sync
 
     if ready(target):
         return target

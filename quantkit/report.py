@@ -114,7 +114,7 @@ def parameter_counts(module: torch.nn.Module) -> tuple[int, int]:
 
 def run_point(spec: dict) -> dict:
     """One point, in this process: quantize and export, then measure."""
-    from quantkit import exporters
+    from quantkit import atomic, exporters
 
     from . import api
     from .config import QuantConfig
@@ -148,7 +148,7 @@ def run_point(spec: dict) -> dict:
     if s.tasks:
         result["lm_eval"] = api.lm_eval(m, s.tasks, limit=s.lm_eval_limit)
     if not spec.get("keep_exports"):
-        exporters.atomic.remove(export)
+        atomic.remove(export)
     return result
 
 

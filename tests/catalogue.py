@@ -121,6 +121,9 @@ CATALOGUE = {
     "export: missing model": Bad("export {tmp}/nope --out {tmp}/q.gguf", "no such file or directory"),
     "export: unknown GGUF type": Bad("export {model} --gguf-type Q9 --out {tmp}/q.gguf", "Q9"),
     "export: output exists": Bad("export {model} --gguf-type Q8_0 --out {text}", "already exists"),
+    "export: GGUF damaged": Bad("export {tmp}/bad.gguf --gguf-type Q8_0 --out {tmp}/q.gguf",
+                                "its header is cut short or damaged"),
+    "export: GGUF into an unknown mix": Bad("export {tmp}/bad.gguf --gguf-type Q9 --out {tmp}/q.gguf", "Q9"),
     # eval
     "eval: data missing": Bad("eval {model} --data {tmp}/nope.txt", "no such file"),
     "eval: data empty": Bad("eval {model} --data {tmp}/empty.txt", "is empty"),

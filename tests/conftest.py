@@ -47,7 +47,7 @@ def cli(args, capsys, monkeypatch):
     """Run the quantkit command line in this process: (exit status, stdout, stderr's lines)."""
     import sys
 
-    from quantkit.cli import main
+    from quantkit.command import main
 
     monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
     code = 0

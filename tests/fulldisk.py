@@ -25,7 +25,7 @@ PAGE = 4096
 
 def cli(*args) -> tuple[int, str]:
     """The command line in this process: (exit status, its last line on stderr)."""
-    from quantkit.cli import main
+    from quantkit.command import main
 
     sys.argv = ["quantkit", *map(str, args)]
     err = io.StringIO()

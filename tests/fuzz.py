@@ -268,7 +268,7 @@ BASE = ["--ctx", 64, "--max-windows", 3]  # the saved base's windows
 
 def quantkit(*args) -> int:
     """The command line, in this process: its exit status."""
-    from quantkit.cli import main
+    from quantkit.command import main
 
     sys.argv = ["quantkit", *map(str, args)]
     try:
@@ -351,6 +351,22 @@ def make_seed(kind: str, root: Path) -> Path:
     return out
 
 
+def requantized(path: Path, tokens: torch.Tensor) -> None:
+    """A GGUF file requantized as quantkit export does it (its own header reader): refused, or a file
+    that loads; either way the file goes on to quantkit's loader."""
+    from quantkit.modelio import load
+    from quantkit.requant import requantize
+
+    try:
+        requantize(path, path.with_name("re.gguf"), "Q4_0", overwrite=True, progress=False)
+    except QuantkitError:
+        return
+    m = load(path.with_name("re.gguf"))
+    m.materialize()
+    with torch.no_grad():
+        m.module(tokens)
+
+
 def attempt(kind: str, path: Path, root: Path) -> str:
     """Read a (mutated) input as quantkit does: 'loaded' or 'refused' (QuantkitError)."""
     from quantkit.modelio import load
@@ -389,6 +405,8 @@ def attempt(kind: str, path: Path, root: Path) -> str:
 
             targets = [merge(path, path.parent / "merged", base=root / "tiny")]
         else:
+            if kind == "gguf":
+                requantized(path / "model.gguf", tokens)
             targets = [path / "model.gguf" if kind == "gguf" else path]
         for target, packed in [(t, p) for t in targets for p in ((False, True) if kind in PACKED else (False,))]:
             m = load(target, packed=packed)

@@ -56,7 +56,7 @@ class Scenario:
 
 
 def quantkit(*args) -> int:
-    from quantkit.cli import main
+    from quantkit.command import main
 
     sys.argv = ["quantkit", *map(str, args)]
     try:

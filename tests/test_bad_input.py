@@ -6,7 +6,7 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from quantkit.cli import main
+from quantkit.command import main
 
 from .conftest import TEST, make_tiny
 
@@ -199,7 +199,7 @@ def test_out_of_disk_space_keeps_what_was_finished_and_resumes(tiny_dir, capsys,
 
 
 def test_two_runs_writing_the_same_output(model, capsys, monkeypatch, tmp_path):
-    from quantkit.exporters.atomic import Staged
+    from quantkit.atomic import Staged
 
     holder = Staged(tmp_path / "out")  # another process's run, mid-way: it holds the lock
     try:

@@ -4,7 +4,7 @@ import sys
 import torch
 
 import quantkit
-from quantkit.cli import main
+from quantkit.command import main
 
 from .conftest import TEST, VALID
 

@@ -12,7 +12,7 @@ from quantkit.errors import QuantkitError
 from quantkit.exporters import gguf as G
 from quantkit.quantizers import ggml, rtn
 
-from .conftest import TEST, VALID, loaded, make_tiny
+from .conftest import TEST, VALID, cli, loaded, make_tiny
 
 QUANTIZED = ggml.LEGACY_TYPES + ggml.K_TYPES
 
@@ -236,6 +236,112 @@ def test_bytes_equal_llama_quantize(embedded, mix, pure):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mix", ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K"])
+def test_requantized_file_is_llama_quantizes(embedded, tmp_path, capsys, monkeypatch, mix):
+    """quantkit export of a GGUF file (quantkit.requant, the compiled quantizer) writes the file
+    llama-quantize writes from it, byte for byte: metadata, tensor order, every block."""
+    from . import llamacpp
+
+    src, ours, theirs = embedded.dir / "f32.gguf", tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
+    llamacpp.quantize(src, theirs, mix)
+    assert cli(["export", src, "--out", ours, "--gguf-type", mix], capsys, monkeypatch)[0] == 0
+    assert ours.read_bytes() == theirs.read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mix", ["Q8_0", "Q4_K_M"])
+def test_requantized_f16_file_is_llama_quantizes(embedded, tmp_path, capsys, monkeypatch, mix):
+    """From an F16 file (ours, itself llama-quantize's F16 of the F32 file, byte for byte): the same."""
+    from . import llamacpp
+
+    f16, theirs_f16 = tmp_path / "f16.gguf", tmp_path / "theirs-f16.gguf"
+    assert cli(["export", embedded.dir / "f32.gguf", "--out", f16, "--gguf-type", "F16"], capsys, monkeypatch)[0] == 0
+    llamacpp.quantize(embedded.dir / "f32.gguf", theirs_f16, "F16")
+    assert f16.read_bytes() == theirs_f16.read_bytes()
+    llamacpp.quantize(f16, tmp_path / "theirs.gguf", mix)
+    assert cli(["export", f16, "--out", tmp_path / "ours.gguf", "--gguf-type", mix], capsys, monkeypatch)[0] == 0
+    assert (tmp_path / "ours.gguf").read_bytes() == (tmp_path / "theirs.gguf").read_bytes()
+
+
+def small_gguf(path, arch="llama", **keys):
+    """A GGUF file of one layer's q weight and norm, with these key-values."""
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(1)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    for key, value in keys.items():
+        w.add_uint32(key, value)
+    w.add_tensor("blk.0.attn_q.weight", np.ones((4, 32), dtype=np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(32, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_requantize_refuses_what_it_cannot_write(tmp_path):
+    from quantkit.requant import requantize
+
+    requantize(small_gguf(tmp_path / "ok.gguf"), tmp_path / "ok-q8.gguf", "Q8_0", progress=False)
+    assert {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "ok-q8.gguf").tensors} == {
+        "blk.0.attn_q.weight": "Q8_0", "blk.0.attn_norm.weight": "F32"}
+    refusals = {
+        "a 'gemma' GGUF: quantkit requantizes llama and qwen2": small_gguf(tmp_path / "g.gguf", "gemma"),
+        "one of 2 parts of a split GGUF": small_gguf(tmp_path / "s.gguf", **{"split.count": 2}),
+        "not all positive numbers": small_gguf(tmp_path / "b.gguf", **{"llama.block_count": 0}),
+    }
+    data = (tmp_path / "ok.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:len(data) - 64])
+    refusals["runs past the end of the file"] = tmp_path / "cut.gguf"
+    for match, path in refusals.items():
+        with pytest.raises(QuantkitError, match=match):
+            requantize(path, tmp_path / "out.gguf", "Q8_0", progress=False)
+        assert not (tmp_path / "out.gguf").exists() and not list(tmp_path.glob(".out.gguf*"))
+
+
+def test_requantizing_a_gguf_file_starts_without_torch(tmp_path):
+    """quantkit export FILE.gguf imports neither torch nor transformers: a user times the whole command,
+    and importing them takes longer than llama-quantize's whole run on a small model."""
+    import subprocess
+    import sys
+
+    src, out = small_gguf(tmp_path / "m.gguf"), tmp_path / "q.gguf"
+    code = ("import sys\nfrom quantkit.command import main\n"
+            f"sys.argv = ['quantkit', 'export', {str(src)!r}, '--out', {str(out)!r}, '--gguf-type', 'Q8_0']\n"
+            "try:\n    main()\nfinally:\n    print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [f"wrote {out}", "[]"]
+
+
+@pytest.mark.slow
+def test_degenerate_blocks_requantize_as_llama_quantize_does(tmp_path, capsys, monkeypatch):
+    """Weights that reach every corner of the block searches (tests/test_blocks.py's: ties, zeros of
+    both signs, all-zero blocks, subnormal values, outliers), one kind per linear, requantized into
+    every mix: the file is llama-quantize's, byte for byte."""
+    from safetensors.torch import load_file, save_file
+
+    from . import llamacpp
+    from .test_blocks import cases
+
+    model = make_tiny(tmp_path / "model", hidden=256, intermediate=512)
+    state = load_file(model / "model.safetensors")
+    linears = [k for k, t in state.items() if t.dim() == 2 and ".layers." in k]
+    assert len(linears) >= len(cases())
+    for key, w in zip(linears, cases().values()):
+        state[key] = w.reshape(-1).repeat(-(-state[key].numel() // w.numel()))[:state[key].numel()].reshape(
+            state[key].shape).contiguous()
+    save_file(state, model / "model.safetensors", metadata={"format": "pt"})
+    src = tmp_path / "f32.gguf"
+    quantkit.api.export_gguf(quantkit.load(model), src, "F32", progress=False)
+    for mix in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K"):
+        llamacpp.quantize(src, tmp_path / f"theirs-{mix}.gguf", mix)
+        assert cli(["export", src, "--out", tmp_path / f"ours-{mix}.gguf", "--gguf-type", mix], capsys, monkeypatch)[0] == 0
+        assert (tmp_path / f"ours-{mix}.gguf").read_bytes() == (tmp_path / f"theirs-{mix}.gguf").read_bytes(), mix
+
+
+@pytest.mark.slow
 def test_q4_1_export_reproduces_the_shipped_file(embedded):
     """The embedded model shipped as Q4_1 (token_embd Q8_0): exported again as Q4_1, every tensor's bytes
     are the shipped ones."""
@@ -304,7 +410,7 @@ def test_calibration_lowers_the_output_error_on_real_weights(real_inputs, kind):
 def test_cli_export_and_its_refusal(tiny256, tmp_path, capsys, monkeypatch):
     import sys
 
-    from quantkit.cli import main
+    from quantkit.command import main
 
     from .test_bad_input import run
 

@@ -170,7 +170,7 @@ def test_quant_linear_is_a_frozen_base():
 def test_cli_nf4(tiny_dir, tmp_path, capsys, monkeypatch):
     import sys
 
-    from quantkit.cli import main
+    from quantkit.command import main
 
     out = tmp_path / "nf4"
     monkeypatch.setattr(sys, "argv", ["quantkit", "quantize", str(tiny_dir), "--method", "nf4", "--double-quant",

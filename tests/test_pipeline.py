@@ -193,7 +193,7 @@ def test_a_partial_output_torn_by_a_power_cut_is_not_resumed(tiny_dir, tmp_path,
     the run starts afresh instead of resuming onto them."""
     from quantkit import pipeline
     from quantkit.exporters import progress_path
-    from quantkit.exporters.atomic import partial_path
+    from quantkit.atomic import partial_path
 
     kw = dict(method="rtn", progress=False, **({"format": "gguf", "gguf_type": "Q8_0"} if fmt == "gguf" else {}))
     name = "q.gguf" if fmt == "gguf" else "q"

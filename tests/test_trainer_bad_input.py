@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from quantkit.cli import main
+from quantkit.command import main
 from quantkit.trainer import dataset, loop, train
 
 from .conftest import VALID, make_tiny

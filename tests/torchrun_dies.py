@@ -1,7 +1,7 @@
 """`quantkit quantize` under torchrun, with rank 1 dying in the middle of layer 1 (tests/test_distributed.py)."""
 import os
 
-from quantkit.cli import main
+from quantkit.command import main
 from quantkit.quantizers import gptq
 
 real = gptq.quantize

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from quantkit import distributed
 from quantkit.api import device_of
 from quantkit.errors import QuantkitError, ResumableError, free_space, size, space_for, untrusted
-from quantkit.exporters.atomic import Staged, fsync, partial_path, remove
+from quantkit.atomic import Staged, fsync, partial_path, remove
 from quantkit.modelio import Model, load
 from quantkit.pipeline import peak_memory, read_progress, save_progress
 

@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from quantkit.errors import QuantkitError, untrusted
-from quantkit.exporters.atomic import Staged
+from quantkit.atomic import Staged
 from quantkit.exporters.shards import DEFAULT_MAX_SIZE, INDEX, ShardWriter
 from quantkit.modelio import Model, load
 from quantkit.pipeline import write_other

@@ -6,7 +6,8 @@ into a `Fit`: per sub-block an effective scale and min (value = scale * (code - 
 codes, and the fields the block stores (float16 d, integer sub-scales, ...). `pack` lays those
 out as ggml-common.h's structs. The searches are llama.cpp's (ggml-quants.c: make_qx_quants,
 make_q3_quants, make_qkx2/qkx3_quants, make_qp_quants) over all blocks of a tensor at once.
-Plain round-to-nearest of the float and legacy types is gguf-py's, bit-exact with llama.cpp.
+Plain round-to-nearest (no importance matrix) runs compiled where it was built (quantkit.blocks:
+the same searches in C, the same bytes), the float types through gguf-py.
 """
 from __future__ import annotations
 
@@ -16,32 +17,16 @@ from typing import Callable
 import gguf
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
+from .. import blocks as compiled
+from ..blocks import BITS, FLOAT_TYPES, K_TYPES, LEGACY_TYPES, TYPES, check, sizes  # noqa: F401 (read as ggml.*)
 from ..errors import QuantkitError
 from ..qtensor import QuantizedTensor
 from .gptq import GPTQResult, inverse_hessian_factor
 
 F32 = np.float32
 EPS = 1e-15  # GROUP_MAX_EPS: a block this small is all zeros
-FLOAT_TYPES = ("F32", "F16", "BF16")
-LEGACY_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-TYPES = FLOAT_TYPES + LEGACY_TYPES + K_TYPES
-BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5,
-        "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
-
-
-def sizes(t: str) -> tuple[int, int]:
-    """(values per block, bytes per block)."""
-    return GGML_QUANT_SIZES[GGMLQuantizationType[t]]
-
-
-def check(t: str, k: int, name: str = "tensor") -> None:
-    if t not in TYPES:
-        raise QuantkitError(f"unknown GGUF tensor type {t!r}: use one of {', '.join(TYPES)}")
-    if k % sizes(t)[0]:
-        raise QuantkitError(f"{name}: rows of {k} values do not fill {t} blocks of {sizes(t)[0]}: use another type")
 
 
 @dataclass
@@ -56,7 +41,7 @@ class Fit:
     def nearest(self, x: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
         """Codes of x on the grid of scale s and min m (broadcast against x)."""
         safe = torch.where(s == 0, 1.0, s)
-        q = torch.round(x / safe) + self.off if m is None else torch.round((x + m) / safe)
+        q = nearest_int(x / safe) + self.off if m is None else nearest_int((x + m) / safe)
         return q.clamp_(0, self.nmax)
 
     def round(self, x: torch.Tensor, sub: int) -> torch.Tensor:
@@ -82,8 +67,17 @@ def cols(t: torch.Tensor) -> torch.Tensor:
 
 
 def largest(x: torch.Tensor) -> torch.Tensor:
-    """The signed value of largest magnitude in each column (the first one on ties)."""
-    return x.gather(0, x.abs().argmax(dim=0, keepdim=True)).squeeze(0)
+    """The signed value of largest magnitude in each column (the first one on ties; +0 where all are
+    zeros, as llama.cpp's running maximum from 0 leaves it)."""
+    m = x.gather(0, x.abs().argmax(dim=0, keepdim=True)).squeeze(0)
+    return torch.where(m == 0, 0.0, m)
+
+
+def nearest_int(t: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's nearest_int: half to even through the bits of t + 1.5 * 2^23 (exact below 2^22; the
+    value it gives beyond, and +0 for a zero of either sign, kept: a degenerate block's bytes are its)."""
+    bits = (t + 12582912.0).view(torch.int32)
+    return ((bits & 0x7FFFFF) - 0x400000).float()
 
 
 def total(t: torch.Tensor) -> torch.Tensor:
@@ -124,7 +118,7 @@ def make_qx(x: torch.Tensor, nmax: int, w: torch.Tensor) -> tuple[torch.Tensor, 
     mx = nonzero(mx)
 
     def trial(c: float):
-        l = torch.round(over(-c, mx) * x).clamp_(-nmax, nmax - 1)
+        l = nearest_int(over(-c, mx) * x).clamp_(-nmax, nmax - 1)
         return l, total(w * x * l), total(w * l * l)
 
     codes, slx, sl2 = trial(f32(nmax))
@@ -148,7 +142,7 @@ def refine(x: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, lo: int, hi: i
         for xi, wi, li in zip(x, w, codes):
             a, b = slx - wi * xi * li, sl2 - wi * li * li
             ok = (a > 0) & (b > 0) if need_sl2 else a > 0
-            new = torch.round(xi * b / nonzero(a)).clamp_(lo, hi)
+            new = nearest_int(xi * b / nonzero(a)).clamp_(lo, hi)
             a2, b2 = a + wi * xi * new, b + wi * new * new
             take = ok & (new != li) & (a2 * a2 * sl2 > slx * slx * b2)
             if not need_sl2:
@@ -163,7 +157,7 @@ def make_q3(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = cols(x)
     mx = largest(x)
     zero = mx.abs() < EPS
-    codes = torch.round(over(-nmax, nonzero(mx)) * x).clamp_(-nmax, nmax - 1)
+    codes = nearest_int(over(-nmax, nonzero(mx)) * x).clamp_(-nmax, nmax - 1)
     scale, codes = refine(x, x * x, codes, -nmax, nmax - 1, need_sl2=False)
     return torch.where(zero, 0.0, scale), torch.where(zero, 0.0, codes + nmax).t()
 
@@ -183,12 +177,12 @@ def make_qkx(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: f
 
     iscale = over(nmax, nonzero(hi - lo))
     scale = over(1, iscale)
-    codes = torch.round(iscale * (x - lo)).clamp_(0, nmax)
+    codes = nearest_int(iscale * (x - lo)).clamp_(0, nmax)
     err = total(w * dist(scale * codes + lo - x))
     for i in range(nstep + 1):
         iscale = over(f32(F32(rmin) + F32(rdelta) * F32(i) + F32(nmax)), nonzero(hi - lo))
         v = iscale * (x - lo)
-        l = torch.where(v > 0, torch.round(v.clamp(max=nmax)), 0.0) if v3 else torch.round(v).clamp_(0, nmax)
+        l = torch.where(v > 0, nearest_int(v.clamp(max=nmax)), 0.0) if v3 else nearest_int(v).clamp_(0, nmax)
         wl = w * l
         sl, sl2, sxl = total(wl), total(wl * l), total(wl * x)
         det = sw * sl2 - sl * sl
@@ -211,18 +205,27 @@ def make_qp(x: torch.Tensor, nmax: int, w: torch.Tensor) -> tuple[torch.Tensor, 
     zero = mx < EPS
     mx = nonzero(mx)
     iscale = over(nmax, mx)
-    diff = x - over(1, iscale) * torch.round(iscale * x)
+    diff = x - over(1, iscale) * nearest_int(iscale * x)
     best = total(w * diff * diff)
     for i in range(-4, 5):
         if i:
             isi = over(f32(F32(0.1) * F32(i) + F32(nmax)), mx)
-            diff = x - over(1, isi) * torch.round(isi * x).clamp_(max=nmax)
+            diff = x - over(1, isi) * nearest_int(isi * x).clamp_(max=nmax)
             mse = total(w * diff * diff)
             better = mse < best
             best, iscale = torch.where(better, mse, best), torch.where(better, isi, iscale)
-    codes = torch.round(iscale * x).clamp_(max=nmax)
+    codes = nearest_int(iscale * x).clamp_(max=nmax)
     scale, codes = refine(x, w, codes, -(2**31), nmax, need_sl2=True)
     return torch.where(zero, 0.0, scale), torch.where(zero, 0.0, codes).t()
+
+
+def as_u8(t: torch.Tensor) -> torch.Tensor:
+    """An integer code as the byte llama.cpp stores it holds it (uint8_t l = nearest_int(...))."""
+    return (t.long() & 255).float()
+
+
+def as_i8(t: torch.Tensor) -> torch.Tensor:
+    return (((t.long() + 128) & 255) - 128).float()
 
 
 def to_half(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,6 +289,13 @@ def fit_min32(nmax: int):
     return fit
 
 
+def positive_max(t: torch.Tensor) -> torch.Tensor:
+    """Each row's largest value, or +0 where none is above 0 (llama.cpp's running max from 0: an
+    all-zero block's mins are -0.0, and its dmin is stored as +0)."""
+    m = t.amax(dim=1)
+    return torch.where(m > 0, m, 0.0)
+
+
 def superblock_sigma2(x: torch.Tensor, factor: float) -> torch.Tensor:
     return (factor * row_total(x * x) / x.shape[1])[:, None]
 
@@ -296,9 +306,11 @@ def fit_q2_k(x, qw, sigma2) -> Fit:
     if qw is None:
         sc, mn, codes = make_qkx(xs, xs.abs(), 3, -0.5, 0.1, 15, mad=True)
         sc, mn = sc.reshape(r, 16), mn.reshape(r, 16)
-        ms, mm = sc.amax(dim=1).clamp(min=0), mn.amax(dim=1).clamp(min=0)
-        ls = torch.where(ms[:, None] > 0, torch.round(over(15, nonzero(ms))[:, None] * sc), 0.0)
-        lm = torch.where(mm[:, None] > 0, torch.round(over(15, nonzero(mm))[:, None] * mn), 0.0)
+        ms, mm = positive_max(sc), positive_max(mn)
+        ls = torch.where(ms[:, None] > 0, nearest_int(over(15, nonzero(ms))[:, None] * sc), 0.0)
+        lm = torch.where(mm[:, None] > 0, nearest_int(over(15, nonzero(mm))[:, None] * mn), 0.0)
+        byte = (ls.long() | (lm.long() << 4)) & 255  # as stored: the scale below the min's nibble
+        ls, lm = (byte & 15).float(), (byte >> 4).float()
         d, dmin = ms / 15, mm / 15
     else:
         w = (qw * sqrt(superblock_sigma2(x, 1.0) + x * x)).reshape(r * 16, 16)
@@ -321,7 +333,7 @@ def fit_q3_k(x, qw, sigma2) -> Fit:
         sc = sc.reshape(r, 16)
         mx = largest_in_row(sc)
         iscale = over(-32, nonzero(mx))
-        ls = torch.where(mx[:, None] != 0, torch.round(iscale[:, None] * sc).clamp_(-32, 31) + 32, 0.0)
+        ls = torch.where(mx[:, None] != 0, nearest_int(iscale[:, None] * sc).clamp_(-32, 31) + 32, 0.0)
         d = torch.where(mx != 0, over(1, iscale), 0.0)
     else:
         w = (qw * sqrt(superblock_sigma2(x, 2.0) + x * x)).reshape(r * 16, 16)
@@ -343,9 +355,9 @@ def fit_k32(nmax: int, rmin: float, nstep: int):
             w = sqrt(row_total(xs * xs) / 32)[:, None] + xs.abs()
             sc, mn, codes = make_qkx(xs, w, nmax, rmin, 0.1, nstep)
             sc, mn = sc.reshape(r, 8), mn.reshape(r, 8)
-            ms, mm = sc.amax(dim=1).clamp(min=0), mn.amax(dim=1).clamp(min=0)
-            ls = torch.round(torch.where(ms > 0, over(63, nonzero(ms)), 0.0)[:, None] * sc).clamp_(max=63)
-            lm = torch.round(torch.where(mm > 0, over(63, nonzero(mm)), 0.0)[:, None] * mn).clamp_(max=63)
+            ms, mm = positive_max(sc), positive_max(mn)
+            ls = as_u8(nearest_int(torch.where(ms > 0, over(63, nonzero(ms)), 0.0)[:, None] * sc)).clamp_(max=63)
+            lm = as_u8(nearest_int(torch.where(mm > 0, over(63, nonzero(mm)), 0.0)[:, None] * mn)).clamp_(max=63)
             d, dmin = ms / 63, mm / 63
         else:
             w = (qw * sqrt(superblock_sigma2(x, 2.0) + x * x)).reshape(r * 8, 32)
@@ -371,7 +383,7 @@ def fit_q6_k(x, qw, sigma2) -> Fit:
     mx = largest_in_row(sc)
     zero = mx.abs() < EPS
     iscale = over(-128, nonzero(mx))
-    ls = torch.where(zero[:, None], 0.0, torch.round(iscale[:, None] * sc).clamp_(max=127))
+    ls = torch.where(zero[:, None], 0.0, as_i8(nearest_int(iscale[:, None] * sc).clamp_(max=127)))
     dh, df = to_half(torch.where(zero, 0.0, over(1, iscale)))
     codes = torch.where(zero[:, None], 0.0, codes.reshape(r, 256))
     f = Fit(df[:, None] * ls, None, 32, 63, codes, {"d": dh, "sc": ls})
@@ -491,9 +503,12 @@ def quantize(w: torch.Tensor, t: str, importance: torch.Tensor | None = None) ->
     rows = []
     for chunk in w.detach().split(max(1, CHUNK // w.shape[1])):  # rows are independent: bounded temporaries
         chunk = chunk.float()
-        if t in FLOAT_TYPES or (t in LEGACY_TYPES and importance is None) or t == "Q8_0":
+        blocks = None
+        if t in FLOAT_TYPES:
             blocks = gguf.quants.quantize(chunk.numpy(), GGMLQuantizationType[t])
-        else:
+        elif importance is None or t == "Q8_0":
+            blocks = compiled.quantize(chunk.numpy(), t)
+        if blocks is None:
             blocks = pack(t, fit_blocks(t, chunk, importance))
         rows.append(np.ascontiguousarray(blocks).view(np.uint8).reshape(len(chunk), -1))
     return tensor(t, np.concatenate(rows), w.shape[0])

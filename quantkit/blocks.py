@@ -1,0 +1,84 @@
+"""GGUF block types (llama.cpp's ggml types): their names, sizes and widths, and plain
+round-to-nearest into them compiled: quantkit/kernels/ggml.c, the searches of
+quantkit.quantizers.ggml in C with the same float32 operations, built at install into
+quantkit/_ggml*.so. numpy only, so that requantizing a GGUF file starts without torch."""
+from __future__ import annotations
+
+import ctypes
+import os
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
+from importlib.machinery import EXTENSION_SUFFIXES
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from .errors import QuantkitError
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+LEGACY_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+TYPES = FLOAT_TYPES + LEGACY_TYPES + K_TYPES
+BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5,
+        "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+
+
+def sizes(t: str) -> tuple[int, int]:
+    """(values per block, bytes per block)."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType[t]]
+
+
+def check(t: str, k: int, name: str = "tensor") -> None:
+    if t not in TYPES:
+        raise QuantkitError(f"unknown GGUF tensor type {t!r}: use one of {', '.join(TYPES)}")
+    if k % sizes(t)[0]:
+        raise QuantkitError(f"{name}: rows of {k} values do not fill {t} blocks of {sizes(t)[0]}: use another type")
+
+
+def threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The compiled quantizer, or None where it was not built (no C compiler at install)."""
+    here = Path(__file__).parent
+    path = next((p for p in (here / f"_ggml{s}" for s in EXTENSION_SUFFIXES) if p.is_file()), None)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    lib.quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                             ctypes.c_void_p]
+    lib.quantize.restype = ctypes.c_int
+    return lib
+
+
+@cache
+def pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads())
+
+
+def quantize(x: np.ndarray, t: str) -> np.ndarray | None:
+    """The blocks of x [N, K] (float32 or float16) in type t (not a float type), [N, bytes per row]
+    uint8, its rows split over the machine's cores (ctypes lets go of the GIL); None without the
+    compiled quantizer."""
+    lib = library()
+    if lib is None:
+        return None
+    half = x.dtype == np.float16
+    x = np.ascontiguousarray(x, dtype=np.float16 if half else np.float32)
+    n, k = x.shape
+    check(t, k)
+    block, size = sizes(t)
+    out = np.empty((n, k // block * size), dtype=np.uint8)
+    kind = int(GGMLQuantizationType[t])
+    step = -(-n // threads())
+
+    def rows(r0: int) -> None:
+        r1 = min(n, r0 + step)
+        if lib.quantize(kind, x[r0:r1].ctypes.data, half, r1 - r0, k, out[r0:r1].ctypes.data):
+            raise QuantkitError(f"the compiled quantizer has no {t}")
+
+    list(pool().map(rows, range(0, n, step)))
+    return out

@@ -1,0 +1,71 @@
+"""The `quantkit` command's entry: the error handling every subcommand shares, and `export`, which
+starts without torch when it requantizes a GGUF file (llama-quantize's job, at its speed: a user
+times the whole command). The other subcommands are in quantkit.cli, imported only for them."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import click
+
+from .errors import QuantkitError
+
+
+@click.command()
+@click.argument("model", required=False)
+@click.option("--out", required=True, type=click.Path(), help="the .gguf file to write")
+@click.option("--gguf-type", help="for a float model: the mix to round to nearest (F16, Q8_0, Q4_K_M, ...) [F16]")
+@click.option("--overwrite", is_flag=True, help="replace --out if it exists")
+def export(model, out, gguf_type, overwrite) -> None:
+    """Write MODEL as GGUF: a quantkit checkpoint whose grids are GGUF blocks (4-bit or 8-bit, groups
+    of 32, no act-order) keeps its codes exactly; a float model is rounded to --gguf-type; a GGUF file
+    is requantized into that mix tensor by tensor, its metadata kept, as llama-quantize does."""
+    from .atomic import check_out
+
+    check_out(out, overwrite)
+    if model is not None and model.endswith(".gguf") and os.path.isfile(model):
+        from .requant import requantize
+
+        requantize(model, out, gguf_type or "F16", overwrite)
+    else:
+        from . import api
+        from .cli import quiet
+        from .modelio import load
+
+        quiet()
+        api.export_gguf(load(model), out, gguf_type, overwrite)
+    click.echo(f"wrote {out}")
+
+
+def terminated(signum, frame) -> None:
+    # unwinds like Ctrl-C: a partial export and its progress stay for a resumed run. torchrun's agent
+    # stops the survivors of a process that died, often before their collective notices
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from . import distributed
+
+        raise distributed.stopped(", or the job was killed (SIGTERM)")
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        if sys.argv[1:2] == ["export"]:
+            export.main(sys.argv[2:], prog_name="quantkit export", standalone_mode=False)
+        else:
+            from . import distributed
+            from .cli import cli
+
+            cli.main(standalone_mode=False)
+            distributed.finish()
+    except QuantkitError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:  # a usage error (2): one line, as every other bad input
+        ctx = getattr(e, "ctx", None)
+        click.echo(f"error: {e.format_message()}{f' (see {ctx.command_path} --help)' if ctx else ''}", err=True)
+        sys.exit(e.exit_code)

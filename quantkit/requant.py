@@ -1,0 +1,343 @@
+"""llama-quantize's job, without torch: which GGUF type each tensor of a mix gets (its rules,
+src/llama-quant.cpp, shared with the GGUF exporter), and a GGUF file requantized into a mix tensor
+by tensor. Nothing here is a model: the metadata and tensor infos are copied from the file's header
+as they are, each 2-D weight goes through the compiled block quantizer (quantkit.blocks) a slice
+of rows at a time, and the file appears only when complete, as every export does."""
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import re
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from tqdm import tqdm
+
+from . import blocks
+from .atomic import Staged
+from .errors import QuantkitError, space_for
+
+# mix -> (general.file_type, the type most tensors get)
+MIXES = {
+    "F32": (gguf.LlamaFileType.ALL_F32, "F32"), "F16": (gguf.LlamaFileType.MOSTLY_F16, "F16"),
+    "BF16": (gguf.LlamaFileType.MOSTLY_BF16, "BF16"), "Q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, "Q8_0"),
+    "Q4_0": (gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_0"), "Q4_1": (gguf.LlamaFileType.MOSTLY_Q4_1, "Q4_1"),
+    "Q5_0": (gguf.LlamaFileType.MOSTLY_Q5_0, "Q5_0"), "Q5_1": (gguf.LlamaFileType.MOSTLY_Q5_1, "Q5_1"),
+    "Q2_K": (gguf.LlamaFileType.MOSTLY_Q2_K, "Q2_K"), "Q3_K_M": (gguf.LlamaFileType.MOSTLY_Q3_K_M, "Q3_K"),
+    "Q4_K_M": (gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q4_K"), "Q5_K_M": (gguf.LlamaFileType.MOSTLY_Q5_K_M, "Q5_K"),
+    "Q6_K": (gguf.LlamaFileType.MOSTLY_Q6_K, "Q6_K"),
+}
+DEFAULT_MIX = "Q4_K_M"
+# a row that does not fill 256-value blocks takes a 32-value type instead
+FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # blk.N.ROLE.weight
+EMBED, OUTPUT = "token_embd.weight", "output.weight"
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def fit_row(t: str, k: int) -> str:
+    """llama-quantize's fallback when rows of k values do not fill t's blocks."""
+    if k % blocks.sizes(t)[0] == 0:
+        return t
+    t = FALLBACK.get(t, t)
+    return t if k % blocks.sizes(t)[0] == 0 else "F16"
+
+
+def parse_overrides(overrides: tuple[str, ...] | list[str]) -> list[tuple[re.Pattern, str]]:
+    """llama-quantize's --tensor-type PATTERN=TYPE: a regular expression searched in each GGUF tensor
+    name (lower-cased, as llama.cpp reads it) and the type the first match gets."""
+    out = []
+    for o in overrides:
+        pattern, sep, kind = o.partition("=")
+        kind = kind.upper()
+        if not sep or not pattern:
+            raise QuantkitError(f"--tensor-type {o!r} is not PATTERN=TYPE: write e.g. attn_v=Q8_0")
+        if kind not in blocks.TYPES:
+            raise QuantkitError(f"--tensor-type {o!r}: unknown GGUF type {kind!r}: use one of {', '.join(blocks.TYPES)}")
+        try:
+            out.append((re.compile(pattern.lower()), kind))
+        except re.error as e:
+            raise QuantkitError(f"--tensor-type {o!r}: {pattern!r} is not a regular expression ({e})") from None
+    return out
+
+
+def layer_type(mix: str, role: str, i: int, n: int, gqa: int, imatrix: bool) -> str | None:
+    """llama_tensor_get_type's choices for the mixes we write (None: the mix's main type)."""
+    if role == "attn_v":
+        if mix == "Q2_K":
+            return "Q4_K" if gqa >= 4 else "Q3_K"
+        if mix == "Q3_K_M":
+            return "Q5_K" if i < 2 else "Q4_K"
+        if mix in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
+            return "Q6_K"
+    elif role == "ffn_down":
+        if mix == "Q2_K":
+            return "Q3_K"
+        if mix == "Q3_K_M":
+            return "Q5_K" if i < n // 16 else "Q4_K"
+        if mix in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
+            return "Q6_K"
+        if mix in ("Q4_0", "Q5_0") and imatrix and i < n // 8:
+            return "Q4_1" if mix == "Q4_0" else "Q5_1"
+    elif role == "attn_output":
+        return {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K"}.get(mix)
+    return None
+
+
+def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure: bool = False,
+           imatrix: bool = False, overrides: tuple[str, ...] = ()) -> dict[str, str]:
+    """The GGUF type of each 2-D weight for a mix, as llama-quantize chooses it. weights: (GGUF name,
+    row length) in the file's order; the output matrix is output.weight, or token_embd.weight where
+    there is none (tied). pure: every tensor the mix's main type (--pure). imatrix: the rules
+    llama-quantize applies when it has an importance matrix. overrides: --tensor-type PATTERN=TYPE, as
+    llama-quantize applies them to a quantized mix: the first match wins over the mix's rules, and the
+    layer count those rules read skips the tensors it took (llama.cpp counts the attn_v and ffn_down
+    tensors it decides)."""
+    if mix not in MIXES:
+        raise QuantkitError(f"unknown GGUF type {mix!r}: use one of {', '.join(MIXES)}")
+    default = MIXES[mix][1]
+    manual = parse_overrides(overrides) if default not in blocks.FLOAT_TYPES else []
+    tied = OUTPUT not in dict(weights)
+    decided = dict.fromkeys(ROLES, 0)  # per role, the tensors the mix's rules have typed
+    types = {}
+    for name, k in weights:
+        t = next((kind for pattern, kind in manual if pattern.search(name)), None)
+        role = name.split(".")[2] if name.startswith("blk.") else None
+        if t is not None or default in blocks.FLOAT_TYPES or pure:
+            t = t or default
+        elif name == OUTPUT or (name == EMBED and tied):
+            t = "Q8_0" if k % blocks.sizes(default)[0] or default == "Q8_0" else "Q6_K"
+        elif role in decided:
+            t = layer_type(mix, role, decided[role], layers, gqa, imatrix) or default
+            decided[role] += 1
+        else:
+            t = default
+        types[name] = fit_row(t, k)
+    return types
+
+
+# ---- the file: GGUF v2/v3, little-endian (gguf-py's reader parses the vocabulary too slowly) ----
+
+SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+STRING, ARRAY = 8, 9
+FILE_TYPE, QUANT_VERSION, ALIGNMENT = "general.file_type", "general.quantization_version", "general.alignment"
+
+
+@dataclass
+class Tensor:
+    name: str
+    dims: tuple[int, ...]  # ggml's order: dims[0] is the row length
+    type: str
+    offset: int  # from the start of the data
+
+
+class Header:
+    """A GGUF file's header: each key-value's bytes as they are (to copy) and the values of its
+    scalars (to read), the tensor infos, and where the data starts."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        if not path.is_file():
+            raise QuantkitError(f"{path}: no such file: give a .gguf file")
+        try:
+            with open(path, "rb") as f:
+                self.buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # an empty file: ValueError
+            self.parse()
+        except (struct.error, UnicodeDecodeError, KeyError, ValueError, OverflowError):
+            raise QuantkitError(f"{path}: not a GGUF file, or its header is cut short or damaged: "
+                                "give a complete .gguf file") from None
+
+    def take(self, fmt: str):
+        v = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return v[0] if len(v) == 1 else v
+
+    def string(self) -> str:
+        n = self.take("Q")
+        s = self.buf[self.pos:self.pos + n]
+        if len(s) != n:
+            raise ValueError("cut short")
+        self.pos += n
+        return s.decode()
+
+    def value(self, kind: int):
+        if kind == STRING:
+            return self.string()
+        if kind == ARRAY:
+            sub, n = self.take("IQ")
+            if sub == STRING:  # the vocabulary: skipped, not decoded
+                for _ in range(n):
+                    self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
+            else:
+                self.pos += n * struct.calcsize(SCALARS[sub])
+            return None
+        return self.take(SCALARS[kind])
+
+    def parse(self) -> None:
+        self.pos = 0
+        if self.buf[:4] != b"GGUF":
+            raise ValueError("magic")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", self.buf, 4)
+        if version not in (2, 3):
+            raise QuantkitError(f"{self.path}: GGUF version {version}: quantkit reads versions 2 and 3 "
+                                "(convert it again with a current llama.cpp)")
+        self.pos = 24
+        self.kv: dict[str, tuple[int, int, object]] = {}  # key -> (start, end, scalar value or None)
+        for _ in range(n_kv):
+            start = self.pos
+            key = self.string()
+            value = self.value(self.take("I"))
+            self.kv[key] = (start, self.pos, value)
+        self.tensors = []
+        for _ in range(n_tensors):
+            name = self.string()
+            n = self.take("I")
+            dims = struct.unpack_from(f"<{n}Q", self.buf, self.pos)
+            self.pos += 8 * n
+            kind, offset = self.take("IQ")
+            self.tensors.append(Tensor(name, dims, gguf.GGMLQuantizationType(kind).name, offset))
+        self.alignment = self.get(ALIGNMENT, gguf.GGUF_DEFAULT_ALIGNMENT)
+        if not isinstance(self.alignment, int) or self.alignment <= 0 or self.alignment & (self.alignment - 1):
+            raise ValueError("alignment")
+        self.data = pad(self.pos, self.alignment)
+        for t in self.tensors:
+            if not t.dims or min(t.dims) < 1 or t.dims[0] % blocks.sizes(t.type)[0]:
+                raise QuantkitError(f"{self.path}: tensor {t.name} has the shape {list(t.dims)}, which its type "
+                                    f"{t.type} cannot hold: the file is damaged; convert it again")
+            if self.data + t.offset + nbytes(t.dims, t.type) > len(self.buf):
+                raise QuantkitError(f"{self.path}: tensor {t.name} runs past the end of the file: the file is "
+                                    "cut short; download or convert it again")
+
+    def get(self, key: str, default=None):
+        return self.kv[key][2] if key in self.kv else default
+
+    def array(self, t: Tensor) -> np.ndarray:
+        """t's values [rows, row length]: a view of the file's float32 or float16 (both quantize as they
+        are), float32 for the other types."""
+        k, n = t.dims[0], math.prod(t.dims[1:])
+        raw = np.frombuffer(self.buf, np.uint8, nbytes(t.dims, t.type), self.data + t.offset)
+        if t.type == "F32":
+            return raw.view(np.float32).reshape(n, k)
+        if t.type == "F16":
+            return raw.view(np.float16).reshape(n, k)
+        if t.type == "BF16":
+            return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(n, k)
+        try:
+            return gguf.quants.dequantize(raw.reshape(n, -1), gguf.GGMLQuantizationType[t.type]).reshape(n, k)
+        except NotImplementedError:
+            raise QuantkitError(f"{self.path}: tensor {t.name} is {t.type}, which gguf-py cannot read: requantize "
+                                "it with llama-quantize --allow-requantize") from None
+
+
+def pad(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def nbytes(dims: tuple[int, ...], kind: str) -> int:
+    block, size = blocks.sizes(kind)
+    return math.prod(dims) // block * size
+
+
+def u32_kv(key: str, value: int) -> bytes:
+    k = key.encode()
+    return struct.pack("<Q", len(k)) + k + struct.pack("<II", 4, value)
+
+
+def order(tensors: list[Tensor]) -> list[Tensor]:
+    """llama-quantize's order: by name, the tensors outside the blocks first, then block by block."""
+    def key(t: Tensor) -> tuple[int, str]:
+        parts = t.name.split(".")
+        return (int(parts[1]) if parts[0] == "blk" and parts[1].isdigit() else -1), t.name
+
+    return sorted(tensors, key=key)
+
+
+def header_bytes(h: Header, types: dict[str, str], mix: str) -> tuple[bytes, dict[str, int]]:
+    """The new header as llama-quantize writes it: every key-value of the source as it is, then the
+    quantization version and file type; the same tensors in its order, of their new types. And each
+    tensor's offset."""
+    kv = [h.buf[start:end] for key, (start, end, _) in h.kv.items() if key not in (FILE_TYPE, QUANT_VERSION)]
+    kv += [u32_kv(QUANT_VERSION, gguf.GGML_QUANT_VERSION), u32_kv(FILE_TYPE, int(MIXES[mix][0]))]  # last, as there
+    out = [b"GGUF", struct.pack("<IQQ", 3, len(h.tensors), len(kv)), *kv]
+    offsets, offset = {}, 0
+    for t in order(h.tensors):
+        kind = types.get(t.name, t.type)
+        name = t.name.encode()
+        out.append(struct.pack(f"<Q{len(name)}sI{len(t.dims)}QIQ", len(name), name, len(t.dims), *t.dims,
+                               int(gguf.GGMLQuantizationType[kind]), offset))
+        offsets[t.name] = offset
+        offset += pad(nbytes(t.dims, kind), h.alignment)
+    head = b"".join(out)
+    return head + bytes(pad(len(head), h.alignment) - len(head)), offsets
+
+
+CHUNK = 2**22  # values quantized at a time: a bounded float32 copy of any tensor
+
+
+def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16", overwrite: bool = False,
+               progress: bool = True) -> Path:
+    """src (a GGUF file) into the mix at out, as llama-quantize would write it: the same tensor bytes,
+    the source's metadata with the new file type."""
+    if mix not in MIXES:
+        raise QuantkitError(f"unknown GGUF type {mix!r}: use one of {', '.join(MIXES)}")
+    h = Header(Path(src))
+    arch = h.get("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise QuantkitError(f"{src}: a {arch!r} GGUF: quantkit requantizes llama and qwen2 files; use llama-quantize")
+    if h.get("split.count", 1) > 1:
+        raise QuantkitError(f"{src} is one of {h.get('split.count')} parts of a split GGUF: merge them first "
+                            "(llama-gguf-split --merge)")
+    weights = [(t.name, t.dims[0]) for t in h.tensors if len(t.dims) == 2 and t.name.endswith(".weight")]
+    layers, heads = h.get(f"{arch}.block_count"), h.get(f"{arch}.attention.head_count")
+    kv_heads = h.get(f"{arch}.attention.head_count_kv", heads)
+    if not all(isinstance(v, int) and v > 0 for v in (layers, heads, kv_heads)):
+        raise QuantkitError(f"{src}: {arch}.block_count, .attention.head_count and .head_count_kv are not all "
+                            "positive numbers: the file is damaged; convert it again")
+    gqa = heads // kv_heads
+    types = choose(weights, mix, layers, gqa)
+    head, offsets = header_bytes(h, types, mix)
+    total = len(head) + sum(pad(nbytes(t.dims, types.get(t.name, t.type)), h.alignment) for t in h.tensors)
+    staged = Staged(out, overwrite, directory=False)
+    bar = tqdm(total=total, desc=f"requantizing to {mix}", unit="B", unit_scale=True, disable=not progress,
+               file=sys.stderr)
+    try:
+        with space_for(out, total, "the GGUF", "run it again"), open(staged.fresh(), "wb") as f, bar:
+            f.write(head)
+            bar.update(len(head))
+            for t in order(h.tensors):
+                f.seek(len(head) + offsets[t.name])
+                kind = types.get(t.name)
+                if kind is None or kind == t.type:  # norms, biases and what keeps its type: as they are
+                    f.write(h.buf[h.data + t.offset:h.data + t.offset + nbytes(t.dims, t.type)])
+                else:
+                    x = h.array(t)
+                    step = max(1, CHUNK // t.dims[0])
+                    for r in range(0, len(x), step):
+                        f.write(quantize_rows(x[r:r + step], kind))
+                bar.update(pad(nbytes(t.dims, kind or t.type), h.alignment))
+            f.truncate(total)
+        return staged.commit()
+    except BaseException:
+        staged.abort()
+        raise
+
+
+def quantize_rows(x: np.ndarray, kind: str) -> np.ndarray:
+    if kind in blocks.FLOAT_TYPES:
+        return gguf.quants.quantize(np.ascontiguousarray(x, dtype=np.float32), gguf.GGMLQuantizationType[kind])
+    q = blocks.quantize(x, kind)
+    if q is None:  # not compiled at install: the same bytes from the torch searches, slower
+        import torch
+
+        from .quantizers import ggml
+
+        q = ggml.quantize(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), kind).codes.numpy()
+    return q

@@ -1,0 +1,75 @@
+"""The compiled GGUF block quantizer (quantkit/kernels/ggml.c through quantkit.blocks) against the
+torch searches it was written from, byte for byte, on data that reaches every branch: ties, zeros
+of both signs, all-zero superblocks, subnormal values, values far above the rest. llama-quantize
+judges the same data in tests/test_gguf.py."""
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from quantkit import blocks
+from quantkit.quantizers import ggml
+
+
+def test_the_compiled_quantizer_is_built():
+    """The install built it: without it every GGUF export takes the torch path (the same bytes, ~10x
+    the time) and nothing else says so."""
+    assert blocks.library() is not None
+
+
+def cases() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    n = torch.randn(24, 1024, generator=g)
+    zeros = n.clone()
+    zeros[:, :512] = 0  # all-zero superblocks and blocks
+    zeros[::3, 600:700] = -0.0
+    signed = n.abs() + 0.5
+    signed[:, ::7] = 0.0
+    signed[:, 3::7] = -0.0  # a block's minimum a zero of either sign, the first deciding
+    tiny = n * 1e-20
+    tiny[::2] *= 1e-18  # subnormal squares and sums
+    return {
+        "normal": n,
+        "heavy": n * torch.rand(24, 1, generator=g) ** 4 * 10 + torch.randn(24, 1024, generator=g) ** 3,
+        "ties": torch.randint(-3, 4, (24, 1024), generator=g).float() * 0.25,  # codes land on .5
+        "zeros": zeros,
+        "signed zeros": signed,
+        "positive": n.abs() + 0.5,
+        "tiny": tiny,
+        "outliers": torch.where(torch.rand(24, 1024, generator=g) < 0.01, n * 1e4, n),
+    }
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf-py's 1 / d of an all-zero block
+@pytest.mark.parametrize("kind", blocks.LEGACY_TYPES + blocks.K_TYPES)
+def test_compiled_blocks_equal_the_torch_searches(kind):
+    """The K-quants equal the torch searches; the 32-value types gguf-py's rounding (the plain path
+    before) where no zero has a sign to choose: a block of zeros of both signs, or whose minimum is
+    one, gets the sign of the first in llama.cpp (and ours), numpy's choice in gguf-py; llama-quantize
+    judges those in tests/test_gguf.py."""
+    for name, w in cases().items():
+        if kind in blocks.K_TYPES:
+            theirs = ggml.pack(kind, ggml.fit_blocks(kind, w, None)).reshape(len(w), -1)
+        elif name not in ("zeros", "signed zeros"):
+            theirs = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind]).reshape(len(w), -1)
+        else:
+            continue
+        ours = blocks.quantize(w.numpy(), kind)
+        assert ours.shape == theirs.shape
+        rows = np.nonzero((ours != theirs).any(axis=1))[0]
+        assert rows.size == 0, f"{name}: rows {rows[:5]} differ"
+
+
+def test_rows_split_over_threads_give_the_rows_alone(monkeypatch):
+    """Each thread takes a slice of rows: any split gives the bytes of each row quantized alone."""
+    w = cases()["heavy"].numpy()
+    monkeypatch.setattr(blocks, "threads", lambda: 5)  # slices of 5, 5, 5, 5, 4 rows
+    split = blocks.quantize(w, "Q4_K")
+    assert np.array_equal(split, np.concatenate([blocks.quantize(w[i:i + 1], "Q4_K") for i in range(len(w))]))
+
+
+def test_float16_rows_quantize_as_their_float32_values():
+    """A float16 source (an F16 GGUF) is widened block by block inside the compiled quantizer."""
+    w = cases()["heavy"].half().numpy()
+    for kind in ("Q8_0", "Q4_K", "Q6_K"):
+        assert np.array_equal(blocks.quantize(w, kind), blocks.quantize(w.astype(np.float32), kind))
