@@ -11,7 +11,7 @@ API = {"compare": ".api", "evaluate": ".api", "export": ".api", "lm_eval": ".api
 __all__ = sorted(API)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name in API:
         return getattr(import_module(API[name], __name__), name)
     try:  # a submodule (quantkit.api, ...) read as an attribute before anything imported it

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from importlib.machinery import EXTENSION_SUFFIXES
@@ -47,7 +48,11 @@ def library() -> ctypes.CDLL | None:
     path = next((p for p in (here / f"_ggml{s}" for s in EXTENSION_SUFFIXES) if p.is_file()), None)
     if path is None:
         return None
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:  # built for another machine: the torch searches instead
+        warnings.warn(f"{path.name} does not load ({e}): GGUF quantization falls back to torch, ~20x slower")
+        return None
     lib.quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                              ctypes.c_void_p]
     lib.quantize.restype = ctypes.c_int
@@ -59,6 +64,9 @@ def pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads())
 
 
+os.register_at_fork(after_in_child=pool.cache_clear)  # a forked child has none of the pool's threads
+
+
 def quantize(x: np.ndarray, t: str) -> np.ndarray | None:
     """The blocks of x [N, K] (float32 or float16) in type t (not a float type), [N, bytes per row]
     uint8, its rows split over the machine's cores (ctypes lets go of the GIL); None without the
@@ -67,13 +75,13 @@ def quantize(x: np.ndarray, t: str) -> np.ndarray | None:
     if lib is None:
         return None
     half = x.dtype == np.float16
-    x = np.ascontiguousarray(x, dtype=np.float16 if half else np.float32)
+    x = np.require(x, np.float16 if half else np.float32, ["C_CONTIGUOUS", "ALIGNED"])  # a view when it is
     n, k = x.shape
     check(t, k)
     block, size = sizes(t)
     out = np.empty((n, k // block * size), dtype=np.uint8)
     kind = int(GGMLQuantizationType[t])
-    step = -(-n // threads())
+    step = max(1, -(-n // threads()))
 
     def rows(r0: int) -> None:
         r1 = min(n, r0 + step)

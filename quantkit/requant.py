@@ -37,6 +37,13 @@ DEFAULT_MIX = "Q4_K_M"
 FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # blk.N.ROLE.weight
 EMBED, OUTPUT = "token_embd.weight", "output.weight"
+BLOCK = re.compile(r"blk\.([0-9]{1,9})\.([^.]+)")  # blk.N.ROLE...: a decoder layer's tensor
+
+
+def block_of(name: str) -> tuple[int, str] | None:
+    """(layer, role) of a decoder layer's tensor name, None for the others."""
+    m = BLOCK.match(name)
+    return (int(m[1]), m[2]) if m else None
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -110,7 +117,7 @@ def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure
     types = {}
     for name, k in weights:
         t = next((kind for pattern, kind in manual if pattern.search(name)), None)
-        role = name.split(".")[2] if name.startswith("blk.") else None
+        role = (block_of(name) or (None, None))[1]
         if t is not None or default in blocks.FLOAT_TYPES or pure:
             t = t or default
         elif name == OUTPUT or (name == EMBED and tied):
@@ -150,12 +157,17 @@ class Header:
         try:
             with open(path, "rb") as f:
                 self.buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # an empty file: ValueError
+        except OSError as e:
+            raise QuantkitError(f"{path}: cannot read it ({e.strerror}): check its permissions") from None
+        except ValueError:
+            raise QuantkitError(f"{path} is empty: give a complete .gguf file") from None
+        try:
             self.parse()
         except (struct.error, UnicodeDecodeError, KeyError, ValueError, OverflowError):
             raise QuantkitError(f"{path}: not a GGUF file, or its header is cut short or damaged: "
                                 "give a complete .gguf file") from None
 
-    def take(self, fmt: str):
+    def take(self, fmt: str) -> int | float | bool | tuple:
         v = struct.unpack_from("<" + fmt, self.buf, self.pos)
         self.pos += struct.calcsize("<" + fmt)
         return v[0] if len(v) == 1 else v
@@ -168,7 +180,7 @@ class Header:
         self.pos += n
         return s.decode()
 
-    def value(self, kind: int):
+    def value(self, kind: int) -> str | int | float | bool | None:
         if kind == STRING:
             return self.string()
         if kind == ARRAY:
@@ -200,6 +212,8 @@ class Header:
         for _ in range(n_tensors):
             name = self.string()
             n = self.take("I")
+            if n > 4:  # GGML_MAX_DIMS
+                raise ValueError("dims")
             dims = struct.unpack_from(f"<{n}Q", self.buf, self.pos)
             self.pos += 8 * n
             kind, offset = self.take("IQ")
@@ -208,7 +222,12 @@ class Header:
         if not isinstance(self.alignment, int) or self.alignment <= 0 or self.alignment & (self.alignment - 1):
             raise ValueError("alignment")
         self.data = pad(self.pos, self.alignment)
+        if len({t.name for t in self.tensors}) != len(self.tensors):
+            raise QuantkitError(f"{self.path}: two tensors have the same name: the file is damaged; convert it again")
         for t in self.tensors:
+            if t.offset % self.alignment:
+                raise QuantkitError(f"{self.path}: tensor {t.name} is not at a multiple of the file's alignment "
+                                    f"({self.alignment} bytes), as llama.cpp requires: convert it again")
             if not t.dims or min(t.dims) < 1 or t.dims[0] % blocks.sizes(t.type)[0]:
                 raise QuantkitError(f"{self.path}: tensor {t.name} has the shape {list(t.dims)}, which its type "
                                     f"{t.type} cannot hold: the file is damaged; convert it again")
@@ -216,7 +235,7 @@ class Header:
                 raise QuantkitError(f"{self.path}: tensor {t.name} runs past the end of the file: the file is "
                                     "cut short; download or convert it again")
 
-    def get(self, key: str, default=None):
+    def get(self, key: str, default: object = None) -> object:
         return self.kv[key][2] if key in self.kv else default
 
     def array(self, t: Tensor) -> np.ndarray:
@@ -254,8 +273,7 @@ def u32_kv(key: str, value: int) -> bytes:
 def order(tensors: list[Tensor]) -> list[Tensor]:
     """llama-quantize's order: by name, the tensors outside the blocks first, then block by block."""
     def key(t: Tensor) -> tuple[int, str]:
-        parts = t.name.split(".")
-        return (int(parts[1]) if parts[0] == "blk" and parts[1].isdigit() else -1), t.name
+        return (block_of(t.name) or (-1,))[0], t.name
 
     return sorted(tensors, key=key)
 
@@ -279,7 +297,7 @@ def header_bytes(h: Header, types: dict[str, str], mix: str) -> tuple[bytes, dic
     return head + bytes(pad(len(head), h.alignment) - len(head)), offsets
 
 
-CHUNK = 2**22  # values quantized at a time: a bounded float32 copy of any tensor
+CHUNK = 2**22  # values handed to the quantizer at a time
 
 
 def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16", overwrite: bool = False,
@@ -292,10 +310,11 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
     arch = h.get("general.architecture")
     if arch not in ("llama", "qwen2"):
         raise QuantkitError(f"{src}: a {arch!r} GGUF: quantkit requantizes llama and qwen2 files; use llama-quantize")
-    if h.get("split.count", 1) > 1:
+    if h.get("split.count") not in (None, 0, 1):
         raise QuantkitError(f"{src} is one of {h.get('split.count')} parts of a split GGUF: merge them first "
                             "(llama-gguf-split --merge)")
-    weights = [(t.name, t.dims[0]) for t in h.tensors if len(t.dims) == 2 and t.name.endswith(".weight")]
+    # typed in llama-quantize's order: its layer rules count the tensors they decide in that order
+    weights = [(t.name, t.dims[0]) for t in order(h.tensors) if len(t.dims) == 2 and t.name.endswith(".weight")]
     layers, heads = h.get(f"{arch}.block_count"), h.get(f"{arch}.attention.head_count")
     kv_heads = h.get(f"{arch}.attention.head_count_kv", heads)
     if not all(isinstance(v, int) and v > 0 for v in (layers, heads, kv_heads)):

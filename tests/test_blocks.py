@@ -73,3 +73,14 @@ def test_float16_rows_quantize_as_their_float32_values():
     w = cases()["heavy"].half().numpy()
     for kind in ("Q8_0", "Q4_K", "Q6_K"):
         assert np.array_equal(blocks.quantize(w, kind), blocks.quantize(w.astype(np.float32), kind))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_without_the_compiled_quantizer_the_bytes_are_the_same(monkeypatch):
+    """No C compiler at install: gguf-py's rounding and the torch searches give the same bytes (but
+    for a zero's sign, above)."""
+    w = cases()["heavy"]
+    compiled = {kind: ggml.quantize(w, kind).codes for kind in blocks.LEGACY_TYPES + blocks.K_TYPES}
+    monkeypatch.setattr(blocks, "library", lambda: None)
+    for kind, codes in compiled.items():
+        assert torch.equal(ggml.quantize(w, kind).codes, codes), kind

@@ -315,6 +315,40 @@ def test_requantizing_a_gguf_file_starts_without_torch(tmp_path):
     assert run.stdout.splitlines() == [f"wrote {out}", "[]"]
 
 
+def by_name(src, dst):
+    """src rewritten with its tensors in name order (blk.0, blk.1, blk.10, ..., blk.2), as a converter
+    that sorts a checkpoint's keys writes them."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
+    for name, f in r.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    for t in sorted(r.tensors, key=lambda t: t.name):
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.slow
+def test_layer_rules_count_layers_in_llama_quantizes_order(tmp_path, capsys, monkeypatch):
+    """A file whose tensors run blk.0, blk.1, blk.10, ...: the mixes' layer rules (which attn_v and
+    ffn_down layers get more bits) count layers by number, as llama-quantize does, not in file order."""
+    from . import llamacpp
+
+    model = make_tiny(tmp_path / "model", hidden=256, intermediate=512, layers=12)
+    quantkit.api.export_gguf(quantkit.load(model), tmp_path / "f32.gguf", "F32", progress=False)
+    src = by_name(tmp_path / "f32.gguf", tmp_path / "sorted.gguf")
+    assert [t.name for t in gguf.GGUFReader(src).tensors if t.name.endswith("attn_v.weight")][2] == "blk.10.attn_v.weight"
+    for mix in ("Q4_K_M", "Q3_K_M"):
+        llamacpp.quantize(src, tmp_path / "theirs.gguf", mix)
+        assert cli(["export", src, "--out", tmp_path / "ours.gguf", "--gguf-type", mix, "--overwrite"], capsys,
+                   monkeypatch)[0] == 0
+        assert (tmp_path / "ours.gguf").read_bytes() == (tmp_path / "theirs.gguf").read_bytes(), mix
+
+
 @pytest.mark.slow
 def test_degenerate_blocks_requantize_as_llama_quantize_does(tmp_path, capsys, monkeypatch):
     """Weights that reach every corner of the block searches (tests/test_blocks.py's: ties, zeros of

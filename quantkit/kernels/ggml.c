@@ -2,7 +2,7 @@
  * quantkit/quantizers/ggml.py does them in torch, compiled, so that a GGUF export runs at
  * llama-quantize's speed. Every float32 operation is the torch code's, in its order (sums left to
  * right, a * b * c as (a * b) * c): the bytes equal the torch path's and llama-quantize's. Built
- * with -ffp-contract=off (no fused multiply-adds) and loaded through ctypes (quantkit/ggmlc.py),
+ * with -ffp-contract=off (no fused multiply-adds) and loaded through ctypes (quantkit/blocks.py),
  * which releases the GIL, so rows are quantized on several threads.
  *
  * quantize(type, x, half, rows, k, out): x [rows, k] float32 (float16 where half) row-major, out the

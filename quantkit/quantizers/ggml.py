@@ -6,8 +6,9 @@ into a `Fit`: per sub-block an effective scale and min (value = scale * (code - 
 codes, and the fields the block stores (float16 d, integer sub-scales, ...). `pack` lays those
 out as ggml-common.h's structs. The searches are llama.cpp's (ggml-quants.c: make_qx_quants,
 make_q3_quants, make_qkx2/qkx3_quants, make_qp_quants) over all blocks of a tensor at once.
-Plain round-to-nearest (no importance matrix) runs compiled where it was built (quantkit.blocks:
-the same searches in C, the same bytes), the float types through gguf-py.
+Plain round-to-nearest (no importance matrix; Q8_0 takes none) runs compiled where it was built
+(quantkit.blocks: the same searches in C, the same bytes), else through gguf-py for the 32-value
+types; the float types always through gguf-py.
 """
 from __future__ import annotations
 
@@ -503,11 +504,10 @@ def quantize(w: torch.Tensor, t: str, importance: torch.Tensor | None = None) ->
     rows = []
     for chunk in w.detach().split(max(1, CHUNK // w.shape[1])):  # rows are independent: bounded temporaries
         chunk = chunk.float()
-        blocks = None
-        if t in FLOAT_TYPES:
-            blocks = gguf.quants.quantize(chunk.numpy(), GGMLQuantizationType[t])
-        elif importance is None or t == "Q8_0":
-            blocks = compiled.quantize(chunk.numpy(), t)
+        plain = importance is None or t == "Q8_0"  # Q8_0 takes no importance
+        blocks = compiled.quantize(chunk.numpy(), t) if plain and t not in FLOAT_TYPES else None
+        if blocks is None and (t in FLOAT_TYPES or plain and t in LEGACY_TYPES):  # not compiled: gguf-py's
+            blocks = gguf.quants.quantize(chunk.numpy(), GGMLQuantizationType[t])  # (llama.cpp's but a zero's sign)
         if blocks is None:
             blocks = pack(t, fit_blocks(t, chunk, importance))
         rows.append(np.ascontiguousarray(blocks).view(np.uint8).reshape(len(chunk), -1))
