@@ -3,6 +3,7 @@
 
     python benchmarks/awq_bench.py table [--samples 128] [--windows 40] [--duo True]
     python benchmarks/awq_bench.py speed [--samples 16] [--bits 4] [--layers 30]
+    python benchmarks/awq_bench.py losses [--samples 32] [--windows 20]
 
 `table`: base, RTN (asymmetric), AWQ (--duo: with duo scaling) and GPTQ (act-order, MSE clipping)
 perplexity at w4 g64 and w3 g64 (llama.cpp protocol, ctx 512, first --windows windows of the wikitext-2 test file),
@@ -10,7 +11,10 @@ calibrated on --samples seeded windows of 512 tokens of the validation file.
 `speed`: our AWQ and autoawq 0.2.9's search (its AwqQuantizer methods driven over the same layers
 with the same windows, its Llama layer groups; float outputs passed on, as it does), wall time as
 ours / theirs, and both perplexities. --layers limits both to the first N layers (autoawq's clipping
-search takes minutes per layer on a CPU). Each run is a child process (`run`).
+search takes minutes per layer on a CPU).
+`losses`: AWQ with each --awq-loss against GPTQ with its defaults (the anchor), w4 and w3 in groups of
+128, each with its own defaults otherwise: whole-model quantization time and perplexity.
+Each run is a child process (`run`).
 """
 from __future__ import annotations
 
@@ -95,9 +99,12 @@ def run(a) -> dict:
                 quantize_layer(layer, batches, a.bits, a.group_size, False, a.duo)
                 batches = run_layer(layer, batches)
         elif a.method != "base":
-            extra = dict(act_order=True, mse=True) if a.method == "gptq" else {}
-            quantkit.quantize(m, method=a.method, bits=a.bits, group_size=a.group_size, sym=False, calib_data=VALID, calib_samples=a.samples,
-                              calib_seqlen=512, seed=0, progress=False, duo_scaling=a.duo, **extra)
+            if a.defaults:  # each method as it comes
+                extra = dict(awq_loss=a.loss) if a.method == "awq" else {}
+            else:
+                extra = dict(sym=False, duo_scaling=a.duo) | (dict(act_order=True, mse=True) if a.method == "gptq" else {})
+            quantkit.quantize(m, method=a.method, bits=a.bits, group_size=a.group_size, calib_data=VALID,
+                              calib_samples=a.samples, calib_seqlen=512, seed=0, progress=False, **extra)
     seconds = time.perf_counter() - start
     ppl = quantkit.evaluate(m, TEST, "llamacpp", 512, a.windows, progress=False).perplexity
     return {"seconds": seconds, "perplexity": ppl}
@@ -131,20 +138,38 @@ def speed(a) -> None:
           f"perplexity {ours['perplexity'] / theirs['perplexity']:.3f}")
 
 
+def losses(a) -> None:
+    kw = dict(group_size=128, samples=a.samples, windows=a.windows, defaults=True)
+    print(f"g128, {a.samples} x 512 calibration tokens, {a.windows} test windows; each method's defaults")
+    print("| bits | GPTQ (anchor) | AWQ, --awq-loss block | AWQ, --awq-loss output |")
+    print("| --- | --- | --- | --- |")
+    for bits in (4, 3):
+        gptq = child(__file__, method="gptq", bits=bits, **kw)
+        block, output = (child(__file__, method="awq", loss=loss, bits=bits, **kw) for loss in ("block", "output"))
+        cells = [f"{r['perplexity']:.3f}, {r['seconds']:.0f} s ({r['seconds'] / gptq['seconds']:.2f})"
+                 for r in (gptq, block, output)]
+        print(f"| w{bits} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["table", "speed", "run"])
+    p.add_argument("mode", choices=["table", "speed", "losses", "run"])
     p.add_argument("--impl", choices=["ours", "autoawq"], default="ours")
     p.add_argument("--method", default="awq")
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--duo", type=flag, default=False)
+    p.add_argument("--loss", default="block", help="run: AWQ's --awq-loss")
+    p.add_argument("--defaults", type=flag, default=False, help="run: each method's own defaults (sym, clipping)")
     p.add_argument("--samples", type=int)
     p.add_argument("--windows", type=int, default=40)
     p.add_argument("--layers", type=int, default=30, help="speed: quantize only the first N decoder layers")
     a = p.parse_args()
     if a.mode == "run":
         print(json.dumps(run(a)))
+    elif a.mode == "losses":
+        a.samples = a.samples or 32
+        losses(a)
     elif a.mode == "table":
         a.samples = a.samples or 128
         table(a)

@@ -213,7 +213,7 @@ def quantize(
     m.losses = {}
     def awq_layer(i, layer, batches):  # AWQ quantizes a layer whole: scales, folding, clipping
         return awq.quantize_layer(layer, batches, config.bits, config.group_size, config.sym, config.duo_scaling,
-                                  prefix=f"model.layers.{i}.")
+                                  prefix=f"model.layers.{i}.", loss=config.awq_loss)
 
     def other(name: str, w: torch.Tensor) -> QuantizedTensor | None:  # GGUF: the embedding and output matrix too
         if name == "lm_head" and config.head_bits is not None:  # EXL2's head

@@ -84,6 +84,8 @@ CATALOGUE = {
     "5 bits": Bad("quantize {model} --bits 5 --out {tmp}/q", "unsupported bit width 5"),
     "group size 0": Bad("quantize {model} --group-size 0 --out {tmp}/q", "group size 0 is invalid"),
     "unknown method": Bad("quantize {model} --method magic --out {tmp}/q", "unknown method 'magic'"),
+    "AWQ loss for GPTQ": Bad("quantize {model} --method gptq --awq-loss output --out {tmp}/q",
+                             "use it with --method awq"),
     "unknown format": Bad("quantize {model} --format onnx --out {tmp}/q", "unknown export format 'onnx'"),
     "unknown GGUF type": Bad("quantize {model} --format gguf --gguf-type Q9_K --out {tmp}/q.gguf",
                              "unknown GGUF type 'Q9_K'"),

@@ -7,8 +7,9 @@ import torch
 import quantkit
 from quantkit import QuantkitError
 from quantkit.exporters import awq as gemm
+from quantkit.layers import linear_inputs
 from quantkit.pipeline import capture_inputs
-from quantkit.quantizers import awq
+from quantkit.quantizers import awq, rtn
 from quantkit.quantizers.awq import fold, kv_channels, search_group
 
 from .conftest import VALID, loaded
@@ -100,6 +101,38 @@ def test_scales_match_autoawq(tiny_dir, duo):
             out = block(inp, kw)
             assert loss(ours) <= loss(theirs.float()) <= loss(ours) * 1.01
     assert same >= 2  # a tie-break may differ once; a wrong formula would differ everywhere
+
+
+def test_output_loss_is_the_block_loss_of_a_lone_linear(layer_and_batches):
+    """o_proj and down_proj are judged through their inputs' Hessian: the same losses, so the same
+    scales, as running the linear on every token per candidate (o_proj under grouped-query attention)."""
+    m, batches = layer_and_batches
+    layer = m.layers[0]
+    inputs = linear_inputs(layer, batches, ["self_attn.o_proj", "mlp.down_proj"])
+    kw = [k for _, k in batches]
+    cases = [(layer.self_attn.v_proj, layer.self_attn.o_proj, kv_channels(layer.self_attn)),
+             (layer.mlp.up_proj, layer.mlp.down_proj, None)]
+    full = lambda s, c: s[c] if c is not None else s  # noqa: E731
+    with torch.no_grad():
+        for prev, lin, channels in cases:
+            xs = inputs[[n for n, mod in layer.named_modules() if mod is lin][0]]
+            block = awq.block_loss([lin], xs, kw, lambda x, _: lin(x), lambda s: full(s, channels), 4, 32, False)
+            output = awq.output_loss([lin], xs, lambda s: full(s, channels), 4, 32, False)
+            x_mean = torch.rand(len(torch.bincount(channels)) if channels is not None else lin.in_features,
+                                generator=torch.Generator().manual_seed(6)) + 0.1
+            for alpha in (0.0, 0.3, 0.6, 0.9):
+                s = awq.candidate(x_mean, None, alpha)
+                assert output(s) == pytest.approx(block(s), rel=1e-4)
+            ours = search_group(prev, [lin], xs, kw, None, channels, 4, 32, False)
+            forwards = search_group(prev, [lin], xs, kw, lambda x, _: lin(x), channels, 4, 32, False)
+            assert torch.equal(ours[0], forwards[0]) and torch.equal(ours[1], forwards[1])
+
+
+@pytest.mark.parametrize("group_size", [32, 40, -1])  # 40: a shorter last group
+def test_fake_quantize_is_rtns_round_trip(group_size):
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(7))
+    for sym in (False, True):
+        assert torch.equal(awq.fake_quantize(w, 3, group_size, sym), rtn.quantize(w, 3, group_size, sym).dequantize())
 
 
 def test_clip_matches_autoawq():

@@ -21,8 +21,14 @@ from . import rtn
 
 
 def fake_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool = False) -> torch.Tensor:
-    """w through RTN and back: what a scaled or clipped weight becomes."""
-    return rtn.quantize(w, bits, group_size, sym).dequantize(w.dtype)
+    """w through RTN and back: what a scaled or clipped weight becomes (RTN's values, all groups at once)."""
+    n, k = w.shape
+    g = k if group_size == -1 else group_size
+    if k % g:
+        return rtn.quantize(w, bits, group_size, sym).dequantize(w.dtype)
+    rows = w.reshape(-1, g)
+    s, z = rtn.fit_grid(rows, bits, sym)
+    return rtn.dequantize(rtn.round_codes(rows, s, z, bits), s, z).reshape(n, k).to(w.dtype)
 
 
 def weight_mean(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
@@ -111,12 +117,13 @@ AWQ_LAYOUT = ("input_layernorm", "post_attention_layernorm", *LINEARS)
 
 
 def search_group(prev: torch.nn.Module, linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: list[dict],
-                 block: Callable, channels: torch.Tensor | None, bits: int, group_size: int, sym: bool,
+                 block: Callable | None, channels: torch.Tensor | None, bits: int, group_size: int, sym: bool,
                  duo: bool = False, n_grid: int = 20, search_tokens: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
     """AWQ's scale search for linears sharing the inputs xs (one tensor per batch), judged by
-    block(x, kwargs)'s output on the first batches that hold search_tokens tokens (the mean |x| uses
-    them all). channels maps each input channel to the output channel of prev that feeds it
-    (grouped-query attention), or None. Returns prev's scales and the linears' scales."""
+    block(x, kwargs)'s output (block_loss; None: output_loss) on the first batches that hold
+    search_tokens tokens (the mean |x| uses them all). channels maps each input channel to the output
+    channel of prev that feeds it (grouped-query attention), or None. Returns prev's scales and the
+    linears' scales."""
     x_mean = sum(x.abs().reshape(-1, x.shape[-1]).sum(0) for x in xs) / sum(x[..., 0].numel() for x in xs)
     w_mean = weight_mean([lin.weight for lin in linears], group_size) if duo else None
     if channels is not None:  # one scale per output channel of prev: average what shares it
@@ -127,6 +134,16 @@ def search_group(prev: torch.nn.Module, linears: list[torch.nn.Linear], xs: list
     tokens = torch.tensor([x[..., 0].numel() for x in xs]).cumsum(0)
     n = max(1, int((tokens <= search_tokens).sum()))  # each candidate costs a block forward per token
     xs, kwargs = xs[:n], kwargs[:n]
+    loss = output_loss(linears, xs, full, bits, group_size, sym) if block is None else \
+        block_loss(linears, xs, kwargs, block, full, bits, group_size, sym)
+    s, _, _ = search_scale(x_mean, loss, n_grid, w_mean)
+    return s, full(s)
+
+
+def block_loss(linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: list[dict], block: Callable,
+               full: Callable, bits: int, group_size: int, sym: bool) -> Callable[[torch.Tensor], float]:
+    """loss(s): the mean squared change of block(x)'s output with the linears' input channels scaled
+    by s and quantized (a forward of the block per candidate)."""
     reference = [block(x, kw) for x, kw in zip(xs, kwargs)]
 
     def loss(s: torch.Tensor) -> float:
@@ -137,16 +154,33 @@ def search_group(prev: torch.nn.Module, linears: list[torch.nn.Linear], xs: list
         for lin, w in zip(linears, originals):
             lin.weight.data = w
         return err / sum(ref.numel() for ref in reference)
+    return loss
 
-    s, _, _ = search_scale(x_mean, loss, n_grid, w_mean)
-    return s, full(s)
+
+def output_loss(linears: list[torch.nn.Linear], xs: list[torch.Tensor], full: Callable, bits: int, group_size: int,
+                sym: bool) -> Callable[[torch.Tensor], float]:
+    """loss(s): the mean squared change of the linears' own outputs, tr(dW H dW^T) / N with H = X^T X / T
+    of their inputs: a K x K product per candidate instead of a forward over the tokens. Where the
+    block is one linear (o_proj, down_proj) this is the block loss itself."""
+    x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs]).float()
+    h = x.T @ x / len(x)
+    w = torch.cat([lin.weight.data for lin in linears])
+
+    def loss(s: torch.Tensor) -> float:
+        dw = fake_quantize(w * full(s), bits, group_size, sym) / full(s) - w
+        return ((dw @ h) * dw).sum().item() / len(w)
+    return loss
 
 
 def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, sym: bool, duo: bool = False,
-              n_grid: int = 20, clip_tokens: int = 512, prefix: str = "") -> dict[str, QuantizedTensor]:
+                   n_grid: int = 20, clip_tokens: int = 512, prefix: str = "", loss: str = "block"
+                   ) -> dict[str, QuantizedTensor]:
     """AWQ on one decoder layer in place: search and fold the scales of each group of linears that
     share an input, search each linear's clipping (not q/k: their errors pass through softmax),
-    quantize. Returns the quantized tensors by full name."""
+    quantize. Returns the quantized tensors by full name. loss "block" judges q/k/v by the attention
+    block's output and gate/up by the MLP's (AutoAWQ's losses); "output" judges them by their own
+    outputs (output_loss), without forwards. o_proj and down_proj, whose blocks are themselves, always
+    go through output_loss."""
     missing = [name for name in AWQ_LAYOUT if not hasattr_path(layer, name)]
     if missing:
         raise QuantkitError(f"AWQ does not know this layer's norm/linear pairing (no {', '.join(missing)}): it "
@@ -158,11 +192,13 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
     def attention(x, kw):
         return attn(hidden_states=x, **{k: v for k, v in kw.items() if k != "hidden_states"})[0]
 
-    # for each of GROUPS: the op whose output feeds it, the block whose output judges it, the channel map
-    feeders = [(layer.input_layernorm, attention, None),
-               (attn.v_proj, lambda x, kw: attn.o_proj(x), kv_channels(attn)),
-               (layer.post_attention_layernorm, lambda x, kw: mlp(x), None),
-               (mlp.up_proj, lambda x, kw: mlp.down_proj(x), None)]
+    forwards = loss == "block"
+    # for each of GROUPS: the op whose output feeds it, the block whose output judges it (None: the
+    # linears' own outputs), the channel map
+    feeders = [(layer.input_layernorm, attention if forwards else None, None),
+               (attn.v_proj, None, kv_channels(attn)),
+               (layer.post_attention_layernorm, (lambda x, kw: mlp(x)) if forwards else None, None),
+               (mlp.up_proj, None, None)]
     linears = [[layer.get_submodule(name) for name in group] for group in GROUPS]
     scales = [search_group(prev, lins, inputs[group[0]], kwargs, block, channels, bits, group_size, sym, duo, n_grid)
               for group, lins, (prev, block, channels) in zip(GROUPS, linears, feeders)]
