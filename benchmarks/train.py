@@ -11,12 +11,19 @@ dolly: LoRA instruction tuning on the Dolly slice (10% held out, seeded): held-o
 peft: our loop against PEFT + transformers' Trainer with the same model, data, rank, batch, steps
   and optimizer (torch AdamW, bf16 autocast, cosine schedule), each in its own process: tokens per
   second and peak RSS as ratios to the Trainer's, and the final held-out loss of each.
+nf4: one QLoRA adapter merged into the original base (the default) and into the NF4 base it trained
+  against (--onto-nf4): perplexity of each, float and quantized as in wikitext, against the base.
+fsdp: our loop in two processes (torchrun) without and with --fsdp: tokens per second, each
+  process's peak RSS, the final held-out loss; one process (with one thread each) as the anchor.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,31 +57,57 @@ def quantized(model, out: Path, fmt: str, windows: int) -> float:
     return ppl(out, windows)
 
 
-def wikitext(steps: int, windows: int, tmp: Path) -> None:
-    from quantkit.modelio import default_model_dir
-    from quantkit.trainer import merge, train
+def scores(model, name: str, windows: int, tmp: Path) -> tuple[float, float, float]:
+    """Perplexity of model in float, then quantized with GPTQ w4 g128 and to GGUF Q4_K_M."""
+    return (ppl(model, windows), quantized(model, tmp / f"{name}-gptq", "gptq", windows),
+            quantized(model, tmp / f"{name}.gguf", "gguf", windows))
 
-    base = default_model_dir()
-    rows = {"base": (ppl(base, windows), quantized(base, tmp / "base-gptq", "gptq", windows),
-                     quantized(base, tmp / "base.gguf", "gguf", windows), None)}
-    for name, options in METHODS.items():
-        t = time.perf_counter()
-        result = train(base, data=VALID, out=tmp / name, steps=steps, eval_fraction=0.01, eval_every=steps,
-                       progress=False, **COMMON, **options)
-        seconds = time.perf_counter() - t
-        merge(tmp / name, tmp / f"{name}-merged", progress=False)
-        rows[name] = (ppl(tmp / f"{name}-merged", windows), quantized(tmp / f"{name}-merged", tmp / f"{name}-gptq", "gptq", windows),
-                      quantized(tmp / f"{name}-merged", tmp / f"{name}.gguf", "gguf", windows),
-                      (result.evals[0]["eval_loss"], result.evals[-1]["eval_loss"], seconds, result.tokens_per_s))
-    anchor = rows["base"]
+
+def table(rows: dict, windows: int, steps: int) -> None:
+    anchor = rows["base"][0]
     print(f"\nWikiText-2 test perplexity, llama.cpp protocol, ctx 512, {windows} windows; {steps} steps of "
           f"{COMMON['batch_size']}x{COMMON['seqlen']} tokens on wiki.valid.tokens")
     print("| model | float | GPTQ w4 g128 | GGUF Q4_K_M | held-out loss before -> after | train time | tokens/s |")
     print("|---|---|---|---|---|---|---|")
-    for name, (f, g, q, tr) in rows.items():
-        cells = [f"{v:.3f} ({v / a:.3f}x)" for v, a in zip((f, g, q), anchor)]
+    for name, (ppls, tr) in rows.items():
+        cells = [f"{v:.3f} ({v / a:.3f}x)" for v, a in zip(ppls, anchor)]
         extra = f"{tr[0]:.4f} -> {tr[1]:.4f} | {tr[2]:.0f} s | {tr[3]:.0f}" if tr else "- | - | -"
         print(f"| {name} | {' | '.join(cells)} | {extra} |")
+
+
+def fine_tune(name: str, options: dict, steps: int, tmp: Path) -> tuple:
+    """Train an adapter at tmp/name; its held-out loss before and after, seconds and tokens/s."""
+    from quantkit.modelio import default_model_dir
+    from quantkit.trainer import train
+
+    t = time.perf_counter()
+    result = train(default_model_dir(), data=VALID, out=tmp / name, steps=steps, eval_fraction=0.01,
+                   eval_every=steps, progress=False, **COMMON, **options)
+    return result.evals[0]["eval_loss"], result.evals[-1]["eval_loss"], time.perf_counter() - t, result.tokens_per_s
+
+
+def wikitext(steps: int, windows: int, tmp: Path) -> None:
+    from quantkit.modelio import default_model_dir
+    from quantkit.trainer import merge
+
+    rows = {"base": (scores(default_model_dir(), "base", windows, tmp), None)}
+    for name, options in METHODS.items():
+        trained = fine_tune(name, options, steps, tmp)
+        merge(tmp / name, tmp / f"{name}-merged", progress=False)
+        rows[name] = (scores(tmp / f"{name}-merged", name, windows, tmp), trained)
+    table(rows, windows, steps)
+
+
+def nf4(steps: int, windows: int, tmp: Path) -> None:
+    from quantkit.modelio import default_model_dir
+    from quantkit.trainer import merge
+
+    rows = {"base": (scores(default_model_dir(), "base", windows, tmp), None)}
+    trained = fine_tune("qlora", METHODS["qlora"], steps, tmp)
+    for name, onto in (("QLoRA merged into the original base", False), ("QLoRA merged onto NF4 (--onto-nf4)", True)):
+        merge(tmp / "qlora", tmp / f"qlora-{onto}", onto_nf4=onto, progress=False)
+        rows[name] = (scores(tmp / f"qlora-{onto}", f"qlora-{onto}", windows, tmp), trained)
+    table(rows, windows, steps)
 
 
 def dolly(steps: int, tmp: Path) -> None:
@@ -138,6 +171,48 @@ def peft(steps: int) -> None:
               f"{r['peak_rss']:.2f} GiB ({r['peak_rss'] / trainer['peak_rss']:.2f}x) | {r['eval_loss']:.4f} |")
 
 
+def job(model: Path, steps: int, seqlen: int, processes: int, options: list[str]) -> dict:
+    """quantkit train on model in processes processes (torchrun; one plain process when 1), one
+    thread each: each process's peak RSS, the run's tokens/s and final held-out loss from its log."""
+    with tempfile.TemporaryDirectory() as tmp:
+        common = ["quantkit", "train", str(model), "--data", str(VALID), "--out", f"{tmp}/a", "--steps", str(steps),
+                  "--seqlen", str(seqlen), "--batch-size", str(COMMON["batch_size"]), "--eval-fraction", "0.02",
+                  "--eval-every", str(steps), "--precision", "bf16", *options]
+        wrap = [sys.executable, str(Path(__file__).with_name("peak_rss.py"))]
+        if processes == 1:
+            cmd = [*wrap, *common]
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port",
+                   str(port), "--no-python", *wrap, *common]
+        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if out.returncode:
+            raise SystemExit(out.stderr[-3000:])
+        rss = [int(line.split()[1]) / 2**20 for line in out.stdout.splitlines() if line.startswith("RSS ")]
+        log = json.loads(Path(f"{tmp}/a/train_log.json").read_text())
+    return {"rss": rss, "tokens_per_s": log["tokens_per_s"], "eval_loss": log["evals"][-1]["eval_loss"]}
+
+
+def fsdp(steps: int, shape: str) -> None:
+    from quantkit.modelio import default_model_dir
+    from scale import model_dir
+
+    model, seqlen = default_model_dir() if shape == "embedded" else model_dir(shape), COMMON["seqlen"]
+    runs = {name: job(model, steps, seqlen, n, options) for name, n, options in (
+        ("one process (anchor)", 1, []), ("2 processes", 2, []), ("2 processes, --fsdp", 2, ["--fsdp"]))}
+    anchor = runs["one process (anchor)"]
+    print(f"\n{model.name}: LoRA r16 all-linear, {steps} steps of {COMMON['batch_size']}x{seqlen} tokens, bf16, "
+          "one thread per process")
+    print("| run | tokens/s | peak RSS per process | final held-out loss |")
+    print("|---|---|---|---|")
+    for name, r in runs.items():
+        rss = ", ".join(f"{v:.2f}" for v in r["rss"])
+        print(f"| {name} | {r['tokens_per_s']:.1f} ({r['tokens_per_s'] / anchor['tokens_per_s']:.2f}x) | "
+              f"{rss} GiB ({max(r['rss']) / max(anchor['rss']):.2f}x) | {r['eval_loss']:.4f} |")
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "run":
         p = argparse.ArgumentParser()
@@ -153,12 +228,14 @@ def main() -> None:
     p.add_argument("--seqlen", type=int, default=256, help="tokens per training sequence (Dolly: twice that)")
     p.add_argument("--windows", type=int, default=40, help="perplexity windows of 512 tokens")
     p.add_argument("--parts", default="peft,dolly,wikitext")
+    p.add_argument("--fsdp-model", default="1b", help="fsdp: embedded, or a random model of scale.py's shapes (1b, 7b)")
     a = p.parse_args()
     COMMON["seqlen"] = a.seqlen
     with tempfile.TemporaryDirectory() as tmp:
         for part in a.parts.split(","):
             {"wikitext": lambda: wikitext(a.steps, a.windows, Path(tmp)), "dolly": lambda: dolly(a.steps, Path(tmp)),
-             "peft": lambda: peft(a.steps)}[part]()
+             "peft": lambda: peft(a.steps), "nf4": lambda: nf4(a.steps, a.windows, Path(tmp)),
+             "fsdp": lambda: fsdp(a.steps, a.fsdp_model)}[part]()
 
 
 if __name__ == "__main__":

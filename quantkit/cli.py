@@ -301,6 +301,8 @@ T = TrainConfig()  # the defaults shown in --help
               help="auto: bf16 autocast where the device has it, else fp16 with a gradient scaler")
 @click.option("--gradient-checkpointing", is_flag=True, help="recompute activations in the backward pass: less memory")
 @click.option("--compile", is_flag=True, help="torch.compile the model (training goes on without it if that fails)")
+@click.option("--fsdp", is_flag=True, help="under torchrun: shard the base, the adapter and the optimizer state over "
+                                           "the processes (FSDP2; LoRA with AdamW)")
 @click.option("--eval-every", type=int, default=T.eval_every, show_default=True)
 @click.option("--patience", type=int, help="stop after N evaluations without a better held-out loss; keep the best adapter")
 @click.option("--save-every", type=int, default=T.save_every, show_default=True, help="steps between checkpoints")

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantkit.trainer import TrainConfig, lora, merge, train
 from quantkit.trainer.merge import attach
 
 from .conftest import TEST, VALID
-from .test_distributed import one_process, torchrun
+from .test_distributed import ROOT, one_process, torchrun
 
 IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
 SHORT = dict(seqlen=32, batch_size=2, eval_fraction=0, progress=False)
@@ -57,10 +57,11 @@ def test_peft_loads_our_adapter_and_merges_like_us(tiny_dir, text, tmp_path, opt
 def test_we_load_peft_adapters(tiny_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], use_dora=True,
+    # dropout on: the layers attached to a loaded model are in its eval mode, so it does nothing
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], use_dora=True, lora_dropout=0.1,
                         init_lora_weights=False, task_type="CAUSAL_LM")
     torch.manual_seed(0)
-    peft = get_peft_model(base(tiny_dir), config)
+    peft = get_peft_model(base(tiny_dir), config).eval()  # get_peft_model leaves it training
     peft.save_pretrained(tmp_path / "peft")
     ours = attach(tiny_dir, tmp_path / "peft")
     assert sorted(n for n, m in ours.module.named_modules() if isinstance(m, lora.LoraLinear))[:2] == [
@@ -87,10 +88,12 @@ def test_qlora_base_is_bitsandbytes_nf4_and_merges_onto_it(tiny_dir, text, tmp_p
     assert torch.allclose(logits(base(tmp_path / "m")), logits(trained.module), atol=1e-4, rtol=1e-4)
 
 
-def test_resumed_run_repeats_an_uninterrupted_one(tiny_dir, text, tmp_path):
-    """Dropout on, so the restored random state matters; killed after step 3, resumed from step 2's checkpoint."""
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
+def test_resumed_run_repeats_an_uninterrupted_one(tiny_dir, text, tmp_path, optimizer):
+    """Dropout on, so its masks must follow the data's position; killed after step 3, resumed from
+    step 2's checkpoint, with torch's AdamW and with bitsandbytes' 8-bit one (whose state holds ints)."""
     opts = dict(steps=6, save_every=2, dropout=0.1, rank=4, lr=1e-2, seqlen=32, batch_size=2, grad_accum=2,
-                eval_fraction=0.1, eval_every=3, progress=False)
+                eval_fraction=0.1, eval_every=3, optimizer=optimizer, progress=False)
     whole = train(tiny_dir, data=text, out=tmp_path / "whole", **opts)
 
     def kill(record):
@@ -111,8 +114,9 @@ def test_resumed_run_repeats_an_uninterrupted_one(tiny_dir, text, tmp_path):
 
 
 def test_options_that_must_not_change_the_losses(tiny_dir, text, tmp_path, monkeypatch):
-    """Gradient checkpointing recomputes the same; a torch.compile that fails falls back to the same."""
-    opts = dict(steps=3, rank=4, lr=1e-2, dropout=0.0, precision="fp32", **SHORT)
+    """Gradient checkpointing recomputes the same, dropout's masks included; a torch.compile that fails
+    falls back to the same."""
+    opts = dict(steps=3, rank=4, lr=1e-2, dropout=0.1, precision="fp32", **SHORT)
     plain = train(tiny_dir, data=text, out=tmp_path / "plain", **opts)
     checkpointed = train(tiny_dir, data=text, out=tmp_path / "gc", gradient_checkpointing=True, **opts)
     assert [r["loss"] for r in checkpointed.log] == pytest.approx([r["loss"] for r in plain.log], rel=1e-5)
@@ -210,18 +214,103 @@ def test_the_optimizer_steps_with_clipped_gradients(tiny_dir, text, tmp_path, li
     assert stepped == pytest.approx([min(b, limit) for b in before], rel=1e-4)
 
 
-def test_two_processes_repeat_one(tiny_dir, text, tmp_path):
-    """The same global batch of 4 split 2 + 2: the summed gradients, hence the losses, are the same."""
-    common = [tiny_dir, "--data", text, "--steps", 3, "--seqlen", 32, "--batch-size", 4, "--rank", 4,
-              "--dropout", 0, "--eval-fraction", 0.1, "--eval-every", 2, "--precision", "fp32", "--lr", 1e-2]
+TWO = ["--steps", 4, "--seqlen", 32, "--batch-size", 4, "--grad-accum", 2, "--rank", 4, "--dropout", 0.1,
+       "--eval-fraction", 0.1, "--eval-every", 2, "--save-every", 2, "--precision", "fp32", "--lr", 1e-2]
+
+
+@pytest.fixture(scope="module")
+def one(tiny_dir, text, tmp_path_factory):
+    """The single-process run the two-process ones repeat: its log and adapter."""
+    out = tmp_path_factory.mktemp("one") / "a"
+    job = one_process(tiny_dir, "--data", text, *TWO, "--out", out, command="train")
+    assert job.returncode == 0, job.stderr[-3000:]
+    return json.loads((out / "train_log.json").read_text()), load_file(out / lora.WEIGHTS)
+
+
+def same_run(out, one) -> None:
+    log, adapter = one
+    two = json.loads((out / "train_log.json").read_text())
+    assert [r["loss"] for r in two["log"]] == pytest.approx([r["loss"] for r in log["log"]], rel=1e-5)
+    assert [r["eval_loss"] for r in two["evals"]] == pytest.approx([r["eval_loss"] for r in log["evals"]], rel=1e-5)
+    theirs = load_file(out / lora.WEIGHTS)
+    assert theirs.keys() == adapter.keys()
+    assert all(torch.allclose(theirs[k], adapter[k], rtol=1e-4, atol=1e-6) for k in adapter)
+
+
+@pytest.mark.parametrize("fsdp", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+def test_two_processes_repeat_one(tiny_dir, text, tmp_path, one, fsdp):
+    """The same global batch of 4 split 2 + 2, two micro-batches a step, dropout on (each example's
+    masks follow its place in the data, not in a process's batch): the summed gradients, hence the
+    losses and the adapter, are one process's. With --fsdp the base, adapter and optimizer state are
+    sharded and the checkpoints gathered."""
+    job = torchrun(tiny_dir, "--data", text, *TWO, *fsdp, "--out", tmp_path / "two", command="train")
+    assert job.returncode == 0, job.stderr[-3000:]
+    same_run(tmp_path / "two", one)
+    assert job.stdout.count("adapter written to") == 1
+
+
+def test_two_processes_repeat_one_on_padded_batches(chat_dir, tmp_path):
+    """Instruction records of different lengths: each process pads its share of a batch to its own
+    longest, and dropout's masks, drawn for the real tokens only, are still one process's."""
+    words = VALID.read_text().split()
+    records = [{"instruction": " ".join(words[i * 40: i * 40 + 5 + 3 * i]), "response": " ".join(words[i * 40 + 20: i * 40 + 24 + i])}
+               for i in range(12)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    common = [chat_dir, "--data", tmp_path / "data.jsonl", "--steps", 2, "--seqlen", 64, "--batch-size", 4, "--rank", 4,
+              "--dropout", 0.1, "--eval-fraction", 0, "--precision", "fp32", "--lr", 1e-2]
     single = one_process(*common, "--out", tmp_path / "one", command="train")
     assert single.returncode == 0, single.stderr[-3000:]
     job = torchrun(*common, "--out", tmp_path / "two", command="train")
     assert job.returncode == 0, job.stderr[-3000:]
-    one, two = (json.loads((tmp_path / d / "train_log.json").read_text()) for d in ("one", "two"))
-    assert [r["loss"] for r in two["log"]] == pytest.approx([r["loss"] for r in one["log"]], rel=1e-5)
-    assert [r["eval_loss"] for r in two["evals"]] == pytest.approx([r["eval_loss"] for r in one["evals"]], rel=1e-5)
-    assert job.stdout.count("adapter written to") == 1
+    one, two = (json.loads((tmp_path / d / "train_log.json").read_text())["log"] for d in ("one", "two"))
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+
+
+def test_fsdp_shards_the_base_and_the_adapter(tiny_dir, tmp_path):
+    """What --fsdp builds: every parameter, frozen or trained, a shard of the process group's mesh (one
+    process here; the two-process tests check the numbers)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from quantkit.modelio import load
+    from quantkit.trainer import loop
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        m, config = load(tiny_dir), TrainConfig(fsdp=True, rank=4)
+        layers = loop.build(m, config, lora.check(m.module, config), torch.device("cpu"), torch.float32)
+        assert layers and all(isinstance(p, DTensor) for p in m.module.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_run_stopped_and_resumed_repeats_one_process(tiny_dir, text, tmp_path, one):
+    """Both processes stop after step 3; the checkpoint of step 2 (gathered from the shards) is
+    sharded again on --resume, optimizer state included."""
+    args = [tiny_dir, "--data", text, *TWO, "--fsdp", "--out", tmp_path / "a"]
+    job = torchrun(*args, script=(str(ROOT / "tests" / "torchrun_train_stops.py"),), command="train")
+    assert job.returncode != 0 and not (tmp_path / "a").exists()
+    job = torchrun(*args, "--resume", command="train")
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "resuming after step 2/4" in job.stderr
+    same_run(tmp_path / "a", one)
+
+
+def test_fsdp_processes_with_unequal_held_out_shares(tiny_dir, text, tmp_path):
+    """5 held-out windows in batches of 2: rank 0 scores 3 (two forwards), rank 1 scores 2 (one). Under
+    FSDP every forward gathers the layers from both, so rank 1 joins the second with a stand-in it
+    does not count: the held-out losses are one process's."""
+    tok, source = AutoTokenizer.from_pretrained(tiny_dir), VALID.read_text()
+    size = next(n for n in range(100, 10_000, 10) if len(tok(source[:n], add_special_tokens=False).input_ids) // 32 == 5)
+    (tmp_path / "held.txt").write_text(source[:size])
+    common = [tiny_dir, "--data", text, "--eval-data", tmp_path / "held.txt", "--steps", 1, "--seqlen", 32,
+              "--batch-size", 2, "--rank", 4, "--precision", "fp32", "--eval-every", 1]
+    single = one_process(*common, "--out", tmp_path / "one", command="train")
+    assert single.returncode == 0, single.stderr[-3000:]
+    job = torchrun(*common, "--fsdp", "--out", tmp_path / "two", command="train")
+    assert job.returncode == 0, job.stderr[-3000:]
+    one, two = (json.loads((tmp_path / d / "train_log.json").read_text())["evals"] for d in ("one", "two"))
+    assert len(one) == 2 and [r["eval_loss"] for r in two] == pytest.approx([r["eval_loss"] for r in one], rel=1e-5)
 
 
 def test_train_then_quantize_in_one_command(tiny_dir, text, tmp_path):

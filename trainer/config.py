@@ -37,6 +37,7 @@ class TrainConfig:
     precision: str = "auto"  # auto: bf16 where the device has it, fp16 with a gradient scaler on older GPUs
     gradient_checkpointing: bool = False
     compile: bool = False
+    fsdp: bool = False  # shard the frozen base, the adapter and its optimizer state over torchrun's processes
     eval_fraction: float = 0.05  # held out from --data when there is no --eval-data
     eval_every: int = 50
     patience: int | None = None  # stop after this many evaluations without a better held-out loss
@@ -75,6 +76,12 @@ class TrainConfig:
             raise QuantkitError(f"--eval-fraction {self.eval_fraction} is out of range: use a fraction such as 0.05")
         if self.warmup < 0:
             raise QuantkitError(f"--warmup {self.warmup} is invalid: use a number of steps, 0 or more")
+        if self.fsdp and self.method == "qlora":
+            raise QuantkitError("--fsdp shards a float base; QLoRA's NF4 base is not sharded: use --method lora with "
+                                "--fsdp, or QLoRA without it")
+        if self.fsdp and self.optimizer != "adamw":
+            raise QuantkitError(f"--optimizer {self.optimizer} cannot step sharded parameters (bitsandbytes has no "
+                                "FSDP support): use --optimizer adamw with --fsdp")
         nf4.check("nf4", self.nf4_block)
 
     @property

@@ -28,7 +28,7 @@ from quantkit.api import device_of
 from quantkit.errors import QuantkitError, ResumableError, free_space, size, space_for, untrusted
 from quantkit.atomic import Staged, fsync, partial_path, remove
 from quantkit.modelio import Model, load
-from quantkit.pipeline import peak_memory, read_progress, save_progress
+from quantkit.pipeline import free_memory, map_large_blocks, peak_memory, read_progress, save_progress
 
 from . import dataset, lora
 from .config import TrainConfig
@@ -68,20 +68,63 @@ def digest(path: Path | None) -> str | None:
 
 def build(m: Model, config: TrainConfig, names: list[str], device: torch.device, dtype: torch.dtype) -> dict:
     """Read the base layer by layer onto device in dtype (frozen), with LoRA layers on the targets:
-    for QLoRA each target is quantized to NF4 as soon as its layer is read."""
+    for QLoRA each target is quantized to NF4 as soon as its layer is read; with FSDP each layer is
+    sharded over the processes as soon as it is read, so no process holds the whole model."""
     m.module.requires_grad_(False)
     torch.manual_seed(config.seed)  # the adapters' initial A: the same in every process
+    shard = fsdp_shard(device) if config.fsdp else lambda module: None
+    map_large_blocks()
     layers = {}
     for i in range(len(m.layers)):
         prefix = f"model.layers.{i}"
         m.materialize(prefix, device, dtype)
         layers |= lora.inject(m.module, config, [n for n in names if n.startswith(prefix + ".")])
+        shard(m.layers[i])
+        free_memory()  # the read buffers' (and FSDP: the whole layer's) freed blocks, else kept in glibc's heap
     for prefix in ("model.embed_tokens", "model.norm", "lm_head"):
         m.materialize(prefix, device, dtype)
     if m.module.config.tie_word_embeddings:
         m.module.tie_weights()
+    shard(m.module)  # the rest: embeddings, final norm, head
     m.checkpoint = None  # everything is in memory now, and the adapters make it differ from the file
     return layers
+
+
+def fsdp_shard(device: torch.device) -> Callable[[torch.nn.Module], None]:
+    """FSDP2's fully_shard over every process, with the gradients summed rather than averaged, as the
+    loss is already a mean over the whole global batch (sums only: gloo has no pre-scaled reduction)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (distributed.world(),))
+
+    def shard(module: torch.nn.Module) -> None:
+        fully_shard(module, mesh=mesh)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+
+    return shard
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> dict:
+    """opt's state dict with every tensor whole and on the CPU (FSDP's shards gathered: every process
+    must call it). bitsandbytes' states hold ints and dicts beside tensors: those stay as they are."""
+    state = opt.state_dict()
+
+    def cpu(v):
+        return lora.whole(v).cpu() if isinstance(v, torch.Tensor) else v
+    return {**state, "state": {k: {n: cpu(v) for n, v in s.items()} for k, s in state["state"].items()}}
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, state: dict) -> None:
+    """The inverse of optimizer_state: each tensor back as its parameter is held (sharded under FSDP;
+    a scalar such as AdamW's step stays whole)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+
+    def held(v, p):
+        return lora.like(v, p) if isinstance(v, torch.Tensor) and v.dim() else v
+    opt.load_state_dict({**state, "state": {k: {n: held(v, params[k]) for n, v in s.items()}
+                                            for k, s in state["state"].items()}})
 
 
 def optimizer(config: TrainConfig, layers: dict, device: torch.device) -> torch.optim.Optimizer:
@@ -120,12 +163,17 @@ def held_out_loss(module, examples, config: TrainConfig, pad: int, device, amp) 
     """Mean loss per scored token over examples, every process scoring its share."""
     module.eval()
     mine = distributed.share(examples)
+    # under FSDP every forward gathers each layer from all processes: each runs as many as the busiest
+    busiest = math.ceil(len(examples) / distributed.world()) if config.fsdp else len(mine)
+    chunks = math.ceil(busiest / config.batch_size)
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad(), (torch.autocast(device.type, amp) if amp else nullcontext()):
-        for k in range(0, len(mine), config.batch_size):
+        for k in range(0, chunks * config.batch_size, config.batch_size):
             chunk = mine[k: k + config.batch_size]
-            total[0] += float(token_loss(module, chunk, pad, device))
-            total[1] += sum(e.scored for e in chunk)
+            loss = token_loss(module, chunk or examples[:1], pad, device)  # an idle process scores a stand-in
+            if chunk:
+                total[0] += float(loss)
+                total[1] += sum(e.scored for e in chunk)
     module.train()
     distributed.sum_(total, "evaluating")
     return float(total[0] / total[1])
@@ -221,6 +269,9 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
     dev = device_of(device)
     distributed.init(dev)
     rank, world = distributed.rank(), distributed.world()
+    if config.fsdp and world < 2:
+        raise QuantkitError("--fsdp shards the model over the processes of a torchrun job: launch with torchrun "
+                            "--nproc-per-node N, or train without --fsdp")
     if config.batch_size % world:
         raise QuantkitError(f"a batch of {config.batch_size} does not split over {world} processes: use a "
                             f"--batch-size that is a multiple of {world}")
@@ -260,11 +311,11 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
                 print(f"resuming after step {len(state['log'])}/{total} from {checkpoints.latest()}", file=sys.stderr)
         elif staged is not None:
             staged.fresh()
-        result, layers = run(m, config, names, train_set, held_out, total, dev, amp, checkpoints, state, key,
-                             progress, callback)
+        result, adapter = run(m, config, names, train_set, held_out, total, dev, amp, checkpoints, state, key,
+                              progress, callback)
         if rank == 0:
             with space_for(out, None, "the adapter", "run again with --resume (the last checkpoint holds every step)"):
-                write(partial, m, config, result, layers)
+                write(partial, m, config, result, adapter)
             remove(checkpoints.path)
             staged.commit()
         result.out = str(out)
@@ -277,7 +328,8 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
 
 def run(m: Model, config: TrainConfig, names: list[str], train_set: list[dataset.Example], held_out: list[dataset.Example],
         total: int, dev: torch.device, amp: torch.dtype | None, checkpoints: Checkpoints, state: dict | None, key: str,
-        progress: bool, callback) -> tuple[TrainResult, dict[str, lora.LoraLinear]]:
+        progress: bool, callback) -> tuple[TrainResult, dict[str, torch.Tensor]]:
+    """Train; the result and the adapter to write (the best step's when early stopping stopped it)."""
     rank, world = distributed.rank(), distributed.world()
     layers = build(m, config, names, dev, amp or torch.float32)
     module = m.module.train()
@@ -292,7 +344,7 @@ def run(m: Model, config: TrainConfig, names: list[str], train_set: list[dataset
     best, best_loss, bad = None, math.inf, 0
     if state is not None:
         lora.load_state(layers, state["adapter"], "the checkpoint")
-        opt.load_state_dict(state["optimizer"])
+        load_optimizer_state(opt, state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         if scaler is not None:
             scaler.load_state_dict(state["scaler"])
@@ -329,12 +381,17 @@ def run(m: Model, config: TrainConfig, names: list[str], train_set: list[dataset
     seen = result.log[-1]["tokens"] if result.log else 0  # every run's, for the log
     try:
         for step in range(start, total):
-            stream = dataset.sequence(len(train_set), config.seed, step * config.batch_size * config.grad_accum,
-                                      config.batch_size * config.grad_accum)
+            first = step * config.batch_size * config.grad_accum  # this step's first place in the data stream
+            stream = dataset.sequence(len(train_set), config.seed, first, config.batch_size * config.grad_accum)
             scored = sum(train_set[i].scored for i in stream)  # over the whole global batch: every process knows it
             loss_sum = 0.0
             for k in range(config.grad_accum):
-                mine = [train_set[i] for i in stream[k * config.batch_size: (k + 1) * config.batch_size][rank::world]]
+                shares = list(range(k * config.batch_size, (k + 1) * config.batch_size))[rank::world]
+                mine = [train_set[stream[j]] for j in shares]
+                # dropout's masks follow each example's place in the stream, not its place in this process's batch
+                lora.seed_examples(layers, [(config.seed << 40 | first + j, e.ids.numel()) for j, e in zip(shares, mine)])
+                if config.fsdp:  # the gradients are reduced after the last micro-batch only
+                    module.set_requires_gradient_sync(k == config.grad_accum - 1)
                 with context():
                     try:
                         loss = token_loss(forward, mine, pad, dev) / scored
@@ -348,7 +405,9 @@ def run(m: Model, config: TrainConfig, names: list[str], train_set: list[dataset
                 (scaler.scale(loss) if scaler else loss).backward()
                 loss_sum += float(loss.detach())
                 tokens += sum(e.ids.numel() for e in mine)
-            if world > 1:  # the adapter's gradients and the loss, summed over the processes in one message
+            if config.fsdp:  # FSDP summed the gradients
+                loss_sum = float(distributed.sum_(torch.tensor([loss_sum], device=dev), "summing the loss"))
+            elif world > 1:  # the adapter's gradients and the loss, summed over the processes in one message
                 flat = torch.cat([p.grad.reshape(-1) for p in params] + [torch.tensor([loss_sum], device=dev)])
                 distributed.sum_(flat, "summing gradients")
                 for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
@@ -361,7 +420,7 @@ def run(m: Model, config: TrainConfig, names: list[str], train_set: list[dataset
                 raise QuantkitError(f"the training loss became {loss_sum} at step {step + 1}: {where}")
             if scaler:
                 scaler.unscale_(opt)
-            norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm))
+            norm = float(lora.whole(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)))
             lr = sched.get_last_lr()[0]
             if scaler:
                 scaler.step(opt)
@@ -380,12 +439,16 @@ def run(m: Model, config: TrainConfig, names: list[str], train_set: list[dataset
                 stop = evaluate(step + 1)
                 if result.evals and result.evals[-1]["step"] == step + 1:
                     bar.write(f"step {step + 1}: held-out loss {result.evals[-1]['eval_loss']:.4f}")
-            if rank == 0 and ((step + 1) % config.save_every == 0 or last or stop):
-                checkpoints.save(lora.adapter_state(layers), {
-                    "key": key, "step": step + 1, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                    "scaler": scaler.state_dict() if scaler else None, "rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state() if dev.type == "cuda" else None, "log": result.log,
-                    "evals": result.evals, "best_step": result.best_step, "best": best, "best_loss": best_loss, "bad": bad})
+            if (step + 1) % config.save_every == 0 or last or stop:
+                adapter, opt_state = lora.adapter_state(layers), optimizer_state(opt)  # every process: FSDP gathers
+                if rank == 0:
+                    checkpoints.save(adapter, {
+                        "key": key, "step": step + 1, "optimizer": opt_state, "scheduler": sched.state_dict(),
+                        # LoRA's dropout has its own seeds; the RNG is for the model's own dropout, if any
+                        "scaler": scaler.state_dict() if scaler else None, "rng": torch.get_rng_state(),
+                        "cuda_rng": torch.cuda.get_rng_state() if dev.type == "cuda" else None, "log": result.log,
+                        "evals": result.evals, "best_step": result.best_step, "best": best, "best_loss": best_loss,
+                        "bad": bad})
             if callback is not None:
                 callback(record)
             if stop:
@@ -398,14 +461,14 @@ def run(m: Model, config: TrainConfig, names: list[str], train_set: list[dataset
     result.stopped_early = stop
     result.tokens_per_s = tokens * world / max(time.perf_counter() - began - evaluating, 1e-9)
     result.peak_memory = peak_memory()
-    if stop:
+    if stop:  # the model as the adapter written: the best step's
         lora.load_state(layers, best, "the best step's adapter")
-    return result, layers
+    return result, best if stop else lora.adapter_state(layers)
 
 
-def write(directory: Path, m: Model, config: TrainConfig, result: TrainResult, layers: dict) -> None:
+def write(directory: Path, m: Model, config: TrainConfig, result: TrainResult, adapter: dict[str, torch.Tensor]) -> None:
     """The adapter, the log and the loss plot."""
-    lora.save(directory, m.module, layers, config, m.source)
+    lora.save(directory, m.module, adapter, config, m.source)
     log = {"config": config.to_dict(), **{k: v for k, v in result.to_dict().items() if k != "out"}}
     (directory / LOG).write_text(json.dumps(log, indent=1) + "\n")
     plot(directory / PLOT, result.log, result.evals, f"{config.method}{' + DoRA' if config.dora else ''} "

@@ -3,9 +3,11 @@ rsLoRA scaling; adapters saved and read in PEFT's format (adapter_config.json wr
 LoraConfig, adapter_model.safetensors with PEFT's key names)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import zlib
 from pathlib import Path
 
 import torch
@@ -24,12 +26,44 @@ WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
 
 
+class Dropout(torch.nn.Module):
+    """Dropout whose mask for each example depends only on that example's seed and this layer's
+    salt (from its name): the masks are the same however a batch is split over processes or padded, so two
+    processes repeat one. The loop sets `examples` (a seed and a length each) before each forward."""
+
+    def __init__(self, p: float, salt: int):
+        super().__init__()
+        self.p, self.salt = p, salt
+        self.examples: list[tuple[int, int]] = []
+
+    @torch.compiler.disable  # seeding a generator breaks torch.compile's graph at every example anyway
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        if len(self.examples) != x.shape[0]:
+            raise RuntimeError(f"dropout has seeds for {len(self.examples)} examples, the batch holds {x.shape[0]}")
+        keep = torch.zeros(x.shape, dtype=torch.bool, device=x.device)  # saved for backward: a byte a value
+        for row, (seed, length) in zip(keep, self.examples):
+            key = hashlib.blake2b(f"{seed}/{self.salt}".encode(), digest_size=8).digest()
+            g = torch.Generator(x.device).manual_seed(int.from_bytes(key, "little") >> 1)
+            row[:length] = torch.rand(length, x.shape[-1], generator=g, device=x.device) >= self.p  # real tokens only
+        return x * keep / (1 - self.p)
+
+
+def seed_examples(layers: dict[str, "LoraLinear"], examples: list[tuple[int, int]]) -> None:
+    """The (seed, length) of each example of the next forward, for every layer's dropout."""
+    for layer in layers.values():
+        if isinstance(layer.dropout, Dropout):
+            layer.dropout.examples = examples
+
+
 class LoraLinear(torch.nn.Module):
     """y = base(x) + scale * B A dropout(x); with DoRA the whole weight W + scale*BA is renormalized
     per output row to a trained magnitude m: y = m / ||W + scale*BA|| * (W x + scale*BA x) + bias, the
     norm detached (DoRA section 4.3), as PEFT computes it."""
 
-    def __init__(self, base: torch.nn.Module, rank: int, scale: float, dropout: float = 0.0, dora: bool = False):
+    def __init__(self, base: torch.nn.Module, rank: int, scale: float, dropout: float = 0.0, dora: bool = False,
+                 salt: int = 0):
         super().__init__()
         self.base, self.scale = base, scale
         base.requires_grad_(False)
@@ -38,7 +72,7 @@ class LoraLinear(torch.nn.Module):
         self.lora_B = torch.nn.Linear(rank, base.out_features, bias=False, device=w.device)
         torch.nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init: B = 0, so BA = 0
         torch.nn.init.zeros_(self.lora_B.weight)
-        self.dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
+        self.dropout = Dropout(dropout, salt) if dropout else torch.nn.Identity()
         self.magnitude = torch.nn.Parameter(w.norm(dim=1)) if dora else None
 
     def weight(self) -> torch.Tensor:
@@ -112,7 +146,8 @@ def inject(module: torch.nn.Module, config: TrainConfig, names: list[str]) -> di
         base = module.get_submodule(name)
         if config.method == "qlora":
             base = quantize_nf4(base, config.nf4_block)
-        layers[name] = LoraLinear(base, config.rank, config.scale, config.dropout, config.dora)
+        layers[name] = LoraLinear(base, config.rank, config.scale, config.dropout, config.dora,
+                                   salt=zlib.crc32(name.encode())).train(module.training)  # as its model is
         module.set_submodule(name, layers[name])
     return layers
 
@@ -130,8 +165,22 @@ def parameters(layers: dict[str, LoraLinear]) -> dict[str, torch.nn.Parameter]:
 
 def adapter_state(layers: dict[str, LoraLinear]) -> dict[str, torch.Tensor]:
     """The trained tensors under PEFT's names, float32 on the CPU: copies, since early stopping keeps
-    the best step's while training goes on."""
-    return {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in parameters(layers).items()}
+    the best step's while training goes on. Under FSDP every process must call it (it gathers)."""
+    return {k: whole(v).detach().to("cpu", torch.float32, copy=True) for k, v in parameters(layers).items()}
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """t itself, or all of a tensor FSDP shards over the processes (gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """t (whole) as p holds it: p's shard of it under FSDP."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    return distribute_tensor(t.to(p.device), p.device_mesh, p.placements) if isinstance(p, DTensor) else t
 
 
 def load_state(layers: dict[str, LoraLinear], state: dict[str, torch.Tensor], source: str) -> None:
@@ -147,7 +196,7 @@ def load_state(layers: dict[str, LoraLinear], state: dict[str, torch.Tensor], so
             raise QuantkitError(f"{source}: {key} is {tuple(state[key].shape)}, but this model needs {tuple(p.shape)}: "
                                 "use the base model it was trained on")
         with torch.no_grad():
-            p.copy_(state[key])
+            p.copy_(like(state[key], p))
 
 
 def peft_config(config: TrainConfig, names: list[str], linears: list[str], base: str):
@@ -156,18 +205,19 @@ def peft_config(config: TrainConfig, names: list[str], linears: list[str], base:
     from peft import LoraConfig
 
     kinds = sorted({n.split(".")[-1] for n in names})
-    whole = [n for n in linears if n.split(".")[-1] in kinds] == names
+    every = [n for n in linears if n.split(".")[-1] in kinds] == names
     return LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
-                      target_modules=kinds if whole else names,
+                      target_modules=kinds if every else names,
                       use_rslora=config.rslora, use_dora=config.dora, task_type="CAUSAL_LM",
                       base_model_name_or_path=base, inference_mode=True)
 
 
-def save(directory: Path, module: torch.nn.Module, layers: dict[str, LoraLinear], config: TrainConfig, base: str) -> None:
-    """adapter_config.json and adapter_model.safetensors in directory (a staged output, renamed into
-    place when complete), as PEFT writes them."""
-    (directory / WEIGHTS).write_bytes(serialize(adapter_state(layers), metadata={"format": "pt"}))  # full disk: OSError
-    cfg = peft_config(config, list(layers), decoder_linears(module), base).to_dict()
+def save(directory: Path, module: torch.nn.Module, adapter: dict[str, torch.Tensor], config: TrainConfig, base: str) -> None:
+    """adapter_config.json and adapter_model.safetensors (the tensors of adapter_state) in directory (a
+    staged output, renamed into place when complete), as PEFT writes them."""
+    (directory / WEIGHTS).write_bytes(serialize(adapter, metadata={"format": "pt"}))  # full disk: OSError
+    names = [k[len(PREFIX):-len(".lora_A.weight")] for k in adapter if k.endswith(".lora_A.weight")]
+    cfg = peft_config(config, names, decoder_linears(module), base).to_dict()
     cfg["target_modules"] = sorted(cfg["target_modules"])
     cfg["peft_type"] = cfg["peft_type"].value  # PeftType, a str enum: its value is what PEFT writes
     (directory / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
