@@ -284,13 +284,18 @@ def test_fsdp_shards_the_base_and_the_adapter(tiny_dir, tmp_path):
         dist.destroy_process_group()
 
 
-def test_fsdp_run_stopped_and_resumed_repeats_one_process(tiny_dir, text, tmp_path, one):
+@pytest.mark.parametrize("resume", ["fsdp", "one-process"])
+def test_fsdp_run_stopped_and_resumed_repeats_one_process(tiny_dir, text, tmp_path, one, resume):
     """Both processes stop after step 3; the checkpoint of step 2 (gathered from the shards) is
-    sharded again on --resume, optimizer state included."""
-    args = [tiny_dir, "--data", text, *TWO, "--fsdp", "--out", tmp_path / "a"]
-    job = torchrun(*args, script=(str(ROOT / "tests" / "torchrun_train_stops.py"),), command="train")
+    sharded again on --resume, optimizer state included, or, since it holds whole tensors, resumed
+    by a single process without --fsdp."""
+    args = [tiny_dir, "--data", text, *TWO, "--out", tmp_path / "a"]
+    job = torchrun(*args, "--fsdp", script=(str(ROOT / "tests" / "torchrun_train_stops.py"),), command="train")
     assert job.returncode != 0 and not (tmp_path / "a").exists()
-    job = torchrun(*args, "--resume", command="train")
+    if resume == "fsdp":
+        job = torchrun(*args, "--fsdp", "--resume", command="train")
+    else:
+        job = one_process(*args, "--resume", command="train")
     assert job.returncode == 0, job.stderr[-3000:]
     assert "resuming after step 2/4" in job.stderr
     same_run(tmp_path / "a", one)

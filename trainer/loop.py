@@ -36,7 +36,8 @@ from .config import TrainConfig
 CHECKPOINT = "checkpoint"
 LOG = "train_log.json"
 PLOT = "loss.png"
-SAME_RUN = ("save_every", "eval_every", "patience", "compile", "gradient_checkpointing")  # free to change on resume
+# free to change on resume (checkpoints hold whole tensors, so also --fsdp and the number of processes)
+SAME_RUN = ("save_every", "eval_every", "patience", "compile", "gradient_checkpointing", "fsdp")
 
 
 @dataclass
