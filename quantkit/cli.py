@@ -16,7 +16,7 @@ from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECIS
 from . import api, consumers, distributed
 from . import report as report_
 from .command import export
-from .config import METHODS, QuantConfig
+from .config import AWQ_LOSSES, METHODS, QuantConfig
 from .errors import QuantkitError
 from .modelio import load
 
@@ -63,7 +63,7 @@ def quiet() -> None:
                    "[default: on unless --act-order]")
 @click.option("--double-quant", is_flag=True, help="NF4/FP4: quantize the absmax values to 8 bits too")
 @click.option("--duo-scaling", is_flag=True, help="AWQ: scales from activations and weights (AutoAWQ's default)")
-@click.option("--awq-loss", type=click.Choice(["block", "output"]), default="block", show_default=True,
+@click.option("--awq-loss", type=click.Choice(AWQ_LOSSES), default="block", show_default=True,
               help="AWQ: judge the q/k/v and gate/up scales by their block's output, or (about 3x faster, "
                    "worse at 3 bits) by their own outputs")
 @click.option("--out", required=True, type=click.Path(), help="export directory (a .gguf file for --format gguf)")

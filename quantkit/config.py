@@ -11,6 +11,7 @@ from .quantizers import nf4
 
 METHODS = ("rtn", "gptq", "awq", "nf4", "fp4")
 CODEBOOK_METHODS = ("nf4", "fp4")  # 4-bit code tables in flat blocks, bitsandbytes' layout
+AWQ_LOSSES = ("block", "output")  # what judges AWQ's scale candidates (QuantConfig.awq_loss)
 
 
 @dataclass
@@ -60,8 +61,8 @@ class QuantConfig:
             self.mse = self.method == "gptq"
         if self.duo_scaling and self.method != "awq":
             raise QuantkitError("duo scaling is an AWQ option: use it with --method awq")
-        if self.awq_loss not in ("block", "output"):
-            raise QuantkitError(f"unknown AWQ loss {self.awq_loss!r}: use block or output")
+        if self.awq_loss not in AWQ_LOSSES:
+            raise QuantkitError(f"unknown AWQ loss {self.awq_loss!r}: use one of {', '.join(AWQ_LOSSES)}")
         if self.awq_loss != "block" and self.method != "awq":
             raise QuantkitError("--awq-loss chooses how AWQ judges its scales: use it with --method awq")
         if self.block_size is None:
