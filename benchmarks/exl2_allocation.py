@@ -12,17 +12,19 @@ from pathlib import Path
 
 import matplotlib
 
+from quantkit import measurement
 from quantkit.quantizers import exl2
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def block_bits(measurement: Path, target: float) -> dict[str, float]:
-    """Bits per weight of each block in the allocation the measurement gives the target."""
-    body = json.loads(measurement.read_text())
-    blocks = {name: [tuple(s) for s in entry["linears"].values()] for name, entry in body["blocks"].items()}
-    chosen = exl2.allocate(blocks, {name: entry["errors"] for name, entry in body["blocks"].items()}, target)
+def block_bits(path: Path, target: float) -> dict[str, float]:
+    """Bits per weight of each block in the allocation the measurement at path gives the target."""
+    body = json.loads(path.read_text())
+    blocks = {name: [tuple(s) for s in entry["linears"].values()] for name, entry in body["units"].items()}
+    chosen = measurement.allocate(blocks, {name: entry["errors"] for name, entry in body["units"].items()}, target,
+                                  exl2.CANDIDATES)
     return {name: sum(chosen[name].total_bits(*s) for s in shapes) / sum(n * k for n, k in shapes)
             for name, shapes in blocks.items()}
 

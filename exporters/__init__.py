@@ -30,8 +30,9 @@ def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
     if (fmt == "exl2") != (qconfig.exl2 is not None):
         raise QuantkitError("--format exl2 takes a target bits per weight (--bits 4.125) and only it does: "
                             "pass a whole --bits for the other formats")
-    if qconfig.rules and fmt not in ("safetensors", "compressed-tensors"):
-        raise QuantkitError(f"--rules mixes settings per linear in the safetensors (GPTQ) and compressed-tensors "
+    if (qconfig.rules or qconfig.target_bpw is not None) and fmt not in ("safetensors", "compressed-tensors"):
+        option = "--rules" if qconfig.rules else "--target-bpw"
+        raise QuantkitError(f"{option} mixes settings per linear in the safetensors (GPTQ) and compressed-tensors "
                             f"formats; the {fmt} layout holds one: use one of those formats")
     if fmt == "gguf":
         gguf.check(module, qconfig.gguf_type)

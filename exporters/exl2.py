@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
-from quantkit import __version__
+from quantkit import __version__, measurement
 from quantkit.config import QuantConfig
 from quantkit.errors import QuantkitError
 from quantkit.layers import linear_shapes
@@ -40,7 +40,7 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
         if qconfig.measurement is None:
             exl2.Setting.for_target(qconfig.exl2, n, k)  # a target the widths cannot reach fails here
     if qconfig.measurement is not None:
-        exl2.check_target(shapes, qconfig.exl2)
+        measurement.check_target(shapes, qconfig.exl2, exl2.CANDIDATES, "EXL2")
     if qconfig.head_bits is not None:
         cfg = module.config
         if cfg.tie_word_embeddings:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 import warnings
 from contextlib import nullcontext
@@ -79,45 +80,69 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, s
     return {"rtn": quantize_rtn, "gptq": quantize_gptq, "nf4": quantize_codebook, "fp4": quantize_codebook}.get(c.method)
 
 
-def exl2_settings(m: Model, config: QuantConfig, windows: torch.Tensor | None, dev: torch.device,
-                  progress: bool) -> dict[str, exl2.Setting]:
-    """Each linear's EXL2 widths for the target: from the measurement file config.measurement when it
-    exists, else from a measurement pass saved there (a killed pass resumes after its last layer)."""
+def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.device,
+             progress: bool) -> dict[str, exl2.Setting | measurement.Grid]:
+    """Each linear's setting for the run's target: EXL2's widths, one per attention and MLP block, or
+    --target-bpw's bits and group size, one per group of linears sharing an input. From the
+    measurement file config.measurement when it exists, else from a measurement pass, saved there
+    when there is one (a killed pass resumes after its last layer)."""
+    exl2_run = config.exl2 is not None
+    settings, units, target = (exl2.CANDIDATES, measurement.BLOCK_UNITS, config.exl2) if exl2_run else \
+        (measurement.GRIDS, measurement.GROUP_UNITS, config.target_bpw)
     shapes = {name: (n, k) for name, n, k in linear_shapes(m.module)}
-    exl2.check_target(shapes, config.exl2)
-    data = windows.numpy().tobytes() if windows is not None else b""
-    key = hashlib.sha256(f"{m.source}|{config.damp}|{config.block_size}".encode() + data).hexdigest()
-    path = Path(config.measurement)
-    if path.exists():
-        errors = measurement.read(path, key, shapes)
+    measurement.check_target(shapes, target, settings, "EXL2" if exl2_run else "the GPTQ layout's bits and group sizes")
+    quantizer_settings = ("exl2" if exl2_run else config.method, config.sym, config.mse, config.damp, config.block_size,
+                          config.act_order, config.static_groups, config.group_aware)
+    key = hashlib.sha256(f"{m.source}|{quantizer_settings}".encode() + windows.numpy().tobytes()).hexdigest()
+    path = Path(config.measurement) if config.measurement is not None else None
+    if path is not None and path.exists():
+        errors = measurement.read(path, key, shapes, units, settings)
     else:
         if m.checkpoint is None:
             raise QuantkitError(f"{m.source}: the measurement pass reads layers from a checkpoint: quantize a model "
                                 "loaded from its directory")
+        weights = measurement.fisher(m, windows, dev, progress and distributed.rank() == 0)
+        if exl2_run:
+            cores = [lambda name, w, h, s=s: exl2.quantize(w, h.matrix(), s, config.damp, config.block_size, name).tensor
+                     for s in settings]
+        else:
+            cores = [quantizer(replace(config, bits=g.bits, group_size=g.group_size, target_bpw=None, measurement=None),
+                               {}) for g in settings]
         rank = f"-{distributed.rank()}" if distributed.world() > 1 else ""
-        resume = (path.with_name(f".{path.name}.progress-measurement{rank}.pt"), f"{key}|{distributed.world()}")
+        resume = (path.with_name(f".{path.name}.progress-measurement{rank}.pt"), f"{key}|{distributed.world()}") \
+            if path is not None else None
         recorder = measurement.Recorder()
 
         def measure(i: int, layer: torch.nn.Module, batches: list) -> dict[str, QuantizedTensor]:
+            prefix = f"model.layers.{i}."
             hessians, _ = gather_hessians(layer, batches, GROUPS)
-            sq, norms = exl2.measure_layer(layer, batches, {name: h.matrix() for name, h in hessians.items()},
-                                           damp=config.damp, block_size=config.block_size, prefix=f"model.layers.{i}.")
+            sq = measurement.measure_layer(layer, batches, hessians, cores,
+                                           torch.stack([weights[prefix + b] for b in measurement.BLOCKS]), units,
+                                           prefix=prefix)
             # every batch's figures, from the process that ran it, summed in one order: a single process's sums
-            sq, norms = distributed.gather_rows(sq).sum(0), distributed.gather_rows(norms).sum(0)
-            for b, block in enumerate(exl2.BLOCKS):
-                recorder.errors[f"model.layers.{i}.{block}"] = (sq[b] / norms[b]).tolist()
+            sq = distributed.gather_rows(sq).sum(0)
+            for u, unit in enumerate(units):  # in nats: the predicted rise of the mean loss
+                recorder.errors[prefix + unit] = (sq[u] / (2 * windows.numel())).tolist()
             return {}
 
         quantize_layers(m, None, windows, device=dev, writer=recorder, keep=False,
                         progress=progress and distributed.rank() == 0, resume=resume, layer_fn=measure,
-                        desc=f"measuring {len(exl2.CANDIDATES)} EXL2 settings per block")
-        if distributed.rank() == 0:
-            measurement.save(path, key, m.source, shapes, recorder.errors)
-        resume[0].unlink(missing_ok=True)
+                        desc=f"measuring {len(settings)} settings of each {'block' if exl2_run else 'group of linears'}")
+        if path is not None and distributed.rank() == 0:
+            measurement.save(path, key, m.source, shapes, units, recorder.errors, settings)
+        if resume is not None:
+            resume[0].unlink(missing_ok=True)
         errors = recorder.errors
-    blocks = measurement.blocks(shapes)
-    chosen = exl2.allocate({block: list(linears.values()) for block, linears in blocks.items()}, errors, config.exl2)
-    return {name: chosen[exl2.block_of(name)] for name in shapes}
+    grouped = measurement.grouped(shapes, units)
+    chosen = measurement.allocate({unit: list(linears.values()) for unit, linears in grouped.items()}, errors, target,
+                                  settings)
+    return {name: chosen[measurement.unit_of(name, units)] for name in shapes}
+
+
+def spent(config: QuantConfig, settings: dict[str, measurement.Grid]) -> QuantConfig:
+    """The run's settings with --target-bpw spent: a rule per linear, by exact name."""
+    rules = tuple(layer_rules.Rule(f"^{re.escape(name)}$", g.bits, g.group_size) for name, g in settings.items())
+    return replace(config, target_bpw=None, measurement=None, rules=rules)
 
 
 def device_of(device: str | torch.device | None) -> torch.device:
@@ -196,18 +221,28 @@ def quantize(
         measurement.check_path(config.measurement)
     if config.rules:
         layer_rules.check(config.rules, [name for name, _, _ in linear_shapes(m.module)])
+    if config.target_bpw is not None:
+        measurement.check_target({name: (n, k) for name, n, k in linear_shapes(m.module)}, config.target_bpw,
+                                 measurement.GRIDS, "the GPTQ layout's bits and group sizes")
     if targets:
         consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
     windows = None
     if config.needs_calibration:
         text = calibration.load_text(calib_data)
         windows = calibration.sample_windows(m.tokenizer, text, calib_samples, calib_seqlen, seed)
+    run = f"{m.source}|{config}|{format}|{max_shard_size}|{dev.type}|{distributed.world()}"  # what a resume must match
+    settings = None
+    if config.target_bpw is not None:  # from here on, a rule per linear
+        config = spent(config, measured(m, config, windows, dev, progress))
+        if targets:
+            consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
+    elif config.exl2 is not None and config.measurement is not None:
+        settings = measured(m, config, windows, dev, progress)
     resume = None
     if out is not None and not keep:  # saved beside the output: an interrupted run goes on
         data = windows.numpy().tobytes() if windows is not None else b""
         if importance is not None:  # the file's contents, not only its name
             data += b"".join(name.encode() + v.numpy().tobytes() for name, v in sorted(importance.items()))
-        run = f"{m.source}|{config}|{format}|{max_shard_size}|{dev.type}|{distributed.world()}"
         key = hashlib.sha256(run.encode() + data).hexdigest()
         resume = (exporters.progress_path(out, distributed.rank() if distributed.world() > 1 else None), key)
     m.losses = {}
@@ -232,8 +267,6 @@ def quantize(
     try:
         with space_for(out, needed, "the export", "run the same command again: it resumes after the last finished "
                        "layer") if writes else nullcontext():
-            settings = exl2_settings(m, config, windows, dev, progress) \
-                if config.exl2 is not None and config.measurement is not None else None
             m.tensors = quantize_layers(m, quantizer(config, m.losses, types, importance, settings), windows,
                                         sequential=config.true_sequential, device=dev, writer=writer,
                                         other=other if writes or keep else None, keep=keep,

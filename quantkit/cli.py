@@ -82,10 +82,14 @@ def quiet() -> None:
               help="per-layer mixed precision: a JSON or YAML list of {match: REGEX, bits, group_size} or {match: "
                    "REGEX, skip: true} entries; the first whose pattern is found in a linear's name decides its "
                    "settings (safetensors and compressed-tensors formats, RTN and GPTQ)")
+@click.option("--target-bpw", type=float, metavar="X",
+              help="RTN and GPTQ: X bits per weight of the decoder linears in the GPTQ layout, each group of linears "
+                   "sharing an input (q/k/v, o, gate/up, down) given the bits and group size that lose least, from a "
+                   "measurement (see --measurement)")
 @click.option("--measurement", type=click.Path(dir_okay=False), metavar="FILE",
-              help="EXL2: widths per attention and MLP block from each one's measured output error, read from FILE "
-                   "when it exists, else measured and saved there for other targets (experimental: on the embedded "
-                   "model it scores worse than the default, the same widths for every linear; benchmarks/RESULTS.md)")
+              help="--target-bpw, EXL2: the error of each attention and MLP block's output at each candidate setting, "
+                   "weighted by the loss's gradients, read from FILE when it exists, else measured and saved there "
+                   "for other targets (EXL2 without it: the target's two nearest widths in every linear)")
 @click.option("--head-bits", type=float, help="EXL2: the output head's bits per weight, e.g. 6 or 8 (ExLlamaV2's "
               "head_bits; rounded onto its grid without calibration) [kept in float16]")
 @click.option("--for", "targets", multiple=True,

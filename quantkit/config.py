@@ -41,8 +41,11 @@ class QuantConfig:
     pure: bool = False  # GGUF: every tensor the mix's main type (llama-quantize --pure)
     tensor_type: tuple[str, ...] = ()  # GGUF: PATTERN=TYPE overrides of the mix (llama-quantize --tensor-type)
     exl2: float | None = None  # EXL2: the linears' target bits per weight, widths mixed within each (GPTQ fills it)
-    # EXL2: widths per attention and MLP block from a measurement of each one's output error, kept in
-    # this file (read when it exists); without, every linear mixes the two widths nearest the target
+    # RTN and GPTQ: bits per weight of the decoder linears in the GPTQ layout, spent by a measurement: each group
+    # of linears sharing an input gets the bits and group size (quantkit.measurement.GRIDS) that lose least overall
+    target_bpw: float | None = None
+    # EXL2 and target_bpw: the error of each block's output at each candidate setting, kept in
+    # this file (read when it exists); EXL2 without one mixes the two widths nearest the target in every linear
     measurement: str | None = None
     head_bits: float | None = None  # EXL2: lm_head's bits per weight (ExLlamaV2's head_bits); default: float16
     # per-layer mixed precision (quantkit.rules): other bits or group size, or skip, by module name;
@@ -95,9 +98,17 @@ class QuantConfig:
             raise QuantkitError(f"EXL2 is filled by GPTQ, not {self.method}: use --method gptq")
         if self.head_bits is not None and self.exl2 is None:
             raise QuantkitError("--head-bits quantizes the output head of an EXL2 export: use it with --format exl2")
-        if self.measurement is not None and self.exl2 is None:
-            raise QuantkitError("--measurement chooses EXL2's widths: use it with --format exl2 and a target such as "
-                                "--bits 4.125")
+        if self.target_bpw is not None:
+            if self.method not in ("rtn", "gptq") or self.gguf_type is not None or self.exl2 is not None:
+                raise QuantkitError("--target-bpw spends bits on RTN and GPTQ grids in the safetensors and "
+                                    "compressed-tensors formats: for EXL2 pass the target as --bits, for GGUF use "
+                                    "--tensor-type")
+            if self.rules:
+                raise QuantkitError("--target-bpw writes its own rules from the measurement: pass --rules or "
+                                    "--target-bpw, not both")
+        if self.measurement is not None and self.exl2 is None and self.target_bpw is None:
+            raise QuantkitError("--measurement chooses mixed settings against a target: use it with --target-bpw, or "
+                                "with --format exl2 and a target such as --bits 4.125")
         if self.block_size < 1:
             raise QuantkitError(f"block size {self.block_size} is invalid: use a positive number of columns such as 128")
         if isinstance(self.rules, (str, os.PathLike)):
@@ -125,7 +136,7 @@ class QuantConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method not in ("rtn", *CODEBOOK_METHODS) or self.imatrix
+        return self.method not in ("rtn", *CODEBOOK_METHODS) or self.imatrix or self.target_bpw is not None
 
     def to_dict(self) -> dict:
         return asdict(self)

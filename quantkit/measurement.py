@@ -1,25 +1,178 @@
-"""EXL2's measurement: each decoder block's relative output error at each candidate setting
-(quantizers.exl2.CANDIDATES, quantizers.exl2.measure_layer), gathered by a pass of the pipeline and
-saved as JSON, so that one
-measurement serves any number of targets (ExLlamaV2's converter keeps its measurement.json too).
-A file is tied to its model and calibration by a key; one of another run is refused."""
+"""Measured mixed precision: the linears of each unit of a decoder layer quantized at each candidate
+setting, the error of their block's output measured on the calibration inputs (as ExLlamaV2's
+converter measures), then one candidate per unit: the least summed error within a budget of bits
+per weight (allocate). It serves EXL2 (units: the attention and MLP blocks; candidates: width mixes
+on its grid, exl2.CANDIDATES) and --target-bpw for RTN and GPTQ (units: the groups of linears that
+share an input; candidates: bits and group sizes of the GPTQ layout, GRIDS).
+
+A block's error is weighted by how much the model's loss feels it: each channel's squared output
+error times the mean squared gradient of the calibration loss there (the diagonal of the empirical
+Fisher), so that an error is in nats, 1/2 E[d^T F d], the predicted rise of the mean next-token
+loss. The error relative to the hidden state misjudged blocks wherever a few channels of the
+residual stream are huge (massive activations, which the next norm divides away): on the embedded
+model it gave layers 0-11 1-2 bits more than the rest and lost to the same widths everywhere
+(benchmarks/RESULTS.md). The gradients take one pass of the layers forward and one backward (fisher).
+
+The measurement is saved as JSON, so that one serves any number of targets (ExLlamaV2's converter
+keeps its measurement.json too). A file is tied by a key to its model, calibration and quantizer
+settings; one of another run is refused."""
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.nn.functional as F
+from tqdm import tqdm
 
+from . import distributed
 from .errors import QuantkitError, untrusted
-from .quantizers import exl2
+from .layers import GROUPS, on_device
+from .modelio import Model
+from .pipeline import QuantizeFn, capture_inputs, run_layer
 
-FORMAT = "quantkit-exl2-measurement/2"  # 1 held errors per linear
+FORMAT = "quantkit-measurement/3"  # 2: EXL2's, errors relative to the hidden state; 1: per linear
+# the blocks of a decoder layer whose output a measurement scores, each with its linears
+BLOCKS = {"self_attn": GROUPS[0] + GROUPS[1], "mlp": GROUPS[2] + GROUPS[3]}
+# what one setting covers, by name under its layer: EXL2's blocks (ExLlamaV2's converter measures
+# them), --target-bpw's groups of linears that share an input (what vLLM fuses stays together)
+BLOCK_UNITS = BLOCKS
+GROUP_UNITS = {"self_attn.qkv": GROUPS[0], "self_attn.o": GROUPS[1], "mlp.gate_up": GROUPS[2], "mlp.down": GROUPS[3]}
+FISHER_WINDOWS = 8  # calibration windows the loss's gradients are taken on; each layer's inputs are kept
 
 
-def candidates() -> list[dict]:
-    return [{"bits": list(s.bits), "props": list(s.props)} for s in exl2.CANDIDATES]
+@dataclass(frozen=True)
+class Grid:
+    """A uniform grid in the GPTQ layout: codes of bits, and per group of inputs a float16 scale and
+    a packed zero; g_idx of int32 per input."""
+    bits: int
+    group_size: int
+
+    def total_bits(self, n: int, k: int) -> int:
+        return n * k * self.bits + math.ceil(k / self.group_size) * n * (16 + self.bits) + 32 * k
+
+
+# what --target-bpw tries on each block, narrowest first (2.6 to 8.2 bits per weight)
+GRIDS = (Grid(2, 32), Grid(3, 128), Grid(3, 64), Grid(3, 32), Grid(4, 128), Grid(4, 64), Grid(4, 32), Grid(8, 128))
+
+
+def unit_of(linear: str, units: dict[str, tuple[str, ...]]) -> str:
+    """model.layers.3.self_attn.q_proj -> model.layers.3.self_attn (BLOCK_UNITS) or
+    model.layers.3.self_attn.qkv (GROUP_UNITS)"""
+    layer, _, name = linear.partition(".layers.")[2].partition(".")
+    return f"{linear.partition('.layers.')[0]}.layers.{layer}." + next(u for u, names in units.items() if name in names)
+
+
+def grouped(shapes: dict[str, tuple[int, int]], units: dict[str, tuple[str, ...]]) -> dict[str, dict[str, tuple[int, int]]]:
+    """The linears' shapes grouped by the unit one setting covers."""
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    for name, shape in shapes.items():
+        out.setdefault(unit_of(name, units), {})[name] = shape
+    return out
+
+
+@torch.no_grad()
+def fisher(m: Model, windows: torch.Tensor, device: torch.device, progress: bool = True) -> dict[str, torch.Tensor]:
+    """Each block's diagonal empirical Fisher at its output (the output it adds to the residual
+    stream), by block name: the squared gradient of the summed next-token loss of the first
+    FISHER_WINDOWS windows, per channel, summed over their tokens and divided by their count,
+    float64 [hidden]. The layers run forward keeping their inputs (on the CPU, float32: 8 x 512
+    tokens of 4096 channels are 64 MiB a layer), then backward from the output head, each read from
+    the checkpoint again and recomputed on its inputs. Under torchrun each process takes a share of
+    the windows and the sums are gathered in one order, so any number of processes gives the same."""
+    windows = windows[:FISHER_WINDOWS]
+    batches = capture_inputs(m, windows, 2, device)
+    ids = distributed.share(list(windows.split(2)))
+    n = len(m.layers)
+    inputs = []
+    for i in tqdm(range(n), desc="weighing blocks: forward", unit="layer", disable=not progress, file=sys.stderr):
+        layer = m.materialize(f"model.layers.{i}", device)
+        inputs.append([h.cpu() for h, _ in batches])  # run_layer replaces the entries: these stay as they were
+        run_layer(layer, batches)
+        m.release(f"model.layers.{i}")
+    tied = m.module.config.tie_word_embeddings
+    head = m.materialize("model.embed_tokens" if tied else "lm_head", device).weight
+    norm = m.materialize("model.norm", device)
+    grads = []
+    with torch.enable_grad():
+        for (h, _), x in zip(batches, ids):
+            h = h.to(device).requires_grad_()
+            logits = F.linear(norm(h), head)
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten().to(device), reduction="sum")
+            grads.append(torch.autograd.grad(loss, h)[0])
+    del head, logits
+    for prefix in ("model.norm", "model.embed_tokens" if tied else "lm_head"):
+        m.release(prefix)
+    sums = torch.zeros(len(batches), n, len(BLOCKS), m.module.config.hidden_size, dtype=torch.float64)
+    for i in tqdm(reversed(range(n)), desc="weighing blocks: backward", unit="layer", total=n, disable=not progress,
+                  file=sys.stderr):
+        layer = m.materialize(f"model.layers.{i}", device)
+        outs = {}
+        handles = [layer.self_attn.register_forward_hook(lambda mod, args, out: outs.update(self_attn=out[0])),
+                   layer.mlp.register_forward_hook(lambda mod, args, out: outs.update(mlp=out))]
+        try:
+            with torch.enable_grad():
+                for j, (_, kw) in enumerate(batches):
+                    x = inputs[i][j].to(device).requires_grad_()
+                    y = layer(x, **kw)
+                    y = y[0] if isinstance(y, tuple) else y
+                    gx, *gb = torch.autograd.grad(y, [x, *(outs[b] for b in BLOCKS)], grad_outputs=grads[j])
+                    for b, g in enumerate(gb):
+                        sums[j, i, b] = g.double().square().sum((0, 1)).cpu()
+                    grads[j] = gx
+        finally:
+            for handle in handles:
+                handle.remove()
+        inputs[i] = None
+        m.release(f"model.layers.{i}")
+    total = distributed.gather_rows(sums, "gathering the loss's gradients").sum(0) / windows.numel()
+    return {f"model.layers.{i}.{block}": total[i, b] for i in range(n) for b, block in enumerate(BLOCKS)}
+
+
+@torch.no_grad()
+def measure_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]], hessians: dict,
+                  candidates: list[QuantizeFn], weights: torch.Tensor, units: dict[str, tuple[str, ...]],
+                  prefix: str = "") -> torch.Tensor:
+    """One decoder layer's measurement: the linears of each unit quantized by each candidate (a
+    per-linear core: name, weight, Hessian -> QuantizedTensor), the rest of the layer float, and the
+    output of the unit's block (BLOCKS) run on the float block's inputs, batch by batch. Returns each
+    batch's squared output error weighted per channel by weights ([blocks, hidden], fisher's),
+    float64 [batches, units, candidates]. The weights stay float."""
+    def attention(x, kw):
+        return layer.self_attn(hidden_states=layer.input_layernorm(x), **kw)[0]
+
+    def feed_forward(x, kw):
+        return layer.mlp(layer.post_attention_layernorm(x))
+
+    sq = torch.zeros(len(batches), len(units), len(candidates), dtype=torch.float64)
+    inputs = [on_device(layer, x) for x, _ in batches]
+    kwargs = [kw for _, kw in batches]
+    for b, (block, members) in enumerate(zip((attention, feed_forward), BLOCKS.values())):
+        reference = [block(x, kw) for x, kw in zip(inputs, kwargs)]
+        weight = weights[b].to(inputs[0].device)
+        for u, names in enumerate(units.values()):
+            if not set(names) <= set(members):
+                continue
+            linears = [layer.get_submodule(name) for name in names]
+            originals = [lin.weight.data for lin in linears]
+            try:
+                for c, core in enumerate(candidates):
+                    for lin, name, w in zip(linears, names, originals):
+                        lin.weight.data = core(prefix + name, w, hessians[name]).dequantize().to(w.device, w.dtype)
+                    for j, (x, kw, r) in enumerate(zip(inputs, kwargs, reference)):
+                        sq[j, u, c] = ((block(x, kw) - r).double().square() * weight).sum()
+            finally:
+                for lin, w in zip(linears, originals):
+                    lin.weight.data = w
+        if b == 0:  # the MLP's inputs: the hidden state after the float attention
+            inputs = [x + r for x, r in zip(inputs, reference)]
+        del reference
+    return sq
 
 
 class Recorder:
@@ -46,14 +199,6 @@ class Recorder:
         return {"errors": dict(self.errors)}
 
 
-def blocks(shapes: dict[str, tuple[int, int]]) -> dict[str, dict[str, tuple[int, int]]]:
-    """The linears' shapes grouped by the block a measurement scores them in."""
-    out: dict[str, dict[str, tuple[int, int]]] = {}
-    for name, shape in shapes.items():
-        out.setdefault(exl2.block_of(name), {})[name] = shape
-    return out
-
-
 def check_path(path: str | os.PathLike) -> None:
     """Refuse, before any work, a measurement path that can be neither read nor written."""
     path = Path(path)
@@ -63,13 +208,18 @@ def check_path(path: str | os.PathLike) -> None:
         raise QuantkitError(f"{path.parent}: no such directory: create it or choose another --measurement")
 
 
+def described(settings: tuple) -> list[dict]:
+    """The candidates as the file holds them (tuples as lists)."""
+    return json.loads(json.dumps([asdict(s) for s in settings]))
+
+
 def save(path: str | os.PathLike, key: str, source: str, shapes: dict[str, tuple[int, int]],
-         errors: dict[str, list[float]]) -> None:
+         units: dict[str, tuple[str, ...]], errors: dict[str, list[float]], settings: tuple) -> None:
     """The measurement at path, complete or not at all."""
     path = Path(path)
-    body = {"format": FORMAT, "key": key, "model": source, "candidates": candidates(),
-            "blocks": {block: {"linears": {name: list(shape) for name, shape in linears.items()}, "errors": errors[block]}
-                       for block, linears in blocks(shapes).items()}}
+    body = {"format": FORMAT, "key": key, "model": source, "candidates": described(settings),
+            "units": {unit: {"linears": {name: list(shape) for name, shape in linears.items()}, "errors": errors[unit]}
+                      for unit, linears in grouped(shapes, units).items()}}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         tmp.write_text(json.dumps(body, indent=1))
@@ -79,27 +229,87 @@ def save(path: str | os.PathLike, key: str, source: str, shapes: dict[str, tuple
         raise
 
 
-def read(path: str | os.PathLike, key: str, shapes: dict[str, tuple[int, int]]) -> dict[str, list[float]]:
+def read(path: str | os.PathLike, key: str, shapes: dict[str, tuple[int, int]], units: dict[str, tuple[str, ...]],
+         settings: tuple) -> dict[str, list[float]]:
     """The errors of a saved measurement, checked to be of this model, calibration and candidates."""
     path = Path(path)
-    with untrusted(path, "not a measurement file", "pass the file a quantkit --format exl2 run saved, or a new path "
-                   "to measure into"):
+    with untrusted(path, "not a measurement file", "pass the file a quantkit run with --measurement saved, or a new "
+                   "path to measure into"):
         body = json.loads(path.read_text())
         if not isinstance(body, dict) or body.get("format") != FORMAT:
             raise ValueError(f"its format is not {FORMAT}")
+        if body.get("candidates") != described(settings):
+            raise QuantkitError(f"{path} was measured over other candidate settings (another format, method or quantkit "
+                                "version): measure again into a new --measurement path")
         if body.get("key") != key:
-            raise QuantkitError(f"{path} is the measurement of another model or calibration ({body.get('model')}): "
-                                "measure this one into a new --measurement path, or calibrate as that run did")
-        if body.get("candidates") != candidates():
-            raise QuantkitError(f"{path} was measured over other candidate settings (another quantkit version): "
-                                "measure again into a new --measurement path")
-        entries = body["blocks"]
+            raise QuantkitError(f"{path} is the measurement of another model, calibration or quantizer settings "
+                                f"({body.get('model')}): measure this one into a new --measurement path, or "
+                                "calibrate and quantize as that run did")
+        entries = body["units"]
         errors = {}
-        for block, linears in blocks(shapes).items():
-            entry = entries[block]
+        for unit, linears in grouped(shapes, units).items():
+            entry = entries[unit]
             values = [float(v) for v in entry["errors"]]
             if entry["linears"] != {name: list(shape) for name, shape in linears.items()} or \
-                    len(values) != len(exl2.CANDIDATES) or not all(math.isfinite(v) and v >= 0 for v in values):
-                raise ValueError(f"its entry for {block} does not fit the model")
-            errors[block] = values
+                    len(values) != len(settings) or not all(math.isfinite(v) and v >= 0 for v in values):
+                raise ValueError(f"its entry for {unit} does not fit the model")
+            errors[unit] = values
         return errors
+
+
+def check_target(shapes: dict[str, tuple[int, int]], target: float, settings: tuple, what: str) -> None:
+    """Refuse a target bits per weight that no choice of settings meets; what names the settings."""
+    weights = sum(n * k for n, k in shapes.values())
+    low = sum(min(s.total_bits(n, k) for s in settings) for n, k in shapes.values()) / weights
+    high = sum(max(s.total_bits(n, k) for s in settings) for n, k in shapes.values()) / weights
+    if not low <= target <= high:
+        raise QuantkitError(f"{target} bits per weight is outside what {what} reaches for this model "
+                            f"({low:.3f} to {high:.3f}): choose a target in that range")
+
+
+def allocate(units: dict[str, list[tuple[int, int]]], errors: dict[str, list[float]], target: float,
+             settings: tuple, steps: int = 100_000) -> dict:
+    """One setting per unit (for all its linears, of the given shapes) with the least summed error
+    whose bits, over all the linears' weights, are at most target per weight: a knapsack solved
+    exactly over bits rounded up to 1/steps of the budget (one choice per unit, dynamic
+    programming), then upgrades by error saved per bit while the exact bits left allow."""
+    check_target({f"{name}.{j}": shape for name, shapes in units.items() for j, shape in enumerate(shapes)},
+                 target, settings, "these settings")
+    names = list(units)
+    e = np.array([errors[n] for n in names], dtype=np.float64)
+    b = np.array([[sum(s.total_bits(*shape) for shape in units[n]) for s in settings] for n in names],
+                 dtype=np.float64)
+    budget = target * sum(n * k for shapes in units.values() for n, k in shapes)
+    cost = np.ceil(b / budget * steps).astype(np.int64)
+    best = np.full(steps + 1, np.inf)  # least error using u steps
+    best[0] = 0.0
+    choice = np.zeros((len(names), steps + 1), dtype=np.int8)
+    for i in range(len(names)):
+        new = np.full(steps + 1, np.inf)
+        for c in range(len(settings)):
+            shifted = np.full(steps + 1, np.inf)
+            if cost[i, c] <= steps:
+                shifted[cost[i, c]:] = best[:steps + 1 - cost[i, c]] + e[i, c]
+            better = shifted < new
+            new[better], choice[i, better] = shifted[better], c
+        best = new
+    rows = np.arange(len(names))
+    if np.isfinite(best).any():
+        pick, u = np.zeros(len(names), dtype=np.int64), int(np.argmin(best))
+        for i in reversed(range(len(names))):
+            pick[i] = choice[i, u]
+            u -= cost[i, pick[i]]
+    else:  # rounding took the narrowest choices over the budget: they are within it unrounded
+        pick = np.argmin(b, axis=1)
+    left = budget - b[rows, pick].sum()
+    while True:
+        gain_bits = b - b[rows, pick][:, None]
+        saved = e[rows, pick][:, None] - e
+        ok = (gain_bits > 0) & (gain_bits <= left) & (saved > 0)
+        if not ok.any():
+            break
+        ratio = np.where(ok, saved / np.where(ok, gain_bits, 1), -1)
+        i, c = np.unravel_index(np.argmax(ratio), ratio.shape)
+        left -= gain_bits[i, c]
+        pick[i] = c
+    return {n: settings[c] for n, c in zip(names, pick)}

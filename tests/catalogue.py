@@ -103,6 +103,12 @@ CATALOGUE = {
                                           "rope scaling 'dynamic' of a llama model is not written to GGUF",
                                           edit_config(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                        "rope_theta": 10000.0})),
+    "target bpw out of reach": Bad("quantize {model} --method gptq --target-bpw 12 --out {tmp}/q",
+                                   "outside what the GPTQ layout's bits and group sizes reaches"),
+    "target bpw for AWQ": Bad("quantize {model} --method awq --target-bpw 4 --out {tmp}/q",
+                              "--target-bpw spends bits on RTN and GPTQ grids"),
+    "target bpw with rules": Bad("quantize {model} --method gptq --target-bpw 4 --rules {text} --out {tmp}/q",
+                                 "pass --rules or --target-bpw, not both"),
     "tensor type without a type": Bad("quantize {model} --format gguf --gguf-type Q4_0 --tensor-type attn_v "
                                       "--out {tmp}/q.gguf", "is not PATTERN=TYPE"),
     "tensor type for a float mix": Bad("quantize {model} --format gguf --gguf-type F16 --tensor-type attn_v=Q8_0 "

@@ -42,7 +42,8 @@ def files(directory: Path) -> dict[str, bytes]:
     ["--method", "rtn", "--imatrix", "--format", "gguf", "--gguf-type", "Q4_0"],
     ["--method", "gptq", "--format", "exl2", "--bits", "4.0"],
     ["--method", "gptq", "--group-size", 32, "--rules", "RULES"],
-], ids=["gptq", "gguf-imatrix", "exl2-measured", "gptq-rules"])
+    ["--method", "gptq", "--target-bpw", "3.6"],
+], ids=["gptq", "gguf-imatrix", "exl2-measured", "gptq-rules", "gptq-target"])
 def test_two_processes_write_what_one_writes(tiny_dir, tmp_path, args):
     """24 windows in 3 batches: rank 0 calibrates on two, rank 1 on one; the Hessians are summed and
     each rank quantizes every other linear (a linear the rules skip travels as nothing). The files
@@ -54,7 +55,8 @@ def test_two_processes_write_what_one_writes(tiny_dir, tmp_path, args):
         args = [rules if a == "RULES" else a for a in args]
     common = [tiny_dir, *args, "--calib-data", VALID, "--calib-samples", 24, "--calib-seqlen", 64]
     suffix = ".gguf" if "gguf" in args else ""
-    measured = "exl2" in args  # each block's error measured on each process's batches, the sums gathered
+    # the loss's gradients and each block's error measured on each process's batches, the sums gathered
+    measured = "exl2" in args or "--target-bpw" in args
 
     def out(name: str) -> list:
         return ["--out", tmp_path / f"{name}{suffix}", *(["--measurement", tmp_path / f"{name}.json"] if measured else [])]
@@ -71,8 +73,8 @@ def test_two_processes_write_what_one_writes(tiny_dir, tmp_path, args):
     made = [f"one{suffix}", f"two{suffix}", *(["one.json", "two.json"] if measured else [])]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(made)
     if measured:
-        assert (json.loads((tmp_path / "two.json").read_text())["blocks"]
-                == json.loads((tmp_path / "one.json").read_text())["blocks"])
+        assert (json.loads((tmp_path / "two.json").read_text())["units"]
+                == json.loads((tmp_path / "one.json").read_text())["units"])
 
 
 def test_a_process_that_dies_stops_the_job_and_the_same_command_resumes(tiny_dir, tmp_path):

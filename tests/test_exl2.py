@@ -1,8 +1,9 @@
 """EXL2: an independent decoder of ExLlamaV2's layout, written from the format's description
 (../shared/docs/FORMATS.md section 6, not from our packer), gives our dequantized weights; the
 widths mix within a linear and meet the target; quantkit loads and scores the files. The
-measurement (each attention and MLP block's output error at each candidate setting) is saved, reused
-and refused when it is another run's; the allocation from it is the knapsack's optimum."""
+measurement (quantkit.measurement: each attention and MLP block's output error at each candidate
+setting) is saved, reused and refused when it is another run's; the allocation from it is the
+knapsack's optimum."""
 import itertools
 import json
 
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import quantkit
+from quantkit import measurement
 from quantkit.quantizers import exl2
 from quantkit.quantizers.exl2 import CANDIDATES, Setting
 
@@ -115,7 +117,8 @@ def test_quantkit_loads_and_scores_the_file(exported):
 def test_wider_targets_fit_better(tiny_dir, measured, exported, monkeypatch):
     """The same GPTQ onto wider EXL2 grids: the layer loss falls as the target rises. Each run reads
     the measurement the first one saved: none measures again."""
-    monkeypatch.setattr(exl2, "measure_layer", None)  # a call would fail
+    monkeypatch.setattr(measurement, "measure_layer", None)  # a call would fail
+    monkeypatch.setattr(measurement, "fisher", None)
     losses = []
     for target in (3.5, 4.5, 6.0):
         m = quantkit.quantize(str(tiny_dir), method="gptq", format="exl2", exl2=target, measurement=str(measured),
@@ -125,46 +128,17 @@ def test_wider_targets_fit_better(tiny_dir, measured, exported, monkeypatch):
 
 
 def test_the_measurement_falls_with_width(measured, exported):
-    """Every attention and MLP block of the tiny model is measured; its error relative to the hidden
-    state falls as the setting widens, from a visible one at 2 bits to almost none at 8."""
+    """Every attention and MLP block of the tiny model is measured; its predicted loss falls as the
+    setting widens, from a visible one at 2 bits to almost none at 8."""
     body = json.loads(measured.read_text())
-    assert body["candidates"] == [{"bits": list(c.bits), "props": list(c.props)} for c in CANDIDATES]
-    assert list(body["blocks"]) == [f"model.layers.{i}.{b}" for i in range(2) for b in ("self_attn", "mlp")]
+    assert body["candidates"] == measurement.described(CANDIDATES)
+    assert list(body["units"]) == [f"model.layers.{i}.{b}" for i in range(2) for b in ("self_attn", "mlp")]
     order = sorted(range(len(CANDIDATES)), key=lambda c: CANDIDATES[c].total_bits(64, 64))
-    for name, entry in body["blocks"].items():
-        assert sorted(entry["linears"]) == sorted(f"{name}.{lin.split('.')[1]}" for lin in exl2.BLOCKS[name.split(".")[-1]])
+    for name, entry in body["units"].items():
+        assert sorted(entry["linears"]) == sorted(f"{name}.{lin.split('.')[1]}"
+                                                  for lin in measurement.BLOCKS[name.split(".")[-1]])
         errors = [entry["errors"][c] for c in order]
         assert errors == sorted(errors, reverse=True) and errors[-1] < 1e-3 * errors[0] < errors[0] < 1, name
-
-
-def test_the_measurement_is_the_blocks_output_error(tiny_dir):
-    """measure_layer against a direct computation: the MLP of layer 0 with its three linears
-    quantized at 3 bits, run on the float hidden state after attention, against the float MLP."""
-    torch.manual_seed(0)
-    m = quantkit.load(str(tiny_dir))
-    m.materialize()
-    layer = m.module.model.layers[0].float()
-    before = {k: v.clone() for k, v in layer.state_dict().items()}
-    x = torch.randn(2, 16, layer.mlp.gate_proj.in_features)
-    pos = torch.arange(16)[None].expand(2, -1)
-    kw = {"position_embeddings": m.module.model.rotary_emb(x, pos), "attention_mask": None}
-    h_in = layer.post_attention_layernorm
-    xs = {name: torch.randn(64, layer.get_submodule(name).in_features) for name in exl2.BLOCKS["mlp"] + exl2.BLOCKS["self_attn"]}
-    hessians = {name: 2 * v.T @ v / len(v) for name, v in xs.items()}
-    setting = CANDIDATES[1]  # 3 bits
-    sq, norms = exl2.measure_layer(layer, [(x, kw)], hessians, settings=(setting,))
-    with torch.no_grad():
-        h = x + layer.self_attn(hidden_states=layer.input_layernorm(x), **kw)[0]
-        ref = layer.mlp(h_in(h))
-        quantized = {name: exl2.quantize(layer.get_submodule(name).weight.data, hessians[name], setting).tensor.dequantize()
-                     for name in exl2.BLOCKS["mlp"]}
-        mlp = layer.mlp
-        act = mlp.act_fn(torch.nn.functional.linear(h_in(h), quantized["mlp.gate_proj"]))
-        out = torch.nn.functional.linear(act * torch.nn.functional.linear(h_in(h), quantized["mlp.up_proj"]),
-                                         quantized["mlp.down_proj"])
-    assert float(sq[0, 1, 0]) == pytest.approx(float((out - ref).double().square().sum()), rel=1e-4)
-    assert float(norms[0, 1]) == pytest.approx(float((h + ref).double().square().sum()), rel=1e-6)
-    assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())  # left float
 
 
 def width(setting: Setting) -> float:
@@ -194,7 +168,7 @@ def test_the_allocation_is_the_optimum():
             slope, scale = rng.uniform(2, 6), rng.uniform(0.01, 2)
             errors[name] = [scale * slope ** -width(c) for c in CANDIDATES]
         target = rng.uniform(2.5, 8)
-        chosen = exl2.allocate(blocks, errors, target)
+        chosen = measurement.allocate(blocks, errors, target, CANDIDATES)
         bits = sum(chosen[b].total_bits(*shape) for b in blocks for shape in blocks[b])
         assert bits <= target * sum(n * k for shapes in blocks.values() for n, k in shapes)
         assert sum(errors[b][CANDIDATES.index(chosen[b])] for b in blocks) == pytest.approx(
@@ -206,7 +180,7 @@ def test_bits_go_where_they_save_most_error():
     gets the wider setting."""
     blocks = {"steep": [(256, 256)], "flat": [(256, 256)]}
     errors = {"steep": [4.0 ** -width(c) for c in CANDIDATES], "flat": [0.05 * 1.1 ** -width(c) for c in CANDIDATES]}
-    chosen = exl2.allocate(blocks, errors, 4.2)
+    chosen = measurement.allocate(blocks, errors, 4.2, CANDIDATES)
     assert chosen["steep"].total_bits(256, 256) > chosen["flat"].total_bits(256, 256)
 
 
@@ -215,7 +189,7 @@ def test_a_killed_measurement_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
     measurement and export equal an uninterrupted run's."""
     kw = dict(method="gptq", format="exl2", exl2=4.0, **CALIB, progress=False)
     quantkit.quantize(str(tiny_dir), out=tmp_path / "whole", measurement=str(tmp_path / "whole.json"), **kw)
-    real, calls, killed = exl2.measure_layer, [], []
+    real, calls, killed = measurement.measure_layer, [], []
 
     def dies_in_layer_1(*args, **kwargs):
         calls.append(kwargs["prefix"])
@@ -224,7 +198,7 @@ def test_a_killed_measurement_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(exl2, "measure_layer", dies_in_layer_1)
+    monkeypatch.setattr(measurement, "measure_layer", dies_in_layer_1)
     with pytest.raises(KeyboardInterrupt):
         quantkit.quantize(str(tiny_dir), out=tmp_path / "q", measurement=str(tmp_path / "q.json"), **kw)
     assert (tmp_path / ".q.json.progress-measurement.pt").is_file() and not (tmp_path / "q.json").exists()
@@ -234,7 +208,7 @@ def test_a_killed_measurement_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
     assert "resuming after layer 1/2" in capsys.readouterr().err
     assert calls and all("layers.1." in c for c in calls)
     whole, resumed = json.loads((tmp_path / "whole.json").read_text()), json.loads((tmp_path / "q.json").read_text())
-    assert resumed["blocks"] == whole["blocks"]
+    assert resumed["units"] == whole["units"]
     assert load_file(tmp_path / "q" / "model.safetensors").keys() == load_file(tmp_path / "whole" / "model.safetensors").keys()
     for key, t in load_file(tmp_path / "q" / "model.safetensors").items():
         assert torch.equal(t, load_file(tmp_path / "whole" / "model.safetensors")[key]), key
@@ -245,7 +219,7 @@ def test_a_measurement_of_another_calibration_is_refused(tiny_dir, measured, exp
     args = ["quantize", str(tiny_dir), "--method", "gptq", "--format", "exl2", "--bits", "4.0", "--calib-data",
             str(VALID), "--calib-samples", "16", "--calib-seqlen", "64", "--measurement", str(measured)]
     refused([*args, "--seed", "1", "--out", str(tmp_path / "q")], capsys, monkeypatch,
-            "the measurement of another model or calibration")
+            "the measurement of another model, calibration or quantizer settings")
     damaged = tmp_path / "damaged.json"
     damaged.write_text(measured.read_text()[:-40])
     refused([*args[:-1], str(damaged), "--out", str(tmp_path / "q")], capsys, monkeypatch, "not a measurement file")
@@ -289,7 +263,7 @@ def test_head_bits_quantize_an_untied_head(tmp_path):
     (["--format", "exl2", "--method", "gptq", "--bits", "9"], "outside what EXL2 reaches"),
     (["--format", "exl2", "--bits", "4.5"], "EXL2 is filled by GPTQ"),
     (["--bits", "4.5"], "only --format exl2 takes a bits-per-weight target"),
-    (["--measurement", "m.json"], "use it with --format exl2"),
+    (["--measurement", "m.json"], "use it with --target-bpw, or"),
     (["--format", "exl2", "--method", "gptq", "--bits", "4.5", "--measurement", "nowhere/m.json"], "no such directory"),
 ])
 def test_bad_exl2_input(tiny_dir, tmp_path, capsys, monkeypatch, args, match):

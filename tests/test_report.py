@@ -53,7 +53,7 @@ def test_exl2_points_share_one_measurement(tiny_dir, tmp_path, capsys, monkeypat
     assert code == 0 and [p["status"] for p in points] == ["ok", "ok"]
     assert all(p["exl2"] - 0.5 < p["bpw_linear"] <= p["exl2"] for p in points)
     measured = json.loads((out / "exl2-measurement.json").read_text())
-    assert len(measured["blocks"]) == 4  # two layers, attention and MLP
+    assert len(measured["units"]) == 4  # two layers, attention and MLP
     # written during the first point, not again
     assert (out / "exl2-measurement.json").stat().st_mtime_ns < (out / "points" / "exl2-3.json").stat().st_mtime_ns
     assert points[0]["kld_mean"] > points[1]["kld_mean"]

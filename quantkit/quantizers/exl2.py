@@ -6,22 +6,17 @@ around 2^(b-1); each group's scale per output row is ((c + 1)^2 / 256) * scale_m
 c, scale_max the group's largest scale, searched (times p in [0.7, 1.2]) for the least error in the
 3.5-norm, as ExLlamaV2's converter does.
 
-Each linear gets the target's two nearest widths (Setting.for_target), or, with a measurement (each
-decoder layer's attention and MLP block quantized whole at each of CANDIDATES, the error of its
-output measured on the calibration inputs, as ExLlamaV2's converter does), allocate picks one
-candidate per block: the least summed error within the budget.
+Each linear gets the target's two nearest widths (Setting.for_target), or, with a measurement
+(quantkit.measurement), one of CANDIDATES per attention and MLP block.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 import torch
 
 from ..errors import QuantkitError
-from ..layers import GROUPS, on_device
 from ..qtensor import EXL2_BITS, QuantizedTensor
 from .gptq import GPTQResult, prepare, run
 
@@ -141,109 +136,3 @@ def quantize(w: torch.Tensor, h: torch.Tensor, setting: Setting, damp: float = 0
 # what a measurement tries on each block: every width alone, and half of the inputs at the next wider
 CANDIDATES = tuple(Setting((b,), (1.0,)) for b in EXL2_BITS) + tuple(
     Setting((hi, lo), (0.5, 0.5)) for lo, hi in zip(EXL2_BITS, EXL2_BITS[1:]))
-# the blocks of a decoder layer a measurement scores, each with its linears
-BLOCKS = {"self_attn": GROUPS[0] + GROUPS[1], "mlp": GROUPS[2] + GROUPS[3]}
-
-
-def block_of(linear: str) -> str:
-    """model.layers.3.self_attn.q_proj -> model.layers.3.self_attn"""
-    return linear.rsplit(".", 1)[0]
-
-
-@torch.no_grad()
-def measure_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]], hessians: dict[str, torch.Tensor],
-                  settings: tuple[Setting, ...] = CANDIDATES, damp: float = 0.01, block_size: int = 128,
-                  prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    """ExLlamaV2's measurement of one decoder layer: each block of BLOCKS quantized whole at each
-    setting (every linear by GPTQ with its Hessian), run on the float block's inputs, batch by batch.
-    Returns the squared error of the block's output, float64 [batches, blocks, settings], and the
-    squared norm of the hidden state the block adds to (its input plus its float output),
-    [batches, blocks]: their ratio is the error relative to what flows on. The weights stay float."""
-    def attention(x, kw):
-        return layer.self_attn(hidden_states=layer.input_layernorm(x), **kw)[0]
-
-    def feed_forward(x, kw):
-        return layer.mlp(layer.post_attention_layernorm(x))
-
-    sq = torch.zeros(len(batches), len(BLOCKS), len(settings), dtype=torch.float64)
-    norms = torch.zeros(len(batches), len(BLOCKS), dtype=torch.float64)
-    inputs = [on_device(layer, x) for x, _ in batches]
-    kwargs = [kw for _, kw in batches]
-    for b, (block, names) in enumerate(zip((attention, feed_forward), BLOCKS.values())):
-        reference = [block(x, kw) for x, kw in zip(inputs, kwargs)]
-        norms[:, b] = torch.stack([(x + r).double().square().sum() for x, r in zip(inputs, reference)])
-        linears = [layer.get_submodule(name) for name in names]
-        originals = [lin.weight.data for lin in linears]
-        try:
-            for c, s in enumerate(settings):
-                for lin, name, w in zip(linears, names, originals):
-                    lin.weight.data = quantize(w, hessians[name], s, damp, block_size, prefix + name).tensor \
-                        .dequantize().to(w.device, w.dtype)
-                for j, (x, kw, r) in enumerate(zip(inputs, kwargs, reference)):
-                    sq[j, b, c] = (block(x, kw) - r).double().square().sum()
-        finally:
-            for lin, w in zip(linears, originals):
-                lin.weight.data = w
-        if b == 0:  # the MLP's inputs: the hidden state after the float attention
-            inputs = [x + r for x, r in zip(inputs, reference)]
-        del reference
-    return sq, norms
-
-
-def check_target(shapes: dict[str, tuple[int, int]], target: float,
-                 settings: tuple[Setting, ...] = CANDIDATES) -> None:
-    """Refuse a target bits per weight that no choice of settings meets."""
-    weights = sum(n * k for n, k in shapes.values())
-    low = sum(min(s.total_bits(n, k) for s in settings) for n, k in shapes.values()) / weights
-    high = sum(max(s.total_bits(n, k) for s in settings) for n, k in shapes.values()) / weights
-    if not low <= target <= high:
-        raise QuantkitError(f"{target} bits per weight is outside what EXL2 reaches for this model "
-                            f"({low:.3f} to {high:.3f}): choose a target in that range")
-
-
-def allocate(blocks: dict[str, list[tuple[int, int]]], errors: dict[str, list[float]], target: float,
-             settings: tuple[Setting, ...] = CANDIDATES, units: int = 100_000) -> dict[str, Setting]:
-    """One setting per block (for all its linears, of the given shapes) with the least summed error
-    whose bits, over all the linears' weights, are at most target per weight: a knapsack solved
-    exactly over bits rounded up to 1/units of the budget (one choice per block, dynamic
-    programming), then upgrades by error saved per bit while the exact bits left allow."""
-    check_target({f"{name}.{j}": shape for name, shapes in blocks.items() for j, shape in enumerate(shapes)},
-                 target, settings)
-    names = list(blocks)
-    e = np.array([errors[n] for n in names], dtype=np.float64)
-    b = np.array([[sum(s.total_bits(*shape) for shape in blocks[n]) for s in settings] for n in names],
-                 dtype=np.float64)
-    budget = target * sum(n * k for shapes in blocks.values() for n, k in shapes)
-    cost = np.ceil(b / budget * units).astype(np.int64)
-    best = np.full(units + 1, np.inf)  # least error using u units
-    best[0] = 0.0
-    choice = np.zeros((len(names), units + 1), dtype=np.int8)
-    for i in range(len(names)):
-        new = np.full(units + 1, np.inf)
-        for c in range(len(settings)):
-            shifted = np.full(units + 1, np.inf)
-            if cost[i, c] <= units:
-                shifted[cost[i, c]:] = best[:units + 1 - cost[i, c]] + e[i, c]
-            better = shifted < new
-            new[better], choice[i, better] = shifted[better], c
-        best = new
-    rows = np.arange(len(names))
-    if np.isfinite(best).any():
-        pick, u = np.zeros(len(names), dtype=np.int64), int(np.argmin(best))
-        for i in reversed(range(len(names))):
-            pick[i] = choice[i, u]
-            u -= cost[i, pick[i]]
-    else:  # rounding took the narrowest choices over the budget: they are within it unrounded
-        pick = np.argmin(b, axis=1)
-    left = budget - b[rows, pick].sum()
-    while True:
-        gain_bits = b - b[rows, pick][:, None]
-        saved = e[rows, pick][:, None] - e
-        ok = (gain_bits > 0) & (gain_bits <= left) & (saved > 0)
-        if not ok.any():
-            break
-        ratio = np.where(ok, saved / np.where(ok, gain_bits, 1), -1)
-        i, c = np.unravel_index(np.argmax(ratio), ratio.shape)
-        left -= gain_bits[i, c]
-        pick[i] = c
-    return {n: settings[c] for n, c in zip(names, pick)}

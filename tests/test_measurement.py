@@ -1,0 +1,180 @@
+"""Measured mixed precision (quantkit.measurement) and --target-bpw: the Fisher weights are the loss's
+gradients as autograd gives them for the whole model; a unit's measured error is the weighted error
+of its block's output; a --target-bpw export gives each group of linears sharing an input one grid of
+the candidates, stays within the target as its bytes count it, and its measurement serves other
+targets; bad input is refused."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import quantkit
+from quantkit import calibration, measurement
+from quantkit.api import quantizer
+from quantkit.config import QuantConfig
+from quantkit.measurement import GRIDS, Grid
+
+from .conftest import TEST, VALID, loaded, refused
+
+CALIB = dict(calib_data=VALID, calib_samples=16, calib_seqlen=64)
+
+
+@pytest.fixture(scope="module")
+def windows(tiny_dir):
+    m = quantkit.load(str(tiny_dir))
+    return calibration.sample_windows(m.tokenizer, calibration.load_text(VALID), 16, 64, 0)
+
+
+def test_the_weights_are_the_gradients_of_the_loss(tiny_dir, windows):
+    """fisher streams the layers forward and then backward in batches of 2; autograd through the whole
+    model on the first 8 windows at once gives the same mean squared gradient at every block's output."""
+    m = loaded(str(tiny_dir))
+    outputs = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            out = out[0] if isinstance(out, tuple) else out
+            out.retain_grad()
+            outputs[name] = out
+        return hook
+
+    for i, layer in enumerate(m.layers):
+        layer.self_attn.register_forward_hook(keep(f"model.layers.{i}.self_attn"))
+        layer.mlp.register_forward_hook(keep(f"model.layers.{i}.mlp"))
+    x = windows[:measurement.FISHER_WINDOWS]
+    logits = m.module(x, use_cache=False).logits
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="sum").backward()
+    expected = {name: out.grad.double().square().sum((0, 1)) / x.numel() for name, out in outputs.items()}
+    got = measurement.fisher(quantkit.load(str(tiny_dir)), windows, torch.device("cpu"), progress=False)
+    assert got.keys() == expected.keys()
+    for name, f in got.items():
+        assert f.dtype == torch.float64 and f.shape == (64,) and bool((f > 0).all()), name
+        torch.testing.assert_close(f, expected[name], rtol=1e-4, atol=0, msg=name)
+
+
+def test_a_units_error_is_its_blocks_weighted_output_error(tiny_dir):
+    """measure_layer against a direct computation: the MLP of layer 0 with its three linears by GPTQ
+    at 3 bits (EXL2's unit, the block), or down_proj alone (--target-bpw's unit), run on the float
+    hidden state after attention, against the float MLP, each channel's squared error times its
+    weight."""
+    torch.manual_seed(0)
+    m = loaded(str(tiny_dir))
+    layer = m.module.model.layers[0].float()
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    x = torch.randn(2, 16, layer.mlp.gate_proj.in_features)
+    pos = torch.arange(16)[None].expand(2, -1)
+    kw = {"position_embeddings": m.module.model.rotary_emb(x, pos), "attention_mask": None}
+    names = measurement.BLOCKS["self_attn"] + measurement.BLOCKS["mlp"]
+
+    class H:  # a Hessian as the pipeline hands it over
+        def __init__(self, v):
+            self.m, self.count = 2 * v.T @ v / len(v), len(v)
+
+        def matrix(self):
+            return self.m
+
+    hessians = {name: H(torch.randn(64, layer.get_submodule(name).in_features)) for name in names}
+    core = quantizer(QuantConfig(method="gptq", bits=3, group_size=32), {})
+    weights = torch.rand(2, 64, dtype=torch.float64)
+    blocks = measurement.measure_layer(layer, [(x, kw)], hessians, [core], weights, measurement.BLOCK_UNITS)
+    groups = measurement.measure_layer(layer, [(x, kw)], hessians, [core], weights, measurement.GROUP_UNITS)
+    assert blocks.shape == (1, 2, 1) and groups.shape == (1, 4, 1)
+    linear = torch.nn.functional.linear
+    with torch.no_grad():
+        h = x + layer.self_attn(hidden_states=layer.input_layernorm(x), **kw)[0]
+        hn = layer.post_attention_layernorm(h)
+        ref = layer.mlp(hn)
+        mlp = {name: layer.get_submodule(name).weight.data for name in measurement.BLOCKS["mlp"]}
+        q = {name: core(name, w, hessians[name]).dequantize() for name, w in mlp.items()}
+        for got, ws in ((blocks[0, 1, 0], q), (groups[0, 3, 0], {**mlp, "mlp.down_proj": q["mlp.down_proj"]})):
+            act = layer.mlp.act_fn(linear(hn, ws["mlp.gate_proj"]))
+            out = linear(act * linear(hn, ws["mlp.up_proj"]), ws["mlp.down_proj"])
+            assert float(got) == pytest.approx(float(((out - ref).double().square() * weights[1]).sum()), rel=1e-4)
+    assert float(groups[0, 3, 0]) < float(blocks[0, 1, 0])
+    assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())  # left float
+
+
+@pytest.fixture(scope="module")
+def targeted(tiny_dir, tmp_path_factory):
+    """GPTQ at 3.6 bits per weight of the tiny model, its measurement saved."""
+    root = tmp_path_factory.mktemp("target")
+    m = quantkit.quantize(str(tiny_dir), method="gptq", target_bpw=3.6, measurement=str(root / "m.json"), **CALIB,
+                          out=root / "q", keep=True, progress=False)
+    return m, root
+
+
+def settings_of(m) -> dict[str, Grid]:
+    return {name: Grid(qt.bits, qt.group_size) for name, qt in m.tensors.items()}
+
+
+def test_each_group_gets_one_grid_within_the_target(targeted):
+    """q/k/v and gate/up share a grid, one of GRIDS; the grids differ between groups; each linear's
+    tensors in the file hold Grid.total_bits, and all of them at most the target."""
+    m, root = targeted
+    grids = settings_of(m)
+    assert set(grids.values()) <= set(GRIDS) and len(set(grids.values())) > 1
+    for i in range(2):
+        for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+            assert len({grids[f"model.layers.{i}.{name}"] for name in group}) == 1
+    state = load_file(root / "q" / "model.safetensors")
+    total = weights = 0
+    for name, qt in m.tensors.items():
+        n, k = qt.shape
+        stored = sum(state[f"{name}.{p}"].numel() * state[f"{name}.{p}"].element_size() * 8
+                     for p in ("qweight", "qzeros", "scales", "g_idx"))
+        assert stored == grids[name].total_bits(n, k), name
+        total, weights = total + stored, weights + n * k
+    assert 3.3 < total / weights <= 3.6
+    back = quantkit.load(root / "q")
+    for name, qt in m.tensors.items():
+        assert torch.equal(back.tensors[name].dequantize(), qt.dequantize()), name
+    ours = quantkit.evaluate(m, TEST, max_windows=2, ctx=64, progress=False).perplexity
+    assert quantkit.evaluate(root / "q", TEST, max_windows=2, ctx=64, progress=False).perplexity == \
+        pytest.approx(ours, rel=1e-3)
+
+
+def test_the_measurement_serves_other_targets(tiny_dir, targeted, monkeypatch):
+    """Read back, the measurement spends a wider target on more bits and a smaller summed error, and
+    none measures again; the units' errors fall as the grid widens."""
+    _, root = targeted
+    monkeypatch.setattr(measurement, "measure_layer", None)  # a call would fail
+    monkeypatch.setattr(measurement, "fisher", None)
+    body = json.loads((root / "m.json").read_text())
+    assert body["candidates"] == [{"bits": g.bits, "group_size": g.group_size} for g in GRIDS]
+    assert list(body["units"]) == [f"model.layers.{i}.{u}" for i in range(2) for u in measurement.GROUP_UNITS]
+    for name, entry in body["units"].items():
+        e = entry["errors"]
+        assert e[0] > e[1] > e[4] > e[7] > 0 and e[7] < 1e-3 * e[0], name  # 2, 3, 4 and 8 bits
+    spent = []
+    for target in (3.2, 4.4, 8.0):
+        m = quantkit.quantize(str(tiny_dir), method="gptq", target_bpw=target, measurement=str(root / "m.json"),
+                              **CALIB, keep=True, progress=False)
+        grids = settings_of(m)
+        bits = sum(grids[name].total_bits(*qt.shape) for name, qt in m.tensors.items())
+        error = sum(body["units"][measurement.unit_of(name, measurement.GROUP_UNITS)]["errors"][GRIDS.index(grid)]
+                    for name, grid in grids.items() if name.endswith(("q_proj", "o_proj", "gate_proj", "down_proj")))
+        spent.append((bits, error))
+    assert spent[0][0] < spent[1][0] < spent[2][0] and spent[0][1] > spent[1][1] > spent[2][1]
+
+
+def test_a_measurement_of_other_settings_is_refused(tiny_dir, targeted, tmp_path, capsys, monkeypatch):
+    """The GPTQ measurement read by an RTN run: the same candidates, another quantizer."""
+    _, root = targeted
+    refused(["quantize", str(tiny_dir), "--method", "rtn", "--target-bpw", "4", "--calib-data", str(VALID),
+             "--calib-samples", "16", "--calib-seqlen", "64", "--measurement", str(root / "m.json"),
+             "--out", str(tmp_path / "q")], capsys, monkeypatch, "another model, calibration or quantizer settings")
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--method", "gptq", "--target-bpw", "2"], "outside what the GPTQ layout's bits and group sizes reaches"),
+    (["--method", "nf4", "--target-bpw", "4"], "--target-bpw spends bits on RTN and GPTQ grids"),
+    (["--method", "gptq", "--target-bpw", "4", "--format", "gguf"], "--target-bpw spends bits on RTN and GPTQ grids"),
+    (["--method", "gptq", "--target-bpw", "4", "--format", "awq"], "--target-bpw mixes settings per linear"),
+    (["--method", "gptq", "--target-bpw", "4", "--format", "exl2", "--bits", "4.0"], "for EXL2 pass the target"),
+    (["--method", "gptq", "--target-bpw", "4", "--measurement", "nowhere/m.json"], "no such directory"),
+])
+def test_bad_target_input(tiny_dir, tmp_path, capsys, monkeypatch, args, match):
+    refused(["quantize", str(tiny_dir), "--out", str(tmp_path / "q"), *args], capsys, monkeypatch, match)
+    assert not (tmp_path / "q").exists()
