@@ -34,6 +34,8 @@ def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
         option = "--rules" if qconfig.rules else "--target-bpw"
         raise QuantkitError(f"{option} mixes settings per linear in the safetensors (GPTQ) and compressed-tensors "
                             f"formats; the {fmt} layout holds one: use one of those formats")
+    if qconfig.target_bpw is not None:
+        return  # the grids it chooses from are checked one by one (api.grids)
     if fmt == "gguf":
         gguf.check(module, qconfig.gguf_type)
     elif fmt == "exl2":

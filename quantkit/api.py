@@ -19,7 +19,7 @@ from . import consumers, distributed, measurement
 from . import rules as layer_rules
 from .config import QuantConfig
 from .errors import QuantkitError, ResumableError, space_for
-from .layers import GROUPS, linear_shapes
+from .layers import GROUPS, LINEARS, linear_shapes
 from .modelio import Model, linear_types, load
 from .pipeline import Hessian, gather_hessians, quantize_layers
 from .qtensor import QuantizedTensor
@@ -80,19 +80,39 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, s
     return {"rtn": quantize_rtn, "gptq": quantize_gptq, "nf4": quantize_codebook, "fp4": quantize_codebook}.get(c.method)
 
 
-def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.device,
-             progress: bool) -> dict[str, exl2.Setting | measurement.Grid]:
-    """Each linear's setting for the run's target: EXL2's widths, one per attention and MLP block, or
-    --target-bpw's bits and group size, one per group of linears sharing an input. From the
-    measurement file config.measurement when it exists, else from a measurement pass, saved there
-    when there is one (a killed pass resumes after its last layer)."""
+def grids(m: Model, config: QuantConfig, format: str, targets: tuple[str, ...]) -> tuple[measurement.Grid, ...]:
+    """The candidates of --target-bpw that the format and the named consumers take for this model, so
+    that nothing the measurement picks is refused after it; the target checked against them."""
+    def fits(g: measurement.Grid) -> bool:
+        c = replace(config, bits=g.bits, group_size=g.group_size, target_bpw=None, measurement=None)
+        try:
+            exporters.check_format(format, m.module, c)
+            consumers.check_targets(consumers.Export.of(format, c, m.module), targets)
+        except QuantkitError:
+            return False
+        return True
+
+    kept = tuple(g for g in measurement.GRIDS if fits(g))
+    what = f"the {format} format's grids" + (f" that {' and '.join(targets)} load{'s' * (len(targets) == 1)}" if targets else "")
+    if not kept:
+        raise QuantkitError(f"--target-bpw: none of {what} fits this model: choose another --format or drop --for")
+    measurement.check_target({name: (n, k) for name, n, k in linear_shapes(m.module)}, config.target_bpw, kept, what)
+    return kept
+
+
+def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.device, progress: bool,
+             settings: tuple) -> dict[str, exl2.Setting | measurement.Grid]:
+    """Each linear's setting for the run's target among settings: EXL2's widths, one per attention
+    and MLP block, or --target-bpw's bits and group size, one per group of linears sharing an input.
+    From the measurement file config.measurement when it exists, else from a measurement pass, saved
+    there when there is one (a killed pass resumes after its last layer)."""
     exl2_run = config.exl2 is not None
-    settings, units, target = (exl2.CANDIDATES, measurement.BLOCK_UNITS, config.exl2) if exl2_run else \
-        (measurement.GRIDS, measurement.GROUP_UNITS, config.target_bpw)
+    units, target = (measurement.BLOCK_UNITS, config.exl2) if exl2_run else (measurement.GROUP_UNITS, config.target_bpw)
     shapes = {name: (n, k) for name, n, k in linear_shapes(m.module)}
-    measurement.check_target(shapes, target, settings, "EXL2" if exl2_run else "the GPTQ layout's bits and group sizes")
-    quantizer_settings = ("exl2" if exl2_run else config.method, config.sym, config.mse, config.damp, config.block_size,
-                          config.act_order, config.static_groups, config.group_aware)
+    hessian = exl2_run or config.method == "gptq"
+    # what the candidates' quantization depends on, besides their own bits and group sizes
+    quantizer_settings = ("exl2", config.damp, config.block_size) if exl2_run else (config.method, config.sym, config.mse) \
+        + ((config.damp, config.block_size, config.act_order, config.static_groups, config.group_aware) if hessian else ())
     key = hashlib.sha256(f"{m.source}|{quantizer_settings}".encode() + windows.numpy().tobytes()).hexdigest()
     path = Path(config.measurement) if config.measurement is not None else None
     if path is not None and path.exists():
@@ -115,7 +135,7 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
 
         def measure(i: int, layer: torch.nn.Module, batches: list) -> dict[str, QuantizedTensor]:
             prefix = f"model.layers.{i}."
-            hessians, _ = gather_hessians(layer, batches, GROUPS)
+            hessians = gather_hessians(layer, batches, GROUPS)[0] if hessian else dict.fromkeys(LINEARS)
             sq = measurement.measure_layer(layer, batches, hessians, cores,
                                            torch.stack([weights[prefix + b] for b in measurement.BLOCKS]), units,
                                            prefix=prefix)
@@ -140,9 +160,18 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
 
 
 def spent(config: QuantConfig, settings: dict[str, measurement.Grid]) -> QuantConfig:
-    """The run's settings with --target-bpw spent: a rule per linear, by exact name."""
-    rules = tuple(layer_rules.Rule(f"^{re.escape(name)}$", g.bits, g.group_size) for name, g in settings.items())
-    return replace(config, target_bpw=None, measurement=None, rules=rules)
+    """The run's settings with --target-bpw spent: a rule per group of linears, by exact names, with
+    the one linear vLLM fuses them into (its `dynamic` is matched against that name)."""
+    units: dict[str, list[str]] = {}
+    for name in settings:
+        units.setdefault(measurement.unit_of(name, measurement.GROUP_UNITS), []).append(name)
+    rules = []
+    for unit, names in units.items():
+        key = unit.split(".", 3)[3]  # model.layers.3.self_attn.qkv -> self_attn.qkv
+        fused = [unit.removesuffix(key) + measurement.FUSED[key]] if key in measurement.FUSED else []
+        g = settings[names[0]]
+        rules.append(layer_rules.Rule(f"^(?:{'|'.join(re.escape(n) for n in names + fused)})$", g.bits, g.group_size))
+    return replace(config, target_bpw=None, measurement=None, rules=tuple(rules))
 
 
 def device_of(device: str | torch.device | None) -> torch.device:
@@ -221,28 +250,24 @@ def quantize(
         measurement.check_path(config.measurement)
     if config.rules:
         layer_rules.check(config.rules, [name for name, _, _ in linear_shapes(m.module)])
-    if config.target_bpw is not None:
-        measurement.check_target({name: (n, k) for name, n, k in linear_shapes(m.module)}, config.target_bpw,
-                                 measurement.GRIDS, "the GPTQ layout's bits and group sizes")
+    candidates = grids(m, config, format, targets) if config.target_bpw is not None else None
     if targets:
         consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
     windows = None
     if config.needs_calibration:
         text = calibration.load_text(calib_data)
         windows = calibration.sample_windows(m.tokenizer, text, calib_samples, calib_seqlen, seed)
-    run = f"{m.source}|{config}|{format}|{max_shard_size}|{dev.type}|{distributed.world()}"  # what a resume must match
-    settings = None
-    if config.target_bpw is not None:  # from here on, a rule per linear
-        config = spent(config, measured(m, config, windows, dev, progress))
+    if config.target_bpw is not None:  # from here on, a rule per group of linears
+        config = spent(config, measured(m, config, windows, dev, progress, candidates))
         if targets:
             consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
-    elif config.exl2 is not None and config.measurement is not None:
-        settings = measured(m, config, windows, dev, progress)
+    settings = None  # EXL2's widths per linear, when measured
     resume = None
     if out is not None and not keep:  # saved beside the output: an interrupted run goes on
         data = windows.numpy().tobytes() if windows is not None else b""
         if importance is not None:  # the file's contents, not only its name
             data += b"".join(name.encode() + v.numpy().tobytes() for name, v in sorted(importance.items()))
+        run = f"{m.source}|{config}|{format}|{max_shard_size}|{dev.type}|{distributed.world()}"
         key = hashlib.sha256(run.encode() + data).hexdigest()
         resume = (exporters.progress_path(out, distributed.rank() if distributed.world() > 1 else None), key)
     m.losses = {}
@@ -267,7 +292,11 @@ def quantize(
     try:
         with space_for(out, needed, "the export", "run the same command again: it resumes after the last finished "
                        "layer") if writes else nullcontext():
-            m.tensors = quantize_layers(m, quantizer(config, m.losses, types, importance, settings), windows,
+            if config.exl2 is not None and config.measurement is not None:
+                settings = measured(m, config, windows, dev, progress, exl2.CANDIDATES)
+            # RTN's --target-bpw calibrated its measurement only
+            m.tensors = quantize_layers(m, quantizer(config, m.losses, types, importance, settings),
+                                        windows if config.needs_calibration else None,
                                         sequential=config.true_sequential, device=dev, writer=writer,
                                         other=other if writes or keep else None, keep=keep,
                                         progress=progress and distributed.rank() == 0, resume=resume,

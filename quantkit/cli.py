@@ -87,9 +87,10 @@ def quiet() -> None:
                    "sharing an input (q/k/v, o, gate/up, down) given the bits and group size that lose least, from a "
                    "measurement (see --measurement)")
 @click.option("--measurement", type=click.Path(dir_okay=False), metavar="FILE",
-              help="--target-bpw, EXL2: the error of each attention and MLP block's output at each candidate setting, "
+              help="--target-bpw, EXL2: each candidate setting's error at the output of each attention and MLP block, "
                    "weighted by the loss's gradients, read from FILE when it exists, else measured and saved there "
-                   "for other targets (EXL2 without it: the target's two nearest widths in every linear)")
+                   "for other targets (EXL2 without it: the target's two nearest widths in every linear; EXL2 with "
+                   "it is experimental, benchmarks/RESULTS.md)")
 @click.option("--head-bits", type=float, help="EXL2: the output head's bits per weight, e.g. 6 or 8 (ExLlamaV2's "
               "head_bits; rounded onto its grid without calibration) [kept in float16]")
 @click.option("--for", "targets", multiple=True,
@@ -129,17 +130,17 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     check_out(out, overwrite)
     exporters.parse_size(max_shard_size)
     m = load(model)
-    export = consumers.Export.of(fmt, config, m.module)
-    consumers.check_targets(export, targets)
+    consumers.check_targets(consumers.Export.of(fmt, config, m.module), targets)  # before the "before" evaluation
     if eval_data and int(os.environ.get("RANK", "0")) == 0:
         show("before", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))
-    api.quantize(m, config, calib_data=calib_data, calib_samples=calib_samples, calib_seqlen=calib_seqlen, seed=seed,
-                 out=out, format=fmt, overwrite=overwrite, max_shard_size=max_shard_size, device=device)
+    m = api.quantize(m, config, calib_data=calib_data, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
+                     seed=seed, out=out, format=fmt, overwrite=overwrite, max_shard_size=max_shard_size, device=device,
+                     targets=targets)
     if distributed.rank() != 0:  # under torchrun, rank 0 reports
         return
     click.echo(f"exported to {out}")
-    click.echo("who loads it, from their documented limits:")
-    click.echo("\n".join(consumers.summary(export)))
+    click.echo("who loads it, from their documented limits:")  # as written: --target-bpw's settings are chosen by now
+    click.echo("\n".join(consumers.summary(consumers.Export.of(fmt, m.qconfig, m.module))))
     if eval_data:  # the export as it loads, packed (GGUF: dequantized, with llama.cpp's arithmetic)
         show("after", api.evaluate(out, eval_data, "llamacpp", ctx, eval_windows))
 

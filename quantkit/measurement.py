@@ -43,6 +43,7 @@ BLOCKS = {"self_attn": GROUPS[0] + GROUPS[1], "mlp": GROUPS[2] + GROUPS[3]}
 # them), --target-bpw's groups of linears that share an input (what vLLM fuses stays together)
 BLOCK_UNITS = BLOCKS
 GROUP_UNITS = {"self_attn.qkv": GROUPS[0], "self_attn.o": GROUPS[1], "mlp.gate_up": GROUPS[2], "mlp.down": GROUPS[3]}
+FUSED = {"self_attn.qkv": "self_attn.qkv_proj", "mlp.gate_up": "mlp.gate_up_proj"}  # the one linear vLLM makes of them
 FISHER_WINDOWS = 8  # calibration windows the loss's gradients are taken on; each layer's inputs are kept
 
 
@@ -57,7 +58,7 @@ class Grid:
         return n * k * self.bits + math.ceil(k / self.group_size) * n * (16 + self.bits) + 32 * k
 
 
-# what --target-bpw tries on each block, narrowest first (2.6 to 8.2 bits per weight)
+# what --target-bpw tries on each group of linears, narrowest first (2.6 to 8.2 bits per weight)
 GRIDS = (Grid(2, 32), Grid(3, 128), Grid(3, 64), Grid(3, 32), Grid(4, 128), Grid(4, 64), Grid(4, 32), Grid(8, 128))
 
 
@@ -96,16 +97,18 @@ def fisher(m: Model, windows: torch.Tensor, device: torch.device, progress: bool
         run_layer(layer, batches)
         m.release(f"model.layers.{i}")
     tied = m.module.config.tie_word_embeddings
-    head = m.materialize("model.embed_tokens" if tied else "lm_head", device).weight
+    embedding = m.materialize("model.embed_tokens", device).weight if tied else None
+    head = (lambda h: F.linear(h, embedding)) if tied else m.materialize("lm_head", device)
     norm = m.materialize("model.norm", device)
     grads = []
     with torch.enable_grad():
         for (h, _), x in zip(batches, ids):
             h = h.to(device).requires_grad_()
-            logits = F.linear(norm(h), head)
+            logits = head(norm(h))
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten().to(device), reduction="sum")
             grads.append(torch.autograd.grad(loss, h)[0])
-    del head, logits
+            del logits, loss
+    del head, embedding
     for prefix in ("model.norm", "model.embed_tokens" if tied else "lm_head"):
         m.release(prefix)
     sums = torch.zeros(len(batches), n, len(BLOCKS), m.module.config.hidden_size, dtype=torch.float64)
@@ -113,7 +116,8 @@ def fisher(m: Model, windows: torch.Tensor, device: torch.device, progress: bool
                   file=sys.stderr):
         layer = m.materialize(f"model.layers.{i}", device)
         outs = {}
-        handles = [layer.self_attn.register_forward_hook(lambda mod, args, out: outs.update(self_attn=out[0])),
+        handles = [layer.self_attn.register_forward_hook(
+                       lambda mod, args, out: outs.update(self_attn=out[0] if isinstance(out, tuple) else out)),
                    layer.mlp.register_forward_hook(lambda mod, args, out: outs.update(mlp=out))]
         try:
             with torch.enable_grad():
@@ -149,14 +153,17 @@ def measure_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict
     def feed_forward(x, kw):
         return layer.mlp(layer.post_attention_layernorm(x))
 
+    spans = [b for names in units.values() for b, members in enumerate(BLOCKS.values()) if set(names) <= set(members)]
+    if len(spans) != len(units):
+        raise ValueError(f"each unit's linears must lie in one block of {list(BLOCKS)}: {units}")
     sq = torch.zeros(len(batches), len(units), len(candidates), dtype=torch.float64)
     inputs = [on_device(layer, x) for x, _ in batches]
     kwargs = [kw for _, kw in batches]
     for b, (block, members) in enumerate(zip((attention, feed_forward), BLOCKS.values())):
         reference = [block(x, kw) for x, kw in zip(inputs, kwargs)]
-        weight = weights[b].to(inputs[0].device)
+        weight = weights[b].to(next(layer.parameters()).device)
         for u, names in enumerate(units.values()):
-            if not set(names) <= set(members):
+            if spans[u] != b:
                 continue
             linears = [layer.get_submodule(name) for name in names]
             originals = [lin.weight.data for lin in linears]
@@ -236,6 +243,9 @@ def read(path: str | os.PathLike, key: str, shapes: dict[str, tuple[int, int]], 
     with untrusted(path, "not a measurement file", "pass the file a quantkit run with --measurement saved, or a new "
                    "path to measure into"):
         body = json.loads(path.read_text())
+        if isinstance(body, dict) and str(body.get("format")).startswith("quantkit-exl2-measurement/"):
+            raise QuantkitError(f"{path} was measured by an older quantkit (errors relative to the hidden state): "
+                                "measure again into a new --measurement path")
         if not isinstance(body, dict) or body.get("format") != FORMAT:
             raise ValueError(f"its format is not {FORMAT}")
         if body.get("candidates") != described(settings):
@@ -263,7 +273,7 @@ def check_target(shapes: dict[str, tuple[int, int]], target: float, settings: tu
     low = sum(min(s.total_bits(n, k) for s in settings) for n, k in shapes.values()) / weights
     high = sum(max(s.total_bits(n, k) for s in settings) for n, k in shapes.values()) / weights
     if not low <= target <= high:
-        raise QuantkitError(f"{target} bits per weight is outside what {what} reaches for this model "
+        raise QuantkitError(f"{target} bits per weight is outside the range of {what} for this model "
                             f"({low:.3f} to {high:.3f}): choose a target in that range")
 
 

@@ -104,7 +104,7 @@ CATALOGUE = {
                                           edit_config(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                        "rope_theta": 10000.0})),
     "target bpw out of reach": Bad("quantize {model} --method gptq --target-bpw 12 --out {tmp}/q",
-                                   "outside what the GPTQ layout's bits and group sizes reaches"),
+                                   "outside the range of the safetensors format's grids"),
     "target bpw for AWQ": Bad("quantize {model} --method awq --target-bpw 4 --out {tmp}/q",
                               "--target-bpw spends bits on RTN and GPTQ grids"),
     "target bpw with rules": Bad("quantize {model} --method gptq --target-bpw 4 --rules {text} --out {tmp}/q",

@@ -13,7 +13,9 @@ import quantkit
 from quantkit import calibration, measurement
 from quantkit.api import quantizer
 from quantkit.config import QuantConfig
+from quantkit.exporters.gptq import override
 from quantkit.measurement import GRIDS, Grid
+from quantkit.quantizers import rtn
 
 from .conftest import TEST, VALID, loaded, refused
 
@@ -114,9 +116,15 @@ def test_each_group_gets_one_grid_within_the_target(targeted):
     m, root = targeted
     grids = settings_of(m)
     assert set(grids.values()) <= set(GRIDS) and len(set(grids.values())) > 1
+    qc = json.loads((root / "q" / "config.json").read_text())["quantization_config"]
     for i in range(2):
-        for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
-            assert len({grids[f"model.layers.{i}.{name}"] for name in group}) == 1
+        for group, fused in ((("q_proj", "k_proj", "v_proj"), "self_attn.qkv_proj"), (("gate_proj", "up_proj"), "mlp.gate_up_proj")):
+            names = [f"model.layers.{i}.{fused.split('.')[0]}.{name}" for name in group]
+            assert len({grids[name] for name in names}) == 1
+            # vLLM matches `dynamic` against the one linear it fuses them into
+            g = grids[names[0]]
+            settings = override(qc, f"model.layers.{i}.{fused}")
+            assert (settings["bits"], settings["group_size"]) == (g.bits, g.group_size)
     state = load_file(root / "q" / "model.safetensors")
     total = weights = 0
     for name, qt in m.tensors.items():
@@ -167,13 +175,48 @@ def test_a_measurement_of_other_settings_is_refused(tiny_dir, targeted, tmp_path
     assert not (tmp_path / "q").exists()
 
 
+def test_rtn_spends_the_target_on_plain_rounding(tiny_dir, tmp_path):
+    """RTN's measurement needs calibration; its export does not: each linear is RTN of its grid."""
+    m = quantkit.quantize(str(tiny_dir), method="rtn", target_bpw=3.6, **CALIB, keep=True, progress=False)
+    grids = settings_of(m)
+    assert len(set(grids.values())) > 1
+    float_model = loaded(str(tiny_dir))
+    for name, qt in m.tensors.items():
+        w = float_model.module.get_submodule(name).weight.data
+        expected = rtn.quantize(w, grids[name].bits, grids[name].group_size, True, False)
+        assert torch.equal(qt.dequantize(), expected.dequantize()), name
+
+
+def test_only_the_grids_a_format_takes_are_measured(tiny_dir):
+    """compressed-tensors packs 4 and 8 bits in groups that divide the inputs (64 for q/k/v, o and
+    gate/up of the tiny model); the GPTQ layout takes every grid."""
+    from quantkit.api import grids
+
+    m = quantkit.load(str(tiny_dir))
+    config = QuantConfig(method="gptq", target_bpw=5.0)
+    assert grids(m, config, "safetensors", ()) == GRIDS
+    assert grids(m, config, "compressed-tensors", ()) == tuple(g for g in GRIDS if g.bits in (4, 8) and 64 % g.group_size == 0)
+
+
+def test_an_older_measurement_is_refused(tiny_dir, tmp_path, capsys, monkeypatch):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"format": "quantkit-exl2-measurement/2", "blocks": {}}))
+    refused(["quantize", str(tiny_dir), "--method", "gptq", "--target-bpw", "4", "--calib-data", str(VALID),
+             "--calib-samples", "16", "--calib-seqlen", "64", "--measurement", str(old), "--out", str(tmp_path / "q")],
+            capsys, monkeypatch, "measured by an older quantkit")
+
+
 @pytest.mark.parametrize("args,match", [
-    (["--method", "gptq", "--target-bpw", "2"], "outside what the GPTQ layout's bits and group sizes reaches"),
+    (["--method", "gptq", "--target-bpw", "2"], "outside the range of the safetensors format's grids"),
     (["--method", "nf4", "--target-bpw", "4"], "--target-bpw spends bits on RTN and GPTQ grids"),
     (["--method", "gptq", "--target-bpw", "4", "--format", "gguf"], "--target-bpw spends bits on RTN and GPTQ grids"),
     (["--method", "gptq", "--target-bpw", "4", "--format", "awq"], "--target-bpw mixes settings per linear"),
     (["--method", "gptq", "--target-bpw", "4", "--format", "exl2", "--bits", "4.0"], "for EXL2 pass the target"),
     (["--method", "gptq", "--target-bpw", "4", "--measurement", "nowhere/m.json"], "no such directory"),
+    (["--method", "gptq", "--target-bpw", "3.5", "--format", "compressed-tensors"],
+     "outside the range of the compressed-tensors format's grids"),
+    (["--method", "gptq", "--target-bpw", "3.6", "--for", "exllama"],
+     "outside the range of the safetensors format's grids that exllama loads"),
 ])
 def test_bad_target_input(tiny_dir, tmp_path, capsys, monkeypatch, args, match):
     refused(["quantize", str(tiny_dir), "--out", str(tmp_path / "q"), *args], capsys, monkeypatch, match)
