@@ -26,6 +26,8 @@ from pathlib import Path
 
 from children import child, flag
 
+from quantkit.config import AWQ_LOSSES
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 VALID = DATA / "wikitext-2" / "wiki.valid.tokens"
@@ -141,13 +143,13 @@ def speed(a) -> None:
 def losses(a) -> None:
     kw = dict(group_size=128, samples=a.samples, windows=a.windows, defaults=True)
     print(f"g128, {a.samples} x 512 calibration tokens, {a.windows} test windows; each method's defaults")
-    print("| bits | GPTQ (anchor) | AWQ, --awq-loss block | AWQ, --awq-loss output |")
-    print("| --- | --- | --- | --- |")
+    print("| bits | GPTQ (anchor) | " + " | ".join(f"AWQ, --awq-loss {loss}" for loss in AWQ_LOSSES) + " |")
+    print("| --- | --- |" + " --- |" * len(AWQ_LOSSES))
     for bits in (4, 3):
         gptq = child(__file__, method="gptq", bits=bits, **kw)
-        block, output = (child(__file__, method="awq", loss=loss, bits=bits, **kw) for loss in ("block", "output"))
+        awq = [child(__file__, method="awq", loss=loss, bits=bits, **kw) for loss in AWQ_LOSSES]
         cells = [f"{r['perplexity']:.3f}, {r['seconds']:.0f} s ({r['seconds'] / gptq['seconds']:.2f})"
-                 for r in (gptq, block, output)]
+                 for r in (gptq, *awq)]
         print(f"| w{bits} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -30,14 +30,16 @@ def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
     if (fmt == "exl2") != (qconfig.exl2 is not None):
         raise QuantkitError("--format exl2 takes a target bits per weight (--bits 4.125) and only it does: "
                             "pass a whole --bits for the other formats")
-    if (qconfig.rules or qconfig.target_bpw is not None) and fmt not in ("safetensors", "compressed-tensors"):
-        option = "--rules" if qconfig.rules else "--target-bpw"
-        raise QuantkitError(f"{option} mixes settings per linear in the safetensors (GPTQ) and compressed-tensors "
+    if qconfig.rules and fmt not in ("safetensors", "compressed-tensors"):
+        raise QuantkitError("--rules mixes settings per linear in the safetensors (GPTQ) and compressed-tensors "
                             f"formats; the {fmt} layout holds one: use one of those formats")
-    if qconfig.target_bpw is not None:
-        return  # the grids it chooses from are checked one by one (api.grids)
+    if qconfig.target_bpw is not None and fmt not in ("safetensors", "compressed-tensors", "gguf"):
+        raise QuantkitError("--target-bpw mixes settings per linear in the safetensors (GPTQ), compressed-tensors "
+                            f"and GGUF formats; the {fmt} layout holds one: use one of those formats")
     if fmt == "gguf":
         gguf.check(module, qconfig.gguf_type)
+    elif qconfig.target_bpw is not None:
+        return  # the grids it chooses from are checked one by one (api.grids)
     elif fmt == "exl2":
         from . import exl2
 

@@ -80,9 +80,17 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, s
     return {"rtn": quantize_rtn, "gptq": quantize_gptq, "nf4": quantize_codebook, "fp4": quantize_codebook}.get(c.method)
 
 
-def grids(m: Model, config: QuantConfig, format: str, targets: tuple[str, ...]) -> tuple[measurement.Grid, ...]:
+def grids(m: Model, config: QuantConfig, format: str,
+          targets: tuple[str, ...]) -> tuple[measurement.Grid, ...] | tuple[measurement.BlockType, ...]:
     """The candidates of --target-bpw that the format and the named consumers take for this model, so
-    that nothing the measurement picks is refused after it; the target checked against them."""
+    that nothing the measurement picks is refused after it (in GGUF, every block type of
+    measurement.GGUF_TYPES); the target checked against them."""
+    shapes = {name: (n, k) for name, n, k in linear_shapes(m.module)}
+    if config.gguf_type is not None:
+        kept = measurement.GGUF_TYPES
+        measurement.check_target(shapes, config.target_bpw, kept, f"the GGUF types {kept[0].type} to {kept[-1].type}")
+        return kept
+
     def fits(g: measurement.Grid) -> bool:
         c = replace(config, bits=g.bits, group_size=g.group_size, target_bpw=None, measurement=None)
         try:
@@ -96,24 +104,30 @@ def grids(m: Model, config: QuantConfig, format: str, targets: tuple[str, ...]) 
     what = f"the {format} format's grids" + (f" that {' and '.join(targets)} load{'s' * (len(targets) == 1)}" if targets else "")
     if not kept:
         raise QuantkitError(f"--target-bpw: none of {what} fits this model: choose another --format or drop --for")
-    measurement.check_target({name: (n, k) for name, n, k in linear_shapes(m.module)}, config.target_bpw, kept, what)
+    measurement.check_target(shapes, config.target_bpw, kept, what)
     return kept
 
 
 def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.device, progress: bool,
-             settings: tuple) -> dict[str, exl2.Setting | measurement.Grid]:
+             settings: tuple, importance: dict[str, torch.Tensor] | None = None
+             ) -> dict[str, exl2.Setting | measurement.Grid | measurement.BlockType]:
     """Each linear's setting for the run's target among settings: EXL2's widths, one per attention
-    and MLP block, or --target-bpw's bits and group size, one per group of linears sharing an input.
-    From the measurement file config.measurement when it exists, else from a measurement pass, saved
+    and MLP block; --target-bpw's bits and group size, one per group of linears sharing an input; or
+    in GGUF its block type, one per linear (importance: an importance matrix read from a file). From
+    the measurement file config.measurement when it exists, else from a measurement pass, saved
     there when there is one (a killed pass resumes after its last layer)."""
-    exl2_run = config.exl2 is not None
-    units, target = (measurement.BLOCK_UNITS, config.exl2) if exl2_run else (measurement.GROUP_UNITS, config.target_bpw)
+    exl2_run, gguf_run = config.exl2 is not None, config.gguf_type is not None
+    units = measurement.BLOCK_UNITS if exl2_run else measurement.LINEAR_UNITS if gguf_run else measurement.GROUP_UNITS
+    target = config.exl2 if exl2_run else config.target_bpw
     shapes = {name: (n, k) for name, n, k in linear_shapes(m.module)}
-    hessian = exl2_run or config.method == "gptq"
-    # what the candidates' quantization depends on, besides their own bits and group sizes
-    quantizer_settings = ("exl2", config.damp, config.block_size) if exl2_run else (config.method, config.sym, config.mse) \
+    hessian = exl2_run or config.method == "gptq" or config.imatrix
+    # what the candidates' quantization depends on, besides their own settings
+    quantizer_settings = ("exl2", config.damp, config.block_size) if exl2_run else \
+        ("gguf", config.method, config.imatrix, config.damp) if gguf_run else (config.method, config.sym, config.mse) \
         + ((config.damp, config.block_size, config.act_order, config.static_groups, config.group_aware) if hessian else ())
-    key = hashlib.sha256(f"{m.source}|{quantizer_settings}".encode() + windows.numpy().tobytes()).hexdigest()
+    data = windows.numpy().tobytes() + b"".join(name.encode() + v.numpy().tobytes()
+                                                for name, v in sorted((importance or {}).items()))
+    key = hashlib.sha256(f"{m.source}|{quantizer_settings}".encode() + data).hexdigest()
     path = Path(config.measurement) if config.measurement is not None else None
     if path is not None and path.exists():
         errors = measurement.read(path, key, shapes, units, settings)
@@ -125,6 +139,10 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
         if exl2_run:
             cores = [lambda name, w, h, s=s: exl2.quantize(w, h.matrix(), s, config.damp, config.block_size, name).tensor
                      for s in settings]
+        elif gguf_run:
+            plain = replace(config, target_bpw=None, measurement=None)
+            cores = [quantizer(plain, {}, {name: t.of(k) for name, (_, k) in shapes.items()}, importance)
+                     for t in settings]
         else:
             cores = [quantizer(replace(config, bits=g.bits, group_size=g.group_size, target_bpw=None, measurement=None),
                                {}) for g in settings]
@@ -147,7 +165,8 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
 
         quantize_layers(m, None, windows, device=dev, writer=recorder, keep=False,
                         progress=progress and distributed.rank() == 0, resume=resume, layer_fn=measure,
-                        desc=f"measuring {len(settings)} settings of each {'block' if exl2_run else 'group of linears'}")
+                        desc=f"measuring {len(settings)} settings of each "
+                             f"{'block' if exl2_run else 'linear' if gguf_run else 'group of linears'}")
         if path is not None and distributed.rank() == 0:
             measurement.save(path, key, m.source, shapes, units, recorder.errors, settings)
         if resume is not None:
@@ -159,18 +178,21 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
     return {name: chosen[measurement.unit_of(name, units)] for name in shapes}
 
 
-def spent(config: QuantConfig, settings: dict[str, measurement.Grid]) -> QuantConfig:
-    """The run's settings with --target-bpw spent: a rule per group of linears, by exact names, with
-    the one linear vLLM fuses them into (its `dynamic` is matched against that name)."""
-    units: dict[str, list[str]] = {}
-    for name in settings:
-        units.setdefault(measurement.unit_of(name, measurement.GROUP_UNITS), []).append(name)
+def spent(config: QuantConfig, settings: dict, shapes: dict[str, tuple[int, int]]) -> QuantConfig:
+    """The run's settings with --target-bpw spent. GGUF: a --tensor-type override per linear, by its
+    exact tensor name, of the type its rows take. Otherwise a rule per group of linears, by exact
+    names, with the one linear vLLM fuses them into (its `dynamic` is matched against that name)."""
+    if config.gguf_type is not None:
+        overrides = tuple(f"^{re.escape(exporters.gguf.gguf_name(f'{name}.weight'))}$={t.of(shapes[name][1])}"
+                          for name, t in settings.items())
+        return replace(config, target_bpw=None, measurement=None, tensor_type=overrides)
     rules = []
-    for unit, names in units.items():
+    for unit, linears in measurement.grouped(shapes, measurement.GROUP_UNITS).items():
         key = unit.split(".", 3)[3]  # model.layers.3.self_attn.qkv -> self_attn.qkv
         fused = [unit.removesuffix(key) + measurement.FUSED[key]] if key in measurement.FUSED else []
-        g = settings[names[0]]
-        rules.append(layer_rules.Rule(f"^(?:{'|'.join(re.escape(n) for n in names + fused)})$", g.bits, g.group_size))
+        g = settings[next(iter(linears))]
+        rules.append(layer_rules.Rule(f"^(?:{'|'.join(re.escape(n) for n in [*linears, *fused])})$", g.bits,
+                                      g.group_size))
     return replace(config, target_bpw=None, measurement=None, rules=tuple(rules))
 
 
@@ -257,8 +279,12 @@ def quantize(
     if config.needs_calibration:
         text = calibration.load_text(calib_data)
         windows = calibration.sample_windows(m.tokenizer, text, calib_samples, calib_seqlen, seed)
-    if config.target_bpw is not None:  # from here on, a rule per group of linears
-        config = spent(config, measured(m, config, windows, dev, progress, candidates))
+    if config.target_bpw is not None:  # from here on, a rule per group of linears, or a GGUF type per linear
+        shapes = {name: (n, k) for name, n, k in linear_shapes(m.module)}
+        config = spent(config, measured(m, config, windows, dev, progress, candidates, importance), shapes)
+        if types is not None:
+            types = exporters.gguf.tensor_types(m.module, config.gguf_type, config.pure, config.weighted,
+                                                config.tensor_type)
         if targets:
             consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
     settings = None  # EXL2's widths per linear, when measured

@@ -64,8 +64,9 @@ def quiet() -> None:
 @click.option("--double-quant", is_flag=True, help="NF4/FP4: quantize the absmax values to 8 bits too")
 @click.option("--duo-scaling", is_flag=True, help="AWQ: scales from activations and weights (AutoAWQ's default)")
 @click.option("--awq-loss", type=click.Choice(AWQ_LOSSES), default="block", show_default=True,
-              help="AWQ: judge the q/k/v and gate/up scales by their block's output, or (about 3x faster, "
-                   "worse at 3 bits) by their own outputs")
+              help="AWQ: judge the q/k/v and gate/up scales by their block's output; by it on a descent from "
+                   "the best candidate of their own outputs' error (about 1.8x faster); or by their own outputs "
+                   "(about 3x faster, worse at 3 bits)")
 @click.option("--out", required=True, type=click.Path(), help="export directory (a .gguf file for --format gguf)")
 @click.option("--format", "fmt", default="safetensors", show_default=True,
               help="safetensors: GPTQ checkpoint layout (bitsandbytes' for nf4/fp4); awq: AutoAWQ GEMM layout; "
@@ -83,9 +84,10 @@ def quiet() -> None:
                    "REGEX, skip: true} entries; the first whose pattern is found in a linear's name decides its "
                    "settings (safetensors and compressed-tensors formats, RTN and GPTQ)")
 @click.option("--target-bpw", type=float, metavar="X",
-              help="RTN and GPTQ: X bits per weight of the decoder linears in the GPTQ layout, each group of linears "
-                   "sharing an input (q/k/v, o, gate/up, down) given the bits and group size that lose least, from a "
-                   "measurement (see --measurement)")
+              help="RTN and GPTQ: X bits per weight of the decoder linears, spent where a measurement says they "
+                   "lose least (see --measurement): in the GPTQ layout each group of linears sharing an input (q/k/v, "
+                   "o, gate/up, down) gets a bits and group size; in GGUF each linear a block type, Q2_K to Q8_0, as "
+                   "--tensor-type overrides of the mix (which types the embedding and output)")
 @click.option("--measurement", type=click.Path(dir_okay=False), metavar="FILE",
               help="--target-bpw, EXL2: each candidate setting's error at the output of each attention and MLP block, "
                    "weighted by the loss's gradients, read from FILE when it exists, else measured and saved there "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, replace
 
+from . import blocks
 from . import rules as layer_rules
 from .errors import QuantkitError
 from .qtensor import check_bits_group
@@ -11,7 +12,7 @@ from .quantizers import nf4
 
 METHODS = ("rtn", "gptq", "awq", "nf4", "fp4")
 CODEBOOK_METHODS = ("nf4", "fp4")  # 4-bit code tables in flat blocks, bitsandbytes' layout
-AWQ_LOSSES = ("block", "output")  # what judges AWQ's scale candidates (QuantConfig.awq_loss)
+AWQ_LOSSES = ("block", "descent", "output")  # what judges AWQ's scale candidates (QuantConfig.awq_loss)
 
 
 @dataclass
@@ -32,8 +33,9 @@ class QuantConfig:
     group_aware: bool | None = None  # act-order inside groups, groups by importance; default: GPTQ without act-order
     double_quant: bool = False  # NF4/FP4: absmax values quantized to 8 bits
     duo_scaling: bool = False  # AWQ: s = mean|x|^a / mean|w|^(1-a) (AutoAWQ's default) instead of mean|x|^a
-    # AWQ: what judges the scales of q/k/v and gate/up: their block's output ("block", AutoAWQ's) or their
-    # own outputs through their inputs' Hessian ("output": no forwards per candidate, for speed)
+    # AWQ: what judges the scales of q/k/v and gate/up: their block's output ("block", AutoAWQ's), their
+    # own outputs through their inputs' Hessian ("output": no forwards per candidate, for speed), or the
+    # block's output on a descent from the candidate the output loss ranks best ("descent")
     awq_loss: str = "block"
     gguf_type: str | None = None  # GGUF mix (Q4_K_M, Q8_0, ...): blocks of llama.cpp's types instead of our grids
     imatrix: bool = False  # GGUF with RTN: weight the block search by each input's mean square (calibration)
@@ -41,8 +43,9 @@ class QuantConfig:
     pure: bool = False  # GGUF: every tensor the mix's main type (llama-quantize --pure)
     tensor_type: tuple[str, ...] = ()  # GGUF: PATTERN=TYPE overrides of the mix (llama-quantize --tensor-type)
     exl2: float | None = None  # EXL2: the linears' target bits per weight, widths mixed within each (GPTQ fills it)
-    # RTN and GPTQ: bits per weight of the decoder linears in the GPTQ layout, spent by a measurement: each group
-    # of linears sharing an input gets the bits and group size (quantkit.measurement.GRIDS) that lose least overall
+    # RTN and GPTQ: bits per weight of the decoder linears, spent by a measurement: in the GPTQ layout each group of
+    # linears sharing an input gets the bits and group size (quantkit.measurement.GRIDS) that lose least overall;
+    # in GGUF each linear a block type (measurement.GGUF_TYPES), the embedding and output typed by the mix
     target_bpw: float | None = None
     # EXL2 and target_bpw: the error of each block's output at each candidate setting, kept in
     # this file (read when it exists); EXL2 without one mixes the two widths nearest the target in every linear
@@ -99,13 +102,19 @@ class QuantConfig:
         if self.head_bits is not None and self.exl2 is None:
             raise QuantkitError("--head-bits quantizes the output head of an EXL2 export: use it with --format exl2")
         if self.target_bpw is not None:
-            if self.method not in ("rtn", "gptq") or self.gguf_type is not None or self.exl2 is not None:
-                raise QuantkitError("--target-bpw spends bits on RTN and GPTQ grids in the safetensors and "
-                                    "compressed-tensors formats: for EXL2 pass the target as --bits, for GGUF use "
-                                    "--tensor-type")
+            if self.method not in ("rtn", "gptq") or self.exl2 is not None:
+                raise QuantkitError("--target-bpw spends bits on RTN and GPTQ grids (the safetensors, "
+                                    "compressed-tensors and GGUF formats): for EXL2 pass the target as --bits")
             if self.rules:
                 raise QuantkitError("--target-bpw writes its own rules from the measurement: pass --rules or "
                                     "--target-bpw, not both")
+            if self.tensor_type:
+                raise QuantkitError("--target-bpw writes its own --tensor-type overrides from the measurement: pass "
+                                    "--tensor-type or --target-bpw, not both")
+            if self.gguf_type in blocks.FLOAT_TYPES:
+                raise QuantkitError(f"--target-bpw chooses quantized block types, and the mix {self.gguf_type} is "
+                                    "float: pass a quantized --gguf-type such as Q4_K_M (it types the embedding and "
+                                    "output)")
         if self.measurement is not None and self.exl2 is None and self.target_bpw is None:
             raise QuantkitError("--measurement chooses mixed settings against a target: use it with --target-bpw, or "
                                 "with --format exl2 and a target such as --bits 4.125")

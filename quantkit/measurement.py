@@ -2,8 +2,10 @@
 setting, the error of their block's output measured on the calibration inputs (as ExLlamaV2's
 converter measures), then one candidate per unit: the least summed error within a budget of bits
 per weight (allocate). It serves EXL2 (units: the attention and MLP blocks; candidates: width mixes
-on its grid, exl2.CANDIDATES) and --target-bpw for RTN and GPTQ (units: the groups of linears that
-share an input; candidates: bits and group sizes of the GPTQ layout, GRIDS).
+on its grid, exl2.CANDIDATES) and --target-bpw for RTN and GPTQ: in the GPTQ layout, units are the
+groups of linears that share an input and candidates the bits and group sizes of GRIDS; in GGUF,
+units are single linears (what llama-quantize's --tensor-type types) and candidates the block
+types of GGUF_TYPES.
 
 A block's error is weighted by how much the model's loss feels it: each channel's squared output
 error times the mean squared gradient of the calibration loss there (the diagonal of the empirical
@@ -31,18 +33,22 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import distributed
+from . import blocks
 from .errors import QuantkitError, untrusted
-from .layers import GROUPS, on_device
+from .layers import GROUPS, LINEARS, on_device
 from .modelio import Model
 from .pipeline import QuantizeFn, capture_inputs, run_layer
+from .requant import fit_row
 
 FORMAT = "quantkit-measurement/3"  # 2: EXL2's, errors relative to the hidden state; 1: per linear
 # the blocks of a decoder layer whose output a measurement scores, each with its linears
 BLOCKS = {"self_attn": GROUPS[0] + GROUPS[1], "mlp": GROUPS[2] + GROUPS[3]}
 # what one setting covers, by name under its layer: EXL2's blocks (ExLlamaV2's converter measures
-# them), --target-bpw's groups of linears that share an input (what vLLM fuses stays together)
+# them), --target-bpw's groups of linears that share an input (what vLLM fuses stays together), and
+# in GGUF each linear alone (llama.cpp types each tensor)
 BLOCK_UNITS = BLOCKS
 GROUP_UNITS = {"self_attn.qkv": GROUPS[0], "self_attn.o": GROUPS[1], "mlp.gate_up": GROUPS[2], "mlp.down": GROUPS[3]}
+LINEAR_UNITS = {name: (name,) for name in LINEARS}
 FUSED = {"self_attn.qkv": "self_attn.qkv_proj", "mlp.gate_up": "mlp.gate_up_proj"}  # the one linear vLLM makes of them
 FISHER_WINDOWS = 8  # calibration windows the loss's gradients are taken on; each layer's inputs are kept
 
@@ -60,6 +66,25 @@ class Grid:
 
 # what --target-bpw tries on each group of linears, narrowest first (2.6 to 8.2 bits per weight)
 GRIDS = (Grid(2, 32), Grid(3, 128), Grid(3, 64), Grid(3, 32), Grid(4, 128), Grid(4, 64), Grid(4, 32), Grid(8, 128))
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """A llama.cpp block type; rows that do not fill its blocks take llama-quantize's fallback
+    (Q4_K rows of 576 values are Q5_0), and are counted as such."""
+    type: str
+
+    def of(self, k: int) -> str:
+        return fit_row(self.type, k)
+
+    def total_bits(self, n: int, k: int) -> int:
+        values, size = blocks.sizes(self.of(k))
+        return n * k // values * size * 8
+
+
+# what --target-bpw tries on each linear of a GGUF file: the types llama.cpp's K-quant mixes are made of
+# (2.6 to 8.5 bits per weight)
+GGUF_TYPES = tuple(BlockType(t) for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0"))
 
 
 def unit_of(linear: str, units: dict[str, tuple[str, ...]]) -> str:

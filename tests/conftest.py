@@ -81,6 +81,12 @@ def tiny_dir(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny") / "model")
 
 
+@pytest.fixture(scope="session")
+def tiny256(tmp_path_factory) -> Path:
+    """Rows that fill llama.cpp's 256-value blocks, so that K-quant types need no fallback."""
+    return make_tiny(tmp_path_factory.mktemp("tiny256") / "model", hidden=256, intermediate=512)
+
+
 def autogptq_quantlinear():
     return autogptq("nn_modules.qlinear.qlinear_cuda_old").QuantLinear
 

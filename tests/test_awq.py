@@ -128,6 +128,34 @@ def test_output_loss_is_the_block_loss_of_a_lone_linear(layer_and_batches):
             assert torch.equal(ours[0], forwards[0]) and torch.equal(ours[1], forwards[1])
 
 
+def test_the_descent_judges_few_candidates_and_crosses_a_narrow_dip():
+    """With a start loss, the block loss is judged only on the way down from the start's best: on a
+    loss falling from index 4 to 13 with a dip one step wide on the way (7 lower than 8), the descent
+    reaches 13, the exhaustive search's choice, in fewer evaluations; at a local minimum with nothing
+    lower within two steps (6) it stops, where the exhaustive search goes on to 13."""
+    x_mean = torch.tensor([1.0, torch.e])  # candidate(x_mean, None, a) is [e^(-a/2), e^(a/2)]
+
+    def index(s):  # the candidate's alpha * 20
+        return round(float(2 * s[1].log()) * 20)
+
+    def judged(values):
+        calls = []
+
+        def loss(s):
+            calls.append(index(s))
+            return values[index(s)]
+        return loss, calls
+
+    falling = [abs(i - 13) + 10 * (i < 4) - 1.5 * (i == 7) for i in range(20)]
+    start = lambda s: abs(index(s) - 4)  # noqa: E731  the cheap loss ranks index 4 best
+    for values, expected in ((falling, 13), ([abs(i - 13) - 6 * (5 <= i <= 6) for i in range(20)], 6)):
+        loss, calls = judged(values)
+        _, alpha, losses = awq.search_scale(x_mean, loss, 20, start=start)
+        assert round(alpha * 20) == expected and len(calls) == len(set(calls)) == len(losses) < 20, calls
+        _, exhaustive, _ = awq.search_scale(x_mean, judged(values)[0], 20)
+        assert round(exhaustive * 20) == 13
+
+
 @pytest.mark.parametrize("group_size", [32, 40, -1])  # 40: a shorter last group
 def test_fake_quantize_is_rtns_round_trip(group_size):
     w = torch.randn(40, 96, generator=torch.Generator().manual_seed(7))

@@ -95,11 +95,6 @@ def test_mix_falls_back_when_rows_do_not_fill_256():
     assert set(G.tensor_types(module, "Q4_K_M", pure=True).values()) == {"Q4_K", "Q5_0"}
 
 
-@pytest.fixture(scope="module")
-def tiny256(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("tiny256") / "model", hidden=256, intermediate=512)
-
-
 @pytest.mark.parametrize("mix", ["F32", "BF16", "Q8_0", "Q4_1", "Q4_K_M", "Q2_K"])
 def test_file_reads_back_as_the_quantized_model(tiny256, tmp_path, mix):
     """Our GGUF reader, and for two mixes transformers' (llama.cpp's layout: names, q/k rows permuted,

@@ -2,9 +2,12 @@
 gradients as autograd gives them for the whole model; a unit's measured error is the weighted error
 of its block's output; a --target-bpw export gives each group of linears sharing an input one grid of
 the candidates, stays within the target as its bytes count it, and its measurement serves other
-targets; bad input is refused."""
+targets; in GGUF, each linear gets a block type as llama-quantize's --tensor-type would write it;
+bad input is refused."""
 import json
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -13,8 +16,9 @@ import quantkit
 from quantkit import calibration, measurement
 from quantkit.api import quantizer
 from quantkit.config import QuantConfig
+from quantkit.errors import QuantkitError
 from quantkit.exporters.gptq import override
-from quantkit.measurement import GRIDS, Grid
+from quantkit.measurement import GGUF_TYPES, GRIDS, Grid
 from quantkit.quantizers import rtn
 
 from .conftest import TEST, VALID, loaded, refused
@@ -206,10 +210,62 @@ def test_an_older_measurement_is_refused(tiny_dir, tmp_path, capsys, monkeypatch
             capsys, monkeypatch, "measured by an older quantkit")
 
 
+def gguf_linears(path) -> dict[str, tuple[str, int, int]]:
+    """Each decoder linear's (type, bytes, weights) in a GGUF file."""
+    return {t.name: (t.tensor_type.name, int(t.n_bytes), int(t.n_elements)) for t in gguf.GGUFReader(path).tensors
+            if t.name.startswith("blk.") and len(t.shape) == 2}
+
+
+@pytest.mark.slow
+def test_gguf_target_types_each_linear_as_llama_quantize_would(tiny256, tmp_path, monkeypatch):
+    """In GGUF, --target-bpw gives each linear one of GGUF_TYPES within the target, as --tensor-type
+    overrides of the mix: llama-quantize given the same overrides writes the same bytes from our F32
+    file. The saved measurement serves a wider target, on more bits, without measuring again."""
+    from . import llamacpp
+
+    spent = []
+    for target in (3.5, 5.0):
+        m = quantkit.quantize(str(tiny256), method="rtn", format="gguf", target_bpw=target,
+                              measurement=str(tmp_path / "m.json"), **CALIB, out=tmp_path / f"{target}.gguf",
+                              progress=False)
+        ours = gguf_linears(tmp_path / f"{target}.gguf")
+        assert {t for t, _, _ in ours.values()} <= {t.type for t in GGUF_TYPES}
+        assert len(m.qconfig.tensor_type) == len(ours) == 14
+        spent.append(sum(8 * b for _, b, _ in ours.values()) / sum(n for _, _, n in ours.values()))
+        monkeypatch.setattr(measurement, "measure_layer", None)  # the second target reads the file
+        monkeypatch.setattr(measurement, "fisher", None)
+    assert 3.3 < spent[0] <= 3.5 and 4.8 < spent[1] <= 5.0
+    quantkit.api.export_gguf(quantkit.load(tiny256), tmp_path / "f32.gguf", "F32", progress=False)
+    llamacpp.quantize(tmp_path / "f32.gguf", tmp_path / "theirs.gguf", "Q4_K_M",
+                      *[a for o in m.qconfig.tensor_type for a in ("--tensor-type", o)])
+    theirs = {t.name: (t.tensor_type.name, np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(tmp_path / "theirs.gguf").tensors}
+    assert {t.name: (t.tensor_type.name, np.asarray(t.data).tobytes())
+            for t in gguf.GGUFReader(tmp_path / "5.0.gguf").tensors} == theirs
+
+
+def test_gguf_types_are_counted_as_the_rows_take_them(tiny_dir, tmp_path):
+    """Rows of 64 and 128 values fill no 256-value block: Q2_K and Q3_K fall back to Q4_0, so the
+    lowest reachable target is 4.5 bits, and the file holds the fallback types at the bits counted."""
+    from quantkit.api import grids
+
+    m = quantkit.load(str(tiny_dir))
+    with pytest.raises(QuantkitError, match=r"outside the range of the GGUF types Q2_K to Q8_0 .*\(4.500 to 8.500\)"):
+        grids(m, QuantConfig(method="rtn", gguf_type="Q4_K_M", target_bpw=4.4), "gguf", ())
+    q = quantkit.quantize(str(tiny_dir), method="rtn", format="gguf", target_bpw=5.0, **CALIB, out=tmp_path / "q.gguf",
+                          progress=False)
+    ours = gguf_linears(tmp_path / "q.gguf")
+    assert {t for t, _, _ in ours.values()} <= {"Q4_0", "Q5_0", "Q5_1", "Q8_0"}
+    assert 4.5 < sum(8 * b for _, b, _ in ours.values()) / sum(n for _, _, n in ours.values()) <= 5.0
+    assert all(o.endswith(("=Q4_0", "=Q5_0", "=Q5_1", "=Q8_0")) for o in q.qconfig.tensor_type)
+
+
 @pytest.mark.parametrize("args,match", [
     (["--method", "gptq", "--target-bpw", "2"], "outside the range of the safetensors format's grids"),
     (["--method", "nf4", "--target-bpw", "4"], "--target-bpw spends bits on RTN and GPTQ grids"),
-    (["--method", "gptq", "--target-bpw", "4", "--format", "gguf"], "--target-bpw spends bits on RTN and GPTQ grids"),
+    (["--method", "gptq", "--target-bpw", "4", "--format", "gguf", "--tensor-type", "attn_v=Q8_0"],
+     "writes its own --tensor-type overrides"),
+    (["--method", "rtn", "--target-bpw", "4", "--format", "gguf", "--gguf-type", "F16"], "the mix F16 is float"),
+    (["--method", "gptq", "--target-bpw", "9", "--format", "gguf"], "outside the range of the GGUF types"),
     (["--method", "gptq", "--target-bpw", "4", "--format", "awq"], "--target-bpw mixes settings per linear"),
     (["--method", "gptq", "--target-bpw", "4", "--format", "exl2", "--bits", "4.0"], "for EXL2 pass the target"),
     (["--method", "gptq", "--target-bpw", "4", "--measurement", "nowhere/m.json"], "no such directory"),

@@ -50,11 +50,30 @@ def candidate(x_mean: torch.Tensor, w_mean: torch.Tensor | None, alpha: float) -
 
 
 def search_scale(x_mean: torch.Tensor, loss: Callable[[torch.Tensor], float], n_grid: int = 20,
-                 w_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, float, list[float]]:
-    """The scales among alpha = 0, 1/n, .., (n-1)/n with the least block loss: (scales, alpha, losses).
-    loss(s) is the block's output error with its linears' input channels scaled by s and quantized."""
-    losses = [loss(candidate(x_mean, w_mean, i / n_grid)) for i in range(n_grid)]
-    best = min(range(n_grid), key=losses.__getitem__)  # the first of equal losses, as the reference
+                 w_mean: torch.Tensor | None = None, start: Callable[[torch.Tensor], float] | None = None
+                 ) -> tuple[torch.Tensor, float, dict[int, float]]:
+    """The scales among alpha = 0, 1/n, .., (n-1)/n with the least block loss: (scales, alpha, the
+    losses by candidate tried). loss(s) is the block's output error with its linears' input channels
+    scaled by s and quantized. start: a cheaper loss; then loss descends from the candidate start
+    ranks best, two candidates each side at a time, until none is lower (a few evaluations of loss
+    instead of n)."""
+    def judged(i: int) -> float:
+        if i not in losses:
+            losses[i] = loss(candidate(x_mean, w_mean, i / n_grid))
+        return losses[i]
+
+    losses: dict[int, float] = {}
+    if start is None:
+        best = min(range(n_grid), key=judged)  # the first of equal losses, as the reference
+    else:
+        cheap = [start(candidate(x_mean, w_mean, i / n_grid)) for i in range(n_grid)]
+        best = min(range(n_grid), key=cheap.__getitem__)
+        while True:
+            # two neighbours each side: the block loss has shallow local minima a step wide
+            step = min((j for j in range(best - 2, best + 3) if 0 <= j < n_grid), key=judged)
+            if step == best:
+                break
+            best = step
     return candidate(x_mean, w_mean, best / n_grid), best / n_grid, losses
 
 
@@ -118,12 +137,13 @@ AWQ_LAYOUT = ("input_layernorm", "post_attention_layernorm", *LINEARS)
 
 def search_group(prev: torch.nn.Module, linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: list[dict],
                  block: Callable | None, channels: torch.Tensor | None, bits: int, group_size: int, sym: bool,
-                 duo: bool = False, n_grid: int = 20, search_tokens: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+                 duo: bool = False, n_grid: int = 20, search_tokens: int = 8192,
+                 descent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """AWQ's scale search for linears sharing the inputs xs (one tensor per batch), judged by
     block(x, kwargs)'s output (block_loss; None: output_loss) on the first batches that hold
-    search_tokens tokens (the mean |x| uses them all). channels maps each input channel to the output
-    channel of prev that feeds it (grouped-query attention), or None. Returns prev's scales and the
-    linears' scales."""
+    search_tokens tokens (the mean |x| uses them all); descent: the block loss only descends from
+    the candidate of least output_loss (search_scale's start). channels maps each input channel to the output channel of prev
+    that feeds it (grouped-query attention), or None. Returns prev's scales and the linears' scales."""
     x_mean = sum(x.abs().reshape(-1, x.shape[-1]).sum(0) for x in xs) / sum(x[..., 0].numel() for x in xs)
     w_mean = weight_mean([lin.weight for lin in linears], group_size) if duo else None
     if channels is not None:  # one scale per output channel of prev: average what shares it
@@ -134,9 +154,9 @@ def search_group(prev: torch.nn.Module, linears: list[torch.nn.Linear], xs: list
     tokens = torch.tensor([x[..., 0].numel() for x in xs]).cumsum(0)
     n = max(1, int((tokens <= search_tokens).sum()))  # each candidate costs a block forward per token
     xs, kwargs = xs[:n], kwargs[:n]
-    loss = output_loss(linears, xs, full, bits, group_size, sym) if block is None else \
-        block_loss(linears, xs, kwargs, block, full, bits, group_size, sym)
-    s, _, _ = search_scale(x_mean, loss, n_grid, w_mean)
+    own = output_loss(linears, xs, full, bits, group_size, sym) if block is None or descent else None
+    loss = own if block is None else block_loss(linears, xs, kwargs, block, full, bits, group_size, sym)
+    s, _, _ = search_scale(x_mean, loss, n_grid, w_mean, own if block is not None else None)
     return s, full(s)
 
 
@@ -178,9 +198,10 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
     """AWQ on one decoder layer in place: search and fold the scales of each group of linears that
     share an input, search each linear's clipping (not q/k: their errors pass through softmax),
     quantize. Returns the quantized tensors by full name. loss "block" judges q/k/v by the attention
-    block's output and gate/up by the MLP's (AutoAWQ's losses); "output" judges them by their own
-    outputs (output_loss), without forwards. o_proj and down_proj, whose blocks are themselves, always
-    go through output_loss."""
+    block's output and gate/up by the MLP's (AutoAWQ's losses); "descent" runs the blocks only on a
+    descent from the candidate of least output loss; "output" judges them by their own outputs
+    (output_loss), without forwards. o_proj and down_proj, whose blocks are themselves, always go
+    through output_loss."""
     missing = [name for name in AWQ_LAYOUT if not hasattr_path(layer, name)]
     if missing:
         raise QuantkitError(f"AWQ does not know this layer's norm/linear pairing (no {', '.join(missing)}): it "
@@ -192,7 +213,7 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
     def attention(x, kw):
         return attn(hidden_states=x, **{k: v for k, v in kw.items() if k != "hidden_states"})[0]
 
-    forwards = loss == "block"
+    forwards = loss != "output"
     # for each of GROUPS: the op whose output feeds it, the block whose output judges it (None: the
     # linears' own outputs), the channel map
     feeders = [(layer.input_layernorm, attention if forwards else None, None),
@@ -200,7 +221,8 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
                (layer.post_attention_layernorm, (lambda x, kw: mlp(x)) if forwards else None, None),
                (mlp.up_proj, None, None)]
     linears = [[layer.get_submodule(name) for name in group] for group in GROUPS]
-    scales = [search_group(prev, lins, inputs[group[0]], kwargs, block, channels, bits, group_size, sym, duo, n_grid)
+    scales = [search_group(prev, lins, inputs[group[0]], kwargs, block, channels, bits, group_size, sym, duo, n_grid,
+                           descent=loss == "descent")
               for group, lins, (prev, block, channels) in zip(GROUPS, linears, feeders)]
     # folded after all searches, as the reference does
     for group, lins, (prev, _, _), (s, s_full) in zip(GROUPS, linears, feeders, scales):
