@@ -88,7 +88,8 @@ def grids(m: Model, config: QuantConfig, format: str,
     shapes = {name: (n, k) for name, n, k in linear_shapes(m.module)}
     if config.gguf_type is not None:
         kept = measurement.GGUF_TYPES
-        measurement.check_target(shapes, config.target_bpw, kept, f"the GGUF types {kept[0].type} to {kept[-1].type}")
+        measurement.check_target(shapes, config.target_bpw, kept,
+                                 f"the GGUF types {kept[0].type} to {kept[-1].type}, after llama-quantize's fallbacks,")
         return kept
 
     def fits(g: measurement.Grid) -> bool:
@@ -123,7 +124,7 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
     hessian = exl2_run or config.method == "gptq" or config.imatrix
     # what the candidates' quantization depends on, besides their own settings
     quantizer_settings = ("exl2", config.damp, config.block_size) if exl2_run else \
-        ("gguf", config.method, config.imatrix, config.damp) if gguf_run else (config.method, config.sym, config.mse) \
+        ("gguf", config.method, config.imatrix) + ((config.damp,) if config.method == "gptq" else ()) if gguf_run else (config.method, config.sym, config.mse) \
         + ((config.damp, config.block_size, config.act_order, config.static_groups, config.group_aware) if hessian else ())
     data = windows.numpy().tobytes() + b"".join(name.encode() + v.numpy().tobytes()
                                                 for name, v in sorted((importance or {}).items()))

@@ -106,8 +106,8 @@ class QuantConfig:
                 raise QuantkitError("--target-bpw spends bits on RTN and GPTQ grids (the safetensors, "
                                     "compressed-tensors and GGUF formats): for EXL2 pass the target as --bits")
             if self.rules:
-                raise QuantkitError("--target-bpw writes its own rules from the measurement: pass --rules or "
-                                    "--target-bpw, not both")
+                raise QuantkitError("--target-bpw writes its own rules (in GGUF, --tensor-type overrides) from the "
+                                    "measurement: pass --rules or --target-bpw, not both")
             if self.tensor_type:
                 raise QuantkitError("--target-bpw writes its own --tensor-type overrides from the measurement: pass "
                                     "--tensor-type or --target-bpw, not both")

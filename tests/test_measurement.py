@@ -210,6 +210,10 @@ def test_an_older_measurement_is_refused(tiny_dir, tmp_path, capsys, monkeypatch
             capsys, monkeypatch, "measured by an older quantkit")
 
 
+def gguf_tensors(path) -> dict[str, tuple[str, bytes]]:
+    return {t.name: (t.tensor_type.name, np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(path).tensors}
+
+
 def gguf_linears(path) -> dict[str, tuple[str, int, int]]:
     """Each decoder linear's (type, bytes, weights) in a GGUF file."""
     return {t.name: (t.tensor_type.name, int(t.n_bytes), int(t.n_elements)) for t in gguf.GGUFReader(path).tensors
@@ -238,25 +242,32 @@ def test_gguf_target_types_each_linear_as_llama_quantize_would(tiny256, tmp_path
     quantkit.api.export_gguf(quantkit.load(tiny256), tmp_path / "f32.gguf", "F32", progress=False)
     llamacpp.quantize(tmp_path / "f32.gguf", tmp_path / "theirs.gguf", "Q4_K_M",
                       *[a for o in m.qconfig.tensor_type for a in ("--tensor-type", o)])
-    theirs = {t.name: (t.tensor_type.name, np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(tmp_path / "theirs.gguf").tensors}
-    assert {t.name: (t.tensor_type.name, np.asarray(t.data).tobytes())
-            for t in gguf.GGUFReader(tmp_path / "5.0.gguf").tensors} == theirs
+    assert gguf_tensors(tmp_path / "5.0.gguf") == gguf_tensors(tmp_path / "theirs.gguf")
 
 
+@pytest.mark.slow
 def test_gguf_types_are_counted_as_the_rows_take_them(tiny_dir, tmp_path):
     """Rows of 64 and 128 values fill no 256-value block: Q2_K and Q3_K fall back to Q4_0, so the
-    lowest reachable target is 4.5 bits, and the file holds the fallback types at the bits counted."""
+    lowest reachable target is 4.5 bits; the file holds the fallback types at the bits counted, and
+    llama-quantize given the same overrides writes the same bytes."""
     from quantkit.api import grids
 
+    from . import llamacpp
+
     m = quantkit.load(str(tiny_dir))
-    with pytest.raises(QuantkitError, match=r"outside the range of the GGUF types Q2_K to Q8_0 .*\(4.500 to 8.500\)"):
+    with pytest.raises(QuantkitError, match=r"outside the range of the GGUF types Q2_K to Q8_0.*\(4.500 to 8.500\)"):
         grids(m, QuantConfig(method="rtn", gguf_type="Q4_K_M", target_bpw=4.4), "gguf", ())
     q = quantkit.quantize(str(tiny_dir), method="rtn", format="gguf", target_bpw=5.0, **CALIB, out=tmp_path / "q.gguf",
                           progress=False)
     ours = gguf_linears(tmp_path / "q.gguf")
     assert {t for t, _, _ in ours.values()} <= {"Q4_0", "Q5_0", "Q5_1", "Q8_0"}
     assert 4.5 < sum(8 * b for _, b, _ in ours.values()) / sum(n for _, _, n in ours.values()) <= 5.0
+    assert len(q.qconfig.tensor_type) == len(ours)
     assert all(o.endswith(("=Q4_0", "=Q5_0", "=Q5_1", "=Q8_0")) for o in q.qconfig.tensor_type)
+    quantkit.api.export_gguf(m, tmp_path / "f32.gguf", "F32", progress=False)
+    llamacpp.quantize(tmp_path / "f32.gguf", tmp_path / "theirs.gguf", "Q4_K_M",
+                      *[a for o in q.qconfig.tensor_type for a in ("--tensor-type", o)])
+    assert gguf_tensors(tmp_path / "q.gguf") == gguf_tensors(tmp_path / "theirs.gguf")
 
 
 @pytest.mark.parametrize("args,match", [
