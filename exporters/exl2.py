@@ -17,7 +17,7 @@ from transformers import AutoConfig
 from quantkit import __version__, measurement
 from quantkit.config import QuantConfig
 from quantkit.errors import QuantkitError
-from quantkit.layers import linear_shapes
+from quantkit.layers import shapes_by_name
 from quantkit.modelio import Model, load_tokenizer
 from quantkit.packing import pack, unpack
 from quantkit.qtensor import QuantizedTensor
@@ -33,7 +33,7 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
     """Refuse, before any work, what the layout cannot hold."""
     if qconfig.method != "gptq":
         raise QuantkitError(f"EXL2 is filled by GPTQ, not {qconfig.method}: use --method gptq")
-    shapes = {name: (n, k) for name, n, k in linear_shapes(module)}
+    shapes = shapes_by_name(module)
     for name, (n, k) in shapes.items():
         if k % 32:
             raise QuantkitError(f"{name} has {k} inputs: EXL2 needs a multiple of 32; choose another --format")

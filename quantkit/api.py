@@ -19,7 +19,7 @@ from . import consumers, distributed, measurement
 from . import rules as layer_rules
 from .config import QuantConfig
 from .errors import QuantkitError, ResumableError, space_for
-from .layers import GROUPS, LINEARS, linear_shapes
+from .layers import GROUPS, LINEARS, linear_shapes, shapes_by_name
 from .modelio import Model, linear_types, load
 from .pipeline import Hessian, gather_hessians, quantize_layers
 from .qtensor import QuantizedTensor
@@ -85,7 +85,7 @@ def grids(m: Model, config: QuantConfig, format: str,
     """The candidates of --target-bpw that the format and the named consumers take for this model, so
     that nothing the measurement picks is refused after it (in GGUF, every block type of
     measurement.GGUF_TYPES); the target checked against them."""
-    shapes = {name: (n, k) for name, n, k in linear_shapes(m.module)}
+    shapes = shapes_by_name(m.module)
     if config.gguf_type is not None:
         kept = measurement.GGUF_TYPES
         measurement.check_target(shapes, config.target_bpw, kept,
@@ -120,7 +120,7 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
     exl2_run, gguf_run = config.exl2 is not None, config.gguf_type is not None
     units = measurement.BLOCK_UNITS if exl2_run else measurement.LINEAR_UNITS if gguf_run else measurement.GROUP_UNITS
     target = config.exl2 if exl2_run else config.target_bpw
-    shapes = {name: (n, k) for name, n, k in linear_shapes(m.module)}
+    shapes = shapes_by_name(m.module)
     hessian = exl2_run or config.method == "gptq" or config.imatrix
     # what the candidates' quantization depends on, besides their own settings
     quantizer_settings = ("exl2", config.damp, config.block_size) if exl2_run else \
@@ -281,7 +281,7 @@ def quantize(
         text = calibration.load_text(calib_data)
         windows = calibration.sample_windows(m.tokenizer, text, calib_samples, calib_seqlen, seed)
     if config.target_bpw is not None:  # from here on, a rule per group of linears, or a GGUF type per linear
-        shapes = {name: (n, k) for name, n, k in linear_shapes(m.module)}
+        shapes = shapes_by_name(m.module)
         config = spent(config, measured(m, config, windows, dev, progress, candidates, importance), shapes)
         if types is not None:
             types = exporters.gguf.tensor_types(m.module, config.gguf_type, config.pure, config.weighted,

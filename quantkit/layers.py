@@ -24,6 +24,11 @@ def linear_shapes(module: torch.nn.Module) -> Iterator[tuple[str, int, int]]:
             yield f"model.layers.{i}.{name}", n, k
 
 
+def shapes_by_name(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """linear_shapes as a mapping: each decoder linear's (outputs, inputs) by name."""
+    return {name: (n, k) for name, n, k in linear_shapes(module)}
+
+
 def on_device(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """A batch of hidden states where the layer is (they may be kept in CPU memory for a GPU run)."""
     return hidden.to(next(layer.parameters()).device, non_blocking=True)
