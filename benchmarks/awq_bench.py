@@ -14,7 +14,13 @@ ours / theirs, and both perplexities. --layers limits both to the first N layers
 search takes minutes per layer on a CPU).
 `losses`: AWQ with each --awq-loss against GPTQ with its defaults (the anchor), w4 and w3 in groups of
 128, each with its own defaults otherwise: whole-model quantization time and perplexity.
+`descent`: on every --every-th layer of the float model, for q/k/v and gate/up, the exhaustive block
+search against --awq-loss descent's (the same losses, 8192 calibration tokens, g128 asym): how often
+they choose the same scales, the block loss of the descent's choice over the exhaustive one's, and
+the block forwards and seconds each took.
 Each run is a child process (`run`).
+
+    python benchmarks/awq_bench.py descent [--bits 4] [--every 3] [--samples 32]
 """
 from __future__ import annotations
 
@@ -153,9 +159,59 @@ def losses(a) -> None:
         print(f"| w{bits} | " + " | ".join(cells) + " |", flush=True)
 
 
+def descent(a) -> None:
+    import torch
+
+    import quantkit
+    from quantkit.calibration import load_text, sample_windows
+    from quantkit.layers import GROUPS, linear_inputs
+    from quantkit.pipeline import capture_inputs, run_layer
+    from quantkit.quantizers import awq
+
+    m = quantkit.load()
+    m.materialize()
+    windows = sample_windows(m.tokenizer, load_text(VALID), a.samples, 512, seed=0)
+    same = forwards = searches = 0
+    seconds = {"exhaustive": 0.0, "descent": 0.0}
+    print(f"w{a.bits} g128 asym, {a.samples} x 512 calibration tokens, every {a.every}th layer")
+    with torch.no_grad():
+        batches = capture_inputs(m, windows, 8)
+        for i, layer in enumerate(m.layers):
+            if i % a.every == 0:
+                attn, mlp = layer.self_attn, layer.mlp
+                inputs = linear_inputs(layer, batches, [group[0] for group in GROUPS])
+                kwargs = [kw for _, kw in batches]
+
+                def attention(x, kw):
+                    return attn(hidden_states=x, **{k: v for k, v in kw.items() if k != "hidden_states"})[0]
+
+                for g, block in ((0, attention), (2, lambda x, kw: mlp(x))):
+                    linears = [layer.get_submodule(name) for name in GROUPS[g]]
+                    xs = inputs[GROUPS[g][0]]
+                    x_mean = sum(x.abs().reshape(-1, x.shape[-1]).sum(0) for x in xs) / sum(x[..., 0].numel() for x in xs)
+                    n = max(1, int((torch.tensor([x[..., 0].numel() for x in xs]).cumsum(0) <= 8192).sum()))
+                    loss = awq.block_loss(linears, xs[:n], kwargs[:n], block, lambda s: s, a.bits, 128, False)
+                    t = time.perf_counter()
+                    _, exhaustive, losses = awq.search_scale(x_mean, loss, 20)
+                    seconds["exhaustive"] += time.perf_counter() - t
+                    t = time.perf_counter()
+                    own = awq.output_loss(linears, xs[:n], lambda s: s, a.bits, 128, False)
+                    _, chosen, tried = awq.search_scale(x_mean, loss, 20, start=own)
+                    seconds["descent"] += time.perf_counter() - t
+                    same += chosen == exhaustive
+                    forwards += len(tried)
+                    searches += 1
+                    ratio = losses[round(chosen * 20)] / losses[round(exhaustive * 20)]
+                    print(f"layer {i} {'q/k/v' if g == 0 else 'gate/up'}: exhaustive alpha {exhaustive:.2f}, descent "
+                          f"{chosen:.2f} in {len(tried)} forwards, block loss ratio {ratio:.4f}", flush=True)
+            batches = run_layer(layer, batches)
+    print(f"same choice in {same} of {searches} searches; block forwards {forwards} against {20 * searches}; "
+          f"{seconds['descent']:.1f} s against {seconds['exhaustive']:.1f} s")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["table", "speed", "losses", "run"])
+    p.add_argument("mode", choices=["table", "speed", "losses", "descent", "run"])
     p.add_argument("--impl", choices=["ours", "autoawq"], default="ours")
     p.add_argument("--method", default="awq")
     p.add_argument("--bits", type=int, default=4)
@@ -166,12 +222,16 @@ def main() -> None:
     p.add_argument("--samples", type=int)
     p.add_argument("--windows", type=int, default=40)
     p.add_argument("--layers", type=int, default=30, help="speed: quantize only the first N decoder layers")
+    p.add_argument("--every", type=int, default=3, help="descent: search every N-th layer")
     a = p.parse_args()
     if a.mode == "run":
         print(json.dumps(run(a)))
     elif a.mode == "losses":
         a.samples = a.samples or 32
         losses(a)
+    elif a.mode == "descent":
+        a.samples = a.samples or 32
+        descent(a)
     elif a.mode == "table":
         a.samples = a.samples or 128
         table(a)
