@@ -3,7 +3,7 @@
 
     python benchmarks/awq_bench.py table [--samples 128] [--windows 40] [--duo True]
     python benchmarks/awq_bench.py speed [--samples 16] [--bits 4] [--layers 30]
-    python benchmarks/awq_bench.py losses [--samples 32] [--windows 20]
+    python benchmarks/awq_bench.py losses [--samples 32] [--windows 20] [--losses block,descent,output]
 
 `table`: base, RTN (asymmetric), AWQ (--duo: with duo scaling) and GPTQ (act-order, MSE clipping)
 perplexity at w4 g64 and w3 g64 (llama.cpp protocol, ctx 512, first --windows windows of the wikitext-2 test file),
@@ -12,8 +12,9 @@ calibrated on --samples seeded windows of 512 tokens of the validation file.
 with the same windows, its Llama layer groups; float outputs passed on, as it does), wall time as
 ours / theirs, and both perplexities. --layers limits both to the first N layers (autoawq's clipping
 search takes minutes per layer on a CPU).
-`losses`: AWQ with each --awq-loss against GPTQ with its defaults (the anchor), w4 and w3 in groups of
-128, each with its own defaults otherwise: whole-model quantization time and perplexity.
+`losses`: AWQ with each --awq-loss (or those in --losses) against GPTQ with its defaults (the anchor), w4
+and w3 in groups of 128, each with its own defaults otherwise: whole-model quantization time, perplexity
+and KLD from the float model (log-probabilities saved once, in a temporary directory).
 `descent`: on every --every-th layer of the float model, for q/k/v and gate/up, the exhaustive block
 search against --awq-loss descent's (the same losses, 8192 calibration tokens, g128 asym): how often
 they choose the same scales, the block loss of the descent's choice over the exhaustive one's, and
@@ -108,12 +109,17 @@ def run(a) -> dict:
                 batches = run_layer(layer, batches)
         elif a.method != "base":
             if a.defaults:  # each method as it comes
-                extra = dict(awq_loss=a.loss) if a.method == "awq" else {}
+                extra = dict(awq_loss=a.loss) if a.method == "awq" and a.loss else {}
             else:
                 extra = dict(sym=False, duo_scaling=a.duo) | (dict(act_order=True, mse=True) if a.method == "gptq" else {})
             quantkit.quantize(m, method=a.method, bits=a.bits, group_size=a.group_size, calib_data=VALID,
                               calib_samples=a.samples, calib_seqlen=512, seed=0, progress=False, **extra)
     seconds = time.perf_counter() - start
+    if a.base:  # perplexity and KLD against the float model's saved log-probabilities
+        base = a.method == "base"
+        d = quantkit.compare(m, m if base else a.base, TEST, 512, a.windows, save_base=a.base if base else None,
+                             progress=False)
+        return {"seconds": seconds, "perplexity": d.perplexity, "kld": d.kld_mean}
     ppl = quantkit.evaluate(m, TEST, "llamacpp", 512, a.windows, progress=False).perplexity
     return {"seconds": seconds, "perplexity": ppl}
 
@@ -147,16 +153,22 @@ def speed(a) -> None:
 
 
 def losses(a) -> None:
-    kw = dict(group_size=128, samples=a.samples, windows=a.windows, defaults=True)
-    print(f"g128, {a.samples} x 512 calibration tokens, {a.windows} test windows; each method's defaults")
-    print("| bits | GPTQ (anchor) | " + " | ".join(f"AWQ, --awq-loss {loss}" for loss in AWQ_LOSSES) + " |")
-    print("| --- | --- |" + " --- |" * len(AWQ_LOSSES))
-    for bits in (4, 3):
-        gptq = child(__file__, method="gptq", bits=bits, **kw)
-        awq = [child(__file__, method="awq", loss=loss, bits=bits, **kw) for loss in AWQ_LOSSES]
-        cells = [f"{r['perplexity']:.3f}, {r['seconds']:.0f} s ({r['seconds'] / gptq['seconds']:.2f})"
-                 for r in (gptq, *awq)]
-        print(f"| w{bits} | " + " | ".join(cells) + " |", flush=True)
+    import tempfile
+
+    losses = a.losses.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        kw = dict(group_size=128, samples=a.samples, windows=a.windows, defaults=True, base=f"{tmp}/base.logits")
+        child(__file__, method="base", **kw)
+        print(f"g128, {a.samples} x 512 calibration tokens, {a.windows} test windows; each method's defaults; "
+              "perplexity, KLD from the float model, seconds (ratio to GPTQ's)")
+        print("| bits | GPTQ (anchor) | " + " | ".join(f"AWQ, --awq-loss {loss}" for loss in losses) + " |")
+        print("| --- | --- |" + " --- |" * len(losses))
+        for bits in (4, 3):
+            gptq = child(__file__, method="gptq", bits=bits, **kw)
+            awq = [child(__file__, method="awq", loss=loss, bits=bits, **kw) for loss in losses]
+            cells = [f"{r['perplexity']:.3f}, {r['kld']:.4f}, {r['seconds']:.0f} s ({r['seconds'] / gptq['seconds']:.2f})"
+                     for r in (gptq, *awq)]
+            print(f"| w{bits} | " + " | ".join(cells) + " |", flush=True)
 
 
 def descent(a) -> None:
@@ -195,7 +207,7 @@ def descent(a) -> None:
                     _, exhaustive, losses = awq.search_scale(x_mean, loss, 20)
                     seconds["exhaustive"] += time.perf_counter() - t
                     t = time.perf_counter()
-                    own = awq.output_loss(linears, xs[:n], lambda s: s, a.bits, 128, False)
+                    own = awq.output_loss(linears, awq.hessian(xs[:n]), lambda s: s, a.bits, 128, False)
                     _, chosen, tried = awq.search_scale(x_mean, loss, 20, start=own)
                     seconds["descent"] += time.perf_counter() - t
                     same += chosen == exhaustive
@@ -217,12 +229,14 @@ def main() -> None:
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--duo", type=flag, default=False)
-    p.add_argument("--loss", default="block", help="run: AWQ's --awq-loss")
+    p.add_argument("--loss", default=None, help="run: AWQ's --awq-loss (default: its default)")
+    p.add_argument("--base", default="", help="run: the float model's log-probabilities (saved by method base)")
     p.add_argument("--defaults", type=flag, default=False, help="run: each method's own defaults (sym, clipping)")
     p.add_argument("--samples", type=int)
     p.add_argument("--windows", type=int, default=40)
     p.add_argument("--layers", type=int, default=30, help="speed: quantize only the first N decoder layers")
     p.add_argument("--every", type=int, default=3, help="descent: search every N-th layer")
+    p.add_argument("--losses", default=",".join(AWQ_LOSSES), help="losses: the AWQ losses to run")
     a = p.parse_args()
     if a.mode == "run":
         print(json.dumps(run(a)))

@@ -63,10 +63,10 @@ def quiet() -> None:
                    "[default: on unless --act-order]")
 @click.option("--double-quant", is_flag=True, help="NF4/FP4: quantize the absmax values to 8 bits too")
 @click.option("--duo-scaling", is_flag=True, help="AWQ: scales from activations and weights (AutoAWQ's default)")
-@click.option("--awq-loss", type=click.Choice(AWQ_LOSSES), default="block", show_default=True,
-              help="AWQ: judge the q/k/v and gate/up scales by their block's output; by it on a descent from "
-                   "the best candidate of their own outputs' error (about 1.8x faster); or by their own outputs "
-                   "(about 3x faster, worse at 3 bits)")
+@click.option("--awq-loss", type=click.Choice(AWQ_LOSSES), default=None,
+              help="AWQ: judge the q/k/v and gate/up scales by their block's output on a descent from the best "
+                   "candidate of their own outputs' error [default]; by it on every candidate (AutoAWQ's, 2.8x "
+                   "slower); or by their own outputs (faster, worse at 3 bits)")
 @click.option("--out", required=True, type=click.Path(), help="export directory (a .gguf file for --format gguf)")
 @click.option("--format", "fmt", default="safetensors", show_default=True,
               help="safetensors: GPTQ checkpoint layout (bitsandbytes' for nf4/fp4); awq: AutoAWQ GEMM layout; "

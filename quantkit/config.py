@@ -33,10 +33,11 @@ class QuantConfig:
     group_aware: bool | None = None  # act-order inside groups, groups by importance; default: GPTQ without act-order
     double_quant: bool = False  # NF4/FP4: absmax values quantized to 8 bits
     duo_scaling: bool = False  # AWQ: s = mean|x|^a / mean|w|^(1-a) (AutoAWQ's default) instead of mean|x|^a
-    # AWQ: what judges the scales of q/k/v and gate/up: their block's output ("block", AutoAWQ's), their
-    # own outputs through their inputs' Hessian ("output": no forwards per candidate, for speed), or the
-    # block's output on a descent from the candidate the output loss ranks best ("descent")
-    awq_loss: str = "block"
+    # AWQ: what judges the scales of q/k/v and gate/up: their block's output on a descent from the
+    # candidate their own output loss ranks best ("descent", the default: as good as "block" and 2.8x
+    # faster, benchmarks/RESULTS.md), their block's output on every candidate ("block", AutoAWQ's), or
+    # their own outputs through their inputs' Hessian ("output": no forwards per candidate)
+    awq_loss: str | None = None
     gguf_type: str | None = None  # GGUF mix (Q4_K_M, Q8_0, ...): blocks of llama.cpp's types instead of our grids
     imatrix: bool = False  # GGUF with RTN: weight the block search by each input's mean square (calibration)
     imatrix_file: str | None = None  # the same from llama.cpp's importance-matrix file (no calibration)
@@ -67,10 +68,12 @@ class QuantConfig:
             self.mse = self.method == "gptq"
         if self.duo_scaling and self.method != "awq":
             raise QuantkitError("duo scaling is an AWQ option: use it with --method awq")
-        if self.awq_loss not in AWQ_LOSSES:
+        if self.awq_loss is not None and self.awq_loss not in AWQ_LOSSES:
             raise QuantkitError(f"unknown AWQ loss {self.awq_loss!r}: use one of {', '.join(AWQ_LOSSES)}")
-        if self.awq_loss != "block" and self.method != "awq":
+        if self.awq_loss is not None and self.method != "awq":
             raise QuantkitError("--awq-loss chooses how AWQ judges its scales: use it with --method awq")
+        if self.method == "awq" and self.awq_loss is None:
+            self.awq_loss = "descent"
         if self.block_size is None:
             self.block_size = 64 if self.method in CODEBOOK_METHODS else 128
         if self.method in CODEBOOK_METHODS:

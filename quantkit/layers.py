@@ -34,15 +34,26 @@ def on_device(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return hidden.to(next(layer.parameters()).device, non_blocking=True)
 
 
-def linear_inputs(layer: torch.nn.Module, batches, names) -> dict[str, list[torch.Tensor]]:
-    """Each named linear's inputs, batch by batch, from one run of the layer."""
+class Captured(Exception):
+    """Raised by a hook to end a forward pass once what it needed is captured."""
+
+
+def linear_inputs(layer: torch.nn.Module, batches, names, stop: bool = False) -> dict[str, list[torch.Tensor]]:
+    """Each named linear's inputs, batch by batch, from one run of the layer; with stop, each run ends
+    at the last name's input (names in the layer's order), since nothing after it is needed."""
     inputs, handles = {name: [] for name in names}, []
     for name in names:
-        hook = lambda module, args, name=name: inputs[name].append(args[0].detach())  # noqa: E731
+        def hook(module, args, name=name):
+            inputs[name].append(args[0].detach())
+            if stop and name == names[-1]:
+                raise Captured
         handles.append(layer.get_submodule(name).register_forward_pre_hook(hook))
     try:
         for hidden, kwargs in batches:
-            layer(on_device(layer, hidden), **kwargs)
+            try:
+                layer(on_device(layer, hidden), **kwargs)
+            except Captured:
+                pass
     finally:
         for handle in handles:
             handle.remove()

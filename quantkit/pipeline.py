@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from . import distributed
-from .layers import GROUPS, on_device
+from .layers import GROUPS, Captured, on_device
 from .modelio import Model
 from .qtensor import QuantizedTensor
 
@@ -80,10 +80,6 @@ class Hessian:
         return self.result
 
 
-class _Captured(Exception):
-    pass
-
-
 def capture_inputs(model: Model, windows: torch.Tensor, batch_size: int, device: str | torch.device = "cpu",
                    store: str | torch.device | None = None) -> list[tuple[torch.Tensor, dict]]:
     """The first decoder layer's inputs (hidden states and keyword arguments), one entry per batch;
@@ -99,7 +95,7 @@ def capture_inputs(model: Model, windows: torch.Tensor, batch_size: int, device:
         hidden = hidden.detach().float().to(store)
         captured.append((hidden.pin_memory() if store.type == "cpu" and torch.device(device).type == "cuda" else hidden,
                          kwargs))
-        raise _Captured
+        raise Captured
 
     loaded = model.module.model.embed_tokens.weight.is_meta
     model.materialize("model.embed_tokens", device)
@@ -109,7 +105,7 @@ def capture_inputs(model: Model, windows: torch.Tensor, batch_size: int, device:
         for batch in distributed.share(list(windows.split(batch_size))):  # under torchrun, a share of them
             try:
                 model.module(batch.to(device), use_cache=False)
-            except _Captured:
+            except Captured:
                 pass
     finally:
         handle.remove()
@@ -141,7 +137,7 @@ def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, di
             if keep:
                 kept.append(args[0])
             if last:
-                raise _Captured
+                raise Captured
 
         handles.append(first.register_forward_pre_hook(hook))
         hessians.update({name: h for name in group})
@@ -149,7 +145,7 @@ def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, di
         for hidden, kwargs in batches:
             try:
                 layer(on_device(layer, hidden), **kwargs)
-            except _Captured:
+            except Captured:
                 pass
     finally:
         for handle in handles:

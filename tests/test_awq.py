@@ -82,7 +82,7 @@ def test_scales_match_autoawq(tiny_dir, duo):
     same = 0
     for prev, linears, block, module, inp in cases:
         with torch.no_grad():
-            ours, _ = search_group(prev, linears, [inp], [kw], block, None, 4, 32, False, duo)
+            ours, _ = search_group(linears, [inp], [kw], block, None, awq.hessian([inp]), 4, 32, False, duo=duo)
             with cpu_snapshots_copied():
                 _, _, theirs = ref._search_best_scale(layer, prev, linears, inp, module2inspect=module, kwargs=dict(kw))
         if torch.allclose(ours, theirs.float(), rtol=1e-5):
@@ -110,21 +110,20 @@ def test_output_loss_is_the_block_loss_of_a_lone_linear(layer_and_batches):
     layer = m.layers[0]
     inputs = linear_inputs(layer, batches, ["self_attn.o_proj", "mlp.down_proj"])
     kw = [k for _, k in batches]
-    cases = [(layer.self_attn.v_proj, layer.self_attn.o_proj, kv_channels(layer.self_attn)),
-             (layer.mlp.up_proj, layer.mlp.down_proj, None)]
+    cases = [(layer.self_attn.o_proj, kv_channels(layer.self_attn)), (layer.mlp.down_proj, None)]
     full = lambda s, c: s[c] if c is not None else s  # noqa: E731
     with torch.no_grad():
-        for prev, lin, channels in cases:
+        for lin, channels in cases:
             xs = inputs[[n for n, mod in layer.named_modules() if mod is lin][0]]
             block = awq.block_loss([lin], xs, kw, lambda x, _: lin(x), lambda s: full(s, channels), 4, 32, False)
-            output = awq.output_loss([lin], xs, lambda s: full(s, channels), 4, 32, False)
+            output = awq.output_loss([lin], awq.hessian(xs), lambda s: full(s, channels), 4, 32, False)
             x_mean = torch.rand(len(torch.bincount(channels)) if channels is not None else lin.in_features,
                                 generator=torch.Generator().manual_seed(6)) + 0.1
             for alpha in (0.0, 0.3, 0.6, 0.9):
                 s = awq.candidate(x_mean, None, alpha)
                 assert output(s) == pytest.approx(block(s), rel=1e-4)
-            ours = search_group(prev, [lin], xs, kw, None, channels, 4, 32, False)
-            forwards = search_group(prev, [lin], xs, kw, lambda x, _: lin(x), channels, 4, 32, False)
+            ours = search_group([lin], xs, kw, None, channels, awq.hessian(xs), 4, 32, False)
+            forwards = search_group([lin], xs, kw, lambda x, _: lin(x), channels, awq.hessian(xs), 4, 32, False)
             assert torch.equal(ours[0], forwards[0]) and torch.equal(ours[1], forwards[1])
 
 
@@ -168,7 +167,7 @@ def test_clip_matches_autoawq():
     w = torch.randn(128, 256, generator=g) * 0.05
     w[:, 7] *= 8  # an outlier column makes clipping worthwhile
     x = torch.randn(600, 256, generator=g)
-    ours = awq.search_clip(w, x[::1], 4, 64)
+    ours = awq.search_clip(w, awq.hessian([x]), 4, 64)
     theirs = reference_quantizer(4, 64)._compute_best_clip(w, x)  # it samples every token here too (600 // 512 = 1)
     theirs = theirs.squeeze(-1)
     agree = torch.isclose(ours, theirs, rtol=1e-6)
@@ -264,3 +263,53 @@ def test_each_layer_is_calibrated_on_the_quantized_outputs_of_the_one_before(tin
     hook.remove()
     torch.testing.assert_close(seen[1], got[0], rtol=1e-4, atol=1e-5)
     assert not torch.allclose(seen[1], seen[0], rtol=1e-2, atol=1e-3)
+
+
+def test_spread_takes_evenly_spaced_tokens_from_every_batch():
+    xs = [torch.arange(b * 100, b * 100 + 60).float().reshape(2, 30, 1).expand(2, 30, 3) for b in range(4)]
+    rows = awq.spread(xs, 48)  # 240 tokens: every 5th
+    assert rows.shape == (48, 3)
+    assert torch.equal(rows[:, 0], torch.cat([torch.arange(b * 100, b * 100 + 60, 5) for b in range(4)]).float())
+    assert torch.equal(awq.spread(xs, 1000), torch.cat([x.reshape(-1, 3) for x in xs]))  # fewer than asked: all
+
+
+def test_linear_inputs_can_stop_at_the_last_input(layer_and_batches):
+    m, batches = layer_and_batches
+    layer, names = m.layers[0], ["self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj"]
+    ran = []
+    handle = layer.mlp.down_proj.register_forward_hook(lambda *_: ran.append(1))
+    try:
+        with torch.no_grad():
+            whole, stopped = linear_inputs(layer, batches, names), linear_inputs(layer, batches, names, stop=True)
+    finally:
+        handle.remove()
+    assert len(ran) == len(batches)  # down_proj ran in the whole runs only
+    for name in names:
+        assert all(torch.equal(a, b) for a, b in zip(whole[name], stopped[name], strict=True))
+
+
+def test_the_mlp_is_judged_on_tokens_spread_over_all_batches(layer_and_batches):
+    """The MLP works on each token alone, so its block loss may take tokens from every batch: with all
+    of them it chooses what the loss over whole batches chooses; with a few, the block sees only those."""
+    m, batches = layer_and_batches
+    layer = m.layers[1]
+    mlp = layer.mlp
+    xs = linear_inputs(layer, batches, ["mlp.gate_proj"])["mlp.gate_proj"]
+    lins, kw = [mlp.gate_proj, mlp.up_proj], [k for _, k in batches]
+    seen = []
+    block = lambda x, _: seen.append(x.reshape(-1, x.shape[-1]).shape[0]) or mlp(x)  # noqa: E731
+    with torch.no_grad():
+        h = awq.hessian(xs)
+        whole = search_group(lins, xs, kw, block, None, h, 4, 32, False, block_tokens=10**6)
+        spread = search_group(lins, xs, kw, block, None, h, 4, 32, False, block_tokens=10**6, token_wise=True)
+        assert torch.equal(whole[0], spread[0])
+        seen.clear()
+        search_group(lins, xs, kw, block, None, h, 4, 32, False, block_tokens=40, token_wise=True)
+    assert set(seen) == {len(awq.spread(xs, 40))} and len(awq.spread(xs, 40)) < sum(x[..., 0].numel() for x in xs)
+
+
+def test_awq_loss_defaults_to_the_descent_for_awq_only():
+    assert quantkit.QuantConfig(method="awq").awq_loss == "descent"
+    assert quantkit.QuantConfig(method="gptq").awq_loss is None
+    with pytest.raises(QuantkitError, match="use it with --method awq"):
+        quantkit.QuantConfig(method="gptq", awq_loss="block")

@@ -77,19 +77,21 @@ def search_scale(x_mean: torch.Tensor, loss: Callable[[torch.Tensor], float], n_
     return candidate(x_mean, w_mean, best / n_grid), best / n_grid, losses
 
 
-def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int, n_grid: int = 20,
+def search_clip(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, n_grid: int = 20,
                 max_shrink: float = 0.5) -> torch.Tensor:
     """Per (row, group) clipping bound max|w| * (1 - i/n_grid), i < max_shrink * n_grid, with the least
-    mean squared error of that group's share of the output on the tokens x [T, K]: [N, ng]."""
+    mean squared error of that group's share of the output, dW_g H_gg dW_g^T with H = X^T X / T of the
+    inputs [K, K] (a g x g product per row instead of a pass over the tokens): [N, ng]."""
     g = w.shape[1] if group_size == -1 else group_size
     bounds = []
-    for wc, xc in zip(w.split(g, dim=1), x.split(g, dim=1)):
+    for c in range(0, w.shape[1], g):
+        wc, hc = w[:, c:c + g], h[c:c + g, c:c + g]
         full = wc.abs().amax(dim=1, keepdim=True)
         best, best_err = full, None
         for i in range(int(max_shrink * n_grid)):
             bound = full * (1 - i / n_grid)
-            q = fake_quantize(wc.clamp(-bound, bound), bits, -1)
-            err = (xc @ (q - wc).T).pow(2).mean(dim=0)[:, None]
+            dw = fake_quantize(torch.max(torch.min(wc, bound), -bound), bits, -1) - wc
+            err = ((dw @ hc) * dw).sum(dim=1, keepdim=True)
             if best_err is None:
                 best_err = err
             else:
@@ -135,15 +137,23 @@ def fold(prev: torch.nn.Module, linears: list[torch.nn.Linear], s: torch.Tensor,
 AWQ_LAYOUT = ("input_layernorm", "post_attention_layernorm", *LINEARS)
 
 
-def search_group(prev: torch.nn.Module, linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: list[dict],
-                 block: Callable | None, channels: torch.Tensor | None, bits: int, group_size: int, sym: bool,
-                 duo: bool = False, n_grid: int = 20, search_tokens: int = 8192,
+def spread(xs: list[torch.Tensor], tokens: int) -> torch.Tensor:
+    """About tokens rows, evenly spaced over all of the batches xs: [T', K]."""
+    step = max(1, sum(x[..., 0].numel() for x in xs) // tokens)
+    return torch.cat([x.reshape(-1, x.shape[-1])[::step] for x in xs])
+
+
+def search_group(linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: list[dict], block: Callable | None,
+                 channels: torch.Tensor | None, h: torch.Tensor, bits: int, group_size: int, sym: bool, *,
+                 duo: bool = False, n_grid: int = 20, block_tokens: int = 2048, token_wise: bool = False,
                  descent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """AWQ's scale search for linears sharing the inputs xs (one tensor per batch), judged by
-    block(x, kwargs)'s output (block_loss; None: output_loss) on the first batches that hold
-    search_tokens tokens (the mean |x| uses them all); descent: the block loss only descends from
-    the candidate of least output_loss (search_scale's start). channels maps each input channel to the output channel of prev
-    that feeds it (grouped-query attention), or None. Returns prev's scales and the linears' scales."""
+    """AWQ's scale search for linears sharing the inputs xs (one tensor per batch, Hessian h), judged by
+    block(x, kwargs)'s output (block_loss; None: output_loss) on block_tokens tokens: the first
+    batches, or with token_wise (a block that works on each token alone, the MLP) rows spread over all
+    of them; the mean |x| uses them all. descent: the block loss only descends from the candidate of
+    least output_loss (search_scale's start). channels maps each input channel to the output channel
+    of the op that feeds it (grouped-query attention), or None. Returns the op's scales and the
+    linears'."""
     x_mean = sum(x.abs().reshape(-1, x.shape[-1]).sum(0) for x in xs) / sum(x[..., 0].numel() for x in xs)
     w_mean = weight_mean([lin.weight for lin in linears], group_size) if duo else None
     if channels is not None:  # one scale per output channel of prev: average what shares it
@@ -151,12 +161,15 @@ def search_group(prev: torch.nn.Module, linears: list[torch.nn.Linear], xs: list
         x_mean = torch.zeros(len(count), device=x_mean.device).index_add_(0, channels, x_mean) / count
         w_mean = torch.zeros(len(count), device=x_mean.device).index_add_(0, channels, w_mean) / count if duo else None
     full = (lambda s: s[channels]) if channels is not None else (lambda s: s)
-    tokens = torch.tensor([x[..., 0].numel() for x in xs]).cumsum(0)
-    n = max(1, int((tokens <= search_tokens).sum()))  # each candidate costs a block forward per token
-    xs, kwargs = xs[:n], kwargs[:n]
-    own = output_loss(linears, xs, full, bits, group_size, sym) if block is None or descent else None
-    loss = own if block is None else block_loss(linears, xs, kwargs, block, full, bits, group_size, sym)
-    s, _, _ = search_scale(x_mean, loss, n_grid, w_mean, own if block is not None else None)
+    own = output_loss(linears, h, full, bits, group_size, sym)
+    if block is None:
+        loss = own
+    elif token_wise:
+        loss = block_loss(linears, [spread(xs, block_tokens)], [{}], block, full, bits, group_size, sym)
+    else:  # each candidate costs a block forward per token
+        n = max(1, int((torch.tensor([x[..., 0].numel() for x in xs]).cumsum(0) <= block_tokens).sum()))
+        loss = block_loss(linears, xs[:n], kwargs[:n], block, full, bits, group_size, sym)
+    s, _, _ = search_scale(x_mean, loss, n_grid, w_mean, own if block is not None and descent else None)
     return s, full(s)
 
 
@@ -177,13 +190,17 @@ def block_loss(linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: l
     return loss
 
 
-def output_loss(linears: list[torch.nn.Linear], xs: list[torch.Tensor], full: Callable, bits: int, group_size: int,
+def hessian(xs: list[torch.Tensor]) -> torch.Tensor:
+    """H = X^T X / T of the inputs xs (batches of tokens): each linear's output error is tr(dW H dW^T)."""
+    rows = [t.reshape(-1, t.shape[-1]).float() for t in xs]
+    return sum(x.T @ x for x in rows) / sum(len(x) for x in rows)
+
+
+def output_loss(linears: list[torch.nn.Linear], h: torch.Tensor, full: Callable, bits: int, group_size: int,
                 sym: bool) -> Callable[[torch.Tensor], float]:
-    """loss(s): the mean squared change of the linears' own outputs, tr(dW H dW^T) / N with H = X^T X / T
-    of their inputs: a K x K product per candidate instead of a forward over the tokens. Where the
-    block is one linear (o_proj, down_proj) this is the block loss itself."""
-    x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs]).float()
-    h = x.T @ x / len(x)
+    """loss(s): the mean squared change of the linears' own outputs, tr(dW H dW^T) / N with H the
+    Hessian of their inputs: a K x K product per candidate instead of a forward over the tokens. Where
+    the block is one linear (o_proj, down_proj) this is the block loss itself."""
     w = torch.cat([lin.weight.data for lin in linears])
 
     def loss(s: torch.Tensor) -> float:
@@ -193,21 +210,24 @@ def output_loss(linears: list[torch.nn.Linear], xs: list[torch.Tensor], full: Ca
 
 
 def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, sym: bool, duo: bool = False,
-                   n_grid: int = 20, clip_tokens: int = 512, prefix: str = "", loss: str = "block"
-                   ) -> dict[str, QuantizedTensor]:
+                   n_grid: int = 20, prefix: str = "", loss: str = "descent", search_tokens: int = 8192,
+                   block_tokens: int = 2048) -> dict[str, QuantizedTensor]:
     """AWQ on one decoder layer in place: search and fold the scales of each group of linears that
     share an input, search each linear's clipping (not q/k: their errors pass through softmax),
     quantize. Returns the quantized tensors by full name. loss "block" judges q/k/v by the attention
-    block's output and gate/up by the MLP's (AutoAWQ's losses); "descent" runs the blocks only on a
-    descent from the candidate of least output loss; "output" judges them by their own outputs
-    (output_loss), without forwards. o_proj and down_proj, whose blocks are themselves, always go
-    through output_loss."""
+    block's output and gate/up by the MLP's (AutoAWQ's losses), on block_tokens tokens (the first
+    windows for attention; for the MLP, which works on each token alone, tokens spread over all);
+    "descent" runs the blocks only on a descent from the candidate of least output loss; "output" judges them by
+    their own outputs (output_loss), without forwards. o_proj and down_proj, whose blocks are
+    themselves, always go through output_loss. The output losses and the clipping are judged through
+    each input's Hessian over search_tokens tokens spread over the batches."""
     missing = [name for name in AWQ_LAYOUT if not hasattr_path(layer, name)]
     if missing:
         raise QuantkitError(f"AWQ does not know this layer's norm/linear pairing (no {', '.join(missing)}): it "
                             "supports Llama, Mistral and Qwen2-style decoders")
     attn, mlp = layer.self_attn, layer.mlp
-    inputs = linear_inputs(layer, batches, [group[0] for group in GROUPS])  # a group's input is its first linear's
+    # a group's input is its first linear's; the float layer's output is not needed
+    inputs = linear_inputs(layer, batches, [group[0] for group in GROUPS], stop=True)
     kwargs = [kw for _, kw in batches]
 
     def attention(x, kw):
@@ -221,21 +241,20 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
                (layer.post_attention_layernorm, (lambda x, kw: mlp(x)) if forwards else None, None),
                (mlp.up_proj, None, None)]
     linears = [[layer.get_submodule(name) for name in group] for group in GROUPS]
-    scales = [search_group(prev, lins, inputs[group[0]], kwargs, block, channels, bits, group_size, sym, duo, n_grid,
+    hessians = [hessian([spread(inputs[group[0]], search_tokens)]) for group in GROUPS]
+    scales = [search_group(lins, inputs[group[0]], kwargs, block, channels, h, bits, group_size, sym, duo=duo,
+                           n_grid=n_grid, block_tokens=block_tokens, token_wise=prev is layer.post_attention_layernorm,
                            descent=loss == "descent")
-              for group, lins, (prev, block, channels) in zip(GROUPS, linears, feeders)]
-    # folded after all searches, as the reference does
-    for group, lins, (prev, _, _), (s, s_full) in zip(GROUPS, linears, feeders, scales):
-        fold(prev, lins, s, s_full)
-        inputs[group[0]] = [x / s_full for x in inputs[group[0]]]
+              for group, lins, (prev, block, channels), h in zip(GROUPS, linears, feeders, hessians)]
+    del inputs
     tensors = {}
-    for group in GROUPS:
-        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[group[0]]])
-        x = x[:: max(1, len(x) // clip_tokens)]
-        for name in group:
-            linear = layer.get_submodule(name)
+    # folded after all searches, as the reference does
+    for group, lins, (prev, _, _), (s, s_full), h in zip(GROUPS, linears, feeders, scales, hessians):
+        fold(prev, lins, s, s_full)
+        h = h / s_full[:, None] / s_full[None, :]  # the inputs are now x / s
+        for name, linear in zip(group, lins):
             bound = None if name in ("self_attn.q_proj", "self_attn.k_proj") else \
-                search_clip(linear.weight.data, x, bits, group_size)
+                search_clip(linear.weight.data, h, bits, group_size)
             qt = quantize(linear.weight.data, bits, group_size, sym, bound)
             linear.weight.data.copy_(qt.dequantize())
             tensors[f"{prefix}{name}"] = qt
