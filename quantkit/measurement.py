@@ -37,7 +37,7 @@ from . import blocks
 from .errors import QuantkitError, untrusted
 from .layers import GROUPS, LINEARS, on_device
 from .modelio import Model
-from .pipeline import QuantizeFn, capture_inputs, run_layer
+from .pipeline import QuantizeFn, capture_inputs, digest, run_layer
 from .requant import fit_row
 
 FORMAT = "quantkit-measurement/3"  # 2: EXL2's, errors relative to the hidden state; 1: per linear
@@ -171,7 +171,9 @@ def measure_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict
     per-linear core: name, weight, Hessian -> QuantizedTensor), the rest of the layer float, and the
     output of the unit's block (BLOCKS) run on the float block's inputs, batch by batch. Returns each
     batch's squared output error weighted per channel by weights ([blocks, hidden], fisher's),
-    float64 [batches, units, candidates]. The weights stay float."""
+    float64 [batches, units, candidates]. The weights stay float. A candidate that quantizes a unit
+    as an earlier one did (Q2_K and Q3_K rows that both fall back to one type) gets its error
+    without running the block again."""
     def attention(x, kw):
         return layer.self_attn(hidden_states=layer.input_layernorm(x), **kw)[0]
 
@@ -192,10 +194,16 @@ def measure_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict
                 continue
             linears = [layer.get_submodule(name) for name in names]
             originals = [lin.weight.data for lin in linears]
+            seen: dict[str, int] = {}  # the quantized weights' hash -> the first candidate that gave them
             try:
                 for c, core in enumerate(candidates):
                     for lin, name, w in zip(linears, names, originals):
                         lin.weight.data = core(prefix + name, w, hessians[name]).dequantize().to(w.device, w.dtype)
+                    key = digest([lin.weight.data for lin in linears])
+                    if key in seen:  # the same weights (llama-quantize's fallback of two types): the same error
+                        sq[:, u, c] = sq[:, u, seen[key]]
+                        continue
+                    seen[key] = c
                     for j, (x, kw, r) in enumerate(zip(inputs, kwargs, reference)):
                         sq[j, u, c] = ((block(x, kw) - r).double().square() * weight).sum()
             finally:

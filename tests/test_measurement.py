@@ -99,6 +99,18 @@ def test_a_units_error_is_its_blocks_weighted_output_error(tiny_dir):
             assert float(got) == pytest.approx(float(((out - ref).double().square() * weights[1]).sum()), rel=1e-4)
     assert float(groups[0, 3, 0]) < float(blocks[0, 1, 0])
     assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())  # left float
+    # a candidate that quantizes as an earlier one did (two GGUF types falling back to one) is not run again
+    calls = []
+    handle = layer.mlp.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        wider = quantizer(QuantConfig(method="gptq", bits=4, group_size=32), {})
+        again = measurement.measure_layer(layer, [(x, kw)], hessians, [core, wider, core], weights,
+                                          measurement.BLOCK_UNITS)
+    finally:
+        handle.remove()
+    assert torch.equal(again[..., 0], blocks[..., 0]) and torch.equal(again[..., 2], again[..., 0])
+    assert float(again[0, 1, 1]) < float(again[0, 1, 0])  # 4 bits lose less than 3
+    assert len(calls) == 3  # the float MLP, then one forward per distinct candidate
 
 
 @pytest.fixture(scope="module")
