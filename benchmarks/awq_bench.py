@@ -3,7 +3,7 @@
 
     python benchmarks/awq_bench.py table [--samples 128] [--windows 40] [--duo True]
     python benchmarks/awq_bench.py speed [--samples 16] [--bits 4] [--layers 30]
-    python benchmarks/awq_bench.py losses [--samples 32] [--windows 20] [--losses block,descent,output]
+    python benchmarks/awq_bench.py losses [--samples 32] [--windows 20] [--losses block,descent,output] [--widths 4,3]
 
 `table`: base, RTN (asymmetric), AWQ (--duo: with duo scaling) and GPTQ (act-order, MSE clipping)
 perplexity at w4 g64 and w3 g64 (llama.cpp protocol, ctx 512, first --windows windows of the wikitext-2 test file),
@@ -12,9 +12,9 @@ calibrated on --samples seeded windows of 512 tokens of the validation file.
 with the same windows, its Llama layer groups; float outputs passed on, as it does), wall time as
 ours / theirs, and both perplexities. --layers limits both to the first N layers (autoawq's clipping
 search takes minutes per layer on a CPU).
-`losses`: AWQ with each --awq-loss (or those in --losses) against GPTQ with its defaults (the anchor), w4
-and w3 in groups of 128, each with its own defaults otherwise: whole-model quantization time, perplexity
-and KLD from the float model (log-probabilities saved once, in a temporary directory).
+`losses`: AWQ with each --awq-loss (or those in --losses) against GPTQ with its defaults (the anchor),
+w4 and w3 (--widths) in groups of 128, each with its own defaults otherwise: whole-model quantization
+time, perplexity and KLD from the float model (log-probabilities saved once, in a temporary directory).
 `descent`: on every --every-th layer of the float model, for q/k/v and gate/up, the exhaustive block
 search against --awq-loss descent's (the same losses, 8192 calibration tokens, g128 asym): how often
 they choose the same scales, the block loss of the descent's choice over the exhaustive one's, and
@@ -163,7 +163,7 @@ def losses(a) -> None:
               "perplexity, KLD from the float model, seconds (ratio to GPTQ's)")
         print("| bits | GPTQ (anchor) | " + " | ".join(f"AWQ, --awq-loss {loss}" for loss in losses) + " |")
         print("| --- | --- |" + " --- |" * len(losses))
-        for bits in (4, 3):
+        for bits in map(int, a.widths.split(",")):
             gptq = child(__file__, method="gptq", bits=bits, **kw)
             awq = [child(__file__, method="awq", loss=loss, bits=bits, **kw) for loss in losses]
             cells = [f"{r['perplexity']:.3f}, {r['kld']:.4f}, {r['seconds']:.0f} s ({r['seconds'] / gptq['seconds']:.2f})"
@@ -237,6 +237,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=30, help="speed: quantize only the first N decoder layers")
     p.add_argument("--every", type=int, default=3, help="descent: search every N-th layer")
     p.add_argument("--losses", default=",".join(AWQ_LOSSES), help="losses: the AWQ losses to run")
+    p.add_argument("--widths", default="4,3", help="losses: the bit widths to run")
     a = p.parse_args()
     if a.mode == "run":
         print(json.dumps(run(a)))
