@@ -49,12 +49,17 @@ def linear_inputs(layer: torch.nn.Module, batches, names, stop: bool = False) ->
                 raise Captured
         handles.append(layer.get_submodule(name).register_forward_pre_hook(hook))
     try:
-        for hidden, kwargs in batches:
-            try:
-                layer(on_device(layer, hidden), **kwargs)
-            except Captured:
-                pass
+        run_hooked(layer, batches)
     finally:
         for handle in handles:
             handle.remove()
     return inputs
+
+
+def run_hooked(layer: torch.nn.Module, batches) -> None:
+    """Run the layer on each batch for what its hooks take; a hook raises Captured to end a run early."""
+    for hidden, kwargs in batches:
+        try:
+            layer(on_device(layer, hidden), **kwargs)
+        except Captured:
+            pass

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from . import distributed
-from .layers import GROUPS, Captured, on_device
+from .layers import GROUPS, Captured, on_device, run_hooked
 from .modelio import Model
 from .qtensor import QuantizedTensor
 
@@ -142,11 +142,7 @@ def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, di
         handles.append(first.register_forward_pre_hook(hook))
         hessians.update({name: h for name in group})
     try:
-        for hidden, kwargs in batches:
-            try:
-                layer(on_device(layer, hidden), **kwargs)
-            except Captured:
-                pass
+        run_hooked(layer, batches)
     finally:
         for handle in handles:
             handle.remove()
