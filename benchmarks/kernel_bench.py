@@ -1,16 +1,21 @@
 """Packed quantized matmuls on the linear shapes of a 7B Llama, at batch 1, 16 and 512.
 
     python benchmarks/kernel_bench.py [--batches 1,16,512] [--repeats 5]
+    python benchmarks/kernel_bench.py --sweep [--batches 1,512] [--layouts 4-bit,4-bit act-order,NF4]
 
 On a GPU (Triton kernels, float16 activations), per shape and batch:
-  - time of ours (4-bit g128 GPTQ layout; NF4 with double quantization), torch's float16 matmul on
-    the dense weight, and bitsandbytes' NF4 matmul (bnb.matmul_4bit) where it runs;
-  - speedups: fp16 / ours, bnb / ours (our NF4);
+  - time of ours (4-bit g128 GPTQ layout in plain group order and with act-order; NF4 with double
+    quantization), torch's float16 matmul on the dense weight (the anchor), bitsandbytes' NF4 matmul
+    (bnb.matmul_4bit) where it runs, and torch's int4 matmul (_weight_int4pack_mm, bfloat16) on the
+    same 4-bit weights;
+  - speedups: fp16 / ours 4-bit, int4 mm / ours 4-bit, bnb / ours NF4;
   - batch 1: achieved bandwidth of our GEMV (the bytes it must read: packed weight, scales, zeros,
     g_idx, x; and write: y) as a fraction of the device-to-device copy bandwidth measured in the
     same run (read + written bytes), and of the datasheet peak where the device is known.
   Times: triton.testing.do_bench, median, over several weight copies in rotation so that a 8 MiB
-  weight is not served from L2.
+  weight is not served from L2. Each time includes the Python launch of the call.
+--sweep: each kernel's other tiles and launch options (GEMV_TILES, GEMM_TILES), and the GPTQ codes
+read value by value, as ratios of the defaults' time in the same run (one weight, no rotation).
 On the CPU, per shape and batch, best of --repeats: our packed layers as quantkit runs them (4-bit
 g128 in plain group order with bfloat16 activations: torch's fused int4 matmul; 4-bit g128 act-order
 and NF4 with double quantization, float32 activations: the fallback that dequantizes a slice of rows
@@ -111,37 +116,124 @@ def gpu(batches: list[int]) -> None:
         import bitsandbytes.functional as bf
     except ImportError:
         bnb = None
-    print("| shape (out x in) | batch | fp16 | ours 4-bit | ours NF4 | bnb NF4 | fp16 / ours 4-bit | bnb / ours NF4 "
-          "| GEMV bandwidth / copy (4-bit, NF4) | / datasheet |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    names = ("ours 4-bit", "ours 4-bit act-order", "ours NF4")
+    print("| shape (out x in) | batch | fp16 | " + " | ".join(names) + " | bnb NF4 | torch int4 mm (bf16) "
+          "| fp16 / ours 4-bit | int4 mm / ours 4-bit | bnb / ours NF4 | GEMV bandwidth / copy (4-bit, act-order, NF4) "
+          "| / datasheet |")
+    print("|" + " --- |" * 14)
     for n, k in SHAPES:
-        w, q4, nf, _ = layers(n, k, "cuda")
+        w, act, nf, plain = layers(n, k, "cuda")
+        ours = (plain, act, nf)
         copies = 8  # weights in rotation, more bytes than L2 holds
-        q4s = [copy.deepcopy(q4) for _ in range(copies)]
-        nfs = [copy.deepcopy(nf) for _ in range(copies)]
+        rotations = [[copy.deepcopy(layer) for _ in range(copies)] for layer in ours]
         dense = [w.half().cuda() for _ in range(copies)]
         theirs = [bf.quantize_4bit(d, blocksize=64, quant_type="nf4", compress_statistics=True) for d in dense] if bnb else []
+        try:
+            int4 = [int4_operands(plain) for _ in range(copies)]
+        except RuntimeError as e:  # an older GPU, or a torch without the op
+            print(f"torch's int4 mm: {e}".splitlines()[0])
+            int4 = None
         turn = iter(range(1 << 40))
         for b in batches:
             x = torch.randn(b, k, dtype=torch.float16, device="cuda")
-            for layer in (q4, nf):  # the right answer before any timing
+            for layer in ours:  # the right answer before any timing
                 ref = x.float() @ layer.dequantize(torch.float16).float().T
-                assert (kernels.matmul(x, layer).float() - ref).norm() / ref.norm() < 1e-2
+                err = (kernels.matmul(x, layer).float() - ref).norm() / ref.norm()
+                assert err < 1e-2, f"{n}x{k} batch {b}: relative error {err:.2e}"
+            xb = x.bfloat16()
+            ref = xb.float() @ plain.dequantize(torch.float32).T
+            int4_err = (int4_mm(xb, int4[0]).float() - ref).norm() / ref.norm() if int4 else 0
             t_fp16 = timed(lambda: F.linear(x, dense[next(turn) % copies]))
-            t_q4 = timed(lambda: kernels.matmul(x, q4s[next(turn) % copies]))
-            t_nf = timed(lambda: kernels.matmul(x, nfs[next(turn) % copies]))
+            t_ours = [timed(lambda: kernels.matmul(x, r[next(turn) % copies])) for r in rotations]
             t_bnb = timed(lambda: bnb.matmul_4bit(x, *pair(theirs[next(turn) % copies]))) if theirs else None
-            cells = [f"{t * 1e6:.1f} us" for t in (t_fp16, t_q4, t_nf)]
-            cells += [f"{t_bnb * 1e6:.1f} us" if t_bnb else "-", f"{t_fp16 / t_q4:.2f}",
-                      f"{t_bnb / t_nf:.2f}" if t_bnb else "-"]
+            t_int4 = timed(lambda: int4_mm(xb, int4[next(turn) % copies])) if int4 else None
+            cells = [f"{t * 1e6:.1f} us" for t in (t_fp16, *t_ours)]
+            cells += [f"{t_bnb * 1e6:.1f} us" if t_bnb else "-",
+                      f"{t_int4 * 1e6:.1f} us" + (f" (error {int4_err:.1e})" if int4_err > 1e-2 else "") if int4 else "-",
+                      f"{t_fp16 / t_ours[0]:.2f}", f"{t_int4 / t_ours[0]:.2f}" if int4 else "-",
+                      f"{t_bnb / t_ours[2]:.2f}" if t_bnb else "-"]
             if b == 1:  # bytes the GEMV must move: its weight buffers, x in, y out
-                moved = [sum(t.numel() * t.element_size() for t in layer.buffers()) + 2 * (k + n) for layer in (q4, nf)]
-                tbps = [m / t / 1e12 for m, t in zip(moved, (t_q4, t_nf))]
+                moved = [sum(t.numel() * t.element_size() for t in layer.buffers()) + 2 * (k + n) for layer in ours]
+                tbps = [m / t / 1e12 for m, t in zip(moved, t_ours)]
                 cells += [", ".join(f"{v / copy_tbps:.2f}" for v in tbps),
                           ", ".join(f"{v / sheet:.2f}" for v in tbps) if sheet else "-"]
             else:
                 cells += ["", ""]
             print(f"| {n}x{k} | {b} | " + " | ".join(cells) + " |", flush=True)
+
+
+GEMV_TILES = [((64, 64), {}), ((32, 128), {}), ((64, 128), {}), ((128, 64), {}), ((128, 128), {"num_warps": 8}),
+              ((32, 64), {"num_warps": 2}), ((16, 128), {"num_warps": 2}), ((64, 256), {}), ((32, 256), {"num_warps": 2})]
+GEMM_TILES = [(64, (64, 32), {}), (64, (128, 32), {}), (128, (128, 32), {"num_warps": 8}), (64, (64, 64), {}),
+              (128, (64, 32), {"num_stages": 4}), (128, (128, 64), {"num_warps": 8}), (64, (128, 64), {}),
+              (128, (256, 32), {"num_warps": 8}), (128, (64, 64), {"num_stages": 4}), (128, (128, 32), {"num_stages": 4})]
+LAYOUTS = ("4-bit", "4-bit act-order", "NF4")
+
+
+def sweep(batches: list[int], layouts: list[str]) -> None:
+    """The defaults (the first row of each), then each tile of GEMV_TILES (batch 1) or GEMM_TILES (larger
+    batches) on each shape and layout, as a ratio of the defaults' time; GPTQ layouts also with the codes
+    read value by value (kernels.WORDS off) at the default tiles."""
+    from quantkit import kernels
+
+    defaults = dict(kernels.GEMV_TILE), dict(kernels.GEMM_TILE), kernels.GEMM_ROWS, dict(kernels.LAUNCH), kernels.WORDS
+    print("| shape | batch | layout | tile (rows of x, outputs, inputs; launch) | time | / defaults |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    try:
+        for n, k in SHAPES:
+            _, act, nf, plain = layers(n, k, "cuda")
+            for label, layer in zip(LAYOUTS, (plain, act, nf)):
+                if label not in layouts:
+                    continue
+                for b in batches:
+                    x = torch.randn(b, k, dtype=torch.float16, device="cuda")
+                    ref = x.float() @ layer.dequantize(torch.float16).float().T
+                    gemv = b <= kernels.GEMV_ROWS
+                    tiles = [(1, *t) for t in GEMV_TILES] if gemv else GEMM_TILES
+                    configs = [("defaults", None)] + ([("codes value by value", "words")] if label != "NF4" else [])
+                    configs += [(f"{rows}, {tile[0]}, {tile[1]}; {launch or 'defaults'}", (rows, tile, launch))
+                                for rows, tile, launch in tiles]
+                    first = None
+                    for name, config in configs:
+                        kernels.GEMV_TILE, kernels.GEMM_TILE = dict(defaults[0]), dict(defaults[1])
+                        kernels.GEMM_ROWS = defaults[2]
+                        kernels.LAUNCH.update(defaults[3])
+                        kernels.WORDS = config != "words"
+                        if isinstance(config, tuple):
+                            rows, tile, launch = config
+                            if gemv:
+                                kernels.GEMV_TILE = dict.fromkeys(defaults[0], tile)
+                                kernels.LAUNCH["gemv"] = launch
+                            else:
+                                kernels.GEMM_TILE = dict.fromkeys(defaults[1], tile)
+                                kernels.GEMM_ROWS, kernels.LAUNCH["gemm"] = rows, launch
+                        try:
+                            err = (kernels.matmul(x, layer).float() - ref).norm() / ref.norm()
+                            t = timed(lambda: kernels.matmul(x, layer), rep=50) if err < 1e-2 else None
+                        except Exception as e:  # a tile the compiler refuses (shared memory): say so, go on
+                            t, err = None, f"{type(e).__name__}"
+                        first = first or t
+                        cell = f"{t * 1e6:.1f} us | {t / first:.2f}" if t else f"failed ({err}) | -"
+                        print(f"| {n}x{k} | {b} | {label} | {name} | {cell} |", flush=True)
+    finally:
+        kernels.GEMV_TILE, kernels.GEMM_TILE, kernels.GEMM_ROWS, launch, kernels.WORDS = defaults
+        kernels.LAUNCH.update(launch)
+
+
+def int4_operands(layer) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """torch's CUDA int4 matmul operands for a 4-bit layer in plain group order: the codes packed by
+    _convert_weight_to_int4pack (two per byte, the first in the high nibble), scales and float zeros."""
+    from quantkit.packing import unpack
+
+    _, scales_zeros, group, _ = layer.int4
+    codes = unpack(layer.qweight.cpu(), 4).T.contiguous().to(torch.uint8)
+    packed = (codes[:, ::2] << 4 | codes[:, 1::2]).cuda()
+    return torch.ops.aten._convert_weight_to_int4pack(packed, 8), scales_zeros.cuda(), group
+
+
+def int4_mm(x: torch.Tensor, operands) -> torch.Tensor:
+    packed, scales_zeros, group = operands
+    return torch.ops.aten._weight_int4pack_mm(x, packed, group, scales_zeros)
 
 
 def pair(quantized):
@@ -150,21 +242,23 @@ def pair(quantized):
     return packed.t(), state
 
 
-def timed(fn) -> float:
+def timed(fn, rep: int = 200) -> float:
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median") / 1e3
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,16,512")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--sweep", action="store_true", help="GPU: time the kernels' other tiles instead")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="--sweep: which layouts")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     print(" ".join(sys.argv), flush=True)
     if torch.cuda.is_available():
-        gpu(batches)
+        sweep(batches, a.layouts.split(",")) if a.sweep else gpu(batches)
     else:
         cpu(batches, a.repeats)
 

@@ -1,12 +1,17 @@
 """Real-size runs: time and peak memory of `quantkit quantize` on random Llamas of real shapes,
 against llama-quantize (F16 GGUF to Q4_K_M) on the same model in the same run.
 
-    python benchmarks/scale.py [--shape 7b|1b] [--runs llama,rtn,gguf,gptq] [--gptq-samples 4]
-                               [--stop-after S] [--before DIR] [--keep]
+    python benchmarks/scale.py [--shape 7b|1b|135m] [--runs llama,rtn,gguf,gptq] [--gptq-samples 4]
+                               [--device cpu|cuda] [--stop-after S] [--before DIR] [--keep]
 
-The model (7b: Llama-2-7B's shapes; 1b: TinyLlama-1.1B's) is written once, tensor by tensor, as bf16
-shards into the user cache (7b: 13.5 GB). Each run is its own process: its peak RSS is the process's
-maximum resident set (getrusage of the child), shown against the model's size on disk. llama-quantize
+The model (7b: Llama-2-7B's shapes; 1b: TinyLlama-1.1B's; 135m: SmolLM2-135M's) is written once,
+tensor by tensor, as bf16 shards into the user cache (7b: 13.5 GB; drawn on the GPU when there is
+one, so a GPU machine's model is another random draw). Each run is its own process: its peak RSS is the
+process's maximum resident set (getrusage of the child), shown against the model's size on disk.
+--device: where quantkit quantizes (default: quantkit's, the GPU when there is one); on a GPU the
+runs also report the peak GPU memory that quantkit's progress bar shows (torch's max_memory_allocated),
+and the GPTQ run states its bound: twice one layer's float32 weights, its Hessians (one per distinct
+input) and its calibration activations (inputs and outputs). llama-quantize
 reads the F16 GGUF that `quantkit export` writes (that export is measured too). --before DIR runs
 RTN again with quantkit imported from DIR first (an older version installed with
 `pip install --no-deps --target DIR <checkout>`). --stop-after S stops the GGUF and GPTQ runs after S seconds (on
@@ -38,6 +43,8 @@ SHAPES = {
                num_key_value_heads=32, vocab_size=32000),
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                num_key_value_heads=4, vocab_size=32000),
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, vocab_size=49152),
 }
 
 
@@ -60,12 +67,13 @@ def model_dir(shape: str) -> Path:
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False, dtype="bfloat16")
     with init_empty_weights():
         skeleton = LlamaForCausalLM(config)
-    writer, g = ShardWriter(tmp, "5GB"), torch.Generator().manual_seed(0)
+    where = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU draws 7B values in minutes
+    writer, g = ShardWriter(tmp, "5GB"), torch.Generator(where).manual_seed(0)
     state = skeleton.state_dict()
     start = time.monotonic()
     for i, (name, t) in enumerate(state.items()):
-        value = torch.ones(t.shape) if t.dim() == 1 else torch.randn(t.shape, generator=g) * 0.02
-        writer.add(name, value.to(torch.bfloat16))
+        value = torch.ones(t.shape) if t.dim() == 1 else torch.randn(t.shape, generator=g, device=where) * 0.02
+        writer.add(name, value.to(torch.bfloat16).cpu())
         print(f"\rwriting {target.name}: {i + 1}/{len(state)} tensors, {writer.total / 2**30:.1f} GiB, "
               f"{time.monotonic() - start:.0f} s", end="", file=sys.stderr)
     writer.close()
@@ -74,6 +82,18 @@ def model_dir(shape: str) -> Path:
     tiny_tokenizer(tmp, vocab_size=SHAPES[shape]["vocab_size"])
     tmp.rename(target)
     return target
+
+
+def bound(shape: str, samples: int, seqlen: int = 512) -> int:
+    """Bytes of GPU memory that GPTQ of one layer needs at most (the issue's goal): twice its float32
+    weights, its Hessians (q/k/v share one input, gate/up another) and its calibration activations."""
+    c = SHAPES[shape]
+    h, i = c["hidden_size"], c["intermediate_size"]
+    kv = h * c["num_key_value_heads"] // c["num_attention_heads"]
+    weights = h * h * 2 + 2 * h * kv + 3 * h * i
+    hessians = 3 * h * h + i * i
+    activations = 2 * samples * seqlen * h
+    return 2 * 4 * (weights + hessians + activations)
 
 
 def measure(label: str, cmd: list[str], env: dict | None = None, seconds: float | None = None) -> dict:
@@ -88,6 +108,9 @@ def measure(label: str, cmd: list[str], env: dict | None = None, seconds: float 
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     result = {"run": label, "seconds": time.monotonic() - start, "peak_rss": usage.ru_maxrss * 1024}
+    gpu = re.findall(r"GPU ([\d.]+) GiB", err)
+    if gpu:
+        result["peak_gpu"] = float(gpu[-1]) * 2**30
     if seconds is not None:
         done = re.findall(r"(\d+)/(\d+) \[", err)
         result["layers"] = f"{done[-1][0]}/{done[-1][1]}" if done else "0"
@@ -110,21 +133,22 @@ def main() -> None:
                     "report the layers they finished")
     ap.add_argument("--before", type=Path, help="also run RTN with quantkit imported from this directory")
     ap.add_argument("--keep", action="store_true", help="keep the outputs")
+    ap.add_argument("--device", help="cpu or cuda (default: quantkit's, the GPU when there is one)")
     a = ap.parse_args()
     runs = a.runs.split(",")
-
-    from tests import llamacpp
 
     model = model_dir(a.shape)
     disk = size_of(model)
     out = Path(tempfile.mkdtemp(prefix="scale-", dir=model.parent))
     qk = [sys.executable, "-c", "from quantkit.command import main; main()"]
-    common = ["--device", "cpu"]
+    common = ["--device", a.device] if a.device else []
     results = []
     try:
         if "llama" in runs:
             results.append(measure("quantkit export F16 GGUF", [*qk, "export", model, "--gguf-type", "F16",
                                                                 "--out", out / "f16.gguf"]))
+            from tests import llamacpp
+
             binaries = llamacpp.binaries()
             results.append(measure("llama-quantize F16 -> Q4_K_M", [binaries / "llama-quantize", out / "f16.gguf",
                                                                    out / "llama-q4km.gguf", "Q4_K_M"],
@@ -154,13 +178,19 @@ def main() -> None:
         if not a.keep:
             shutil.rmtree(out, ignore_errors=True)
     anchor = next((r for r in results if r["run"].startswith("llama-quantize")), None)
+    on_gpu = any("peak_gpu" in r for r in results)
     print(f"\n{a.shape}-shaped Llama, {disk / 1e9:.2f} GB of bf16 safetensors on disk\n")
-    print("| run | time (s) | peak RSS (GiB) | peak RSS / model on disk |"
+    if on_gpu:
+        print(f"GPTQ's GPU memory bound: {bound(a.shape, a.gptq_samples) / 2**30:.2f} GiB (2 x (a layer's float32 "
+              "weights + its Hessians + its calibration inputs and outputs))\n")
+    print("| run | time (s) | peak RSS (GiB) | peak RSS / model on disk |" + (" peak GPU (GiB) |" if on_gpu else "")
           + (" time / llama-quantize | RSS / llama-quantize |" if anchor else ""))
-    print("|---|---|---|---|" + ("---|---|" if anchor else ""))
+    print("|---|---|---|---|" + ("---|" if on_gpu else "") + ("---|---|" if anchor else ""))
     for r in results:
         run = r["run"] + (f" (stopped after {r['layers']} layers)" if "layers" in r else "")
         row = f"| {run} | {r['seconds']:.0f} | {r['peak_rss'] / 2**30:.2f} | {r['peak_rss'] / disk:.1%} |"
+        if on_gpu:
+            row += f" {r['peak_gpu'] / 2**30:.2f} |" if "peak_gpu" in r else " - |"
         if anchor:
             row += f" {r['seconds'] / anchor['seconds']:.2f} | {r['peak_rss'] / anchor['peak_rss']:.2f} |"
         print(row)

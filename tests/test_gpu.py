@@ -32,25 +32,42 @@ def both(path, **options):
 def test_same_codes_on_the_gpu(model_dir, options):
     cpu, gpu, _ = both(model_dir, **options)
     for name in cpu:
-        assert torch.equal(cpu[name].codes, gpu[name].codes), name
-        assert torch.equal(cpu[name].scales, gpu[name].scales), name
+        a, b = cpu[name], gpu[name]
+        assert torch.equal(a.codes, b.codes), f"{name}: {int((a.codes != b.codes).sum())} of {a.codes.numel()} codes differ"
+        assert torch.equal(a.scales, b.scales), f"{name}: {int((a.scales != b.scales).sum())} of {a.scales.numel()} scales differ"
 
 
 @pytest.mark.parametrize("options", [dict(method="gptq", bits=4, group_size=64), dict(method="awq", bits=4, group_size=64),
                                      dict(method="rtn", bits=3, mse=True), dict(method="rtn", gguf_type="Q4_K_M")],
                          ids=["gptq", "awq", "rtn-mse", "Q4_K_M"])
 def test_searches_within_rounding_on_the_gpu(model_dir, options):
-    """Methods that search or feed errors forward: a sum taken in another order on the GPU can tip a
-    near tie, so a few weights may land one step apart."""
+    """Methods that search or feed errors forward: a sum taken in another order tips near ties, and
+    GPTQ's error feedback and the next linears' quantized inputs carry each change on. On the CPU
+    alone, 1 thread against 2 changed 65% of this model's GPTQ weights, its per-linear losses by up
+    to 3.2%, their sum by 0.26% and the KL divergence below by 6.3%. So the two runs must agree in
+    quality, not code by code: the quantized model's KL divergence from the float model, and GPTQ's
+    summed loss."""
     cpu, gpu, runs = both(model_dir, **options)
-    differ = total = 0
-    worst = 0.0
-    for name in cpu:
-        a, b = cpu[name].dequantize(), gpu[name].dequantize()
-        differ, total = differ + int((a != b).sum()), total + a.numel()
-        worst = max(worst, float((a - b).abs().max() / a.abs().max()))
-    print(f"{options}: {differ} of {total} weights differ ({differ / total:.4%}), the largest difference "
-          f"{worst:.4f} of its tensor's largest weight")
-    assert differ / total < 0.01
-    for name, loss in runs[0].losses.items():  # GPTQ's per-linear losses (the other methods record none)
-        assert runs[1].losses[name] == pytest.approx(loss, rel=0.01), name
+    differ = sum(int((cpu[name].dequantize() != gpu[name].dequantize()).sum()) for name in cpu)
+    total = sum(cpu[name].dequantize().numel() for name in cpu)
+    kl = [kld(model_dir, run) for run in runs]
+    loss = [sum(run.losses.values()) for run in runs]
+    print(f"{options}: {differ / total:.2%} of the weights differ; KL from the float model {kl[0]:.5f} on the CPU, "
+          f"{kl[1]:.5f} on the GPU; summed GPTQ loss {loss[0]:.5g}, {loss[1]:.5g}")
+    assert kl[1] == pytest.approx(kl[0], rel=0.15)
+    assert loss[1] == pytest.approx(loss[0], rel=0.01)
+
+
+def kld(path, run) -> float:
+    """Mean KL divergence of a quantized model's next tokens from the float model's: 8 windows of 128
+    tokens of the validation text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(path)(VALID.read_text()[:40000], return_tensors="pt").input_ids
+    ids = ids[:, :1024].view(8, 128)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    run.materialize()
+    with torch.no_grad():
+        p = base(ids).logits.log_softmax(-1)
+        q = run.module.to("cpu", torch.float32)(ids).logits.log_softmax(-1)
+    return float((p.exp() * (p - q)).sum(-1).mean())

@@ -92,6 +92,25 @@ def test_matmul_dtypes_and_split(dtype, rows):
         assert_product(kernels.matmul(x, layer, split=3), x, w)
 
 
+@pytest.mark.parametrize("words", [True, False])
+def test_gemv_last_slice_reads_no_group_past_k(words, monkeypatch):
+    """Three slices of 256 inputs over K = 640: the last one's second tile starts past K, in no group.
+    The scales and zeros end where NaN follows, so a read past them would reach the product."""
+    monkeypatch.setattr(kernels, "WORDS", words)
+    qt = grid(4, 128, False, seed=5, n=136, k=640)
+    layer = GPTQLinear.from_tensor(qt).to(DEVICE)
+    assert layer.kernel_args(kernels.GEMV_TILE[kernels.layout(layer)][1])[1]["GROUP"] == 128  # tiles of 128 in a group
+    for name in ("scales", "qzeros"):
+        t = getattr(layer, name)
+        tail = torch.full((t.shape[0] + 4, t.shape[1]), -1, dtype=t.dtype, device=t.device)
+        if t.is_floating_point():
+            tail.fill_(float("nan"))
+        tail[: t.shape[0]] = t
+        setattr(layer, name, tail[: t.shape[0]])
+    x = torch.randn(1, 640, generator=torch.Generator().manual_seed(6)).half().to(DEVICE)
+    assert_product(kernels.matmul(x, layer, split=3), x, qt.dequantize(torch.float16).to(DEVICE))
+
+
 @pytest.mark.parametrize("kind", ["nf4", "fp4"])
 @pytest.mark.parametrize("block_size,double_quant", [(64, False), (64, True), (128, True), (256, False)])
 def test_nf4_dequantize_exact_and_matmul(kind, block_size, double_quant):

@@ -16,8 +16,13 @@ from quantkit.errors import QuantkitError
 GPTQ, NF4 = 0, 1  # jit.py's FMT
 GEMV_ROWS = 4  # up to this many rows of x take the GEMV: a tensor-core tile would be mostly padding
 DEQUANT_TILE = (32, 64)  # outputs, inputs
-GEMV_TILE = (64, 64)  # outputs, inputs per step
-GEMM_TILE = (64, 32)  # outputs, inputs per step; rows of x: 16, 32 or 64 by M
+# Tiles (outputs, inputs per step) by layout and launch options, from sweeps on an H200
+# (benchmarks/RESULTS.md, kernel_bench.py --sweep); NF4's GEMM keeps the tile that compiled for it there
+GEMV_TILE = {"gptq": (64, 128), "act-order": (128, 64), "nf4": (32, 128)}
+GEMM_TILE = {"gptq": (64, 64), "act-order": (64, 64), "nf4": (64, 32)}
+GEMM_ROWS = 128  # rows of x per GEMM tile at most (16 to this, by M)
+LAUNCH = {"gemv": {}, "gemm": {"num_stages": 4}}  # Triton launch options of each (num_warps, num_stages)
+WORDS = True  # GPTQ codes of 2, 4 or 8 bits in plain group order: each packed word loaded once (jit._words)
 
 
 def _jit():
@@ -55,11 +60,17 @@ def multiprocessors(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_for(x: torch.Tensor, programs: int, k: int) -> int:
+def split_for(x: torch.Tensor, programs: int, k: int, bk: int) -> int:
     """Slices of K for the GEMV: enough programs to fill a GPU (two per multiprocessor), one on the CPU."""
     if not x.is_cuda:
         return 1
-    return max(1, min(2 * multiprocessors(x.device.index or 0) // programs, cdiv(k, GEMV_TILE[1])))
+    return max(1, min(2 * multiprocessors(x.device.index or 0) // programs, cdiv(k, bk)))
+
+
+def layout(layer) -> str:
+    """The key of a layer's tiles: GPTQ layers have plain_order, NF4 layers not."""
+    plain = getattr(layer, "plain_order", None)
+    return "nf4" if plain is None else "gptq" if plain else "act-order"
 
 
 def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
@@ -72,23 +83,23 @@ def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
     jit = _jit()
+    bn, bk = (GEMV_TILE if m <= GEMV_ROWS else GEMM_TILE)[layout(layer)]
+    args, consts = layer.kernel_args(bk)
+    words = WORDS and consts["FMT"] == GPTQ and 32 % consts["BITS"] == 0
     if m <= GEMV_ROWS:
-        bn, bk = GEMV_TILE
-        args, consts = layer.kernel_args(bk)
-        split = split or split_for(x, cdiv(n, bn) * m, k)
+        split = split or split_for(x, cdiv(n, bn) * m, k, bk)
         k_split = cdiv(cdiv(k, split), bk) * bk
         split = cdiv(k, k_split)
         y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1 else x2.new_empty(m, n)
-        jit.gemv_kernel[(cdiv(n, bn), split, m)](x2, y, *args, n, k, k_split, **consts, BN=bn, BK=bk, ATOMIC=split > 1)
+        jit.gemv_kernel[(cdiv(n, bn), split, m)](x2, y, *args, n, k, k_split, **consts, BN=bn, BK=bk, ATOMIC=split > 1,
+                                                 WORDS=words, **LAUNCH["gemv"])
     else:
-        bn, bk = GEMM_TILE
-        args, consts = layer.kernel_args(bk)
-        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        bm = min(GEMM_ROWS, max(16, 1 << (m - 1).bit_length()))
         y = x2.new_empty(m, n)
         precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: no tf32 rounding of x
         upcast = not x.is_cuda and x.dtype == torch.bfloat16
         jit.gemm_kernel[(cdiv(m, bm), cdiv(n, bn))](x2, y, *args, m, n, k, **consts, BM=bm, BN=bn, BK=bk,
-                                                    PRECISION=precision, UPCAST=upcast)
+                                                    PRECISION=precision, UPCAST=upcast, WORDS=words, **LAUNCH["gemm"])
     return y.to(x.dtype).view(*x.shape[:-1], n)
 
 

@@ -26,18 +26,35 @@ def _stream(ptr, i, base, step, BITS: tl.constexpr, mask):
 
 
 @triton.jit
+def _words(ptr, k0, n, K, N, BITS: tl.constexpr, BK: tl.constexpr):
+    """The GPTQ codes of columns k0..k0+BK for outputs n [1, BN] as a [BK, BN] tile, BITS dividing 32:
+    each int32 word is loaded once and split by shifts (_stream loads it once per value)."""
+    PER: tl.constexpr = 32 // BITS
+    rows = k0 // PER + tl.arange(0, BK // PER)[:, None]
+    words = tl.load(ptr + rows * N + n, mask=(rows * PER < K) & (n < N), other=0)
+    shifts = (tl.arange(0, PER) * BITS)[None, :, None]
+    q = (words[:, None, :] >> shifts) & ((1 << BITS) - 1)  # [BK / PER, PER, BN]: value j of word r is column r * PER + j
+    return tl.reshape(q, (BK, q.shape[2]))
+
+
+@triton.jit
 def _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k, n, K, N, mask, k0,
-            FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr):
+            FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr,
+            BK: tl.constexpr = 0, WORDS: tl.constexpr = False):
     """W[n, k] in float32 for index tensors k and n (broadcast together), k0 the tile's first column.
     GPTQ: w0 qweight, w1 qzeros, w2 scales, w3 g_idx; i0 int32 words per qzeros row, i1 added to stored
     zeros. GROUP > 0: the tile lies in group k0 // GROUP (no act-order, groups whole tiles), so scales
     and zeros are read once per output, not per weight; GROUP 0: each column's group from g_idx.
     NF4: w0 nibbles, w1 absmax (uint8 codes if NESTED), w2 code table, w3 nested absmax, w4 nested table;
-    i0 block size, i1 nested block size, fparam the offset of the nested absmax."""
+    i0 block size, i1 nested block size, fparam the offset of the nested absmax. WORDS: k is the
+    [BK, 1] range from k0 and BITS divides 32, so the codes come from _words."""
     if FMT == 0:
-        q = _stream(w0, k, n, N, BITS, mask)
+        if WORDS:
+            q = _words(w0, k0, n, K, N, BITS, BK)
+        else:
+            q = _stream(w0, k, n, N, BITS, mask)
         if GROUP > 0:
-            g = k0 // GROUP
+            g = tl.minimum(k0, K - 1) // GROUP  # a GEMV's last slice can start past K, in no group: take the last
             gmask = n < N
         else:
             g = tl.load(w3 + k, mask=mask, other=0)
@@ -87,7 +104,7 @@ def dequantize_kernel(out, w0, w1, w2, w3, w4, fparam, i0, i1, N, K,
 @triton.jit
 def gemv_kernel(x, y, w0, w1, w2, w3, w4, fparam, i0, i1, N, K, K_SPLIT,
                 FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr, ATOMIC: tl.constexpr):
+                BN: tl.constexpr, BK: tl.constexpr, ATOMIC: tl.constexpr, WORDS: tl.constexpr):
     """One row of x against BN outputs over one K_SPLIT slice of the inputs; with several slices
     the partial sums meet in a float32 y by atomic adds."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -100,7 +117,7 @@ def gemv_kernel(x, y, w0, w1, w2, w3, w4, fparam, i0, i1, N, K, K_SPLIT,
         xk = tl.load(x + row * K + k, mask=k < K, other=0.0)
         mask = (k[:, None] < K) & (n[None, :] < N)
         w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k[:, None], n[None, :], K, N, mask, k0,
-                    FMT, BITS, NESTED, GROUP)
+                    FMT, BITS, NESTED, GROUP, BK, WORDS)
         # W rounded to x's dtype first, as x @ dequantize(W, x.dtype)^T would see it
         acc += tl.sum(xk.to(tl.float32)[:, None] * _round(w, xk.dtype).to(tl.float32), axis=0)
     if ATOMIC:
@@ -112,7 +129,8 @@ def gemv_kernel(x, y, w0, w1, w2, w3, w4, fparam, i0, i1, N, K, K_SPLIT,
 @triton.jit
 def gemm_kernel(x, y, w0, w1, w2, w3, w4, fparam, i0, i1, M, N, K,
                 FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                WORDS: tl.constexpr):
     """UPCAST: multiply in float32 (exact products of bfloat16 values), for the interpreter, whose
     dot cannot take bfloat16."""
     m = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -123,7 +141,7 @@ def gemm_kernel(x, y, w0, w1, w2, w3, w4, fparam, i0, i1, M, N, K,
         a = tl.load(x + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         mask = (k[:, None] < K) & (n[None, :] < N)
         w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k[:, None], n[None, :], K, N, mask, k0,
-                    FMT, BITS, NESTED, GROUP)
+                    FMT, BITS, NESTED, GROUP, BK, WORDS)
         w = _round(w, a.dtype)
         if UPCAST:
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")

@@ -33,7 +33,8 @@ def fit_grid(w: torch.Tensor, bits: int, sym: bool, mse: bool = False) -> tuple[
     step = torch.zeros_like(scale)  # each row's best shrink so far, in steps of 1%
 
     def shrunk(i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grid_of(lo * (1 - i / 100), hi * (1 - i / 100), maxq, sym)
+        keep = 1 - i / torch.full_like(i, 100)  # a tensor divisor: see grid_of
+        return grid_of(lo * keep, hi * keep, maxq, sym)
 
     def trial(i: torch.Tensor) -> None:
         nonlocal best, step
@@ -51,7 +52,9 @@ def fit_grid(w: torch.Tensor, bits: int, sym: bool, mse: bool = False) -> tuple[
 
 
 def grid_of(lo: torch.Tensor, hi: torch.Tensor, maxq: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = (hi - lo) / maxq
+    # divided by a tensor: CUDA multiplies by the reciprocal of a number, which can end 1 ulp off the
+    # CPU's quotient and, after rounding to float16, a scale apart (seen on an H200)
+    scale = (hi - lo) / torch.full_like(hi, maxq)
     zero = torch.full_like(scale, (maxq + 1) // 2) if sym else torch.round(-lo / scale).clamp(0, maxq)
     return scale.clamp(min=FP16_TINY).half().float(), zero
 
