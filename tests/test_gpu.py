@@ -1,7 +1,7 @@
 """The same quantization on the GPU and on the CPU (issue 13). Runs only where torch sees a CUDA GPU;
-the CPU machines of CI skip it. RTN and NF4 give the same codes; GPTQ and
-AWQ (and the searches of MSE clipping and llama.cpp's K-quants) agree within float rounding, whose
-size the test prints (pytest -s) and bounds."""
+the CPU machines of CI skip it. RTN and NF4 give the same codes; GPTQ and AWQ (and the searches of
+MSE clipping and llama.cpp's K-quants) agree in quality: the share of weights that differ is printed
+(pytest -s), the KL divergence from the float model and GPTQ's summed loss are bounded."""
 import pytest
 import torch
 
@@ -55,7 +55,8 @@ def test_searches_within_rounding_on_the_gpu(model_dir, options):
     print(f"{options}: {differ / total:.2%} of the weights differ; KL from the float model {kl[0]:.5f} on the CPU, "
           f"{kl[1]:.5f} on the GPU; summed GPTQ loss {loss[0]:.5g}, {loss[1]:.5g}")
     assert kl[1] == pytest.approx(kl[0], rel=0.15)
-    assert loss[1] == pytest.approx(loss[0], rel=0.01)
+    if options["method"] == "gptq":  # the other methods record no losses
+        assert loss[0] > 0 and loss[1] == pytest.approx(loss[0], rel=0.01)
 
 
 def kld(path, run) -> float:

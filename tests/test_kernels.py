@@ -92,14 +92,28 @@ def test_matmul_dtypes_and_split(dtype, rows):
         assert_product(kernels.matmul(x, layer, split=3), x, w)
 
 
+@pytest.mark.parametrize("group_size", [16, 32, 64, 128, 256])
+def test_tiles_hold_one_group(group_size):
+    """A group in plain order no wider than a tile's inputs gets tiles within one group, so the kernels
+    read its scales once per tile; act-order reads them per column whatever the tile."""
+    layer = GPTQLinear.from_tensor(grid(4, group_size, False, n=64, k=512))
+    for rows in (1, 16):
+        bk = kernels.tile(layer, rows)[1]
+        assert layer.kernel_args(bk)[1]["GROUP"] == group_size
+    act = GPTQLinear.from_tensor(grid(4, 64, True, n=64, k=512))
+    assert act.kernel_args(kernels.tile(act, 1)[1])[1]["GROUP"] == 0
+
+
 @pytest.mark.parametrize("words", [True, False])
 def test_gemv_last_slice_reads_no_group_past_k(words, monkeypatch):
-    """Three slices of 256 inputs over K = 640: the last one's second tile starts past K, in no group.
-    The scales and zeros end where NaN follows, so a read past them would reach the product."""
+    """Three slices of 256 inputs (tiles of 64) over K = 640: the last one's third and fourth tiles lie
+    past K, in no group. The scales and zeros end where NaN follows, so a read past them would reach
+    the product."""
     monkeypatch.setattr(kernels, "WORDS", words)
     qt = grid(4, 128, False, seed=5, n=136, k=640)
     layer = GPTQLinear.from_tensor(qt).to(DEVICE)
-    assert layer.kernel_args(kernels.GEMV_TILE[kernels.layout(layer)][1])[1]["GROUP"] == 128  # tiles of 128 in a group
+    assert kernels.tile(layer, 1) == (128, 64)
+    assert layer.kernel_args(64)[1]["GROUP"] == 128  # each tile in one group
     for name in ("scales", "qzeros"):
         t = getattr(layer, name)
         tail = torch.full((t.shape[0] + 4, t.shape[1]), -1, dtype=t.dtype, device=t.device)

@@ -17,12 +17,13 @@ GPTQ, NF4 = 0, 1  # jit.py's FMT
 GEMV_ROWS = 4  # up to this many rows of x take the GEMV: a tensor-core tile would be mostly padding
 DEQUANT_TILE = (32, 64)  # outputs, inputs
 # Tiles (outputs, inputs per step) by layout and launch options, from sweeps on an H200
-# (benchmarks/RESULTS.md, kernel_bench.py --sweep); NF4's GEMM keeps the tile that compiled for it there
-GEMV_TILE = {"gptq": (64, 128), "act-order": (128, 64), "nf4": (32, 128)}
+# (benchmarks/RESULTS.md, kernel_bench.py --sweep); NF4's GEMM keeps the tile that compiled for it there.
+# A GPTQ group smaller than a tile's inputs takes tiles of one group (tile()).
+GEMV_TILE = {"gptq": (128, 64), "act-order": (128, 64), "nf4": (32, 128)}
 GEMM_TILE = {"gptq": (64, 64), "act-order": (64, 64), "nf4": (64, 32)}
 GEMM_ROWS = 128  # rows of x per GEMM tile at most (16 to this, by M)
 LAUNCH = {"gemv": {}, "gemm": {"num_stages": 4}}  # Triton launch options of each (num_warps, num_stages)
-WORDS = True  # GPTQ codes of 2, 4 or 8 bits in plain group order: each packed word loaded once (jit._words)
+WORDS = True  # GPTQ codes of 2, 4 or 8 bits (either order): each packed word loaded once (jit._words)
 
 
 def _jit():
@@ -73,6 +74,17 @@ def layout(layer) -> str:
     return "nf4" if plain is None else "gptq" if plain else "act-order"
 
 
+def tile(layer, rows: int) -> tuple[int, int]:
+    """(outputs, inputs) per step for rows of x: the layout's GEMV or GEMM tile, its inputs cut to
+    one group where a GPTQ group in plain order is smaller, so that each tile reads one group's
+    scales (kernel_args' GROUP) rather than one per weight."""
+    bn, bk = (GEMV_TILE if rows <= GEMV_ROWS else GEMM_TILE)[layout(layer)]
+    group = getattr(layer, "group_size", -1)
+    if layout(layer) == "gptq" and 16 <= group < bk and bk % group == 0:
+        bk = group
+    return bn, bk
+
+
 def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
     """x [..., K] @ W^T in x's dtype, accumulated in float32, W never written out. split: slices of
     K for the GEMV (None: by the device)."""
@@ -83,7 +95,7 @@ def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
     jit = _jit()
-    bn, bk = (GEMV_TILE if m <= GEMV_ROWS else GEMM_TILE)[layout(layer)]
+    bn, bk = tile(layer, m)
     args, consts = layer.kernel_args(bk)
     words = WORDS and consts["FMT"] == GPTQ and 32 % consts["BITS"] == 0
     if m <= GEMV_ROWS:

@@ -54,7 +54,7 @@ def _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k, n, K, N, mask, k0,
         else:
             q = _stream(w0, k, n, N, BITS, mask)
         if GROUP > 0:
-            g = tl.minimum(k0, K - 1) // GROUP  # a GEMV's last slice can start past K, in no group: take the last
+            g = tl.minimum(k0, K - 1) // GROUP  # a GEMV's last slice can hold tiles past K, in no group: take the last
             gmask = n < N
         else:
             g = tl.load(w3 + k, mask=mask, other=0)
