@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -44,27 +43,17 @@ def model_path() -> Path:
     return model_dir("135m")
 
 
-def tensors(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def codes(qweight: torch.Tensor) -> torch.Tensor:
-    """The GPTQ layout's 4-bit codes: eight per int32 along the input dimension, lowest bits first."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    return (qweight.unsqueeze(1) >> shifts[None, :, None]) & 15
-
-
 def agreement(a: Path, b: Path) -> tuple[float, float, float]:
-    """Share of equal codes, share more than one step apart, and the scales' relative difference."""
-    ta, tb = tensors(a), tensors(b)
+    """Share of equal 4-bit codes, share more than one step apart, and the scales' relative difference."""
+    from quantkit.exporters.checkpoint import read_tensors
+    from quantkit.packing import unpack
+
+    ta, tb = read_tensors(a), read_tensors(b)
     equal = far = total = 0
     num = den = 0.0
     for name in ta:
         if name.endswith(".qweight"):
-            ca, cb = codes(ta[name]), codes(tb[name])
+            ca, cb = unpack(ta[name], 4), unpack(tb[name], 4)
             d = (ca - cb).abs()
             equal, far, total = equal + int((d == 0).sum()), far + int((d > 1).sum()), total + d.numel()
         elif name.endswith(".scales"):

@@ -48,9 +48,11 @@ def test_searches_within_rounding_on_the_gpu(model_dir, options):
     quality, not code by code: the quantized model's KL divergence from the float model, and GPTQ's
     summed loss."""
     cpu, gpu, runs = both(model_dir, **options)
-    differ = sum(int((cpu[name].dequantize() != gpu[name].dequantize()).sum()) for name in cpu)
-    total = sum(cpu[name].dequantize().numel() for name in cpu)
-    kl = [kld(model_dir, run) for run in runs]
+    differ = total = 0
+    for name in cpu:
+        a = cpu[name].dequantize()
+        differ, total = differ + int((a != gpu[name].dequantize()).sum()), total + a.numel()
+    kl = kld(model_dir, runs)
     loss = [sum(run.losses.values()) for run in runs]
     print(f"{options}: {differ / total:.2%} of the weights differ; KL from the float model {kl[0]:.5f} on the CPU, "
           f"{kl[1]:.5f} on the GPU; summed GPTQ loss {loss[0]:.5g}, {loss[1]:.5g}")
@@ -59,16 +61,18 @@ def test_searches_within_rounding_on_the_gpu(model_dir, options):
         assert loss[0] > 0 and loss[1] == pytest.approx(loss[0], rel=0.01)
 
 
-def kld(path, run) -> float:
-    """Mean KL divergence of a quantized model's next tokens from the float model's: 8 windows of 128
-    tokens of the validation text."""
+def kld(path, runs) -> list[float]:
+    """Each quantized model's mean KL divergence of next tokens from the float model's: 8 windows of
+    128 tokens of the validation text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(path)(VALID.read_text()[:40000], return_tensors="pt").input_ids
     ids = ids[:, :1024].view(8, 128)
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    run.materialize()
     with torch.no_grad():
-        p = base(ids).logits.log_softmax(-1)
-        q = run.module.to("cpu", torch.float32)(ids).logits.log_softmax(-1)
-    return float((p.exp() * (p - q)).sum(-1).mean())
+        p = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(ids).logits.log_softmax(-1)
+        out = []
+        for run in runs:
+            run.materialize()
+            q = run.module.to("cpu", torch.float32)(ids).logits.log_softmax(-1)
+            out.append(float((p.exp() * (p - q)).sum(-1).mean()))
+    return out

@@ -78,9 +78,10 @@ def tile(layer, rows: int) -> tuple[int, int]:
     """(outputs, inputs) per step for rows of x: the layout's GEMV or GEMM tile, its inputs cut to
     one group where a GPTQ group in plain order is smaller, so that each tile reads one group's
     scales (kernel_args' GROUP) rather than one per weight."""
-    bn, bk = (GEMV_TILE if rows <= GEMV_ROWS else GEMM_TILE)[layout(layer)]
+    kind = layout(layer)
+    bn, bk = (GEMV_TILE if rows <= GEMV_ROWS else GEMM_TILE)[kind]
     group = getattr(layer, "group_size", -1)
-    if layout(layer) == "gptq" and 16 <= group < bk and bk % group == 0:
+    if kind == "gptq" and 16 <= group < bk and bk % group == 0:
         bk = group
     return bn, bk
 
