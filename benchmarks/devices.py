@@ -79,7 +79,9 @@ def main() -> None:
     a = ap.parse_args()
     print(" ".join(sys.argv), flush=True)
     if not torch.cuda.is_available():
-        sys.exit("error: torch sees no CUDA GPU: this benchmark compares a GPU with the CPU; run it on a GPU machine")
+        print("error: torch sees no CUDA GPU: this benchmark compares a GPU with the CPU; run it on a GPU machine",
+              file=sys.stderr)
+        sys.exit(2)
     import quantkit
 
     model = a.model or model_path()
