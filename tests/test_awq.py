@@ -127,6 +127,14 @@ def test_output_loss_is_the_block_loss_of_a_lone_linear(layer_and_batches):
             assert torch.equal(ours[0], forwards[0]) and torch.equal(ours[1], forwards[1])
 
 
+@pytest.mark.parametrize("k, blocks", [(37, 8), (64, 8), (5, 8), (40, 1)])
+def test_quadratic_form_from_the_upper_blocks_equals_the_full_product(k, blocks):
+    g = torch.Generator().manual_seed(k)
+    x, dw = torch.randn(3 * k, k, generator=g, dtype=torch.float64), torch.randn(7, k, generator=g, dtype=torch.float64)
+    h = x.T @ x
+    assert awq.quadratic(dw, h, blocks) == pytest.approx(((dw @ h) * dw).sum().item(), rel=1e-12)
+
+
 def test_the_descent_judges_few_candidates_and_crosses_a_narrow_dip():
     """With a start loss, the block loss is judged only on the way down from the start's best: on a
     loss falling from index 4 to 13 with a dip one step wide on the way (7 lower than 8), the descent
@@ -308,8 +316,11 @@ def test_the_mlp_is_judged_on_tokens_spread_over_all_batches(layer_and_batches):
     assert set(seen) == {len(awq.spread(xs, 40))} and len(awq.spread(xs, 40)) < sum(x[..., 0].numel() for x in xs)
 
 
-def test_awq_loss_defaults_to_the_descent_for_awq_only():
-    assert quantkit.QuantConfig(method="awq").awq_loss == "descent"
+def test_awq_loss_defaults_by_width_for_awq_only():
+    assert quantkit.QuantConfig(method="awq", bits=4).awq_loss == "output"
+    assert quantkit.QuantConfig(method="awq", bits=8).awq_loss == "output"
+    assert quantkit.QuantConfig(method="awq", bits=3).awq_loss == "descent"
+    assert quantkit.QuantConfig(method="awq", bits=3, awq_loss="block").awq_loss == "block"
     assert quantkit.QuantConfig(method="gptq").awq_loss is None
     with pytest.raises(QuantkitError, match="use it with --method awq"):
         quantkit.QuantConfig(method="gptq", awq_loss="block")
