@@ -250,8 +250,6 @@ def quantize(
         config = replace(config, gguf_type=exporters.gguf.DEFAULT_MIX)
     dev = device_of(device)
     distributed.init(dev)  # under torchrun: this process's part of the job
-    if distributed.world() > 1 and config.method == "awq":
-        raise QuantkitError("AWQ does not split across processes yet: run it as one process (without torchrun)")
     keep = out is None if keep is None else keep
     if out is not None:
         exporters.check_out(out, overwrite)

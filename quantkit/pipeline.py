@@ -69,6 +69,13 @@ class Hessian:
             r += len(block)
         self.count += x.shape[0]
 
+    def reduce(self) -> "Hessian":
+        """The sums over the processes of a torchrun job (in one process, nothing changes)."""
+        for block in self.blocks:
+            distributed.sum_(block)
+        self.count = int(distributed.sum_(torch.tensor(self.count, dtype=torch.float64, device=self.blocks[0].device)).item())
+        return self
+
     def matrix(self) -> torch.Tensor:
         if self.result is None:
             self.result = torch.empty(self.cols, self.cols, device=self.blocks[0].device)
@@ -147,9 +154,7 @@ def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, di
         for handle in handles:
             handle.remove()
     for h in {id(h): h for h in hessians.values()}.values():  # summed over the processes of a torchrun job
-        for block in h.blocks:
-            distributed.sum_(block)
-        h.count = int(distributed.sum_(torch.tensor(h.count, dtype=torch.float64, device=h.blocks[0].device)).item())
+        h.reduce()
     return hessians, kept
 
 

@@ -43,17 +43,21 @@ def files(directory: Path) -> dict[str, bytes]:
     ["--method", "gptq", "--format", "exl2", "--bits", "4.0"],
     ["--method", "gptq", "--group-size", 32, "--rules", "RULES"],
     ["--method", "gptq", "--target-bpw", "3.6"],
-], ids=["gptq", "gguf-imatrix", "exl2-measured", "gptq-rules", "gptq-target"])
+    ["--method", "awq", "--bits", "3", "--group-size", 32],
+], ids=["gptq", "gguf-imatrix", "exl2-measured", "gptq-rules", "gptq-target", "awq-descent"])
 def test_two_processes_write_what_one_writes(tiny_dir, tmp_path, args):
     """24 windows in 3 batches: rank 0 calibrates on two, rank 1 on one; the Hessians are summed and
     each rank quantizes every other linear (a linear the rules skip travels as nothing). The files
-    equal a single process's, byte for byte."""
+    equal a single process's, byte for byte. AWQ (every process searches every scale from the summed
+    statistics and losses) takes 40 windows of 128 in 5 batches: its attention loss then runs on the
+    first 2 batches, one on each process, and its MLP loss on every other token of all 5."""
     if "RULES" in args:
         rules = tmp_path.with_name(f"{tmp_path.name}-rules.json")
         rules.write_text(json.dumps([{"match": r"layers\.0\.mlp\.down_proj", "bits": 8},
                                      {"match": r"layers\.1\.self_attn\.o_proj", "skip": True}]))
         args = [rules if a == "RULES" else a for a in args]
-    common = [tiny_dir, *args, "--calib-data", VALID, "--calib-samples", 24, "--calib-seqlen", 64]
+    windows = [40, 128] if "awq" in args else [24, 64]
+    common = [tiny_dir, *args, "--calib-data", VALID, "--calib-samples", windows[0], "--calib-seqlen", windows[1]]
     suffix = ".gguf" if "gguf" in args else ""
     # the loss's gradients and each block's error measured on each process's batches, the sums gathered
     measured = "exl2" in args or "--target-bpw" in args

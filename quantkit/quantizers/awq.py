@@ -14,8 +14,10 @@ from typing import Callable
 
 import torch
 
+from .. import distributed
 from ..errors import QuantkitError
 from ..layers import GROUPS, LINEARS, linear_inputs
+from ..pipeline import Hessian
 from ..qtensor import QuantizedTensor
 from . import rtn
 
@@ -80,8 +82,8 @@ def search_scale(x_mean: torch.Tensor, loss: Callable[[torch.Tensor], float], n_
 def search_clip(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, n_grid: int = 20,
                 max_shrink: float = 0.5) -> torch.Tensor:
     """Per (row, group) clipping bound max|w| * (1 - i/n_grid), i < max_shrink * n_grid, with the least
-    mean squared error of that group's share of the output, dW_g H_gg dW_g^T with H = X^T X / T of the
-    inputs [K, K] (a g x g product per row instead of a pass over the tokens): [N, ng]."""
+    squared error of that group's share of the output, dW_g H_gg dW_g^T with H the inputs' Hessian
+    [K, K] (a g x g product per row instead of a pass over the tokens): [N, ng]."""
     g = w.shape[1] if group_size == -1 else group_size
     bounds = []
     for c in range(0, w.shape[1], g):
@@ -137,10 +139,26 @@ def fold(prev: torch.nn.Module, linears: list[torch.nn.Linear], s: torch.Tensor,
 AWQ_LAYOUT = ("input_layernorm", "post_attention_layernorm", *LINEARS)
 
 
-def spread(xs: list[torch.Tensor], tokens: int) -> torch.Tensor:
-    """About tokens rows, evenly spaced over all of the batches xs: [T', K]."""
-    step = max(1, sum(x[..., 0].numel() for x in xs) // tokens)
-    return torch.cat([x.reshape(-1, x.shape[-1])[::step] for x in xs])
+def tokens_in(xs: list[torch.Tensor]) -> int:
+    """The tokens of the batches xs, under torchrun those of every process."""
+    n = torch.tensor(sum(x[..., 0].numel() for x in xs), dtype=torch.float64, device=distributed.collective_device())
+    return int(distributed.sum_(n).item())
+
+
+def spread(xs: list[torch.Tensor], tokens: int) -> list[torch.Tensor]:
+    """About tokens rows, evenly spaced over all of the batches xs (under torchrun, over every process's:
+    each takes from its own batches the rows one process would): each batch's rows [T_b, K]."""
+    step = max(1, tokens_in(xs) // tokens)
+    return [x.reshape(-1, x.shape[-1])[::step] for x in xs]
+
+
+def first_batches(xs: list[torch.Tensor], tokens: int) -> list[int]:
+    """The indices among xs of the job's first batches holding at most tokens tokens (at least one).
+    Under torchrun the batches are dealt in turn (distributed.share): the job's j-th batch is process
+    j % world's (j // world)-th."""
+    sizes = distributed.gather_rows(torch.tensor([float(x[..., 0].numel()) for x in xs], dtype=torch.float64)[:, None])
+    n = max(1, int((sizes[:, 0].cumsum(0) <= tokens).sum()))
+    return [i for i in range(len(xs)) if distributed.rank() + distributed.world() * i < n]
 
 
 def search_group(linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: list[dict], block: Callable | None,
@@ -154,7 +172,11 @@ def search_group(linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs:
     least output_loss (search_scale's start). channels maps each input channel to the output channel
     of the op that feeds it (grouped-query attention), or None. Returns the op's scales and the
     linears'."""
-    x_mean = sum(x.abs().reshape(-1, x.shape[-1]).sum(0) for x in xs) / sum(x[..., 0].numel() for x in xs)
+    k, dev = linears[0].in_features, linears[0].weight.device
+    x_sum = torch.zeros(k, dtype=torch.float64, device=dev)
+    for x in xs:
+        x_sum += x.abs().reshape(-1, k).sum(0)
+    x_mean = (distributed.sum_(x_sum) / tokens_in(xs)).float()
     w_mean = weight_mean([lin.weight for lin in linears], group_size) if duo else None
     if channels is not None:  # one scale per output channel of prev: average what shares it
         count = torch.bincount(channels).float()
@@ -165,10 +187,11 @@ def search_group(linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs:
     if block is None:
         loss = own
     elif token_wise:
-        loss = block_loss(linears, [spread(xs, block_tokens)], [{}], block, full, bits, group_size, sym)
+        loss = block_loss(linears, spread(xs, block_tokens), [{}] * len(xs), block, full, bits, group_size, sym)
     else:  # each candidate costs a block forward per token
-        n = max(1, int((torch.tensor([x[..., 0].numel() for x in xs]).cumsum(0) <= block_tokens).sum()))
-        loss = block_loss(linears, xs[:n], kwargs[:n], block, full, bits, group_size, sym)
+        first = first_batches(xs, block_tokens)
+        loss = block_loss(linears, [xs[i] for i in first], [kwargs[i] for i in first], block, full, bits, group_size,
+                          sym)
     s, _, _ = search_scale(x_mean, loss, n_grid, w_mean, own if block is not None and descent else None)
     return s, full(s)
 
@@ -176,36 +199,42 @@ def search_group(linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs:
 def block_loss(linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: list[dict], block: Callable,
                full: Callable, bits: int, group_size: int, sym: bool) -> Callable[[torch.Tensor], float]:
     """loss(s): the mean squared change of block(x)'s output with the linears' input channels scaled
-    by s and quantized (a forward of the block per candidate)."""
+    by s and quantized (a forward of the block per candidate; under torchrun, over every process's xs)."""
     reference = [block(x, kw) for x, kw in zip(xs, kwargs)]
+    size = sum(ref.numel() for ref in reference)
 
     def loss(s: torch.Tensor) -> float:
         originals = [lin.weight.data for lin in linears]
         for lin in linears:
             lin.weight.data = fake_quantize(lin.weight * full(s), bits, group_size, sym) / full(s)
-        err = sum((block(x, kw) - ref).pow(2).sum().item() for x, kw, ref in zip(xs, kwargs, reference))
+        err = sum(((block(x, kw) - ref).pow(2).sum().item() for x, kw, ref in zip(xs, kwargs, reference)), 0.0)
         for lin, w in zip(linears, originals):
             lin.weight.data = w
-        return err / sum(ref.numel() for ref in reference)
+        total = distributed.sum_(torch.tensor([err, size], dtype=torch.float64, device=distributed.collective_device()),
+                                 "summing AWQ's losses")
+        return (total[0] / total[1]).item()
     return loss
 
 
-def hessian(xs: list[torch.Tensor]) -> torch.Tensor:
-    """H = X^T X / T of the inputs xs (batches of tokens): each linear's output error is tr(dW H dW^T)."""
-    rows = [t.reshape(-1, t.shape[-1]).float() for t in xs]
-    return sum(x.T @ x for x in rows) / sum(len(x) for x in rows)
+def hessian(xs: list[torch.Tensor], cols: int, device: torch.device) -> torch.Tensor:
+    """H = 2 X^T X / T of the inputs xs (batches of tokens; under torchrun, every process's), GPTQ's:
+    each linear's mean squared output error is tr(dW H dW^T) / 2T."""
+    h = Hessian(cols, device)
+    for x in xs:
+        h.add_batch(x)
+    return h.reduce().matrix()
 
 
 def output_loss(linears: list[torch.nn.Linear], h: torch.Tensor, full: Callable, bits: int, group_size: int,
                 sym: bool) -> Callable[[torch.Tensor], float]:
-    """loss(s): the mean squared change of the linears' own outputs, tr(dW H dW^T) / N with H the
-    Hessian of their inputs: a K x K product per candidate instead of a forward over the tokens. Where
-    the block is one linear (o_proj, down_proj) this is the block loss itself."""
+    """loss(s): the mean squared change of the linears' own outputs, tr(dW H dW^T) / 2N with H the
+    Hessian of their inputs (hessian): a K x K product per candidate instead of a forward over the
+    tokens. Where the block is one linear (o_proj, down_proj) this is the block loss itself."""
     w = torch.cat([lin.weight.data for lin in linears])
 
     def loss(s: torch.Tensor) -> float:
         dw = fake_quantize(w * full(s), bits, group_size, sym) / full(s) - w
-        return quadratic(dw, h) / len(w)
+        return quadratic(dw, h) / (2 * len(w))
     return loss
 
 
@@ -252,7 +281,8 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
                (layer.post_attention_layernorm, (lambda x, kw: mlp(x)) if forwards else None, None),
                (mlp.up_proj, None, None)]
     linears = [[layer.get_submodule(name) for name in group] for group in GROUPS]
-    hessians = [hessian([spread(inputs[group[0]], search_tokens)]) for group in GROUPS]
+    hessians = [hessian(spread(inputs[group[0]], search_tokens), lins[0].in_features, lins[0].weight.device)
+                for group, lins in zip(GROUPS, linears)]
     scales = [search_group(lins, inputs[group[0]], kwargs, block, channels, h, bits, group_size, sym, duo=duo,
                            n_grid=n_grid, block_tokens=block_tokens, token_wise=prev is layer.post_attention_layernorm,
                            descent=loss == "descent")
