@@ -33,7 +33,7 @@ from pathlib import Path
 
 from children import child, flag
 
-from quantkit.config import AWQ_LOSSES
+from quantkit.config import AWQ_LOSSES, QuantConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -105,7 +105,8 @@ def run(a) -> dict:
             windows = sample_windows(m.tokenizer, load_text(VALID), a.samples, 512, seed=0)
             batches = capture_inputs(m, windows, 8)
             for layer in m.layers[: a.layers]:
-                quantize_layer(layer, batches, a.bits, a.group_size, False, a.duo)
+                quantize_layer(layer, batches, a.bits, a.group_size, False, a.duo,
+                               loss=a.loss or QuantConfig(method="awq", bits=a.bits).awq_loss)
                 batches = run_layer(layer, batches)
         elif a.method != "base":
             if a.defaults:  # each method as it comes

@@ -1,6 +1,7 @@
 """Several processes under torchrun (`torchrun --nproc-per-node N quantkit quantize ...`): each takes
 its share of the calibration batches, the Hessians are summed across processes, each quantizes some
-of a layer's linears and sends the results to the others, and rank 0 writes the output. gloo on
+of a layer's linears and sends the results to the others (AWQ: each searches and quantizes every
+linear from the summed statistics and losses), and rank 0 writes the output. gloo on
 CPUs, NCCL on GPUs. In a single process every function here does nothing."""
 from __future__ import annotations
 

@@ -73,7 +73,8 @@ class Hessian:
         """The sums over the processes of a torchrun job (in one process, nothing changes)."""
         for block in self.blocks:
             distributed.sum_(block)
-        self.count = int(distributed.sum_(torch.tensor(self.count, dtype=torch.float64, device=self.blocks[0].device)).item())
+        count = torch.tensor(self.count, dtype=torch.float64, device=self.blocks[0].device)
+        self.count = int(distributed.sum_(count).item())
         return self
 
     def matrix(self) -> torch.Tensor:

@@ -82,8 +82,8 @@ def test_scales_match_autoawq(tiny_dir, duo):
     same = 0
     for prev, linears, block, module, inp in cases:
         with torch.no_grad():
-            ours, _ = search_group(linears, [inp], [kw], block, None, awq.hessian([inp], inp.shape[-1], inp.device), 4, 32, False,
-                                   duo=duo)
+            h = awq.hessian([inp], inp.shape[-1], inp.device)
+            ours, _ = search_group(linears, [inp], [kw], block, None, h, 4, 32, False, duo=duo)
             with cpu_snapshots_copied():
                 _, _, theirs = ref._search_best_scale(layer, prev, linears, inp, module2inspect=module, kwargs=dict(kw))
         if torch.allclose(ours, theirs.float(), rtol=1e-5):
@@ -117,13 +117,13 @@ def test_output_loss_is_the_block_loss_of_a_lone_linear(layer_and_batches):
         for lin, channels in cases:
             xs = inputs[[n for n, mod in layer.named_modules() if mod is lin][0]]
             block = awq.block_loss([lin], xs, kw, lambda x, _: lin(x), lambda s: full(s, channels), 4, 32, False)
-            output = awq.output_loss([lin], awq.hessian(xs, lin.in_features, "cpu"), lambda s: full(s, channels), 4, 32, False)
+            h = awq.hessian(xs, lin.in_features, "cpu")
+            output = awq.output_loss([lin], h, lambda s: full(s, channels), 4, 32, False)
             x_mean = torch.rand(len(torch.bincount(channels)) if channels is not None else lin.in_features,
                                 generator=torch.Generator().manual_seed(6)) + 0.1
             for alpha in (0.0, 0.3, 0.6, 0.9):
                 s = awq.candidate(x_mean, None, alpha)
                 assert output(s) == pytest.approx(block(s), rel=1e-4)
-            h = awq.hessian(xs, lin.in_features, "cpu")
             ours = search_group([lin], xs, kw, None, channels, h, 4, 32, False)
             forwards = search_group([lin], xs, kw, lambda x, _: lin(x), channels, h, 4, 32, False)
             assert torch.equal(ours[0], forwards[0]) and torch.equal(ours[1], forwards[1])
@@ -247,7 +247,7 @@ def test_unknown_layer_layout_is_refused(layer_and_batches):
     del layer.post_attention_layernorm
     try:
         with pytest.raises(QuantkitError, match="post_attention_layernorm.*Llama, Mistral and Qwen2"):
-            awq.quantize_layer(layer, batches, 4, 32, False)
+            awq.quantize_layer(layer, batches, 4, 32, False, loss="descent")
     finally:
         layer.post_attention_layernorm = saved
 
@@ -262,7 +262,7 @@ def test_each_layer_is_calibrated_on_the_quantized_outputs_of_the_one_before(tin
 
     def layer_fn(i, layer, batches):
         seen[i] = torch.cat([h for h, _ in batches])
-        return awq.quantize_layer(layer, batches, 4, 32, False, prefix=f"model.layers.{i}.")
+        return awq.quantize_layer(layer, batches, 4, 32, False, loss="descent", prefix=f"model.layers.{i}.")
 
     quantize_layers(m, None, windows, batch_size=2, progress=False, layer_fn=layer_fn)
     got = []  # layer 1's inputs in the finished model: layer 0 quantized, its norms folded
@@ -280,7 +280,8 @@ def test_spread_takes_evenly_spaced_tokens_from_every_batch():
     rows = torch.cat(awq.spread(xs, 48))  # 240 tokens: every 5th
     assert rows.shape == (48, 3)
     assert torch.equal(rows[:, 0], torch.cat([torch.arange(b * 100, b * 100 + 60, 5) for b in range(4)]).float())
-    assert torch.equal(torch.cat(awq.spread(xs, 1000)), torch.cat([x.reshape(-1, 3) for x in xs]))  # fewer than asked: all
+    everything = torch.cat([x.reshape(-1, 3) for x in xs])
+    assert torch.equal(torch.cat(awq.spread(xs, 1000)), everything)  # fewer than asked: all
 
 
 def test_linear_inputs_can_stop_at_the_last_input(layer_and_batches):

@@ -69,7 +69,9 @@ def search_scale(x_mean: torch.Tensor, loss: Callable[[torch.Tensor], float], n_
         best = min(range(n_grid), key=judged)  # the first of equal losses, as the reference
     else:
         cheap = [start(candidate(x_mean, w_mean, i / n_grid)) for i in range(n_grid)]
-        best = min(range(n_grid), key=cheap.__getitem__)
+        # under torchrun every process must descend alike (each runs the block loss's collectives): one
+        # start, in case the processes' arithmetic differs (GPUs of two kinds)
+        best = distributed.agree(min(range(n_grid), key=cheap.__getitem__), "min")
         while True:
             # two neighbours each side: the block loss has shallow local minima a step wide
             step = min((j for j in range(best - 2, best + 3) if 0 <= j < n_grid), key=judged)
@@ -216,7 +218,7 @@ def block_loss(linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: l
     return loss
 
 
-def hessian(xs: list[torch.Tensor], cols: int, device: torch.device) -> torch.Tensor:
+def hessian(xs: list[torch.Tensor], cols: int, device: str | torch.device) -> torch.Tensor:
     """H = 2 X^T X / T of the inputs xs (batches of tokens; under torchrun, every process's), GPTQ's:
     each linear's mean squared output error is tr(dW H dW^T) / 2T."""
     h = Hessian(cols, device)
@@ -242,15 +244,15 @@ def quadratic(dw: torch.Tensor, h: torch.Tensor, blocks: int = 8) -> float:
     """tr(dW H dW^T) for a symmetric H, from H's blocks on and above the diagonal (each pair of input
     blocks once, the off-diagonal ones doubled): about (blocks + 1) / (2 blocks) of the full product."""
     step = -(-h.shape[0] // blocks)
-    total = 0.0
+    total = dw.new_zeros((), dtype=torch.float64)
     for a in range(0, h.shape[0], step):
         p = dw[:, a:a + step] @ h[a:a + step, a:]
-        total += (p[:, :step] * dw[:, a:a + step]).sum().item() + 2 * (p[:, step:] * dw[:, a + step:]).sum().item()
-    return total
+        total += (p[:, :step] * dw[:, a:a + step]).sum().double() + 2 * (p[:, step:] * dw[:, a + step:]).sum().double()
+    return total.item()  # one wait for a GPU per candidate
 
 
-def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, sym: bool, duo: bool = False,
-                   n_grid: int = 20, prefix: str = "", loss: str = "descent", search_tokens: int = 8192,
+def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, sym: bool, duo: bool = False, *,
+                   loss: str, n_grid: int = 20, prefix: str = "", search_tokens: int = 8192,
                    block_tokens: int = 2048) -> dict[str, QuantizedTensor]:
     """AWQ on one decoder layer in place: search and fold the scales of each group of linears that
     share an input, search each linear's clipping (not q/k: their errors pass through softmax),
