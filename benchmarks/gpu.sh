@@ -1,14 +1,18 @@
 #!/bin/bash
-# The GPU checks of issues 13, 15 and 19 in one run, for a session lent a GPU through the device tool
+# The GPU checks of issues 13, 15 and 19, for a session lent a GPU through the device tool
 # (benchmarks/RESULTS.md, "The first GPU runs"). Two steps:
 #
-#   bash benchmarks/gpu.sh prepare     # here: the wheels the GPU machine lacks into .whl/, the data into .gpu/
-#   bash benchmarks/gpu.sh run [S]     # there, from the repo root, carry [".whl", ".gpu"]; S: seconds (default 580)
+#   bash benchmarks/gpu.sh prepare              # here: the wheels the GPU machine lacks into .whl/, the data into .gpu/
+#   bash benchmarks/gpu.sh run [S] [STEPS]      # there, from the repo root, carry [".whl", ".gpu"]
 #
-# "run" installs quantkit, then runs each check with a timeout and its log in $OUT (or .gpu/out):
-# the kernels, the GPU tests and the kernel tests, GPTQ of the 7b shape (stopped when its share of S
-# is spent), the GPU against the CPU, and the tile sweep with what is left. Each check's exit status and end time go to
-# times.log. The GPU machine has no network: what it lacks travels as wheels.
+# S: seconds for the whole run (default 420). STEPS: a comma list, in the order run (default
+# exllama,tests,kernels): exllama (exllamav2, built in the background from the start, loads our EXL2
+# files of a random model of SmolLM2-135M's shapes: benchmarks/exl2_consumer.py, with its matmul
+# attention, then its SDPA one), tests (tests/test_gpu.py and the kernel tests), kernels
+# (benchmarks/kernel_bench.py), gptq7b (GPTQ of the 7b shape, stopped when its share is spent),
+# devices (benchmarks/devices.py), sweep (the tile sweep, with what is left). Each step's log goes to
+# $OUT (or .gpu/out), its exit status and end time to times.log. The GPU machine has no network:
+# what it lacks travels as wheels.
 set -u
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -17,45 +21,74 @@ prepare)
   rm -rf .whl  # one version of each: two stop the install there
   python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform any -d .whl "gguf==$(v gguf)" "platformdirs==$(v platformdirs)" "bitsandbytes==$(v bitsandbytes)"
+    --platform any -d .whl "gguf==$(v gguf)" "platformdirs==$(v platformdirs)" "bitsandbytes==$(v bitsandbytes)" \
+    exllamav2==0.3.2
   mkdir -p .gpu && cp -r ../shared/data .gpu/
-  grep -qx "/.gpu/" .git/info/exclude || echo "/.gpu/" >> .git/info/exclude
+  for d in /.gpu/ /.whl/; do grep -qx "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
   du -sh .whl .gpu
   ;;
 run)
   export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   out=${OUT:-.gpu/out}
   mkdir -p "$out"
-  budget=${2:-580}
+  budget=${2:-420}
+  steps=",${3:-exllama,tests,kernels},"
   t0=$(date +%s)
   left() { local l=$((budget - ($(date +%s) - t0))); echo $((l > 5 ? l : 5)); }  # timeout 0 would mean no limit
   mark() { echo "$1 rc=$2 at $(($(date +%s) - t0)) s" | tee -a "$out/times.log"; }
+  has() { [[ $steps == *",$1,"* ]]; }
   {
     nvidia-smi -L; python3 --version
     [ -d ../shared/data ] || { mkdir -p ../shared && cp -r .gpu/data ../shared/; }
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
       PYTHONPATH=/tmp/site python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
   } > "$out/setup.log" 2>&1
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=/tmp/site TORCH_CUDA_ARCH_LIST=9.0  # Hopper: one target keeps exllamav2's build short
   mark setup $?
-  timeout 90 python3 benchmarks/kernel_bench.py > "$out/kernels.log" 2>&1; mark kernels $?
-  timeout 90 python3 -m pytest -p no:cacheprovider -q -s -rfE --tb=short tests/test_gpu.py > "$out/tests_gpu.log" 2>&1
-  mark test_gpu $?
-  timeout 60 python3 -m pytest -p no:cacheprovider -q -rfE --tb=line tests/test_kernels.py \
-    -k "not embedded and not packed_perplexity and not packed_bfloat16" > "$out/tests_kernels.log" 2>&1
-  mark test_kernels $?
-  timeout 90 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import scale; scale.model_dir('7b')" \
-    > "$out/scale.log" 2>&1; mark write7b $?
-  stop=$(($(left) - 200)); [ $stop -gt 300 ] && stop=300; [ $stop -lt 30 ] && stop=30
-  timeout $((stop + 30)) python3 benchmarks/scale.py --shape 7b --runs gptq --device cuda --gptq-samples 32 \
-    --stop-after $stop >> "$out/scale.log" 2>&1; mark gptq7b $?
-  t=$(($(left) - 40)); [ $t -gt 130 ] && t=130; [ $t -lt 5 ] && t=5
-  timeout $t python3 benchmarks/devices.py --methods rtn,gptq --samples 32 --windows 10 > "$out/devices.log" 2>&1
-  mark devices $?
-  timeout "$(left)" python3 benchmarks/kernel_bench.py --sweep --batches 1,512 > "$out/sweep.log" 2>&1; mark sweep $?
+  if has exllama; then  # its extension builds on 14 cores (143 s on an H100's machine) while the GPU works
+    (MAX_JOBS=14 timeout 400 python3 -c "import exllamav2.ext" > "$out/exllama_build.log" 2>&1; echo "rc=$?" >> "$out/exllama_build.log") &
+    build=$!
+    m=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import scale; print(scale.model_dir('135m'))" 2>> "$out/exllama.log" | tail -1)
+    for spec in 2.5: 4.125: 6.0:8; do  # widths 2/3, 4/3, 6/5 in the linears; the last one's head at 8/6
+      b=${spec%:*}; h=${spec#*:}
+      OMP_NUM_THREADS=2 timeout 120 python3 -m quantkit quantize "$m" --method gptq --format exl2 --bits "$b" ${h:+--head-bits $h} \
+        --out "/tmp/exl2-$b" --calib-samples 16 --calib-data ../shared/data/wikitext-2/wiki.valid.tokens --device cuda \
+        >> "$out/exllama.log" 2>&1; mark "export-$b" $?
+    done
+    wait $build; mark exllama_build "$(tail -1 "$out/exllama_build.log")"
+    for attn in "" --sdpa; do
+      timeout 120 python3 benchmarks/exl2_consumer.py /tmp/exl2-2.5 /tmp/exl2-4.125 /tmp/exl2-6.0 --base "$m" $attn \
+        >> "$out/exllama.log" 2>&1; mark "exllama$attn" $?
+    done
+  fi
+  if has tests; then
+    timeout 90 python3 -m pytest -p no:cacheprovider -q -s -rfE --tb=short tests/test_gpu.py > "$out/tests_gpu.log" 2>&1
+    mark test_gpu $?
+    timeout 60 python3 -m pytest -p no:cacheprovider -q -rfE --tb=line tests/test_kernels.py \
+      -k "not embedded and not packed_perplexity and not packed_bfloat16" > "$out/tests_kernels.log" 2>&1
+    mark test_kernels $?
+  fi
+  if has kernels; then
+    timeout 90 python3 benchmarks/kernel_bench.py > "$out/kernels.log" 2>&1; mark kernels $?
+  fi
+  if has gptq7b; then
+    timeout 90 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import scale; scale.model_dir('7b')" \
+      > "$out/scale.log" 2>&1; mark write7b $?
+    stop=$(($(left) - 60)); [ $stop -gt 300 ] && stop=300; [ $stop -lt 30 ] && stop=30
+    timeout $((stop + 30)) python3 benchmarks/scale.py --shape 7b --runs gptq --device cuda --gptq-samples 32 \
+      --stop-after $stop >> "$out/scale.log" 2>&1; mark gptq7b $?
+  fi
+  if has devices; then
+    t=$(($(left) - 20)); [ $t -gt 130 ] && t=130; [ $t -lt 5 ] && t=5
+    timeout $t python3 benchmarks/devices.py --methods rtn,gptq --samples 32 --windows 10 > "$out/devices.log" 2>&1
+    mark devices $?
+  fi
+  if has sweep; then
+    timeout "$(left)" python3 benchmarks/kernel_bench.py --sweep --batches 1,512 > "$out/sweep.log" 2>&1; mark sweep $?
+  fi
   ;;
 *)
-  echo "error: say prepare (here) or run (on the GPU machine): bash benchmarks/gpu.sh prepare|run [seconds]" >&2
+  echo "error: say prepare (here) or run (on the GPU machine): bash benchmarks/gpu.sh prepare|run [seconds] [steps]" >&2
   exit 2
   ;;
 esac

@@ -64,7 +64,8 @@ def model_dir(shape: str) -> Path:
     tmp = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False, dtype="bfloat16")
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False, dtype="bfloat16",
+                         architectures=["LlamaForCausalLM"])
     with init_empty_weights():
         skeleton = LlamaForCausalLM(config)
     where = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU draws 7B values in minutes

@@ -71,6 +71,8 @@ class CheckpointWriter:
         print(f"wrote {len(self.shards.names)} tensors in {len(files)} file(s), {size / 2**20:.1f} MiB", file=sys.stderr)
         qcfg = self.config(self.act_order)
         cfg = self.model.module.config.to_dict()
+        # a config saved without a model lacks it, and ExLlamaV2's loader (among others) needs it
+        cfg["architectures"] = cfg.get("architectures") or [type(self.model.module).__name__]
         cfg["quantization_config"] = qcfg
         cfg["dtype"] = str(self.dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -301,10 +301,10 @@ def quantize(
                                   prefix=f"model.layers.{i}.", loss=config.awq_loss)
 
     def other(name: str, w: torch.Tensor) -> QuantizedTensor | None:  # GGUF: the embedding and output matrix too
-        if name == "lm_head" and config.head_bits is not None:  # EXL2's head
+        if name == "lm_head" and config.head_bits is not None:  # EXL2's head, on the device (minutes on a CPU)
             from quantkit.exporters.exl2 import quantize_head
 
-            return quantize_head(w, config)
+            return quantize_head(w.to(dev), config).to("cpu")
         if types is None or name not in types:
             return None
         key = exporters.gguf.gguf_name(f"{name}.weight")

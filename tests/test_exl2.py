@@ -229,7 +229,8 @@ def test_a_measurement_of_another_calibration_is_refused(tiny_dir, measured, exp
 def test_head_bits_quantize_an_untied_head(tmp_path):
     """--head-bits 6: lm_head is stored in the layout at about 6 bits per weight (the independent
     decoder reads our dequantized head), the config's head_bits says what it holds while bits counts
-    the decoder linears alone, and the file reads back as the model that was scored."""
+    the decoder linears alone, and the file reads back as the model that was scored. The config
+    names the architecture even when the source's did not."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from .conftest import tiny_tokenizer
@@ -239,6 +240,9 @@ def test_head_bits_quantize_an_untied_head(tmp_path):
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     LlamaForCausalLM(config).save_pretrained(tmp_path / "m")
     tiny_tokenizer(tmp_path / "m")
+    source = json.loads((tmp_path / "m" / "config.json").read_text())
+    del source["architectures"]  # as a config saved without a model has it
+    (tmp_path / "m" / "config.json").write_text(json.dumps(source))
     m = quantkit.quantize(str(tmp_path / "m"), method="gptq", format="exl2", exl2=4.0, head_bits=6.0, **CALIB,
                           out=tmp_path / "q", keep=True, progress=False)
     state = load_file(tmp_path / "q" / "model.safetensors")
@@ -246,7 +250,9 @@ def test_head_bits_quantize_an_untied_head(tmp_path):
     assert "lm_head.weight" not in state
     np.testing.assert_array_equal(decode(head, 512), m.tensors["lm_head"].dequantize().numpy())
     assert torch.equal(m.module.lm_head.weight, m.tensors["lm_head"].dequantize())
-    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    written = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert written["architectures"] == ["LlamaForCausalLM"]  # ExLlamaV2's loader fails without it
+    qc = written["quantization_config"]
     head_bits = sum(t.numel() * t.element_size() * 8 for t in head.values()) / (512 * 64)
     assert qc["head_bits"] == pytest.approx(head_bits, abs=1e-4) and 5.5 < head_bits <= 6.0
     assert 3.5 < qc["bits"] <= 4.0
