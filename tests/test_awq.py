@@ -198,6 +198,8 @@ def test_awq_beats_nothing_on_gqa_model_and_exports(tiny_dir, tmp_path):
     assert m.qconfig.sym is False  # zero points by default, as AWQ
     qt = m.tensors["model.layers.0.self_attn.o_proj"]
     assert not qt.sym and qt.group_size == 32
+    for name, qt in m.tensors.items():  # what is scored in memory is what is written: every fold came first
+        assert torch.equal(m.module.get_submodule(name).weight.data, qt.dequantize()), name
     quantkit.export(m, tmp_path / "awq", "awq")
     cfg = json.loads((tmp_path / "awq" / "config.json").read_text())["quantization_config"]
     assert cfg == {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm",

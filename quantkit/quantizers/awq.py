@@ -10,6 +10,7 @@ linears, the ops that feed them, the blocks that judge them), called by the pipe
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import torch
@@ -166,19 +167,22 @@ def first_batches(xs: list[torch.Tensor], tokens: int) -> list[int]:
 def search_group(linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: list[dict], block: Callable | None,
                  channels: torch.Tensor | None, h: torch.Tensor, bits: int, group_size: int, sym: bool, *,
                  duo: bool = False, n_grid: int = 20, block_tokens: int = 2048, token_wise: bool = False,
-                 descent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 descent: bool = False, mine: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
     """AWQ's scale search for linears sharing the inputs xs (one tensor per batch, Hessian h), judged by
     block(x, kwargs)'s output (block_loss; None: output_loss) on block_tokens tokens: the first
     batches, or with token_wise (a block that works on each token alone, the MLP) rows spread over all
     of them; the mean |x| uses them all. descent: the block loss only descends from the candidate of
     least output_loss (search_scale's start). channels maps each input channel to the output channel
     of the op that feeds it (grouped-query attention), or None. Returns the op's scales and the
-    linears'."""
+    linears'. Under torchrun a search by the output loss alone needs no other process: only the one
+    given it (mine) runs it, the others get None."""
     k, dev = linears[0].in_features, linears[0].weight.device
     x_sum = torch.zeros(k, dtype=torch.float64, device=dev)
     for x in xs:
         x_sum += x.abs().reshape(-1, k).sum(0)
     x_mean = (distributed.sum_(x_sum) / tokens_in(xs)).float()
+    if block is None and not mine:
+        return None
     w_mean = weight_mean([lin.weight for lin in linears], group_size) if duo else None
     if channels is not None:  # one scale per output channel of prev: average what shares it
         count = torch.bincount(channels).float()
@@ -285,23 +289,48 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
     linears = [[layer.get_submodule(name) for name in group] for group in GROUPS]
     hessians = [hessian(spread(inputs[group[0]], search_tokens), lins[0].in_features, lins[0].weight.device)
                 for group, lins in zip(GROUPS, linears)]
-    scales = [search_group(lins, inputs[group[0]], kwargs, block, channels, h, bits, group_size, sym, duo=duo,
-                           n_grid=n_grid, block_tokens=block_tokens, token_wise=prev is layer.post_attention_layernorm,
-                           descent=loss == "descent")
-              for group, lins, (prev, block, channels), h in zip(GROUPS, linears, feeders, hessians)]
+    # under torchrun a block loss sums every process's forwards, so all run its search together; the
+    # searches by the output loss and the clipping need only the summed Hessians, so each is run by one
+    # process (distributed.owner) and its result shared
+    scales = []
+    for j, (group, lins, (prev, block, channels), h) in enumerate(zip(GROUPS, linears, feeders, hessians)):
+        found = search_group(lins, inputs[group[0]], kwargs, block, channels, h, bits, group_size, sym, duo=duo,
+                             n_grid=n_grid, block_tokens=block_tokens, token_wise=prev is layer.post_attention_layernorm,
+                             descent=loss == "descent", mine=distributed.owner(j) == distributed.rank())
+        scales.append(found if block is not None else shared(found, j, lins[0].weight.device))
     del inputs
-    tensors = {}
-    # folded after all searches, as the reference does
-    for group, lins, (prev, _, _), (s, s_full), h in zip(GROUPS, linears, feeders, scales, hessians):
+    # every scale folded after all searches and before any quantization, as the reference does: o_proj's
+    # and down_proj's fold into the rows of v_proj and up_proj, which must be final when quantized
+    for lins, (prev, _, _), (s, s_full) in zip(linears, feeders, scales):
         fold(prev, lins, s, s_full)
+    tensors = {}
+    index = itertools.count()  # of the linear in the layer
+    for group, lins, (_, s_full), h in zip(GROUPS, linears, scales, hessians):
         h = h / s_full[:, None] / s_full[None, :]  # the inputs are now x / s
         for name, linear in zip(group, lins):
-            bound = None if name in ("self_attn.q_proj", "self_attn.k_proj") else \
-                search_clip(linear.weight.data, h, bits, group_size)
-            qt = quantize(linear.weight.data, bits, group_size, sym, bound)
+            qt, j = None, next(index)
+            if distributed.owner(j) == distributed.rank():
+                bound = None if name in ("self_attn.q_proj", "self_attn.k_proj") else \
+                    search_clip(linear.weight.data, h, bits, group_size)
+                qt = quantize(linear.weight.data, bits, group_size, sym, bound)
+            qt = shared(qt, j, linear.weight.device)
             linear.weight.data.copy_(qt.dequantize())
             tensors[f"{prefix}{name}"] = qt
     return tensors
+
+
+def shared(value: QuantizedTensor | tuple[torch.Tensor, ...] | None, j: int, device: torch.device
+           ) -> QuantizedTensor | tuple[torch.Tensor, ...]:
+    """The j-th result (a quantized linear, or a group's scales) as the process that computed it has
+    it, on device: under torchrun sent from distributed.owner(j) to the others (their value is None)."""
+    if distributed.world() == 1:
+        return value
+    if isinstance(value, QuantizedTensor):
+        value = value.to("cpu")
+    elif value is not None:
+        value = tuple(t.cpu() for t in value)
+    value = distributed.broadcast(value, distributed.owner(j))
+    return value.to(device) if isinstance(value, QuantizedTensor) else tuple(t.to(device) for t in value)
 
 
 def hasattr_path(module: torch.nn.Module, path: str) -> bool:
