@@ -5,8 +5,8 @@
 #   bash benchmarks/gpu.sh prepare              # here: the wheels the GPU machine lacks into .whl/, the data into .gpu/
 #   bash benchmarks/gpu.sh run [S] [STEPS]      # there, from the repo root, carry [".whl", ".gpu"]
 #
-# S: seconds for the whole run (default 420). STEPS: a comma list, in the order run (default
-# exllama,tests,kernels): exllama (exllamav2, built in the background from the start, loads our EXL2
+# S: seconds for the whole run (default 480; each step's timeout is cut to what is left). STEPS: a
+# comma list of those to run (default exllama,tests,kernels); they run in this order: exllama (exllamav2, built in the background from the start, loads our EXL2
 # files of a random model of SmolLM2-135M's shapes: benchmarks/exl2_consumer.py, with its matmul
 # attention, then its SDPA one), tests (tests/test_gpu.py and the kernel tests), kernels
 # (benchmarks/kernel_bench.py), gptq7b (GPTQ of the 7b shape, stopped when its share is spent),
@@ -31,10 +31,11 @@ run)
   export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   out=${OUT:-.gpu/out}
   mkdir -p "$out"
-  budget=${2:-420}
+  budget=${2:-480}
   steps=",${3:-exllama,tests,kernels},"
   t0=$(date +%s)
   left() { local l=$((budget - ($(date +%s) - t0))); echo $((l > 5 ? l : 5)); }  # timeout 0 would mean no limit
+  upto() { local l; l=$(left); echo $(($1 < l ? $1 : l)); }  # a step's timeout, within what is left
   mark() { echo "$1 rc=$2 at $(($(date +%s) - t0)) s" | tee -a "$out/times.log"; }
   has() { [[ $steps == *",$1,"* ]]; }
   {
@@ -46,33 +47,34 @@ run)
   export PYTHONPATH=/tmp/site TORCH_CUDA_ARCH_LIST=9.0  # Hopper: one target keeps exllamav2's build short
   mark setup $?
   if has exllama; then  # its extension builds on 14 cores (143 s on an H100's machine) while the GPU works
-    (MAX_JOBS=14 timeout 400 python3 -c "import exllamav2.ext" > "$out/exllama_build.log" 2>&1; echo "rc=$?" >> "$out/exllama_build.log") &
+    (MAX_JOBS=14 timeout "$(upto 400)" python3 -c "import exllamav2.ext" > "$out/exllama_build.log" 2>&1; echo $? >> "$out/exllama_build.log") &
     build=$!
     m=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import scale; print(scale.model_dir('135m'))" 2>> "$out/exllama.log" | tail -1)
-    for spec in 2.5: 4.125: 6.0:8; do  # widths 2/3, 4/3, 6/5 in the linears; the last one's head at 8/6
+    [ -n "$m" ]; mark model $?
+    for spec in 2.5: 4.125: 6.0:8; do  # widths 3/2, 4/3, 6/5 in the linears; the last one's head at 8/6
       b=${spec%:*}; h=${spec#*:}
-      OMP_NUM_THREADS=2 timeout 120 python3 -m quantkit quantize "$m" --method gptq --format exl2 --bits "$b" ${h:+--head-bits $h} \
+      OMP_NUM_THREADS=2 timeout "$(upto 120)" python3 -m quantkit quantize "$m" --method gptq --format exl2 --bits "$b" ${h:+--head-bits $h} \
         --out "/tmp/exl2-$b" --calib-samples 16 --calib-data ../shared/data/wikitext-2/wiki.valid.tokens --device cuda \
         >> "$out/exllama.log" 2>&1; mark "export-$b" $?
     done
     wait $build; mark exllama_build "$(tail -1 "$out/exllama_build.log")"
     for attn in "" --sdpa; do
-      timeout 120 python3 benchmarks/exl2_consumer.py /tmp/exl2-2.5 /tmp/exl2-4.125 /tmp/exl2-6.0 --base "$m" $attn \
+      timeout "$(upto 120)" python3 benchmarks/exl2_consumer.py /tmp/exl2-2.5 /tmp/exl2-4.125 /tmp/exl2-6.0 --base "$m" $attn \
         >> "$out/exllama.log" 2>&1; mark "exllama$attn" $?
     done
   fi
   if has tests; then
-    timeout 90 python3 -m pytest -p no:cacheprovider -q -s -rfE --tb=short tests/test_gpu.py > "$out/tests_gpu.log" 2>&1
+    timeout "$(upto 90)" python3 -m pytest -p no:cacheprovider -q -s -rfE --tb=short tests/test_gpu.py > "$out/tests_gpu.log" 2>&1
     mark test_gpu $?
-    timeout 60 python3 -m pytest -p no:cacheprovider -q -rfE --tb=line tests/test_kernels.py \
+    timeout "$(upto 60)" python3 -m pytest -p no:cacheprovider -q -rfE --tb=line tests/test_kernels.py \
       -k "not embedded and not packed_perplexity and not packed_bfloat16" > "$out/tests_kernels.log" 2>&1
     mark test_kernels $?
   fi
   if has kernels; then
-    timeout 90 python3 benchmarks/kernel_bench.py > "$out/kernels.log" 2>&1; mark kernels $?
+    timeout "$(upto 90)" python3 benchmarks/kernel_bench.py > "$out/kernels.log" 2>&1; mark kernels $?
   fi
   if has gptq7b; then
-    timeout 90 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import scale; scale.model_dir('7b')" \
+    timeout "$(upto 90)" python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import scale; scale.model_dir('7b')" \
       > "$out/scale.log" 2>&1; mark write7b $?
     stop=$(($(left) - 60)); [ $stop -gt 300 ] && stop=300; [ $stop -lt 30 ] && stop=30
     timeout $((stop + 30)) python3 benchmarks/scale.py --shape 7b --runs gptq --device cuda --gptq-samples 32 \

@@ -1,7 +1,8 @@
 """Several processes under torchrun (`torchrun --nproc-per-node N quantkit quantize ...`): each takes
 its share of the calibration batches, the Hessians are summed across processes, each quantizes some
-of a layer's linears and sends the results to the others (AWQ: each searches and quantizes every
-linear from the summed statistics and losses), and rank 0 writes the output. gloo on
+of a layer's linears and sends the results to the others (AWQ: the scale searches judged by block
+losses run on every process together, its other searches and clippings are shared out like the
+linears), and rank 0 writes the output. gloo on
 CPUs, NCCL on GPUs. In a single process every function here does nothing."""
 from __future__ import annotations
 
@@ -108,6 +109,6 @@ def broadcast(obj: T, src: int) -> T:
     if world() == 1:
         return obj
     box = [obj]
-    with collective("sharing quantized linears"):
+    with collective("sharing quantized linears and scales"):
         dist.broadcast_object_list(box, src=src)
     return box[0]

@@ -83,7 +83,8 @@ def test_scales_match_autoawq(tiny_dir, duo):
     for prev, linears, block, module, inp in cases:
         with torch.no_grad():
             h = awq.hessian([inp], inp.shape[-1], inp.device)
-            ours, _ = search_group(linears, [inp], [kw], block, None, h, 4, 32, False, duo=duo)
+            ours, _ = search_group(linears, [inp], awq.input_mean([inp], inp.device), [kw], block, None, h, 4, 32, False,
+                                   duo=duo)
             with cpu_snapshots_copied():
                 _, _, theirs = ref._search_best_scale(layer, prev, linears, inp, module2inspect=module, kwargs=dict(kw))
         if torch.allclose(ours, theirs.float(), rtol=1e-5):
@@ -124,8 +125,9 @@ def test_output_loss_is_the_block_loss_of_a_lone_linear(layer_and_batches):
             for alpha in (0.0, 0.3, 0.6, 0.9):
                 s = awq.candidate(x_mean, None, alpha)
                 assert output(s) == pytest.approx(block(s), rel=1e-4)
-            ours = search_group([lin], xs, kw, None, channels, h, 4, 32, False)
-            forwards = search_group([lin], xs, kw, lambda x, _: lin(x), channels, h, 4, 32, False)
+            mean = awq.input_mean(xs, "cpu")
+            ours = search_group([lin], xs, mean, kw, None, channels, h, 4, 32, False)
+            forwards = search_group([lin], xs, mean, kw, lambda x, _: lin(x), channels, h, 4, 32, False)
             assert torch.equal(ours[0], forwards[0]) and torch.equal(ours[1], forwards[1])
 
 
@@ -313,11 +315,12 @@ def test_the_mlp_is_judged_on_tokens_spread_over_all_batches(layer_and_batches):
     block = lambda x, _: seen.append(x.reshape(-1, x.shape[-1]).shape[0]) or mlp(x)  # noqa: E731
     with torch.no_grad():
         h = awq.hessian(xs, mlp.gate_proj.in_features, "cpu")
-        whole = search_group(lins, xs, kw, block, None, h, 4, 32, False, block_tokens=10**6)
-        spread = search_group(lins, xs, kw, block, None, h, 4, 32, False, block_tokens=10**6, token_wise=True)
+        mean = awq.input_mean(xs, "cpu")
+        whole = search_group(lins, xs, mean, kw, block, None, h, 4, 32, False, block_tokens=10**6)
+        spread = search_group(lins, xs, mean, kw, block, None, h, 4, 32, False, block_tokens=10**6, token_wise=True)
         assert torch.equal(whole[0], spread[0])
         seen.clear()
-        search_group(lins, xs, kw, block, None, h, 4, 32, False, block_tokens=40, token_wise=True)
+        search_group(lins, xs, mean, kw, block, None, h, 4, 32, False, block_tokens=40, token_wise=True)
     rows = [len(r) for r in awq.spread(xs, 40)]  # a forward per batch, on its share of the rows
     assert seen == rows * (len(seen) // len(rows)) and 0 < sum(rows) < sum(x[..., 0].numel() for x in xs)
 

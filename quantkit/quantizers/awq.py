@@ -10,7 +10,6 @@ linears, the ops that feed them, the blocks that judge them), called by the pipe
 """
 from __future__ import annotations
 
-import itertools
 from typing import Callable
 
 import torch
@@ -164,25 +163,25 @@ def first_batches(xs: list[torch.Tensor], tokens: int) -> list[int]:
     return [i for i in range(len(xs)) if distributed.rank() + distributed.world() * i < n]
 
 
-def search_group(linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: list[dict], block: Callable | None,
-                 channels: torch.Tensor | None, h: torch.Tensor, bits: int, group_size: int, sym: bool, *,
-                 duo: bool = False, n_grid: int = 20, block_tokens: int = 2048, token_wise: bool = False,
-                 descent: bool = False, mine: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """AWQ's scale search for linears sharing the inputs xs (one tensor per batch, Hessian h), judged by
-    block(x, kwargs)'s output (block_loss; None: output_loss) on block_tokens tokens: the first
-    batches, or with token_wise (a block that works on each token alone, the MLP) rows spread over all
-    of them; the mean |x| uses them all. descent: the block loss only descends from the candidate of
-    least output_loss (search_scale's start). channels maps each input channel to the output channel
-    of the op that feeds it (grouped-query attention), or None. Returns the op's scales and the
-    linears'. Under torchrun a search by the output loss alone needs no other process: only the one
-    given it (mine) runs it, the others get None."""
-    k, dev = linears[0].in_features, linears[0].weight.device
-    x_sum = torch.zeros(k, dtype=torch.float64, device=dev)
+def input_mean(xs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Mean |x| of each input channel over the batches xs (under torchrun, every process's)."""
+    k = xs[0].shape[-1]
+    x_sum = torch.zeros(k, dtype=torch.float64, device=device)
     for x in xs:
         x_sum += x.abs().reshape(-1, k).sum(0)
-    x_mean = (distributed.sum_(x_sum) / tokens_in(xs)).float()
-    if block is None and not mine:
-        return None
+    return (distributed.sum_(x_sum) / tokens_in(xs)).float()
+
+
+def search_group(linears: list[torch.nn.Linear], xs: list[torch.Tensor], x_mean: torch.Tensor, kwargs: list[dict],
+                 block: Callable | None, channels: torch.Tensor | None, h: torch.Tensor, bits: int, group_size: int,
+                 sym: bool, *, duo: bool = False, n_grid: int = 20, block_tokens: int = 2048, token_wise: bool = False,
+                 descent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ's scale search for linears sharing the inputs xs (one tensor per batch, mean |x| x_mean,
+    Hessian h), judged by block(x, kwargs)'s output (block_loss; None: output_loss) on block_tokens
+    tokens: the first batches, or with token_wise (a block that works on each token alone, the MLP)
+    rows spread over all of them. descent: the block loss only descends from the candidate of least
+    output_loss (search_scale's start). channels maps each input channel to the output channel of the
+    op that feeds it (grouped-query attention), or None. Returns the op's scales and the linears'."""
     w_mean = weight_mean([lin.weight for lin in linears], group_size) if duo else None
     if channels is not None:  # one scale per output channel of prev: average what shares it
         count = torch.bincount(channels).float()
@@ -289,47 +288,57 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
     linears = [[layer.get_submodule(name) for name in group] for group in GROUPS]
     hessians = [hessian(spread(inputs[group[0]], search_tokens), lins[0].in_features, lins[0].weight.device)
                 for group, lins in zip(GROUPS, linears)]
-    # under torchrun a block loss sums every process's forwards, so all run its search together; the
-    # searches by the output loss and the clipping need only the summed Hessians, so each is run by one
-    # process (distributed.owner) and its result shared
-    scales = []
-    for j, (group, lins, (prev, block, channels), h) in enumerate(zip(GROUPS, linears, feeders, hessians)):
-        found = search_group(lins, inputs[group[0]], kwargs, block, channels, h, bits, group_size, sym, duo=duo,
-                             n_grid=n_grid, block_tokens=block_tokens, token_wise=prev is layer.post_attention_layernorm,
-                             descent=loss == "descent", mine=distributed.owner(j) == distributed.rank())
-        scales.append(found if block is not None else shared(found, j, lins[0].weight.device))
-    del inputs
+    # under torchrun a block loss sums every process's forwards, so every process runs those searches
+    # together; a search by the output loss alone, and each linear's clipping, need only the summed
+    # statistics: the processes run their shares of them at once, then exchange the results
+    dev = linears[0][0].weight.device
+    means = [input_mean(inputs[group[0]], dev) for group in GROUPS]
+
+    def search(j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        prev, block, channels = feeders[j]
+        return search_group(linears[j], inputs[GROUPS[j][0]], means[j], kwargs, block, channels, hessians[j], bits,
+                            group_size, sym, duo=duo, n_grid=n_grid, block_tokens=block_tokens,
+                            token_wise=prev is layer.post_attention_layernorm, descent=loss == "descent")
+
+    alone = [j for j, (_, block, _) in enumerate(feeders) if block is None]
+    found = {j: search(j) for j in range(len(GROUPS)) if j not in alone}
+    found |= {j: search(j) for n, j in enumerate(alone) if distributed.owner(n) == distributed.rank()}
+    # every process folds the same scales, each group's from one process
+    scales = [shared(found.get(j), distributed.owner(alone.index(j)) if j in alone else 0, dev)
+              for j in range(len(GROUPS))]
+    del inputs, found
     # every scale folded after all searches and before any quantization, as the reference does: o_proj's
     # and down_proj's fold into the rows of v_proj and up_proj, which must be final when quantized
-    for lins, (prev, _, _), (s, s_full) in zip(linears, feeders, scales):
+    for lins, (prev, _, _), (s, s_full), h in zip(linears, feeders, scales, hessians):
         fold(prev, lins, s, s_full)
+        h.div_(s_full[:, None]).div_(s_full[None, :])  # the inputs are now x / s
+    names = [name for group in GROUPS for name in group]
+    flat = [(lin, h) for lins, h in zip(linears, hessians) for lin in lins]
+    mine = {}
+    for j, (name, (linear, h)) in enumerate(zip(names, flat)):
+        if distributed.owner(j) == distributed.rank():
+            bound = None if name in ("self_attn.q_proj", "self_attn.k_proj") else \
+                search_clip(linear.weight.data, h, bits, group_size)
+            mine[j] = quantize(linear.weight.data, bits, group_size, sym, bound)
     tensors = {}
-    index = itertools.count()  # of the linear in the layer
-    for group, lins, (_, s_full), h in zip(GROUPS, linears, scales, hessians):
-        h = h / s_full[:, None] / s_full[None, :]  # the inputs are now x / s
-        for name, linear in zip(group, lins):
-            qt, j = None, next(index)
-            if distributed.owner(j) == distributed.rank():
-                bound = None if name in ("self_attn.q_proj", "self_attn.k_proj") else \
-                    search_clip(linear.weight.data, h, bits, group_size)
-                qt = quantize(linear.weight.data, bits, group_size, sym, bound)
-            qt = shared(qt, j, linear.weight.device)
-            linear.weight.data.copy_(qt.dequantize())
-            tensors[f"{prefix}{name}"] = qt
+    for j, (name, (linear, _)) in enumerate(zip(names, flat)):
+        qt = shared(mine.get(j), distributed.owner(j), dev)
+        linear.weight.data.copy_(qt.dequantize())
+        tensors[f"{prefix}{name}"] = qt
     return tensors
 
 
-def shared(value: QuantizedTensor | tuple[torch.Tensor, ...] | None, j: int, device: torch.device
+def shared(value: QuantizedTensor | tuple[torch.Tensor, ...] | None, src: int, device: torch.device
            ) -> QuantizedTensor | tuple[torch.Tensor, ...]:
-    """The j-th result (a quantized linear, or a group's scales) as the process that computed it has
-    it, on device: under torchrun sent from distributed.owner(j) to the others (their value is None)."""
+    """value (a quantized linear, or a group's scales) as process src has it, on device: under torchrun
+    sent from src to the others, whose own value is dropped."""
     if distributed.world() == 1:
         return value
-    if isinstance(value, QuantizedTensor):
-        value = value.to("cpu")
-    elif value is not None:
-        value = tuple(t.cpu() for t in value)
-    value = distributed.broadcast(value, distributed.owner(j))
+    if distributed.rank() == src:
+        distributed.broadcast(value.to("cpu") if isinstance(value, QuantizedTensor) else tuple(t.cpu() for t in value),
+                              src)
+        return value
+    value = distributed.broadcast(None, src)
     return value.to(device) if isinstance(value, QuantizedTensor) else tuple(t.to(device) for t in value)
 
 
