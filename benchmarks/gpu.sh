@@ -6,13 +6,17 @@
 #   bash benchmarks/gpu.sh run [S] [STEPS]      # there, from the repo root, carry [".whl", ".gpu"]
 #
 # S: seconds for the whole run (default 480; each step's timeout is cut to what is left). STEPS: a
-# comma list of those to run (default exllama,tests,kernels); they run in this order: exllama (exllamav2, built in the background from the start, loads our EXL2
-# files of a random model of SmolLM2-135M's shapes: benchmarks/exl2_consumer.py, with its matmul
-# attention, then its SDPA one), tests (tests/test_gpu.py and the kernel tests), kernels
-# (benchmarks/kernel_bench.py), gptq7b (GPTQ of the 7b shape, stopped when its share is spent),
-# devices (benchmarks/devices.py), sweep (the tile sweep, with what is left). Each step's log goes to
-# $OUT (or .gpu/out), its exit status and end time to times.log. The GPU machine has no network:
-# what it lacks travels as wheels.
+# comma list of those to run (default exllama,tests,kernels); they run in this order:
+#   tests    tests/test_gpu.py and the kernel tests (tests.log)
+#   kernels  benchmarks/kernel_bench.py; with JIT=FILE also with that version of jit.py (kernels_jit.log)
+#   sweep    the tile sweep (SWEEP_S seconds, default 120; SWEEP_BATCHES, SWEEP_LAYOUTS)
+#   exllama  exllamav2 (its extension built in the background from the start) loads our EXL2 files of a
+#            random model of SmolLM2-135M's shapes: benchmarks/exl2_consumer.py with its matmul
+#            attention, then its SDPA one
+#   gptq7b   GPTQ of the 7b shape, stopped when its share is spent
+#   devices  benchmarks/devices.py
+# Each step's log goes to $OUT (or .gpu/out), its exit status and end time to times.log. The GPU
+# machine has no network: what it lacks travels as wheels.
 set -u
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -46,32 +50,45 @@ run)
   } > "$out/setup.log" 2>&1
   export PYTHONPATH=/tmp/site TORCH_CUDA_ARCH_LIST=9.0  # Hopper: one target keeps exllamav2's build short
   mark setup $?
-  if has exllama; then  # its extension builds on 14 cores (143 s on an H100's machine) while the GPU works
-    (MAX_JOBS=14 timeout "$(upto 400)" python3 -c "import exllamav2.ext" > "$out/exllama_build.log" 2>&1; echo $? >> "$out/exllama_build.log") &
+  if has exllama; then  # its extension builds on 10 of the 16 cores (143 s with 14) while the other steps run
+    (MAX_JOBS=10 timeout "$(upto 400)" python3 -c "import exllamav2.ext" > "$out/exllama_build.log" 2>&1; echo $? >> "$out/exllama_build.log") &
     build=$!
-    m=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import scale; print(scale.model_dir('135m'))" 2>> "$out/exllama.log" | tail -1)
-    [ -n "$m" ]; mark model $?
-    for spec in 2.5: 4.125: 6.0:8; do  # widths 3/2, 4/3, 6/5 in the linears; the last one's head at 8/6
-      b=${spec%:*}; h=${spec#*:}
-      OMP_NUM_THREADS=2 timeout "$(upto 120)" python3 -m quantkit quantize "$m" --method gptq --format exl2 --bits "$b" ${h:+--head-bits $h} \
-        --out "/tmp/exl2-$b" --calib-samples 16 --calib-data ../shared/data/wikitext-2/wiki.valid.tokens --device cuda \
-        >> "$out/exllama.log" 2>&1; mark "export-$b" $?
-    done
-    wait $build; mark exllama_build "$(tail -1 "$out/exllama_build.log")"
-    for attn in "" --sdpa; do
-      timeout "$(upto 120)" python3 benchmarks/exl2_consumer.py /tmp/exl2-2.5 /tmp/exl2-4.125 /tmp/exl2-6.0 --base "$m" $attn \
-        >> "$out/exllama.log" 2>&1; mark "exllama$attn" $?
-    done
   fi
   if has tests; then
-    timeout "$(upto 90)" python3 -m pytest -p no:cacheprovider -q -s -rfE --tb=short tests/test_gpu.py > "$out/tests_gpu.log" 2>&1
+    export OMP_NUM_THREADS=4  # CPU references beside the build (at 16 threads both test files ran past 90 s there)
+    timeout "$(upto 90)" python3 -m pytest -p no:cacheprovider -q -s -rfE --tb=short tests/test_gpu.py > "$out/tests.log" 2>&1
     mark test_gpu $?
-    timeout "$(upto 60)" python3 -m pytest -p no:cacheprovider -q -rfE --tb=line tests/test_kernels.py \
-      -k "not embedded and not packed_perplexity and not packed_bfloat16" > "$out/tests_kernels.log" 2>&1
+    timeout "$(upto 90)" python3 -m pytest -p no:cacheprovider -q -rfE --tb=line tests/test_kernels.py \
+      -k "not embedded and not packed_perplexity and not packed_bfloat16" >> "$out/tests.log" 2>&1
     mark test_kernels $?
   fi
   if has kernels; then
-    timeout "$(upto 90)" python3 benchmarks/kernel_bench.py > "$out/kernels.log" 2>&1; mark kernels $?
+    timeout "$(upto 120)" python3 benchmarks/kernel_bench.py > "$out/kernels.log" 2>&1; mark kernels $?
+    if [ -n "${JIT:-}" ]; then  # another version of jit.py, to compare in the same run
+      timeout "$(upto 120)" python3 benchmarks/kernel_bench.py --jit "$JIT" > "$out/kernels_jit.log" 2>&1; mark "kernels-$JIT" $?
+    fi
+  fi
+  if has sweep; then
+    timeout "$(upto ${SWEEP_S:-120})" python3 benchmarks/kernel_bench.py --sweep --batches "${SWEEP_BATCHES:-1,512}" \
+      --layouts "${SWEEP_LAYOUTS:-4-bit,4-bit act-order,NF4}" > "$out/sweep.log" 2>&1; mark sweep $?
+  fi
+  if has exllama; then
+    m=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import scale; print(scale.model_dir('135m'))" 2>> "$out/exllama.log" | tail -1)
+    [ -n "$m" ]; mark model $?
+    t=$(upto 150)
+    for spec in 2.5: 4.125: 6.0:8; do  # widths 3/2, 4/3, 6/5 in the linears; the last one's head at 8/6; side by side
+      b=${spec%:*}; h=${spec#*:}
+      (OMP_NUM_THREADS=2 timeout "$t" python3 -m quantkit quantize "$m" --method gptq --format exl2 --bits "$b" ${h:+--head-bits $h} \
+        --out "/tmp/exl2-$b" --calib-samples 16 --calib-data ../shared/data/wikitext-2/wiki.valid.tokens --device cuda \
+        > "$out/export-$b.log" 2>&1; mark "export-$b" $?) &
+    done
+    wait $(jobs -p | grep -vx "$build"); cat "$out"/export-*.log >> "$out/exllama.log"; rm -f "$out"/export-*.log
+    wait $build; mark exllama_build "$(tail -1 "$out/exllama_build.log")"
+    timeout "$(upto 120)" python3 benchmarks/exl2_consumer.py /tmp/exl2-2.5 /tmp/exl2-4.125 /tmp/exl2-6.0 --base "$m" \
+      >> "$out/exllama.log" 2>&1; mark exllama $?
+    # its SDPA attention on fewer windows: only to show what it changes
+    timeout "$(upto 60)" python3 benchmarks/exl2_consumer.py /tmp/exl2-4.125 --base "$m" --sdpa --windows 2 \
+      >> "$out/exllama.log" 2>&1; mark exllama--sdpa $?
   fi
   if has gptq7b; then
     timeout "$(upto 90)" python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import scale; scale.model_dir('7b')" \
@@ -84,9 +101,6 @@ run)
     t=$(($(left) - 20)); [ $t -gt 130 ] && t=130; [ $t -lt 5 ] && t=5
     timeout $t python3 benchmarks/devices.py --methods rtn,gptq --samples 32 --windows 10 > "$out/devices.log" 2>&1
     mark devices $?
-  fi
-  if has sweep; then
-    timeout "$(left)" python3 benchmarks/kernel_bench.py --sweep --batches 1,512 > "$out/sweep.log" 2>&1; mark sweep $?
   fi
   ;;
 *)

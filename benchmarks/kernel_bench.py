@@ -2,6 +2,7 @@
 
     python benchmarks/kernel_bench.py [--batches 1,16,512] [--repeats 5]
     python benchmarks/kernel_bench.py --sweep [--batches 1,512] [--layouts 4-bit,4-bit act-order,NF4]
+    python benchmarks/kernel_bench.py --jit OLD_JIT.py   # another version of the kernels
 
 On a GPU (Triton kernels, float16 activations), per shape and batch:
   - time of ours (4-bit g128 GPTQ layout in plain group order and with act-order; NF4 with double
@@ -12,10 +13,14 @@ On a GPU (Triton kernels, float16 activations), per shape and batch:
   - batch 1: achieved bandwidth of our GEMV (the bytes it must read: packed weight, scales, zeros,
     g_idx, x; and write: y) as a fraction of the device-to-device copy bandwidth measured in the
     same run (read + written bytes), and of the datasheet peak where the device is known.
-  Times: triton.testing.do_bench, median, over several weight copies in rotation so that a 8 MiB
-  weight is not served from L2. Each time includes the Python launch of the call.
---sweep: each kernel's other tiles and launch options (GEMV_TILES, GEMM_TILES), and the GPTQ codes
-read value by value, as ratios of the defaults' time in the same run (one weight, no rotation).
+  Times: triton.testing.do_bench, median, over 8 weight copies in rotation so that a 8 MiB weight is
+  not served from L2; each twice: replays of a CUDA graph of one call per copy (the kernels' own
+  time, what a decoder run under CUDA graphs sees), and calls from Python one by one (each with its
+  launch: at batch 1 mostly launch).
+--sweep: each kernel's other tiles and launch options (GEMV_TILES, GEMM_TILES), the GEMV's slices of K
+(SPLITS) at the default tile, and the GPTQ codes read value by value, as ratios of the defaults' time in the same run (graph times, copies in rotation).
+--jit FILE: another version of quantkit/kernels/jit.py in place of quantkit's (two runs in one call
+compare two versions on one machine).
 On the CPU, per shape and batch, best of --repeats: our packed layers as quantkit runs them (4-bit
 g128 in plain group order with bfloat16 activations: torch's fused int4 matmul; 4-bit g128 act-order
 and NF4 with double quantization, float32 activations: the fallback that dequantizes a slice of rows
@@ -117,10 +122,12 @@ def gpu(batches: list[int]) -> None:
     except ImportError:
         bnb = None
     names = ("ours 4-bit", "ours 4-bit act-order", "ours NF4")
+    print("Times: in a CUDA graph (the kernels alone), then (in brackets) called from Python one by one. Ratios "
+          "and bandwidths from the graph times; the last column from the other.")
     print("| shape (out x in) | batch | fp16 | " + " | ".join(names) + " | bnb NF4 | torch int4 mm (bf16) "
           "| fp16 / ours 4-bit | int4 mm / ours 4-bit | bnb / ours NF4 | GEMV bandwidth / copy (4-bit, act-order, NF4) "
-          "| / datasheet |")
-    print("|" + " --- |" * 13)
+          "| / datasheet | fp16 / ours 4-bit, called one by one |")
+    print("|" + " --- |" * 14)
     for n, k in SHAPES:
         w, act, nf, plain = layers(n, k, "cuda")
         ours = (plain, act, nf)
@@ -143,14 +150,32 @@ def gpu(batches: list[int]) -> None:
             xb = x.bfloat16()
             ref = xb.float() @ plain.dequantize(torch.float32).T
             int4_err = (int4_mm(xb, int4[0]).float() - ref).norm() / ref.norm() if int4 else 0
-            t_fp16 = timed(lambda: F.linear(x, dense[next(turn) % copies]))
-            t_ours = [timed(lambda: kernels.matmul(x, r[next(turn) % copies])) for r in rotations]
-            t_bnb = timed(lambda: bnb.matmul_4bit(x, *pair(theirs[next(turn) % copies]))) if theirs else None
-            t_int4 = timed(lambda: int4_mm(xb, int4[next(turn) % copies])) if int4 else None
-            cells = [f"{t * 1e6:.1f} us" for t in (t_fp16, *t_ours)]
-            cells += [f"{t_bnb * 1e6:.1f} us" if t_bnb else "-",
-                      f"{t_int4 * 1e6:.1f} us" + (f" (error {int4_err:.1e})" if int4_err > 1e-2 else "") if int4 else "-",
-                      f"{t_fp16 / t_ours[0]:.2f}", f"{t_int4 / t_ours[0]:.2f}" if int4 else "-",
+            calls = {"fp16": [lambda d=d: F.linear(x, d) for d in dense]}
+            calls |= {name: [lambda r=r: kernels.matmul(x, r) for r in rot] for name, rot in zip(names, rotations)}
+            if theirs:
+                calls["bnb"] = [lambda q=q: bnb.matmul_4bit(x, *pair(q)) for q in theirs]
+            if int4:
+                calls["int4"] = [lambda o=o: int4_mm(xb, o) for o in int4]
+            eager = {key: timed(lambda c=c: c[next(turn) % copies]()) for key, c in calls.items()}
+            graph = {}
+            for key, c in calls.items():
+                try:
+                    graph[key] = graphed(c)
+                except RuntimeError as e:  # a library call that cannot be captured: its eager time alone
+                    print(f"{key}: no CUDA graph ({str(e).splitlines()[0]})", flush=True)
+                    graph[key] = None
+
+            def cell(key: str) -> str:
+                if key not in eager:
+                    return "-"
+                g = f"{graph[key] * 1e6:.1f}" if graph[key] else "-"
+                return f"{g} ({eager[key] * 1e6:.1f}) us"
+
+            t_fp16, t_bnb, t_int4 = graph["fp16"], graph.get("bnb"), graph.get("int4")
+            t_ours = [graph[name] for name in names]
+            cells = [cell(key) for key in ("fp16", *names, "bnb")]
+            cells += [cell("int4") + (f" (error {int4_err:.1e})" if int4_err > 1e-2 else ""),
+                      f"{t_fp16 / t_ours[0]:.2f}", f"{t_int4 / t_ours[0]:.2f}" if t_int4 else "-",
                       f"{t_bnb / t_ours[2]:.2f}" if t_bnb else "-"]
             if b == 1:  # bytes the GEMV must move: its weight buffers, x in, y out
                 moved = [sum(t.numel() * t.element_size() for t in layer.buffers()) + 2 * (k + n) for layer in ours]
@@ -159,14 +184,17 @@ def gpu(batches: list[int]) -> None:
                           ", ".join(f"{v / sheet:.2f}" for v in tbps) if sheet else "-"]
             else:
                 cells += ["", ""]
+            cells.append(f"{eager['fp16'] / eager[names[0]]:.2f}")
             print(f"| {n}x{k} | {b} | " + " | ".join(cells) + " |", flush=True)
 
 
 GEMV_TILES = [((64, 64), {}), ((32, 128), {}), ((64, 128), {}), ((128, 64), {}), ((128, 128), {"num_warps": 8}),
-              ((32, 64), {"num_warps": 2}), ((16, 128), {"num_warps": 2}), ((128, 32), {}), ((256, 64), {"num_warps": 8})]
+              ((32, 64), {"num_warps": 2}), ((16, 128), {"num_warps": 2}), ((128, 32), {}), ((256, 64), {"num_warps": 8}),
+              ((16, 128), {}), ((32, 128), {"num_warps": 2}), ((16, 128), {"num_warps": 1}), ((8, 128), {"num_warps": 1})]
 GEMM_TILES = [(64, (64, 32), {}), (64, (128, 32), {}), (128, (128, 32), {"num_warps": 8}), (64, (64, 64), {}),
               (128, (64, 32), {"num_stages": 4}), (128, (128, 64), {"num_warps": 8}), (64, (128, 64), {}),
               (128, (256, 32), {"num_warps": 8}), (128, (64, 64), {"num_stages": 4}), (128, (128, 32), {"num_stages": 4})]
+SPLITS = (1, 4, 8, 16, 32, 64)  # the GEMV's slices of K (kernels.split_for chooses them by the device)
 LAYOUTS = ("4-bit", "4-bit act-order", "NF4")
 
 
@@ -174,6 +202,8 @@ def sweep(batches: list[int], layouts: list[str]) -> None:
     """The defaults (the first row of each), then each tile of GEMV_TILES (batch 1) or GEMM_TILES (larger
     batches) on each shape and layout, as a ratio of the defaults' time; GPTQ layouts also with the codes
     read value by value (kernels.WORDS off) at the default tiles."""
+    import copy
+
     from quantkit import kernels
 
     defaults = dict(kernels.GEMV_TILE), dict(kernels.GEMM_TILE), kernels.GEMM_ROWS, dict(kernels.LAUNCH), kernels.WORDS
@@ -185,12 +215,15 @@ def sweep(batches: list[int], layouts: list[str]) -> None:
             for label, layer in zip(LAYOUTS, (plain, act, nf)):
                 if label not in layouts:
                     continue
+                copies = [copy.deepcopy(layer) for _ in range(8)]  # in rotation, more bytes than L2 holds
                 for b in batches:
                     x = torch.randn(b, k, dtype=torch.float16, device="cuda")
                     ref = x.float() @ layer.dequantize(torch.float16).float().T
                     gemv = b <= kernels.GEMV_ROWS
                     tiles = [(1, *t) for t in GEMV_TILES] if gemv else GEMM_TILES
                     configs = [("defaults", None)] + ([("codes value by value", "words")] if label != "NF4" else [])
+                    if gemv:
+                        configs += [(f"defaults, K in {split} slices", split) for split in SPLITS]
                     configs += [(f"{rows}, {tile[0]}, {tile[1]}; {launch or 'defaults'}", (rows, tile, launch))
                                 for rows, tile, launch in tiles]
                     first = None
@@ -208,8 +241,9 @@ def sweep(batches: list[int], layouts: list[str]) -> None:
                                 kernels.GEMM_TILE = dict.fromkeys(defaults[1], tile)
                                 kernels.GEMM_ROWS, kernels.LAUNCH["gemm"] = rows, launch
                         try:
-                            err = (kernels.matmul(x, layer).float() - ref).norm() / ref.norm()
-                            t = timed(lambda: kernels.matmul(x, layer), rep=50) if err < 1e-2 else None
+                            split = config if isinstance(config, int) else None
+                            err = (kernels.matmul(x, layer, split).float() - ref).norm() / ref.norm()
+                            t = graphed([lambda c=c: kernels.matmul(x, c, split) for c in copies], rep=50) if err < 1e-2 else None
                         except Exception as e:  # a tile the compiler refuses (shared memory): say so, go on
                             t, err = None, f"{type(e).__name__}"
                         if name == "defaults":
@@ -243,6 +277,24 @@ def pair(quantized):
     return packed.t(), state
 
 
+def graphed(calls: list, rep: int = 200) -> float:
+    """Seconds per call, from replays of one CUDA graph that makes the calls in turn (weights in
+    rotation): the kernels' own time, without the Python launches between them."""
+    from triton.testing import do_bench
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiled and allocated before capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return do_bench(graph.replay, warmup=25, rep=rep, return_mode="median") / 1e3 / len(calls)
+
+
 def timed(fn, rep: int = 200) -> float:
     from triton.testing import do_bench
 
@@ -255,7 +307,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="GPU: time the kernels' other tiles instead")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="--sweep: which layouts")
+    p.add_argument("--jit", help="GPU: a file to use in place of quantkit/kernels/jit.py")
     a = p.parse_args()
+    if a.jit:
+        import importlib.util
+
+        from quantkit import kernels
+
+        spec = importlib.util.spec_from_file_location("jit_other", a.jit)
+        other = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(other)
+        kernels._jit = lambda: other
     batches = [int(b) for b in a.batches.split(",")]
     print(" ".join(sys.argv), flush=True)
     if torch.cuda.is_available():

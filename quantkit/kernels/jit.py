@@ -26,6 +26,19 @@ def _stream(ptr, i, base, step, BITS: tl.constexpr, mask):
 
 
 @triton.jit
+def _float(q):
+    """A code (0 <= q < 2^23) as float32 2^23 + q, by its bits: two of these subtract exactly, and
+    no int-to-float conversion (a slow instruction on GPUs) is needed."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _half(q):
+    """A code (0 <= q < 1024) as float16 1024 + q, by its bits, as _float does in float32."""
+    return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _words(ptr, k0, n, K, N, BITS: tl.constexpr, BK: tl.constexpr):
     """The GPTQ codes of columns k0..k0+BK for outputs n [1, BN] as a [BK, BN] tile, BITS dividing 32:
     each int32 word is loaded once and split by shifts (_stream loads it once per value)."""
@@ -61,7 +74,7 @@ def _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k, n, K, N, mask, k0,
             gmask = mask
         z = (_stream(w1, n, g * i0, 1, BITS, gmask) + i1) & ((1 << BITS) - 1)
         s = tl.load(w2 + g * N + n, mask=gmask, other=0.0).to(tl.float32)
-        w = s * (q - z).to(tl.float32)
+        w = s * (_float(q) - _float(z))
     else:
         i = n * K + k
         byte = tl.load(w0 + i // 2, mask=mask, other=0).to(tl.int32)
@@ -110,20 +123,56 @@ def gemv_kernel(x, y, w0, w1, w2, w3, w4, fparam, i0, i1, N, K, K_SPLIT,
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     start = tl.program_id(1) * K_SPLIT
     row = tl.program_id(2)
-    acc = tl.zeros((BN,), dtype=tl.float32)
-    for step in range(0, K_SPLIT, BK):
-        k0 = start + step
-        k = k0 + tl.arange(0, BK)
-        xk = tl.load(x + row * K + k, mask=k < K, other=0.0)
-        mask = (k[:, None] < K) & (n[None, :] < N)
-        w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k[:, None], n[None, :], K, N, mask, k0,
-                    FMT, BITS, NESTED, GROUP, BK, WORDS)
-        # W rounded to x's dtype first, as x @ dequantize(W, x.dtype)^T would see it
-        acc += tl.sum(xk.to(tl.float32)[:, None] * _round(w, xk.dtype).to(tl.float32), axis=0)
+    if FMT == 0 and WORDS and GROUP > 0:
+        acc = _gemv_words(x + row * K, w0, w1, w2, i0, i1, n, start, K_SPLIT, K, N, BITS, GROUP, BN, BK)
+    else:
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        for step in range(0, K_SPLIT, BK):
+            k0 = start + step
+            k = k0 + tl.arange(0, BK)
+            xk = tl.load(x + row * K + k, mask=k < K, other=0.0)
+            mask = (k[:, None] < K) & (n[None, :] < N)
+            w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k[:, None], n[None, :], K, N, mask, k0,
+                        FMT, BITS, NESTED, GROUP, BK, WORDS)
+            # W rounded to x's dtype first, as x @ dequantize(W, x.dtype)^T would see it
+            acc += tl.sum(xk.to(tl.float32)[:, None] * _round(w, xk.dtype).to(tl.float32), axis=0)
     if ATOMIC:
         tl.atomic_add(y + row * N + n, acc, mask=n < N)
     else:
         tl.store(y + row * N + n, _round(acc, y.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
+def _gemv_words(x, w0, w1, w2, i0, i1, n, start, K_SPLIT, K, N, BITS: tl.constexpr, GROUP: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr):
+    """The GEMV's sum over one slice for GPTQ codes in whole words, each tile in one group: the tile
+    of words is taken apart one value position at a time (a [BK / PER, BN] slice of W each, no
+    reshape), products gather in a [BK / PER, BN] float32 sum reduced once at the end, and scales
+    and zeros are read once per tile. Same W, rounded to x's dtype, as _weight gives."""
+    PER: tl.constexpr = 32 // BITS
+    HALF: tl.constexpr = (x.dtype.element_ty == tl.float16) & (w2.dtype.element_ty == tl.float16)  # x and scales
+    acc = tl.zeros((BK // PER, BN), dtype=tl.float32)
+    for step in range(0, K_SPLIT, BK):
+        k0 = start + step
+        r = k0 // PER + tl.arange(0, BK // PER)  # word rows; K is whole words
+        words = tl.load(w0 + r[:, None] * N + n[None, :], mask=(r[:, None] * PER < K) & (n[None, :] < N), other=0)
+        g = tl.minimum(k0, K - 1) // GROUP
+        zq = (_stream(w1, n, g * i0, 1, BITS, n < N) + i1) & ((1 << BITS) - 1)
+        if HALF:
+            z16 = _half(zq)
+            s16 = tl.load(w2 + g * N + n, mask=n < N, other=0.0).to(tl.float16)
+        else:
+            zf = _float(zq)
+            s = tl.load(w2 + g * N + n, mask=n < N, other=0.0).to(tl.float32)
+        for j in tl.static_range(PER):
+            q = (words >> (j * BITS)) & ((1 << BITS) - 1)
+            xk = tl.load(x + r * PER + j, mask=r * PER < K, other=0.0)  # one predicate per word row
+            if HALF:  # (1024 + q) - (1024 + z) is exact in float16, its product with s rounds once: W in float16
+                w = ((_half(q) - z16[None, :]) * s16[None, :]).to(tl.float32)
+            else:
+                w = _round(s[None, :] * (_float(q) - zf[None, :]), xk.dtype).to(tl.float32)
+            acc += xk.to(tl.float32)[:, None] * w
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit
