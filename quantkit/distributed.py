@@ -112,3 +112,20 @@ def broadcast(obj: T, src: int) -> T:
     with collective("sharing quantized linears and scales"):
         dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def shared(value, src: int, device: str | torch.device):
+    """value (a quantized tensor, a tuple of tensors, or None) as process src has it, on device: under
+    torchrun sent from src to the others through the CPU, and their own value dropped."""
+    if world() > 1:
+        if rank() == src:
+            broadcast(_moved(value, "cpu"), src)
+        else:
+            value = broadcast(None, src)
+    return _moved(value, device)
+
+
+def _moved(value, device: str | torch.device):
+    if value is None:
+        return None
+    return tuple(t.to(device) for t in value) if isinstance(value, tuple) else value.to(device)

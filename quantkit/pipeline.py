@@ -319,8 +319,7 @@ def quantize_layer(i: int, layer: torch.nn.Module, quantize: QuantizeFn, batches
         mine = {name: quantize(f"model.layers.{i}.{name}", layer.get_submodule(name).weight.data, hessians.get(name))
                 for j, name in enumerate(names) if distributed.owner(j) == distributed.rank()}
         for j, name in enumerate(names):  # under torchrun, each linear from the process that quantized it
-            qt = distributed.broadcast(mine[name].to("cpu") if mine.get(name) is not None else None,
-                                       distributed.owner(j))
+            qt = distributed.shared(mine.get(name), distributed.owner(j), "cpu")
             if qt is None:  # left in float (a rule skips it)
                 continue
             if update or batches is not None:

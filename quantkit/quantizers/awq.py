@@ -304,7 +304,7 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
     found = {j: search(j) for j in range(len(GROUPS)) if j not in alone}
     found |= {j: search(j) for n, j in enumerate(alone) if distributed.owner(n) == distributed.rank()}
     # every process folds the same scales, each group's from one process
-    scales = [shared(found.get(j), distributed.owner(alone.index(j)) if j in alone else 0, dev)
+    scales = [distributed.shared(found.get(j), distributed.owner(alone.index(j)) if j in alone else 0, dev)
               for j in range(len(GROUPS))]
     del inputs, found
     # every scale folded after all searches and before any quantization, as the reference does: o_proj's
@@ -322,24 +322,10 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
             mine[j] = quantize(linear.weight.data, bits, group_size, sym, bound)
     tensors = {}
     for j, (name, (linear, _)) in enumerate(zip(names, flat)):
-        qt = shared(mine.get(j), distributed.owner(j), dev)
+        qt = distributed.shared(mine.get(j), distributed.owner(j), dev)
         linear.weight.data.copy_(qt.dequantize())
         tensors[f"{prefix}{name}"] = qt
     return tensors
-
-
-def shared(value: QuantizedTensor | tuple[torch.Tensor, ...] | None, src: int, device: torch.device
-           ) -> QuantizedTensor | tuple[torch.Tensor, ...]:
-    """value (a quantized linear, or a group's scales) as process src has it, on device: under torchrun
-    sent from src to the others, whose own value is dropped."""
-    if distributed.world() == 1:
-        return value
-    if distributed.rank() == src:
-        distributed.broadcast(value.to("cpu") if isinstance(value, QuantizedTensor) else tuple(t.cpu() for t in value),
-                              src)
-        return value
-    value = distributed.broadcast(None, src)
-    return value.to(device) if isinstance(value, QuantizedTensor) else tuple(t.to(device) for t in value)
 
 
 def hasattr_path(module: torch.nn.Module, path: str) -> bool:
