@@ -12,7 +12,7 @@
 #   sweep    the tile sweep (SWEEP_S seconds, default 120; SWEEP_BATCHES, SWEEP_LAYOUTS)
 #   exllama  exllamav2 (its extension built in the background from the start) loads our EXL2 files of a
 #            random model of SmolLM2-135M's shapes: benchmarks/exl2_consumer.py with its matmul
-#            attention, then its SDPA one
+#            attention, then its SDPA one on one file and 2 windows
 #   gptq7b   GPTQ of the 7b shape, stopped when its share is spent
 #   devices  benchmarks/devices.py
 # Each step's log goes to $OUT (or .gpu/out), its exit status and end time to times.log. The GPU
@@ -55,14 +55,17 @@ run)
     build=$!
   fi
   if has tests; then
-    export OMP_NUM_THREADS=4  # CPU references beside the build (at 16 threads both test files ran past 90 s there)
-    timeout "$(upto 90)" python3 -m pytest -p no:cacheprovider -q -s -rfE --tb=short tests/test_gpu.py > "$out/tests.log" 2>&1
+    # CPU references beside the build: 4 threads (at 16, both test files ran past 90 s there)
+    OMP_NUM_THREADS=4 timeout "$(upto 90)" python3 -m pytest -p no:cacheprovider -q -s -rfE --tb=short tests/test_gpu.py > "$out/tests.log" 2>&1
     mark test_gpu $?
-    timeout "$(upto 90)" python3 -m pytest -p no:cacheprovider -q -rfE --tb=line tests/test_kernels.py \
+    OMP_NUM_THREADS=4 timeout "$(upto 90)" python3 -m pytest -p no:cacheprovider -q -rfE --tb=line tests/test_kernels.py \
       -k "not embedded and not packed_perplexity and not packed_bfloat16" >> "$out/tests.log" 2>&1
     mark test_kernels $?
   fi
   if has kernels; then
+    if [ -n "${build:-}" ] && kill -0 "$build" 2> /dev/null; then  # its cores are busy: eager times suffer
+      echo "exllamav2's build still running at $(($(date +%s) - t0)) s" | tee -a "$out/times.log"
+    fi
     timeout "$(upto 120)" python3 benchmarks/kernel_bench.py > "$out/kernels.log" 2>&1; mark kernels $?
     if [ -n "${JIT:-}" ]; then  # another version of jit.py, to compare in the same run
       timeout "$(upto 120)" python3 benchmarks/kernel_bench.py --jit "$JIT" > "$out/kernels_jit.log" 2>&1; mark "kernels-$JIT" $?

@@ -175,16 +175,15 @@ def gpu(batches: list[int]) -> None:
             t_ours = [graph[name] for name in names]
             cells = [cell(key) for key in ("fp16", *names, "bnb")]
             cells += [cell("int4") + (f" (error {int4_err:.1e})" if int4_err > 1e-2 else ""),
-                      f"{t_fp16 / t_ours[0]:.2f}", f"{t_int4 / t_ours[0]:.2f}" if t_int4 else "-",
-                      f"{t_bnb / t_ours[2]:.2f}" if t_bnb else "-"]
+                      ratio(t_fp16, t_ours[0]), ratio(t_int4, t_ours[0]), ratio(t_bnb, t_ours[2])]
             if b == 1:  # bytes the GEMV must move: its weight buffers, x in, y out
                 moved = [sum(t.numel() * t.element_size() for t in layer.buffers()) + 2 * (k + n) for layer in ours]
-                tbps = [m / t / 1e12 for m, t in zip(moved, t_ours)]
-                cells += [", ".join(f"{v / copy_tbps:.2f}" for v in tbps),
-                          ", ".join(f"{v / sheet:.2f}" for v in tbps) if sheet else "-"]
+                tbps = [m / t / 1e12 if t else None for m, t in zip(moved, t_ours)]
+                cells += [", ".join(ratio(v, copy_tbps) for v in tbps),
+                          ", ".join(ratio(v, sheet) for v in tbps) if sheet else "-"]
             else:
                 cells += ["", ""]
-            cells.append(f"{eager['fp16'] / eager[names[0]]:.2f}")
+            cells.append(ratio(eager["fp16"], eager[names[0]]))
             print(f"| {n}x{k} | {b} | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -222,8 +221,10 @@ def sweep(batches: list[int], layouts: list[str]) -> None:
                     gemv = b <= kernels.GEMV_ROWS
                     tiles = [(1, *t) for t in GEMV_TILES] if gemv else GEMM_TILES
                     configs = [("defaults", None)] + ([("codes value by value", "words")] if label != "NF4" else [])
-                    if gemv:
-                        configs += [(f"defaults, K in {split} slices", split) for split in SPLITS]
+                    if gemv:  # matmul rounds a slice to whole tiles: the label says how many it made
+                        bk = kernels.tile(layer, b)[1]
+                        configs += [(f"defaults, K in {kernels.cdiv(k, kernels.cdiv(kernels.cdiv(k, split), bk) * bk)} "
+                                     "slices", split) for split in SPLITS]
                     configs += [(f"{rows}, {tile[0]}, {tile[1]}; {launch or 'defaults'}", (rows, tile, launch))
                                 for rows, tile, launch in tiles]
                     first = None
@@ -275,6 +276,10 @@ def pair(quantized):
     """bitsandbytes' (packed, state) as matmul_4bit takes them: the packed weight transposed."""
     packed, state = quantized
     return packed.t(), state
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
 
 
 def graphed(calls: list, rep: int = 200) -> float:

@@ -3,7 +3,8 @@ its share of the calibration batches, the Hessians are summed across processes, 
 of a layer's linears and sends the results to the others (AWQ: the scale searches judged by block
 losses run on every process together, its other searches and clippings are shared out like the
 linears), and rank 0 writes the output. gloo on
-CPUs, NCCL on GPUs. In a single process every function here does nothing."""
+CPUs, NCCL on GPUs. In a single process every function here does nothing (shared only moves its value
+to the device asked for)."""
 from __future__ import annotations
 
 import os
@@ -118,10 +119,12 @@ def shared(value, src: int, device: str | torch.device):
     """value (a quantized tensor, a tuple of tensors, or None) as process src has it, on device: under
     torchrun sent from src to the others through the CPU, and their own value dropped."""
     if world() > 1:
-        if rank() == src:
-            broadcast(_moved(value, "cpu"), src)
-        else:
-            value = broadcast(None, src)
+        if rank() != src:
+            return _moved(broadcast(None, src), device)
+        sent = _moved(value, "cpu")
+        broadcast(sent, src)
+        if torch.device(device).type == "cpu":
+            return sent
     return _moved(value, device)
 
 

@@ -81,9 +81,12 @@ def test_gptq_groups_whole_tiles(bits, group_size):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 2, 70])
-def test_matmul_dtypes_and_split(dtype, rows):
-    """Every activation dtype; K split across programs (atomic float32 sums); 70 rows: two GEMM tiles."""
-    qt = grid(4, 64, True, seed=3, n=136, k=416)
+@pytest.mark.parametrize("act_order", [True, False])
+def test_matmul_dtypes_and_split(dtype, rows, act_order):
+    """Every activation dtype; K split across programs (atomic float32 sums); 70 rows: two GEMM tiles.
+    In plain order the GEMV takes its own path (jit._gemv_words): float16 arithmetic for float16
+    activations, float32 for the others."""
+    qt = grid(4, 64, act_order, seed=3, n=136, k=416)
     layer = GPTQLinear.from_tensor(qt).to(DEVICE)
     x = torch.randn(rows, 416, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)
     w = qt.dequantize(dtype).to(DEVICE)
