@@ -51,7 +51,7 @@ finished layer, goes on from there."""
 
 class Hessian:
     """Running H = 2 X^T X / n of one linear's inputs: float32 products, float64 sums. H is symmetric,
-    so only its blocks of rows from the diagonal on are summed (half the memory and the products);
+    so only its blocks of rows from the diagonal on are summed (about half the memory and the products);
     the blocks also keep any product, and the float32 result, from needing a K x K matrix beside
     them (down_proj of a 7B model: 11008^2 values, 0.9 GiB in float64, 0.45 GiB as kept here). The
     first matrix() drops the sums (linears sharing an input share the float32 matrix)."""

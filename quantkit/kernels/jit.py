@@ -26,6 +26,13 @@ def _stream(ptr, i, base, step, BITS: tl.constexpr, mask):
 
 
 @triton.jit
+def _zero_scale(w1, w2, g, n, i0, i1, N, BITS: tl.constexpr, mask):
+    """GPTQ group g's zero code (stored plus i1, in BITS bits) and scale, for outputs n."""
+    z = (_stream(w1, n, g * i0, 1, BITS, mask) + i1) & ((1 << BITS) - 1)
+    return z, tl.load(w2 + g * N + n, mask=mask, other=0.0)
+
+
+@triton.jit
 def _float(q):
     """A code (0 <= q < 2^23) as float32 2^23 + q, by its bits: two of these subtract exactly, and
     no int-to-float conversion (a slow instruction on GPUs) is needed."""
@@ -72,9 +79,8 @@ def _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k, n, K, N, mask, k0,
         else:
             g = tl.load(w3 + k, mask=mask, other=0)
             gmask = mask
-        z = (_stream(w1, n, g * i0, 1, BITS, gmask) + i1) & ((1 << BITS) - 1)
-        s = tl.load(w2 + g * N + n, mask=gmask, other=0.0).to(tl.float32)
-        w = s * (_float(q) - _float(z))
+        z, s = _zero_scale(w1, w2, g, n, i0, i1, N, BITS, gmask)
+        w = s.to(tl.float32) * (_float(q) - _float(z))
     else:
         i = n * K + k
         byte = tl.load(w0 + i // 2, mask=mask, other=0).to(tl.int32)
@@ -157,20 +163,18 @@ def _gemv_words(x, w0, w1, w2, i0, i1, n, start, K_SPLIT, K, N, BITS: tl.constex
         r = k0 // PER + tl.arange(0, BK // PER)  # word rows; K is whole words
         words = tl.load(w0 + r[:, None] * N + n[None, :], mask=(r[:, None] * PER < K) & (n[None, :] < N), other=0)
         g = tl.minimum(k0, K - 1) // GROUP
-        zq = (_stream(w1, n, g * i0, 1, BITS, n < N) + i1) & ((1 << BITS) - 1)
+        zq, s = _zero_scale(w1, w2, g, n, i0, i1, N, BITS, n < N)
         if HALF:
-            z16 = _half(zq)
-            s16 = tl.load(w2 + g * N + n, mask=n < N, other=0.0).to(tl.float16)
+            z16, s16 = _half(zq), s.to(tl.float16)
         else:
-            zf = _float(zq)
-            s = tl.load(w2 + g * N + n, mask=n < N, other=0.0).to(tl.float32)
+            zf, sf = _float(zq), s.to(tl.float32)
         for j in tl.static_range(PER):
             q = (words >> (j * BITS)) & ((1 << BITS) - 1)
             xk = tl.load(x + r * PER + j, mask=r * PER < K, other=0.0)  # one predicate per word row
             if HALF:  # (1024 + q) - (1024 + z) is exact in float16, its product with s rounds once: W in float16
                 w = ((_half(q) - z16[None, :]) * s16[None, :]).to(tl.float32)
             else:
-                w = _round(s[None, :] * (_float(q) - zf[None, :]), xk.dtype).to(tl.float32)
+                w = _round(sf[None, :] * (_float(q) - zf[None, :]), xk.dtype).to(tl.float32)
             acc += xk.to(tl.float32)[:, None] * w
     return tl.sum(acc, axis=0)
 
