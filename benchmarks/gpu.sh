@@ -7,8 +7,8 @@
 #
 # S: seconds for the whole run (default 480; each step's timeout is cut to what is left). STEPS: a
 # comma list of those to run (default exllama,tests,kernels); they run in this order:
-#   tests    tests/test_gpu.py and the kernel tests (tests.log)
-#   kernels  benchmarks/kernel_bench.py; with JIT=FILE also with that version of jit.py (kernels_jit.log)
+#   tests    the kernel tests, then tests/test_gpu.py (GPU_TESTS_S seconds, default 90) (tests.log)
+#   kernels  benchmarks/kernel_bench.py; with KERNELS=DIR also with that version of quantkit/kernels/ (kernels_other.log)
 #   sweep    the tile sweep (SWEEP_S seconds, default 120; SWEEP_BATCHES, SWEEP_LAYOUTS)
 #   exllama  exllamav2 (its extension built in the background from the start) loads our EXL2 files of a
 #            random model of SmolLM2-135M's shapes: benchmarks/exl2_consumer.py with its matmul
@@ -56,19 +56,21 @@ run)
   fi
   if has tests; then
     # CPU references beside the build: 4 threads (at 16, both test files ran past 90 s there)
-    OMP_NUM_THREADS=4 timeout "$(upto 90)" python3 -m pytest -p no:cacheprovider -q -s -rfE --tb=short tests/test_gpu.py > "$out/tests.log" 2>&1
-    mark test_gpu $?
-    OMP_NUM_THREADS=4 timeout "$(upto 90)" python3 -m pytest -p no:cacheprovider -q -rfE --tb=line tests/test_kernels.py \
-      -k "not embedded and not packed_perplexity and not packed_bfloat16" >> "$out/tests.log" 2>&1
+    OMP_NUM_THREADS=4 timeout "$(upto 90)" python3 -m pytest -p no:cacheprovider -q -rfE --tb=short tests/test_kernels.py \
+      -k "not embedded and not packed_perplexity and not packed_bfloat16" > "$out/tests.log" 2>&1
     mark test_kernels $?
+    OMP_NUM_THREADS=4 timeout "$(upto ${GPU_TESTS_S:-90})" python3 -m pytest -p no:cacheprovider -q -s -rfE --tb=short tests/test_gpu.py \
+      >> "$out/tests.log" 2>&1
+    mark test_gpu $?
   fi
   if has kernels; then
     if [ -n "${build:-}" ] && kill -0 "$build" 2> /dev/null; then  # its cores are busy: eager times suffer
       echo "exllamav2's build still running at $(($(date +%s) - t0)) s" | tee -a "$out/times.log"
     fi
     timeout "$(upto 120)" python3 benchmarks/kernel_bench.py > "$out/kernels.log" 2>&1; mark kernels $?
-    if [ -n "${JIT:-}" ]; then  # another version of jit.py, to compare in the same run
-      timeout "$(upto 120)" python3 benchmarks/kernel_bench.py --jit "$JIT" > "$out/kernels_jit.log" 2>&1; mark "kernels-$JIT" $?
+    if [ -n "${KERNELS:-}" ]; then  # another version of the kernels, to compare in the same run
+      timeout "$(upto 120)" python3 benchmarks/kernel_bench.py --kernels "$KERNELS" > "$out/kernels_other.log" 2>&1
+      mark "kernels-$KERNELS" $?
     fi
   fi
   if has sweep; then

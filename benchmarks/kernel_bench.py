@@ -2,11 +2,12 @@
 
     python benchmarks/kernel_bench.py [--batches 1,16,512] [--repeats 5]
     python benchmarks/kernel_bench.py --sweep [--batches 1,512] [--layouts 4-bit,4-bit act-order,NF4]
-    python benchmarks/kernel_bench.py --jit OLD_JIT.py   # another version of the kernels
+    python benchmarks/kernel_bench.py --kernels DIR      # another version of quantkit/kernels/
+    python benchmarks/kernel_bench.py --rows 1,16,64,128,512   # CPU: fused int4 against the fallback by rows
 
 On a GPU (Triton kernels, float16 activations), per shape and batch:
-  - time of ours (4-bit g128 GPTQ layout in plain group order and with act-order; NF4 with double
-    quantization), torch's float16 matmul on the dense weight (the anchor), bitsandbytes' NF4 matmul
+  - time of ours (4-bit g128 GPTQ layout in plain group order and with act-order, which the layer
+    runs as its twin in group order with x's columns reordered; NF4 with double quantization), torch's float16 matmul on the dense weight (the anchor), bitsandbytes' NF4 matmul
     (bnb.matmul_4bit) where it runs, and torch's int4 matmul (_weight_int4pack_mm, bfloat16) on the
     same 4-bit weights;
   - speedups: fp16 / ours 4-bit, int4 mm / ours 4-bit, bnb / ours NF4;
@@ -17,15 +18,17 @@ On a GPU (Triton kernels, float16 activations), per shape and batch:
   not served from L2; each twice: replays of a CUDA graph of one call per copy (the kernels' own
   time, what a decoder run under CUDA graphs sees), and calls from Python one by one (each with its
   launch: at batch 1 mostly launch).
---sweep: each kernel's other tiles and launch options (GEMV_TILES, GEMM_TILES), the GEMV's slices of K
+--sweep: each kernel's other tiles and launch options (GEMV_TILES, GEMM_TILES), the slices of K
 (SPLITS) at the default tile, and the GPTQ codes read value by value, as ratios of the defaults' time in the same run (graph times, copies in rotation).
---jit FILE: another version of quantkit/kernels/jit.py in place of quantkit's (two runs in one call
-compare two versions on one machine).
+--kernels DIR: another version of the package quantkit/kernels/ (its __init__.py and jit.py) in place
+of quantkit's (two runs in one call compare two versions on one machine).
 On the CPU, per shape and batch, best of --repeats: our packed layers as quantkit runs them (4-bit
-g128 in plain group order with bfloat16 activations: torch's fused int4 matmul; 4-bit g128 act-order
-and NF4 with double quantization, float32 activations: the fallback that dequantizes a slice of rows
-at a time), against the anchor, a dense float32 matmul of the same shape, against a dense bfloat16
-one, and against dequantizing the whole weight then one matmul in the same dtype as ours.
+g128 in plain group order, and in act-order with x's columns taken in group order, with bfloat16
+activations: torch's fused int4 matmul up to qlinear.FUSED_ROWS rows, the fallback beyond; 4-bit
+g128 act-order and NF4 with double quantization, float32 activations: the fallback that dequantizes
+a slice of rows at a time), against the anchor, a dense float32 matmul of the same shape, against a
+dense bfloat16 one, and against dequantizing the whole weight then one matmul in the same dtype as ours.
+--rows: the fused int4 path against the fallback in bfloat16, by rows of input.
 """
 from __future__ import annotations
 
@@ -62,7 +65,8 @@ def cpu(batches: list[int], repeats: int) -> None:
     for n, k in SHAPES:
         w, act, nf, plain = layers(n, k, "cpu")
         wb = w.bfloat16()
-        for layer, label, dtype in ((plain, "4-bit g128 (fused int4, bf16)", torch.bfloat16),
+        for layer, label, dtype in ((plain, "4-bit g128 (bf16)", torch.bfloat16),
+                                    (act, "4-bit g128 act-order (x in group order; bf16)", torch.bfloat16),
                                     (act, "4-bit g128 act-order (slices, f32)", torch.float32),
                                     (nf, "NF4 dq (slices, f32)", torch.float32)):
             for b in batches:
@@ -89,6 +93,29 @@ def cpu(batches: list[int], repeats: int) -> None:
                 print(f"| {n}x{k} | {b} | {label} | {t[ours] * 1e3:.2f} ms | {t[dense] * 1e3:.2f} ms | "
                       f"{t[ours] / t[dense]:.2f} | {t[dense_bf16] * 1e3:.2f} ms | {t[ours] / t[dense_bf16]:.2f} | "
                       f"{t[baseline] * 1e3:.2f} ms | {t[ours] / t[baseline]:.2f} |", flush=True)
+
+
+def crossover(rows: list[int], repeats: int) -> None:
+    """CPU, bfloat16: the fused int4 matmul against the fallback (dequantize a slice of rows at a time,
+    multiply in bfloat16) by rows of input, for qlinear.FUSED_ROWS."""
+    from quantkit import qlinear
+
+    print(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print("| shape (out x in) | rows | fused int4 | fallback | fused / fallback |")
+    print("| --- | --- | --- | --- | --- |")
+    limit, qlinear.FUSED_ROWS = qlinear.FUSED_ROWS, 1 << 30  # the fused path at every row count
+    for n, k in SHAPES[:2]:
+        plain = layers(n, k, "cpu")[3]
+        for r in rows:
+            x = torch.randn(r, k).bfloat16()
+            with torch.no_grad():
+                fused = best(lambda: plain.fused(x), repeats)
+                step = plain.rows_per_chunk()
+                fallback = best(lambda: torch.cat([F.linear(x, plain.dequantize(x.dtype, a, min(a + step, n)))
+                                                   for a in range(0, n, step)], -1), repeats)
+            print(f"| {n}x{k} | {r} | {fused * 1e3:.2f} ms | {fallback * 1e3:.2f} ms | {fused / fallback:.2f} |", flush=True)
+    qlinear.FUSED_ROWS = limit
+    print(f"(qlinear.FUSED_ROWS = {limit})")
 
 
 def best(fn, repeats: int) -> float:
@@ -145,13 +172,13 @@ def gpu(batches: list[int]) -> None:
             x = torch.randn(b, k, dtype=torch.float16, device="cuda")
             for layer in ours:  # the right answer before any timing
                 ref = x.float() @ layer.dequantize(torch.float16).float().T
-                err = (kernels.matmul(x, layer).float() - ref).norm() / ref.norm()
+                err = (kernels.matmul(*layer.ordered(x)).float() - ref).norm() / ref.norm()
                 assert err < 1e-2, f"{n}x{k} batch {b}: relative error {err:.2e}"
             xb = x.bfloat16()
             ref = xb.float() @ plain.dequantize(torch.float32).T
             int4_err = (int4_mm(xb, int4[0]).float() - ref).norm() / ref.norm() if int4 else 0
             calls = {"fp16": [lambda d=d: F.linear(x, d) for d in dense]}
-            calls |= {name: [lambda r=r: kernels.matmul(x, r) for r in rot] for name, rot in zip(names, rotations)}
+            calls |= {name: [lambda r=r: kernels.matmul(*r.ordered(x)) for r in rot] for name, rot in zip(names, rotations)}
             if theirs:
                 calls["bnb"] = [lambda q=q: bnb.matmul_4bit(x, *pair(q)) for q in theirs]
             if int4:
@@ -193,7 +220,7 @@ GEMV_TILES = [((64, 64), {}), ((32, 128), {}), ((64, 128), {}), ((128, 64), {}),
 GEMM_TILES = [(64, (64, 32), {}), (64, (128, 32), {}), (128, (128, 32), {"num_warps": 8}), (64, (64, 64), {}),
               (128, (64, 32), {"num_stages": 4}), (128, (128, 64), {"num_warps": 8}), (64, (128, 64), {}),
               (128, (256, 32), {"num_warps": 8}), (128, (64, 64), {"num_stages": 4}), (128, (128, 32), {"num_stages": 4})]
-SPLITS = (1, 4, 8, 16, 32, 64)  # the GEMV's slices of K (kernels.split_for chooses them by the device)
+SPLITS = (1, 2, 4, 8, 16, 32, 64)  # slices of K (kernels.split_for chooses them by the device)
 LAYOUTS = ("4-bit", "4-bit act-order", "NF4")
 
 
@@ -205,7 +232,8 @@ def sweep(batches: list[int], layouts: list[str]) -> None:
 
     from quantkit import kernels
 
-    defaults = dict(kernels.GEMV_TILE), dict(kernels.GEMM_TILE), kernels.GEMM_ROWS, dict(kernels.LAUNCH), kernels.WORDS
+    defaults = (dict(kernels.GEMV_TILE), dict(kernels.GEMM_TILE), kernels.GEMM_ROWS, dict(kernels.LAUNCH), kernels.WORDS,
+                dict(kernels.FEW_TILE))
     print("| shape | batch | layout | tile (rows of x, outputs, inputs; launch) | time | / defaults |")
     print("| --- | --- | --- | --- | --- | --- |")
     try:
@@ -221,15 +249,14 @@ def sweep(batches: list[int], layouts: list[str]) -> None:
                     gemv = b <= kernels.GEMV_ROWS
                     tiles = [(1, *t) for t in GEMV_TILES] if gemv else GEMM_TILES
                     configs = [("defaults", None)] + ([("codes value by value", "words")] if label != "NF4" else [])
-                    if gemv:  # matmul rounds a slice to whole tiles: the label says how many it made
-                        bk = kernels.tile(layer, b)[1]
-                        configs += [(f"defaults, K in {kernels.cdiv(k, kernels.cdiv(kernels.cdiv(k, split), bk) * bk)} "
-                                     "slices", split) for split in SPLITS]
+                    bk = kernels.tile(layer, b)[1]  # matmul rounds a slice to whole tiles: the label says how many it made
+                    configs += [(f"defaults, K in {kernels.cdiv(k, kernels.cdiv(kernels.cdiv(k, split), bk) * bk)} "
+                                 "slices", split) for split in SPLITS]
                     configs += [(f"{rows}, {tile[0]}, {tile[1]}; {launch or 'defaults'}", (rows, tile, launch))
                                 for rows, tile, launch in tiles]
                     first = None
                     for name, config in configs:
-                        kernels.GEMV_TILE, kernels.GEMM_TILE = dict(defaults[0]), dict(defaults[1])
+                        kernels.GEMV_TILE, kernels.GEMM_TILE, kernels.FEW_TILE = map(dict, (defaults[0], defaults[1], defaults[5]))
                         kernels.GEMM_ROWS = defaults[2]
                         kernels.LAUNCH.update(defaults[3])
                         kernels.WORDS = config != "words"
@@ -240,6 +267,7 @@ def sweep(batches: list[int], layouts: list[str]) -> None:
                                 kernels.LAUNCH["gemv"] = launch
                             else:
                                 kernels.GEMM_TILE = dict.fromkeys(defaults[1], tile)
+                                kernels.FEW_TILE = {}
                                 kernels.GEMM_ROWS, kernels.LAUNCH["gemm"] = rows, launch
                         try:
                             split = config if isinstance(config, int) else None
@@ -252,7 +280,7 @@ def sweep(batches: list[int], layouts: list[str]) -> None:
                         cell = f"{t * 1e6:.1f} us | " + (f"{t / first:.2f}" if first else "-") if t else f"failed ({err}) | -"
                         print(f"| {n}x{k} | {b} | {label} | {name} | {cell} |", flush=True)
     finally:
-        kernels.GEMV_TILE, kernels.GEMM_TILE, kernels.GEMM_ROWS, launch, kernels.WORDS = defaults
+        kernels.GEMV_TILE, kernels.GEMM_TILE, kernels.GEMM_ROWS, launch, kernels.WORDS, kernels.FEW_TILE = defaults
         kernels.LAUNCH.update(launch)
 
 
@@ -312,23 +340,27 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="GPU: time the kernels' other tiles instead")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="--sweep: which layouts")
-    p.add_argument("--jit", help="GPU: a file to use in place of quantkit/kernels/jit.py")
+    p.add_argument("--kernels", help="GPU: a folder to use in place of quantkit/kernels/")
+    p.add_argument("--rows", help="CPU: the fused int4 path against the fallback at these rows of input (1,16,...)")
     a = p.parse_args()
-    if a.jit:
+    if a.kernels:
         import importlib.util
+        from pathlib import Path
 
-        from quantkit import kernels
+        import quantkit
 
-        spec = importlib.util.spec_from_file_location("jit_other", a.jit)
+        spec = importlib.util.spec_from_file_location("quantkit.kernels", Path(a.kernels) / "__init__.py",
+                                                      submodule_search_locations=[a.kernels])
         other = importlib.util.module_from_spec(spec)
+        sys.modules["quantkit.kernels"] = quantkit.kernels = other  # before quantkit.qlinear takes it
         spec.loader.exec_module(other)
-        kernels._jit = lambda: other
+        print(f"kernels from {other.__file__}", flush=True)
     batches = [int(b) for b in a.batches.split(",")]
     print(" ".join(sys.argv), flush=True)
     if torch.cuda.is_available():
         sweep(batches, a.layouts.split(",")) if a.sweep else gpu(batches)
     else:
-        cpu(batches, a.repeats)
+        crossover([int(r) for r in a.rows.split(",")], a.repeats) if a.rows else cpu(batches, a.repeats)
 
 
 if __name__ == "__main__":

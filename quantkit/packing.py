@@ -18,7 +18,7 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     if c > step:
         return torch.cat([pack(values[:, j:j + step], bits) for j in range(0, c, step)], dim=1)
     v = torch.cat([values.long(), values.new_zeros((-r) % 32, c, dtype=torch.long)]).view(-1, 32, c)
-    out = torch.zeros(v.shape[0], bits, c, dtype=torch.long)
+    out = torch.zeros(v.shape[0], bits, c, dtype=torch.long, device=values.device)
     for i in range(32):
         word, off = divmod(bits * i, 32)
         out[:, word] |= (v[:, i] << off) & 0xFFFFFFFF

@@ -22,6 +22,10 @@ from .quantizers import nf4
 
 BACKENDS = ("auto", "triton", "torch")
 CHUNK = 1 << 20  # weights dequantized at a time by the torch fallback (4 MiB of float32: fastest here)
+# rows of x up to which the CPU's fused int4 matmul runs: its time grows with the rows, while the
+# fallback's dequantization does not; on an AMX machine it took 0.76-1.05 of the fallback's time at
+# 128 rows, 1.5-1.6x at 256 and 2.2-2.8x at 512 (benchmarks/RESULTS.md, kernel_bench.py --rows)
+FUSED_ROWS = 128
 
 
 class QuantLinear(torch.nn.Module):
@@ -30,6 +34,7 @@ class QuantLinear(torch.nn.Module):
     TRITON_INTERPRET=1); "torch" the fallback anywhere."""
 
     PACKED: tuple[str, ...] = ()  # buffers that keep their dtype when the model is cast
+    DERIVED: tuple[str, ...] = ()  # what is made from the buffers on first use, made again where they change
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None):
         super().__init__()
@@ -42,7 +47,7 @@ class QuantLinear(torch.nn.Module):
             raise QuantkitError(f"unknown kernel backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
         triton = self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
         if triton and not (torch.is_grad_enabled() and x.requires_grad):
-            y = kernels.matmul(x, self)
+            y = kernels.matmul(*self.ordered(x))
         elif triton:  # the kernels have no backward: dequantize with them, multiply with torch
             y = F.linear(x, kernels.dequantize(self, x.dtype))
         else:
@@ -71,7 +76,7 @@ class QuantLinear(torch.nn.Module):
 
     def _apply(self, fn, recurse=True):
         # .to(), .half(), .cuda() move packed buffers but never cast them: fp16 scales would not survive bf16
-        self.__dict__.pop("int4", None)  # made again from the buffers where they go
+        self._forget()  # made again from the buffers where they go
         packed = {name: self._buffers.pop(name) for name in self.PACKED if self._buffers.get(name) is not None}
         super()._apply(fn, recurse)
         for name, t in packed.items():
@@ -79,8 +84,16 @@ class QuantLinear(torch.nn.Module):
         return self
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self.__dict__.pop("int4", None)  # the buffers change under it
+        self._forget()  # the buffers change under it
         super()._load_from_state_dict(*args, **kwargs)
+
+    def _forget(self) -> None:
+        for name in self.DERIVED:
+            self.__dict__.pop(name, None)
+
+    def ordered(self, x: torch.Tensor) -> tuple[torch.Tensor, QuantLinear]:
+        """x and the layer whose layout the kernels multiply it with (the same product)."""
+        return x, self
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -92,6 +105,7 @@ class GPTQLinear(QuantLinear):
     W[n, k] = scales[g, n] * (q[k, n] - z[g, n]) with g = g_idx[k]. v1 checkpoints store z - 1."""
 
     PACKED = ("qweight", "qzeros", "scales", "g_idx")
+    DERIVED = ("int4", "order", "grouped")
 
     def __init__(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                  bits: int, group_size: int, v1: bool, sym: bool = True, bias: torch.Tensor | None = None,
@@ -166,32 +180,68 @@ class GPTQLinear(QuantLinear):
         return w.to(dtype).T
 
     def fused(self, x: torch.Tensor) -> torch.Tensor | None:
-        """4-bit weights in plain group order, bfloat16 activations on the CPU: torch's int4 matmul
+        """4-bit weights in plain group order (or act-order with whole groups, x's columns in `order`),
+        bfloat16 activations, up to FUSED_ROWS rows, on the CPU: torch's int4 matmul
         (_weight_int4pack_mm_for_cpu, which reads W = (q - 8) s + (8 - z) s with s and (8 - z) s rounded to
         bfloat16), the inputs padded with zeros to whole kernel groups. Its float32 and float16 paths are
         not vectorized: 4x a dense float32 matmul at batch 1 and 30x at batch 16 (benchmarks/kernel_bench.py)."""
-        if x.is_cuda or self.bits != 4 or x.dtype != torch.bfloat16 or self.int4 is None:
+        rows = x.numel() // self.in_features
+        if x.is_cuda or self.bits != 4 or x.dtype != torch.bfloat16 or rows > FUSED_ROWS or self.int4 is None:
             return None
         packed, scales_zeros, group, k = self.int4
+        if self.order is not None:
+            x = x.index_select(-1, self.order)
         x2 = F.pad(x.reshape(-1, self.in_features), (0, k - self.in_features))
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group, scales_zeros)
         return y[:, :self.out_features].reshape(*x.shape[:-1], self.out_features)
 
     @functools.cached_property
+    def order(self) -> torch.Tensor | None:
+        """For act-order weights whose groups are whole (group g's columns, gathered, are group_size of
+        them, as GPTQ's act-order writes them): the order of the columns that puts them in plain group
+        order, int64 [K]. x[..., order] @ W[:, order]^T is x @ W^T, and W[:, order] is what the fast
+        paths read. None for plain order (also with a short last group) and other groupings."""
+        if self.plain_order or self.group_size == -1:
+            return None
+        order = torch.argsort(self.g_idx, stable=True)
+        plain = torch.arange(self.in_features, dtype=torch.int32, device=order.device) // self.group_size
+        if not torch.equal(self.g_idx[order], plain) or torch.equal(order, plain.new_tensor(range(self.in_features))):
+            return None
+        return order
+
+    @functools.cached_property
+    def grouped(self) -> GPTQLinear | None:
+        """This layer with its columns in `order`, made once (the packed weight's size again): plain
+        group order, the kernels' fast path. None where there is no such order, or where K is not whole
+        groups (the kernels read such a layer as act-order all the same)."""
+        if self.order is None or self.in_features % self.group_size:
+            return None
+        codes = unpack(self.qweight, self.bits)[self.order]  # [K, N] in plain group order
+        return GPTQLinear(pack(codes, self.bits), self.qzeros, self.scales, self.g_idx[self.order], self.bits,
+                          self.group_size, self.v1, self.sym)
+
+    def ordered(self, x: torch.Tensor) -> tuple[torch.Tensor, QuantLinear]:
+        if self.grouped is None:
+            return x, self
+        return x.index_select(-1, self.order), self.grouped
+
+    @functools.cached_property
     def int4(self) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
         """The int4 kernel's operands, made once: packed codes, scales and float zeros [K'/G', N', 2],
         its group size G' (the largest of 256/128/64/32 that divides ours; per channel: 128) and K'
-        (K padded to whole groups; N' is N padded to the kernel's 16); None for 4-bit act-order, which it
-        cannot read."""
+        (K padded to whole groups; N' is N padded to the kernel's 16). Act-order weights with whole
+        groups give theirs with the columns in `order` (fused() orders x alike); None for other
+        groupings, which it cannot read."""
         k, n = self.in_features, self.out_features
         size = k if self.group_size == -1 else self.group_size
         group = 128 if self.group_size == -1 else next((c for c in (256, 128, 64, 32) if size % c == 0), None)
+        order = slice(None) if self.order is None else self.order.cpu()
         if self.bits != 4 or group is None or not torch.equal(
-                self.g_idx.cpu(), torch.arange(k, dtype=torch.int32) // size):
+                self.g_idx.cpu()[order], torch.arange(k, dtype=torch.int32) // size):
             return None
         padded = -(-k // group) * group
         codes = torch.full((-(-n // 16) * 16, padded), 8, dtype=torch.int32)  # padding: code 8, scale 0
-        codes[:n, :k] = unpack(self.qweight.cpu(), 4).T
+        codes[:n, :k] = unpack(self.qweight.cpu(), 4)[order].T
         ours = torch.arange(0, padded, group) // size  # each kernel group's group
         s = self.scales.cpu().float()[ours]
         z = self.zeros().cpu().T.float()[ours]

@@ -29,14 +29,15 @@ def main(capabilities: list[int]) -> None:
             args = dict(zip(["w0", "w1", "w2", "w3", "w4"], w)) | {
                 "fparam": "fp32", "i0": "i32", "i1": "i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32"}
             c = {"FMT": fmt, "BITS": bits, "NESTED": nested, "GROUP": group}
+            words = fmt == GPTQ and 32 % bits == 0
             for dt in ("fp16", "bf16", "fp32"):
                 compile_one(jit.dequantize_kernel, args | {"out": f"*{dt}"}, c | {"BN": 32, "BK": 64}, cap)
-                for atomic in (False, True):
-                    compile_one(jit.gemv_kernel, args | {"x": f"*{dt}", "y": "*fp32" if atomic else f"*{dt}"},
-                                c | {"BN": 64, "BK": 64, "ATOMIC": atomic}, cap)
-                compile_one(jit.gemm_kernel, args | {"x": f"*{dt}", "y": f"*{dt}"},
-                            c | {"BM": 64, "BN": 64, "BK": 32, "PRECISION": "ieee" if dt == "fp32" else "tf32",
-                                 "UPCAST": False}, cap)
+                io = args | {"x": f"*{dt}", "y": f"*{dt}", "part": "*fp32", "count": "*i32"}
+                for split in (False, True):
+                    compile_one(jit.gemv_kernel, io, c | {"BN": 64, "BK": 64, "SPLIT": split, "WORDS": words}, cap)
+                    tile = {"BM": 16, "BN": 128, "BK": 64} if split else {"BM": 64, "BN": 64, "BK": 32}  # split: few rows
+                    compile_one(jit.gemm_kernel, io, c | tile | {"UPCAST": False, "WORDS": words, "SPLIT": split,
+                                                                 "PRECISION": "ieee" if dt == "fp32" else "tf32"}, cap)
             print(f"sm_{cap}: FMT {fmt}, {bits} bits, nested {nested}, group {group}: compiled", flush=True)
 
 

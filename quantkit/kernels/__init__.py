@@ -6,6 +6,7 @@ the torch fallback never needs it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -16,11 +17,13 @@ from quantkit.errors import QuantkitError
 GPTQ, NF4 = 0, 1  # jit.py's FMT
 GEMV_ROWS = 4  # up to this many rows of x take the GEMV: a tensor-core tile would be mostly padding
 DEQUANT_TILE = (32, 64)  # outputs, inputs
-# Tiles (outputs, inputs per step) by layout and launch options, from sweeps on an H200
+# Tiles (outputs, inputs per step) by layout and launch options, from sweeps on an H200 and an H100
 # (benchmarks/RESULTS.md, kernel_bench.py --sweep); NF4's GEMM keeps the tile that compiled for it there.
 # A GPTQ group smaller than a tile's inputs takes tiles of one group (tile()).
-GEMV_TILE = {"gptq": (128, 64), "act-order": (128, 64), "nf4": (32, 128)}
+GEMV_TILE = {"gptq": (64, 128), "act-order": (128, 64), "nf4": (32, 128)}
 GEMM_TILE = {"gptq": (64, 64), "act-order": (64, 64), "nf4": (64, 32)}
+FEW_ROWS = 16  # GEMMs of up to this many rows of x (one 16-row tile) take FEW_TILE where the layout has one
+FEW_TILE = {"gptq": (128, 64), "act-order": (128, 32)}  # at 16 rows on an H100: 0.57-0.93 and 0.66-1.02 of GEMM_TILE's time
 GEMM_ROWS = 128  # rows of x per GEMM tile at most (16 to this, by M)
 LAUNCH = {"gemv": {}, "gemm": {"num_stages": 4}}  # Triton launch options of each (num_warps, num_stages)
 WORDS = True  # GPTQ codes of 2, 4 or 8 bits (either order): each packed word loaded once (jit._words)
@@ -61,15 +64,36 @@ def multiprocessors(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-GEMV_PROGRAMS = 8  # per multiprocessor: on an H100, 4-bit GEMVs of 7B shapes at 2 per SM took 1.2-1.4x the time at 8-16
+# Programs per multiprocessor that a matmul's split of K aims at (split_for; benchmarks/RESULTS.md): on
+# an H100, 4-bit GEMVs of 7B shapes at 2 per SM took 1.2-1.4x the time at 8-16; GEMMs of 16 rows took
+# 1.1-1.9x at 1 per SM, and 0.95-1.13x at 4, what they take at 2
+GEMV_PROGRAMS = 8
+GEMM_PROGRAMS = 2
 
 
-def split_for(x: torch.Tensor, programs: int, k: int, bk: int) -> int:
-    """Slices of K for the GEMV: enough programs to fill a GPU (GEMV_PROGRAMS per multiprocessor), one
-    on the CPU."""
+def split_for(x: torch.Tensor, programs: int, k: int, bk: int, per_sm: int) -> int:
+    """Slices of K that bring programs up to about per_sm per multiprocessor (none where they are
+    more than half that already); one on the CPU."""
     if not x.is_cuda:
         return 1
-    return max(1, min(GEMV_PROGRAMS * multiprocessors(x.device.index or 0) // programs, cdiv(k, bk)))
+    return max(1, min(per_sm * multiprocessors(x.device.index or 0) // programs, cdiv(k, bk)))
+
+
+_counts: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """int32 counts of the finished slices of each output tile, for the kernels' split sums, zero at
+    the start of a call (each kernel leaves them so). On a GPU one buffer per stream, so that matmuls
+    on two streams never share one; under CUDA graph capture a new one per call (zeroed in the
+    graph: two graphs captured on one stream may be replayed on two at once); on the CPU (the
+    interpreter, which an interrupt can stop midway) a new one per call."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    if key not in _counts or _counts[key].numel() < tiles:
+        _counts[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return _counts[key]
 
 
 def layout(layer) -> str:
@@ -83,7 +107,10 @@ def tile(layer, rows: int) -> tuple[int, int]:
     one group where a GPTQ group in plain order is smaller, so that each tile reads one group's
     scales (kernel_args' GROUP) rather than one per weight."""
     kind = layout(layer)
-    bn, bk = (GEMV_TILE if rows <= GEMV_ROWS else GEMM_TILE)[kind]
+    if rows <= GEMV_ROWS:
+        bn, bk = GEMV_TILE[kind]
+    else:
+        bn, bk = FEW_TILE.get(kind, GEMM_TILE[kind]) if rows <= FEW_ROWS else GEMM_TILE[kind]
     group = getattr(layer, "group_size", -1)
     if kind == "gptq" and 16 <= group < bk and bk % group == 0:
         bk = group
@@ -92,7 +119,7 @@ def tile(layer, rows: int) -> tuple[int, int]:
 
 def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
     """x [..., K] @ W^T in x's dtype, accumulated in float32, W never written out. split: slices of
-    K for the GEMV (None: by the device)."""
+    K (None: by the device), summed in a fixed order, so that a call gives the same y every time."""
     _check(x)
     n, k = layer.out_features, layer.in_features
     if x.shape[-1] != k:
@@ -103,21 +130,31 @@ def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
     bn, bk = tile(layer, m)
     args, consts = layer.kernel_args(bk)
     words = WORDS and consts["FMT"] == GPTQ and 32 % consts["BITS"] == 0
-    if m <= GEMV_ROWS:
-        split = split or split_for(x, cdiv(n, bn) * m, k, bk)
-        k_split = cdiv(cdiv(k, split), bk) * bk
-        split = cdiv(k, k_split)
-        y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1 else x2.new_empty(m, n)
-        jit.gemv_kernel[(cdiv(n, bn), split, m)](x2, y, *args, n, k, k_split, **consts, BN=bn, BK=bk, ATOMIC=split > 1,
-                                                 WORDS=words, **LAUNCH["gemv"])
+    gemv = m <= GEMV_ROWS
+    if gemv:
+        grid, per_sm = (cdiv(n, bn), 1, m), GEMV_PROGRAMS
     else:
         bm = min(GEMM_ROWS, max(16, 1 << (m - 1).bit_length()))
-        y = x2.new_empty(m, n)
-        precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: no tf32 rounding of x
-        upcast = not x.is_cuda and x.dtype == torch.bfloat16
-        jit.gemm_kernel[(cdiv(m, bm), cdiv(n, bn))](x2, y, *args, m, n, k, **consts, BM=bm, BN=bn, BK=bk,
-                                                    PRECISION=precision, UPCAST=upcast, WORDS=words, **LAUNCH["gemm"])
-    return y.to(x.dtype).view(*x.shape[:-1], n)
+        grid, per_sm = (cdiv(m, bm), cdiv(n, bn), 1), GEMM_PROGRAMS
+    tiles = grid[0] * grid[1] * grid[2]
+    split = min(split or split_for(x, tiles, k, bk, per_sm), (2**31 - 1) // (m * n))  # int32 offsets into part
+    k_split = cdiv(cdiv(k, split), bk) * bk
+    split = cdiv(k, k_split)
+    y = x2.new_empty(m, n)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    count = counts(x.device, tiles) if split > 1 else y
+    # Triton launches on the current device's stream: make it x's
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        if gemv:
+            jit.gemv_kernel[(grid[0], split, m)](x2, y, part, count, *args, n, k, k_split, **consts, BN=bn, BK=bk,
+                                                 SPLIT=split > 1, WORDS=words, **LAUNCH["gemv"])
+        else:
+            precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: no tf32 rounding of x
+            upcast = not x.is_cuda and x.dtype == torch.bfloat16
+            jit.gemm_kernel[(grid[0], grid[1], split)](x2, y, part, count, *args, m, n, k, k_split, **consts, BM=bm,
+                                                       BN=bn, BK=bk, PRECISION=precision, UPCAST=upcast, WORDS=words,
+                                                       SPLIT=split > 1, **LAUNCH["gemm"])
+    return y.view(*x.shape[:-1], n)
 
 
 def cdiv(a: int, b: int) -> int:

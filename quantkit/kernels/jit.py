@@ -74,7 +74,7 @@ def _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k, n, K, N, mask, k0,
         else:
             q = _stream(w0, k, n, N, BITS, mask)
         if GROUP > 0:
-            g = tl.minimum(k0, K - 1) // GROUP  # a GEMV's last slice can hold tiles past K, in no group: take the last
+            g = k0 // GROUP
             gmask = n < N
         else:
             g = tl.load(w3 + k, mask=mask, other=0)
@@ -121,11 +121,11 @@ def dequantize_kernel(out, w0, w1, w2, w3, w4, fparam, i0, i1, N, K,
 
 
 @triton.jit
-def gemv_kernel(x, y, w0, w1, w2, w3, w4, fparam, i0, i1, N, K, K_SPLIT,
+def gemv_kernel(x, y, part, count, w0, w1, w2, w3, w4, fparam, i0, i1, N, K, K_SPLIT,
                 FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr, ATOMIC: tl.constexpr, WORDS: tl.constexpr):
+                BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, WORDS: tl.constexpr):
     """One row of x against BN outputs over one K_SPLIT slice of the inputs; with several slices
-    the partial sums meet in a float32 y by atomic adds."""
+    the partial sums meet in _finish."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     start = tl.program_id(1) * K_SPLIT
     row = tl.program_id(2)
@@ -133,7 +133,7 @@ def gemv_kernel(x, y, w0, w1, w2, w3, w4, fparam, i0, i1, N, K, K_SPLIT,
         acc = _gemv_words(x + row * K, w0, w1, w2, i0, i1, n, start, K_SPLIT, K, N, BITS, GROUP, BN, BK)
     else:
         acc = tl.zeros((BN,), dtype=tl.float32)
-        for step in range(0, K_SPLIT, BK):
+        for step in range(0, tl.minimum(K_SPLIT, K - start), BK):  # the last slice ends at K
             k0 = start + step
             k = k0 + tl.arange(0, BK)
             xk = tl.load(x + row * K + k, mask=k < K, other=0.0)
@@ -142,10 +142,31 @@ def gemv_kernel(x, y, w0, w1, w2, w3, w4, fparam, i0, i1, N, K, K_SPLIT,
                         FMT, BITS, NESTED, GROUP, BK, WORDS)
             # W rounded to x's dtype first, as x @ dequantize(W, x.dtype)^T would see it
             acc += tl.sum(xk.to(tl.float32)[:, None] * _round(w, xk.dtype).to(tl.float32), axis=0)
-    if ATOMIC:
-        tl.atomic_add(y + row * N + n, acc, mask=n < N)
+    CHUNK: tl.constexpr = 16  # slices added at a time by the last program: [16, BN] loads (as timed on the H100)
+    _finish(y, part, count, acc, row * N + n, n < N, row * tl.num_programs(0) + tl.program_id(0), tl.program_id(1),
+            tl.num_programs(1), tl.num_programs(2) * N, SPLIT, CHUNK)
+
+
+@triton.jit
+def _finish(y, part, count, acc, offs, mask, tile, piece, pieces, size, SPLIT: tl.constexpr, CHUNK: tl.constexpr):
+    """Writes a program's sum acc (1D, at offs of y) rounded to y's dtype. SPLIT: the sum of slice
+    `piece` of K, stored at part[piece] ([pieces, size] float32); the slice of an output tile that
+    finishes last (count[tile] counts them) adds all slices in order, CHUNK at a time, writes y and
+    leaves the count 0 for the next call. One launch, no zeroed float32 y nor a cast after it, and
+    the same sum on every run (atomic adds would land in any order)."""
+    if SPLIT:
+        tl.store(part + piece * size + offs, acc, mask=mask)
+        tl.debug_barrier()  # every thread's part stored before the count moves
+        if tl.atomic_add(count + tile, 1, sem="acq_rel") == pieces - 1:
+            total = tl.zeros_like(acc)
+            for c in range(0, pieces, CHUNK):
+                i = c + tl.arange(0, CHUNK)[:, None]
+                total += tl.sum(tl.load(part + i * size + offs[None, :], mask=(i < pieces) & mask[None, :], other=0.0,
+                                        cache_modifier=".cg"), axis=0)  # .cg: from L2, where the other programs wrote
+            tl.store(y + offs, _round(total, y.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(count + tile, 0, sem="relaxed")
     else:
-        tl.store(y + row * N + n, _round(acc, y.dtype.element_ty), mask=n < N)
+        tl.store(y + offs, _round(acc, y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -158,11 +179,11 @@ def _gemv_words(x, w0, w1, w2, i0, i1, n, start, K_SPLIT, K, N, BITS: tl.constex
     PER: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = (x.dtype.element_ty == tl.float16) & (w2.dtype.element_ty == tl.float16)  # x and scales
     acc = tl.zeros((BK // PER, BN), dtype=tl.float32)
-    for step in range(0, K_SPLIT, BK):
+    for step in range(0, tl.minimum(K_SPLIT, K - start), BK):  # the last slice ends at K
         k0 = start + step
         r = k0 // PER + tl.arange(0, BK // PER)  # word rows; K is whole words
         words = tl.load(w0 + r[:, None] * N + n[None, :], mask=(r[:, None] * PER < K) & (n[None, :] < N), other=0)
-        g = tl.minimum(k0, K - 1) // GROUP
+        g = k0 // GROUP
         zq, s = _zero_scale(w1, w2, g, n, i0, i1, N, BITS, n < N)
         if HALF:
             z16, s16 = _half(zq), s.to(tl.float16)
@@ -180,16 +201,19 @@ def _gemv_words(x, w0, w1, w2, i0, i1, n, start, K_SPLIT, K, N, BITS: tl.constex
 
 
 @triton.jit
-def gemm_kernel(x, y, w0, w1, w2, w3, w4, fparam, i0, i1, M, N, K,
+def gemm_kernel(x, y, part, count, w0, w1, w2, w3, w4, fparam, i0, i1, M, N, K, K_SPLIT,
                 FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                WORDS: tl.constexpr):
-    """UPCAST: multiply in float32 (exact products of bfloat16 values), for the interpreter, whose
-    dot cannot take bfloat16."""
+                WORDS: tl.constexpr, SPLIT: tl.constexpr):
+    """A BM x BN tile of y over one K_SPLIT slice of the inputs (slices meet in _finish). UPCAST:
+    multiply in float32 (exact products of bfloat16 values), for the interpreter, whose dot cannot
+    take bfloat16."""
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
+    start = tl.program_id(2) * K_SPLIT
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for step in range(0, tl.minimum(K_SPLIT, K - start), BK):  # the last slice ends at K
+        k0 = start + step
         k = k0 + tl.arange(0, BK)
         a = tl.load(x + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         mask = (k[:, None] < K) & (n[None, :] < N)
@@ -200,4 +224,10 @@ def gemm_kernel(x, y, w0, w1, w2, w3, w4, fparam, i0, i1, M, N, K,
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    tl.store(y + m[:, None] * N + n[None, :], _round(acc, y.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+    if SPLIT:  # _finish takes 1D sums
+        CHUNK: tl.constexpr = (4096 + BM * BN - 1) // (BM * BN)  # slices added at a time: 4096 values at most, or one slice
+        _finish(y, part, count, tl.reshape(acc, (BM * BN,)), tl.reshape(m[:, None] * N + n[None, :], (BM * BN,)),
+                tl.reshape((m[:, None] < M) & (n[None, :] < N), (BM * BN,)), tl.program_id(0) * tl.num_programs(1)
+                + tl.program_id(1), tl.program_id(2), tl.num_programs(2), M * N, SPLIT, CHUNK)
+    else:  # as a 2D store: a reshape would cost a layout change through shared memory
+        tl.store(y + m[:, None] * N + n[None, :], _round(acc, y.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
