@@ -7,7 +7,8 @@
 
 On a GPU (Triton kernels, float16 activations), per shape and batch:
   - time of ours (4-bit g128 GPTQ layout in plain group order and with act-order, which the layer
-    runs as its twin in group order with x's columns reordered; NF4 with double quantization), torch's float16 matmul on the dense weight (the anchor), bitsandbytes' NF4 matmul
+    runs as its twin in group order with x's columns reordered; NF4 with double quantization),
+    torch's float16 matmul on the dense weight (the anchor), bitsandbytes' NF4 matmul
     (bnb.matmul_4bit) where it runs, and torch's int4 matmul (_weight_int4pack_mm, bfloat16) on the
     same 4-bit weights;
   - speedups: fp16 / ours 4-bit, int4 mm / ours 4-bit, bnb / ours NF4;
@@ -110,9 +111,7 @@ def crossover(rows: list[int], repeats: int) -> None:
             x = torch.randn(r, k).bfloat16()
             with torch.no_grad():
                 fused = best(lambda: plain.fused(x), repeats)
-                step = plain.rows_per_chunk()
-                fallback = best(lambda: torch.cat([F.linear(x, plain.dequantize(x.dtype, a, min(a + step, n)))
-                                                   for a in range(0, n, step)], -1), repeats)
+                fallback = best(lambda: plain.sliced(x), repeats)
             print(f"| {n}x{k} | {r} | {fused * 1e3:.2f} ms | {fallback * 1e3:.2f} ms | {fused / fallback:.2f} |", flush=True)
     qlinear.FUSED_ROWS = limit
     print(f"(qlinear.FUSED_ROWS = {limit})")

@@ -53,14 +53,18 @@ class QuantLinear(torch.nn.Module):
         else:
             y = self.fused(x) if self.backend == "auto" and not (torch.is_grad_enabled() and x.requires_grad) else None
             if y is None:
-                rows = self.rows_per_chunk()
-                y = torch.cat([F.linear(x, self.dequantize(x.dtype, r, min(r + rows, self.out_features)))
-                               for r in range(0, self.out_features, rows)], dim=-1)
+                y = self.sliced(x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def fused(self, x: torch.Tensor) -> torch.Tensor | None:
         """x W^T by a fused CPU kernel for this layout (no gradient), or None where there is none."""
         return None
+
+    def sliced(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T by the torch fallback: W dequantized to x's dtype a slice of rows at a time."""
+        rows = self.rows_per_chunk()
+        return torch.cat([F.linear(x, self.dequantize(x.dtype, r, min(r + rows, self.out_features)))
+                          for r in range(0, self.out_features, rows)], dim=-1)
 
     def rows_per_chunk(self) -> int:
         return max(CHUNK // self.in_features, 1)
@@ -205,9 +209,7 @@ class GPTQLinear(QuantLinear):
             return None
         order = torch.argsort(self.g_idx, stable=True)
         plain = torch.arange(self.in_features, dtype=torch.int32, device=order.device) // self.group_size
-        if not torch.equal(self.g_idx[order], plain) or torch.equal(order, plain.new_tensor(range(self.in_features))):
-            return None
-        return order
+        return order if torch.equal(self.g_idx[order], plain) and not torch.equal(self.g_idx, plain) else None
 
     @functools.cached_property
     def grouped(self) -> GPTQLinear | None:

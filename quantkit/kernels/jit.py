@@ -142,31 +142,31 @@ def gemv_kernel(x, y, part, count, w0, w1, w2, w3, w4, fparam, i0, i1, N, K, K_S
                         FMT, BITS, NESTED, GROUP, BK, WORDS)
             # W rounded to x's dtype first, as x @ dequantize(W, x.dtype)^T would see it
             acc += tl.sum(xk.to(tl.float32)[:, None] * _round(w, xk.dtype).to(tl.float32), axis=0)
-    CHUNK: tl.constexpr = 16  # slices added at a time by the last program: [16, BN] loads (as timed on the H100)
-    _finish(y, part, count, acc, row * N + n, n < N, row * tl.num_programs(0) + tl.program_id(0), tl.program_id(1),
-            tl.num_programs(1), tl.num_programs(2) * N, SPLIT, CHUNK)
+    if SPLIT:
+        CHUNK: tl.constexpr = 16  # slices added at a time by the last program: [16, BN] loads (as timed on the H100)
+        _finish(y, part, count, acc, row * N + n, n < N, row * tl.num_programs(0) + tl.program_id(0),
+                tl.program_id(1), tl.num_programs(1), tl.num_programs(2) * N, CHUNK)
+    else:
+        tl.store(y + row * N + n, _round(acc, y.dtype.element_ty), mask=n < N)
 
 
 @triton.jit
-def _finish(y, part, count, acc, offs, mask, tile, piece, pieces, size, SPLIT: tl.constexpr, CHUNK: tl.constexpr):
-    """Writes a program's sum acc (1D, at offs of y) rounded to y's dtype. SPLIT: the sum of slice
-    `piece` of K, stored at part[piece] ([pieces, size] float32); the slice of an output tile that
-    finishes last (count[tile] counts them) adds all slices in order, CHUNK at a time, writes y and
-    leaves the count 0 for the next call. One launch, no zeroed float32 y nor a cast after it, and
-    the same sum on every run (atomic adds would land in any order)."""
-    if SPLIT:
-        tl.store(part + piece * size + offs, acc, mask=mask)
-        tl.debug_barrier()  # every thread's part stored before the count moves
-        if tl.atomic_add(count + tile, 1, sem="acq_rel") == pieces - 1:
-            total = tl.zeros_like(acc)
-            for c in range(0, pieces, CHUNK):
-                i = c + tl.arange(0, CHUNK)[:, None]
-                total += tl.sum(tl.load(part + i * size + offs[None, :], mask=(i < pieces) & mask[None, :], other=0.0,
-                                        cache_modifier=".cg"), axis=0)  # .cg: from L2, where the other programs wrote
-            tl.store(y + offs, _round(total, y.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(count + tile, 0, sem="relaxed")
-    else:
-        tl.store(y + offs, _round(acc, y.dtype.element_ty), mask=mask)
+def _finish(y, part, count, acc, offs, mask, tile, piece, pieces, size, CHUNK: tl.constexpr):
+    """A split sum's end: acc (1D, for offs of y), the sum of slice `piece` of K, is stored at
+    part[piece] ([pieces, size] float32); the slice of an output tile that finishes last (count[tile]
+    counts them) adds all slices in order, CHUNK at a time, writes y rounded to its dtype and leaves
+    the count 0 for the next call. One launch, no zeroed float32 y nor a cast after it, and the same
+    sum on every run (atomic adds would land in any order)."""
+    tl.store(part + piece * size + offs, acc, mask=mask)
+    tl.debug_barrier()  # every thread's part stored before the count moves
+    if tl.atomic_add(count + tile, 1, sem="acq_rel") == pieces - 1:
+        total = tl.zeros_like(acc)
+        for c in range(0, pieces, CHUNK):
+            i = c + tl.arange(0, CHUNK)[:, None]
+            total += tl.sum(tl.load(part + i * size + offs[None, :], mask=(i < pieces) & mask[None, :], other=0.0,
+                                    cache_modifier=".cg"), axis=0)  # .cg: from L2, where the other programs wrote
+        tl.store(y + offs, _round(total, y.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(count + tile, 0, sem="relaxed")
 
 
 @triton.jit
@@ -228,6 +228,6 @@ def gemm_kernel(x, y, part, count, w0, w1, w2, w3, w4, fparam, i0, i1, M, N, K, 
         CHUNK: tl.constexpr = (4096 + BM * BN - 1) // (BM * BN)  # slices added at a time: 4096 values at most, or one slice
         _finish(y, part, count, tl.reshape(acc, (BM * BN,)), tl.reshape(m[:, None] * N + n[None, :], (BM * BN,)),
                 tl.reshape((m[:, None] < M) & (n[None, :] < N), (BM * BN,)), tl.program_id(0) * tl.num_programs(1)
-                + tl.program_id(1), tl.program_id(2), tl.num_programs(2), M * N, SPLIT, CHUNK)
+                + tl.program_id(1), tl.program_id(2), tl.num_programs(2), M * N, CHUNK)
     else:  # as a 2D store: a reshape would cost a layout change through shared memory
         tl.store(y + m[:, None] * N + n[None, :], _round(acc, y.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
