@@ -19,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from . import blocks
-from .atomic import Staged
+from .atomic import Staged, write_behind
 from .errors import QuantkitError, space_for
 
 # mix -> (general.file_type, the type most tensors get)
@@ -135,6 +135,7 @@ def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure
 
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
+LENGTH = struct.Struct("<Q")  # a string's
 FILE_TYPE, QUANT_VERSION, ALIGNMENT = "general.file_type", "general.quantization_version", "general.alignment"
 
 
@@ -186,8 +187,10 @@ class Header:
         if kind == ARRAY:
             sub, n = self.take("IQ")
             if sub == STRING:  # the vocabulary: skipped, not decoded
+                length, buf, pos = LENGTH.unpack_from, self.buf, self.pos
                 for _ in range(n):
-                    self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
+                    pos += 8 + length(buf, pos)[0]
+                self.pos = pos
             else:
                 self.pos += n * struct.calcsize(SCALARS[sub])
             return None
@@ -332,7 +335,8 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
             f.write(head)
             bar.update(len(head))
             for t in order(h.tensors):
-                f.seek(len(head) + offsets[t.name])
+                start = len(head) + offsets[t.name]
+                f.seek(start)
                 kind = types.get(t.name)
                 if kind is None or kind == t.type:  # norms, biases and what keeps its type: as they are
                     f.write(h.buf[h.data + t.offset:h.data + t.offset + nbytes(t.dims, t.type)])
@@ -341,6 +345,7 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
                     step = max(1, CHUNK // t.dims[0])
                     for r in range(0, len(x), step):
                         f.write(quantize_rows(x[r:r + step], kind))
+                write_behind(f, start)
                 bar.update(pad(nbytes(t.dims, kind or t.type), h.alignment))
             f.truncate(total)
         return staged.commit()

@@ -60,6 +60,19 @@ def test_compiled_blocks_equal_the_torch_searches(kind):
         assert rows.size == 0, f"{name}: rows {rows[:5]} differ"
 
 
+@pytest.mark.parametrize("kind", blocks.LEGACY_TYPES)
+def test_32_value_blocks_in_any_number(kind):
+    """The 32-value types are quantized eight blocks at a time (one per vector lane), the last few
+    through a zero-padded buffer: any count of blocks, from float32 or float16, gives gguf-py's bytes."""
+    w = cases()["heavy"][:, :96]  # 3 blocks a row
+    for rows in (1, 2, 3, 5, 11):
+        x = w[:rows].numpy()
+        theirs = gguf.quants.quantize(x, gguf.GGMLQuantizationType[kind]).reshape(rows, -1)
+        assert np.array_equal(blocks.quantize(x, kind), theirs), rows
+        half = x.astype(np.float16)
+        assert np.array_equal(blocks.quantize(half, kind), blocks.quantize(half.astype(np.float32), kind)), rows
+
+
 def test_rows_split_over_threads_give_the_rows_alone(monkeypatch):
     """Each thread takes a slice of rows: any split gives the bytes of each row quantized alone."""
     w = cases()["heavy"].numpy()

@@ -27,15 +27,6 @@ static inline float as_u8(float v) { return (float)(uint8_t)(int32_t)v; }
 
 static inline float as_i8(float v) { return (float)(int8_t)(int32_t)v; }
 
-/* roundf (half away from zero) and truncf for |v| < 2^31, by integer conversion (calls without SSE4.1);
- * roundf as gguf-py's np_roundf: floor(a) + floor(2 (a - floor(a))), exact where a + 0.5 is not */
-static inline float truncv(float v) { return (float)(int32_t)v; }
-
-static inline float roundv(float v) {
-    float a = fabsf(v), f = truncv(a);
-    return copysignf(f + truncv(2 * (a - f)), v);
-}
-
 static inline float minv(float a, float b) { return b < a ? b : a; }
 
 static inline float maxv(float a, float b) { return b > a ? b : a; }
@@ -60,28 +51,20 @@ static inline float half_value(uint16_t b) {
 
 static inline void put_half(uint8_t *p, uint16_t b) { p[0] = b & 255; p[1] = b >> 8; }
 
-/* The extremes of a block of n (a multiple of 8) values as llama.cpp's sequential loops find them:
- * the extreme itself in 8 running lanes (exact in any order), then the first value equal to it, so
- * that a zero's sign is the first one's; the largest magnitude of all zeros is +0 (llama.cpp's
- * running maximum starts there). Returns the signed value. */
-enum { MAGNITUDE, LOWEST, HIGHEST };
-
-static inline float extreme(const float *x, int n, int kind) {
+/* The value of largest magnitude of n (a multiple of 8) as llama.cpp's sequential loop finds it: the
+ * magnitude in 8 running lanes (exact in any order), then the first value of it, so that a zero's
+ * sign is the first one's; of all zeros +0 (llama.cpp's running maximum starts there). */
+static float largest(const float *x, int n) {
     float p[8];
-    for (int b = 0; b < 8; b++) p[b] = kind == MAGNITUDE ? fabsf(x[b]) : x[b];
+    for (int b = 0; b < 8; b++) p[b] = fabsf(x[b]);
     for (int j = 8; j < n; j += 8)
-        for (int b = 0; b < 8; b++) {
-            float v = kind == MAGNITUDE ? fabsf(x[j + b]) : x[j + b];
-            p[b] = kind == LOWEST ? minv(p[b], v) : maxv(p[b], v);
-        }
-    for (int b = 1; b < 8; b++) p[0] = kind == LOWEST ? minv(p[0], p[b]) : maxv(p[0], p[b]);
-    if (kind == MAGNITUDE && p[0] == 0) return 0.0f;
+        for (int b = 0; b < 8; b++) p[b] = maxv(p[b], fabsf(x[j + b]));
+    for (int b = 1; b < 8; b++) p[0] = maxv(p[0], p[b]);
+    if (p[0] == 0) return 0.0f;
     for (int j = 0; j < n; j++)
-        if ((kind == MAGNITUDE ? fabsf(x[j]) : x[j]) == p[0]) return x[j];
+        if (fabsf(x[j]) == p[0]) return x[j];
     return x[0];  /* NaNs */
 }
-
-static float largest(const float *x, int n) { return extreme(x, n, MAGNITUDE); }
 
 /* The searches run on 8 sub-blocks at once, as the torch code runs on all blocks: x transposed,
  * x[j * S + b] value j of sub-block b (S sub-blocks in all), each lane of a vector one sub-block,
@@ -151,31 +134,45 @@ WIDE static void make_qx8(const float *x, const float *w, int n, int S, int nmax
     st(scale, sel(zero, splat(0), sc));
 }
 
-/* make_q3_quants: weights x^2, codes refined one at a time (5 sweeps); scale, codes 0..2nmax-1 */
-WIDE static void make_q38(const float *x, int n, int S, int nmax, float *scale, float *codes) {
-    v8 mx = vlargest(x, n, S), w[32];
-    m8 zero = vabs(mx) < EPS;
-    v8 is = -(float)nmax / vnonzero(mx), slx = splat(0), sl2 = splat(0);
-    for (int j = 0; j < n; j++) {
-        v8 xv = ld(x + j * S), c = vclamp(vrnd(is * xv), -nmax, nmax - 1);
-        w[j] = xv * xv;
-        st(codes + j * S, c);
-        slx += w[j] * xv * c;
-        sl2 += w[j] * c * c;
+/* make_q3_quants: weights x^2, codes refined one at a time (5 sweeps); scale, codes 0..2nmax-1.
+ * The 16 sub-blocks of a superblock (S = 16) as two vectors, whose chains of refinements (a division
+ * in each step) interleave. */
+WIDE static void make_q3(const float *x, int n, int nmax, float *scale, float *codes) {
+    enum { G = 2, S = 16 };
+    v8 mx[G], is[G], slx[G], sl2[G], w[G][16];
+    m8 zero[G];
+    for (int g = 0; g < G; g++) {
+        mx[g] = vlargest(x + 8 * g, n, S);
+        zero[g] = vabs(mx[g]) < EPS;
+        is[g] = -(float)nmax / vnonzero(mx[g]);
+        slx[g] = sl2[g] = splat(0);
     }
-    for (int sweep = 0; sweep < 5; sweep++)
-        for (int j = 0; j < n; j++) {
-            v8 xv = ld(x + j * S), li = ld(codes + j * S);
-            v8 a = slx - w[j] * xv * li, c = sl2 - w[j] * li * li;
-            v8 nl = vclamp(vrnd(xv * c / vnonzero(a)), -nmax, nmax - 1);
-            v8 a2 = a + w[j] * xv * nl, c2 = c + w[j] * nl * nl;
-            m8 take = (a > 0) & (nl != li) & (a2 * a2 * sl2 > slx * slx * c2) & (c2 > 0);
-            st(codes + j * S, sel(take, nl, li));
-            slx = sel(take, a2, slx);
-            sl2 = sel(take, c2, sl2);
+    for (int j = 0; j < n; j++)
+        for (int g = 0; g < G; g++) {
+            v8 xv = ld(x + j * S + 8 * g), c = vclamp(vrnd(is[g] * xv), -nmax, nmax - 1);
+            w[g][j] = xv * xv;
+            st(codes + j * S + 8 * g, c);
+            slx[g] += w[g][j] * xv * c;
+            sl2[g] += w[g][j] * c * c;
         }
-    for (int j = 0; j < n; j++) st(codes + j * S, sel(zero, splat(0), ld(codes + j * S) + (float)nmax));
-    st(scale, sel(zero, splat(0), sel(sl2 > 0, slx / vnonzero(sl2), splat(0))));
+    for (int sweep = 0; sweep < 5; sweep++)
+        for (int j = 0; j < n; j++)
+            for (int g = 0; g < G; g++) {
+                float *cj = codes + j * S + 8 * g;
+                v8 xv = ld(x + j * S + 8 * g), li = ld(cj), wj = w[g][j];
+                v8 a = slx[g] - wj * xv * li, c = sl2[g] - wj * li * li;
+                v8 nl = vclamp(vrnd(xv * c / vnonzero(a)), -nmax, nmax - 1);
+                v8 a2 = a + wj * xv * nl, c2 = c + wj * nl * nl;
+                m8 take = (a > 0) & (nl != li) & (a2 * a2 * sl2[g] > slx[g] * slx[g] * c2) & (c2 > 0);
+                st(cj, sel(take, nl, li));
+                slx[g] = sel(take, a2, slx[g]);
+                sl2[g] = sel(take, c2, sl2[g]);
+            }
+    for (int g = 0; g < G; g++) {
+        for (int j = 0; j < n; j++)
+            st(codes + j * S + 8 * g, sel(zero[g], splat(0), ld(codes + j * S + 8 * g) + (float)nmax));
+        st(scale + 8 * g, sel(zero[g], splat(0), sel(sl2[g] > 0, slx[g] / vnonzero(sl2[g]), splat(0))));
+    }
 }
 
 /* make_qkx2_quants: scale and min by weighted least squares over nstep + 1 scales, each from the
@@ -233,10 +230,6 @@ static void make_qx(const float *x, const float *w, int n, int S, int nmax, floa
     for (int g = 0; g < S; g += 8) make_qx8(x + g, w + g, n, S, nmax, scale + g, codes + g);
 }
 
-static void make_q3(const float *x, int n, int S, int nmax, float *scale, float *codes) {
-    for (int g = 0; g < S; g += 8) make_q38(x + g, n, S, nmax, scale + g, codes + g);
-}
-
 static void make_qkx(const float *x, const float *w, int n, int S, int nmax, float rmin, float rdelta, int nstep,
                      int mad, float *scale, float *the_min, float *codes) {
     for (int g = 0; g < S; g += 8)
@@ -267,11 +260,17 @@ static inline uint8_t u8(float v) { return (uint8_t)(int64_t)v; }
 
 /* ---- the 32-value types, as gguf-py and llama.cpp's reference rows ---- */
 
-WIDE static void q8_0(const float *x, uint8_t *y) {
-    float amax = fabsf(largest(x, 32));
-    float d = amax / 127, id = d > 0 ? 1.0f / d : 0.0f;
-    put_half(y, half_bits(d));
-    for (int j = 0; j < 32; j++) y[2 + j] = (uint8_t)(int8_t)roundv(x[j] * id);
+/* ggml's type numbers (gguf.GGMLQuantizationType) */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+/* truncf for |v| < 2^31 by integer conversion (no SSE4.1 needed), lane by lane */
+INLINE v8 vtrunc(v8 v) { return __builtin_convertvector(__builtin_convertvector(v, m8), v8); }
+
+/* roundf (half away from zero) as gguf-py's np_roundf: floor(a) + floor(2 (a - floor(a))) with the
+ * sign of v, exact where a + 0.5 is not */
+INLINE v8 vround(v8 v) {
+    v8 a = vabs(v), f = vtrunc(a), r = f + vtrunc(2 * (a - f));
+    return (v8)(((m8)r & 0x7fffffff) | ((m8)v & (int32_t)0x80000000));
 }
 
 /* the codes of a 32-value block: Q5's fifth bits as a little-endian uint32, then nibbles */
@@ -285,24 +284,104 @@ static void pack32(const uint8_t *q, int five, uint8_t *y) {
     for (int j = 0; j < 16; j++) y[j] = (q[j] & 15) | ((q[j + 16] & 15) << 4);
 }
 
-/* Q4_0 (nmax 8) and Q5_0 (16): d = max / -nmax */
-WIDE static void sym32(const float *x, uint8_t *y, int nmax, int five) {
-    float d = largest(x, 32) / -(float)nmax, id = d != 0 ? 1.0f / d : 0.0f;
-    uint8_t q[32];
-    for (int j = 0; j < 32; j++) q[j] = u8(minv(truncv(x[j] * id + ((float)nmax + 0.5f)), 2 * nmax - 1));
-    put_half(y, half_bits(d));
-    pack32(q, five, y + 2);
+/* 8 x 8 values: row r of a (a[r * stride + j]) into column r of t (t[j * tstride + r]), by shuffles of
+ * whole rows where the compiler has them */
+#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+#define SHUF __builtin_shufflevector
+INLINE void transpose8(const float *a, int stride, float *t, int tstride) {
+    v8 r[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = ld(a + i * stride);
+    for (int i = 0; i < 8; i += 2) {  /* pairs of rows interleaved within each half */
+        u[i] = SHUF(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        u[i + 1] = SHUF(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int i = 0; i < 8; i += 4)  /* then fours */
+        for (int h = 0; h < 2; h++) {
+            r[i + 2 * h] = SHUF(u[i + h], u[i + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+            r[i + 2 * h + 1] = SHUF(u[i + h], u[i + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        }
+    for (int j = 0; j < 4; j++) {  /* then the halves: columns j and j + 4 */
+        st(t + j * tstride, SHUF(r[j], r[j + 4], 0, 1, 2, 3, 8, 9, 10, 11));
+        st(t + (j + 4) * tstride, SHUF(r[j], r[j + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+    }
+}
+#else
+INLINE void transpose8(const float *a, int stride, float *t, int tstride) {
+    for (int r = 0; r < 8; r++)
+        for (int j = 0; j < 8; j++) t[j * tstride + r] = a[r * stride + j];
+}
+#endif
+
+/* vlargest of 32 values: the largest magnitude in four running maxima (no chain through every
+ * value), then the first value of it, found from the end */
+INLINE v8 vlargest32(const float *t) {
+    v8 m[4];
+    for (int i = 0; i < 4; i++) m[i] = vabs(ld(t + 8 * i));
+    for (int j = 4; j < 32; j += 4)
+        for (int i = 0; i < 4; i++) {
+            v8 a = vabs(ld(t + 8 * (j + i)));
+            m[i] = sel(a > m[i], a, m[i]);
+        }
+    m[0] = sel(m[1] > m[0], m[1], m[0]);
+    m[2] = sel(m[3] > m[2], m[3], m[2]);
+    v8 amax = sel(m[2] > m[0], m[2], m[0]), mx = splat(0);
+    for (int j = 31; j >= 0; j--) {
+        v8 v = ld(t + 8 * j);
+        mx = sel(vabs(v) == amax, v, mx);
+    }
+    return sel(mx == 0, splat(0), mx);  /* all zeros: +0 */
 }
 
-/* Q4_1 (nmax 15) and Q5_1 (31): d = (max - min) / nmax, the min stored */
-WIDE static void min32(const float *x, uint8_t *y, int nmax, int five) {
-    float lo = extreme(x, 32, LOWEST), hi = extreme(x, 32, HIGHEST);
-    float d = (hi - lo) / nmax, id = d != 0 ? 1.0f / d : 0.0f;
-    uint8_t q[32];
-    for (int j = 0; j < 32; j++) q[j] = u8(minv(truncv((x[j] - lo) * id + 0.5f), nmax));
-    put_half(y, half_bits(d));
-    put_half(y + 2, half_bits(lo));
-    pack32(q, five, y + 4);
+/* Eight blocks of 32 (x: 256 consecutive values), one per lane as the K-quants' sub-blocks, so that
+ * no step reduces across a vector. Q8_0: d = max |x| / 127, codes roundf(x / d). Q4_0 (nmax 8) and Q5_0
+ * (16): d = max / -nmax. Q4_1 (15) and Q5_1 (31): d = (max - min) / nmax, the min stored. Each
+ * extreme as llama.cpp's sequential loop finds it (the first of equal ones; NaNs aside), codes as its
+ * reference rows round them. */
+WIDE static void blocks32(const float *x, uint8_t *y, int type, int nmax, int size) {
+    float t[256], c[256];
+    int32_t cb[256];  /* written through transpose8's memcpy */
+    for (int j = 0; j < 32; j += 8) transpose8(x + j, 32, t + 8 * j, 8);
+    v8 d, lo = splat(0);
+    if (type == Q8_0) {
+        d = vabs(vlargest32(t)) / 127;
+        v8 id = sel(d > 0, 1.0f / vnonzero(d), splat(0));
+        for (int j = 0; j < 32; j++)
+            st(c + 8 * j, (v8)__builtin_convertvector(vround(ld(t + 8 * j) * id), m8));
+    } else if (type == Q4_0 || type == Q5_0) {
+        d = vlargest32(t) / -(float)nmax;
+        v8 id = sel(d != 0, 1.0f / vnonzero(d), splat(0)), top = splat(2 * nmax - 1);
+        for (int j = 0; j < 32; j++) {
+            v8 q = vtrunc(ld(t + 8 * j) * id + ((float)nmax + 0.5f));
+            st(c + 8 * j, (v8)__builtin_convertvector(sel(top < q, top, q), m8));
+        }
+    } else {
+        v8 hi = lo = ld(t);
+        for (int j = 1; j < 32; j++) {
+            v8 v = ld(t + 8 * j);
+            lo = sel(v < lo, v, lo);
+            hi = sel(v > hi, v, hi);
+        }
+        d = (hi - lo) / (float)nmax;
+        v8 id = sel(d != 0, 1.0f / vnonzero(d), splat(0)), top = splat(nmax);
+        for (int j = 0; j < 32; j++) {
+            v8 q = vtrunc((ld(t + 8 * j) - lo) * id + 0.5f);
+            st(c + 8 * j, (v8)__builtin_convertvector(sel(top < q, top, q), m8));
+        }
+    }
+    for (int j = 0; j < 32; j += 8) transpose8(c + 8 * j, 8, (float *)cb + j, 32);  /* block b's at cb[32 * b] */
+    for (int b = 0; b < 8; b++) {
+        uint8_t *yb = y + b * size, q[32];
+        for (int j = 0; j < 32; j++) q[j] = (uint8_t)cb[32 * b + j];
+        put_half(yb, half_bits(d[b]));
+        if (type == Q8_0) {
+            memcpy(yb + 2, q, 32);
+        } else if (type == Q4_1 || type == Q5_1) {
+            put_half(yb + 2, half_bits(lo[b]));
+            pack32(q, nmax == 31, yb + 4);
+        } else {
+            pack32(q, nmax == 16, yb + 2);
+        }
+    }
 }
 
 /* ---- the K-quants: superblocks of 256 ---- */
@@ -344,7 +423,7 @@ WIDE static void q2_k(const float *x, uint8_t *y) {
 WIDE static void q3_k(const float *x, uint8_t *y) {
     float xt[256], ct[256], codes[256], sc[16], mx;
     transpose(x, 16, 16, xt);
-    make_q3(xt, 16, 16, 4, sc, ct);
+    make_q3(xt, 16, 4, sc, ct);
     untranspose(ct, 16, 16, codes);
     mx = largest(sc, 16);
     float is = -32.0f / nonzero(mx);
@@ -452,9 +531,6 @@ WIDE static void q6_k(const float *x, uint8_t *y) {
     put_half(y + 208, dh);
 }
 
-/* ggml's type numbers (gguf.GGMLQuantizationType) */
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-
 /* a block of float16 values as float32 (F16C's conversion where the CPU has it) */
 WIDE static void widen(const uint16_t *h, int n, float *x) {
     for (int j = 0; j < n; j++) x[j] = half_value(h[j]);
@@ -479,6 +555,24 @@ int quantize(int type, const void *x, int half, int64_t rows, int64_t k, uint8_t
     }
     int64_t n = rows * (k / block);
     float buf[256];
+    if (block == 32) {  /* eight blocks at a time; the last few padded with zeros into a buffer */
+        int nmax = type == Q8_0 ? 127 : type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q4_1 ? 15 : 31;
+        uint8_t tail[8 * 24];
+        for (int64_t b = 0; b < n; b += 8) {
+            int m = n - b < 8 ? (int)(n - b) : 8;
+            const float *xb = (const float *)x + b * 32;
+            if (half || m < 8) {
+                memset(buf, 0, sizeof buf);
+                if (half) widen((const uint16_t *)x + b * 32, 32 * m, buf);
+                else memcpy(buf, xb, 32 * m * sizeof(float));
+                xb = buf;
+            }
+            uint8_t *yb = m < 8 ? tail : out + b * size;
+            blocks32(xb, yb, type, nmax, size);
+            if (m < 8) memcpy(out + b * size, tail, (size_t)m * size);
+        }
+        return 0;
+    }
     for (int64_t b = 0; b < n; b++) {
         const float *xb = (const float *)x + b * block;
         if (half) {
@@ -487,11 +581,6 @@ int quantize(int type, const void *x, int half, int64_t rows, int64_t k, uint8_t
         }
         uint8_t *yb = out + b * size;
         switch (type) {
-            case Q8_0: q8_0(xb, yb); break;
-            case Q4_0: sym32(xb, yb, 8, 0); break;
-            case Q5_0: sym32(xb, yb, 16, 1); break;
-            case Q4_1: min32(xb, yb, 15, 0); break;
-            case Q5_1: min32(xb, yb, 31, 1); break;
             case Q2_K: q2_k(xb, yb); break;
             case Q3_K: q3_k(xb, yb); break;
             case Q4_K: k32(xb, yb, 15, -1.0f, 20); break;
