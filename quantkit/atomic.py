@@ -58,8 +58,12 @@ def write_behind(f: BinaryIO, start: int) -> None:
     the commit's fsync then finds little left to flush (a large file's last seconds, or a small
     file's share of the command's time)."""
     f.flush()
-    if hasattr(os, "posix_fadvise"):  # Linux: DONTNEED starts the writeback and drops what is written
-        os.posix_fadvise(f.fileno(), start, f.tell() - start, os.POSIX_FADV_DONTNEED)
+    end = f.tell()
+    if hasattr(os, "posix_fadvise") and end > start:  # Linux: DONTNEED starts the writeback, drops what is written
+        try:
+            os.posix_fadvise(f.fileno(), start, end - start, os.POSIX_FADV_DONTNEED)
+        except OSError:  # a file system without it: the commit's fsync does all the flushing
+            pass
 
 
 def sync(path: Path) -> None:

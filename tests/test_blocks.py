@@ -2,6 +2,12 @@
 torch searches it was written from, byte for byte, on data that reaches every branch: ties, zeros
 of both signs, all-zero superblocks, subnormal values, values far above the rest. llama-quantize
 judges the same data in tests/test_gguf.py."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -61,16 +67,55 @@ def test_compiled_blocks_equal_the_torch_searches(kind):
 
 
 @pytest.mark.parametrize("kind", blocks.LEGACY_TYPES)
-def test_32_value_blocks_in_any_number(kind):
+def test_32_value_blocks_in_any_number(kind, monkeypatch):
     """The 32-value types are quantized eight blocks at a time (one per vector lane), the last few
     through a zero-padded buffer: any count of blocks, from float32 or float16, gives gguf-py's bytes."""
+    monkeypatch.setattr(blocks, "threads", lambda: 1)  # every block count below reaches the C code whole
     w = cases()["heavy"][:, :96]  # 3 blocks a row
-    for rows in (1, 2, 3, 5, 11):
+    for rows in (1, 2, 3, 5, 8, 11, 16):
         x = w[:rows].numpy()
         theirs = gguf.quants.quantize(x, gguf.GGMLQuantizationType[kind]).reshape(rows, -1)
         assert np.array_equal(blocks.quantize(x, kind), theirs), rows
         half = x.astype(np.float16)
         assert np.array_equal(blocks.quantize(half, kind), blocks.quantize(half.astype(np.float32), kind)), rows
+
+
+CHILD = """
+import ctypes, sys
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+lib = ctypes.CDLL(sys.argv[1])
+lib.quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+x = np.random.default_rng(0).standard_normal((9, 768)).astype(np.float32)
+for t in sys.argv[2:]:
+    kind = GGMLQuantizationType[t]
+    block, size = GGML_QUANT_SIZES[kind]
+    for rows, k in ((1, 96), (7, 96), (9, 768), (3, 256)):
+        if k % block:
+            continue
+        for half in (0, 1):
+            xx = np.ascontiguousarray(x[:rows, :k].astype(np.float16) if half else x[:rows, :k])
+            out = np.empty((rows, k // block * size), np.uint8)
+            assert lib.quantize(int(kind), xx.ctypes.data, half, rows, k, out.ctypes.data) == 0
+"""
+
+
+def test_the_compiled_quantizer_stays_inside_its_buffers(tmp_path):
+    """Built with AddressSanitizer: every type, from float32 and float16, on block counts that end in a
+    partial group of eight, reads and writes nothing outside its buffers (a tail buffer too small for
+    Q8_0 once passed every byte test, its overflow landing in a buffer already read)."""
+    gcc = shutil.which("gcc")
+    asan = gcc and subprocess.run([gcc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    if not asan or not os.path.isabs(asan):
+        pytest.skip("no gcc with AddressSanitizer here")
+    src = Path(__file__).resolve().parents[1] / "quantkit" / "kernels" / "ggml.c"
+    lib = tmp_path / "ggml_asan.so"
+    subprocess.run([gcc, "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-ffp-contract=off",
+                    "-Wno-psabi", "-shared", "-fPIC", "-o", str(lib), str(src), "-lm"], check=True)
+    run = subprocess.run([sys.executable, "-c", CHILD, str(lib), *blocks.LEGACY_TYPES, *blocks.K_TYPES],
+                         capture_output=True, text=True,
+                         env={**os.environ, "LD_PRELOAD": asan, "ASAN_OPTIONS": "detect_leaks=0"})
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def test_rows_split_over_threads_give_the_rows_alone(monkeypatch):

@@ -139,7 +139,7 @@ WIDE static void make_qx8(const float *x, const float *w, int n, int S, int nmax
  * in each step) interleave. */
 WIDE static void make_q3(const float *x, int n, int nmax, float *scale, float *codes) {
     enum { G = 2, S = 16 };
-    v8 mx[G], is[G], slx[G], sl2[G], w[G][16];
+    v8 mx[G], is[G], slx[G], sl2[G], w[G][16];  /* n <= 16 */
     m8 zero[G];
     for (int g = 0; g < G; g++) {
         mx[g] = vlargest(x + 8 * g, n, S);
@@ -286,7 +286,10 @@ static void pack32(const uint8_t *q, int five, uint8_t *y) {
 
 /* 8 x 8 values: row r of a (a[r * stride + j]) into column r of t (t[j * tstride + r]), by shuffles of
  * whole rows where the compiler has them */
-#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+#ifndef __has_builtin
+#define __has_builtin(x) 0
+#endif
+#if __has_builtin(__builtin_shufflevector)
 #define SHUF __builtin_shufflevector
 INLINE void transpose8(const float *a, int stride, float *t, int tstride) {
     v8 r[8], u[8];
@@ -306,9 +309,9 @@ INLINE void transpose8(const float *a, int stride, float *t, int tstride) {
     }
 }
 #else
-INLINE void transpose8(const float *a, int stride, float *t, int tstride) {
+INLINE void transpose8(const float *a, int stride, float *t, int tstride) {  /* memcpy: t may hold int32 */
     for (int r = 0; r < 8; r++)
-        for (int j = 0; j < 8; j++) t[j * tstride + r] = a[r * stride + j];
+        for (int j = 0; j < 8; j++) memcpy(t + j * tstride + r, a + r * stride + j, sizeof(float));
 }
 #endif
 
@@ -557,7 +560,7 @@ int quantize(int type, const void *x, int half, int64_t rows, int64_t k, uint8_t
     float buf[256];
     if (block == 32) {  /* eight blocks at a time; the last few padded with zeros into a buffer */
         int nmax = type == Q8_0 ? 127 : type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q4_1 ? 15 : 31;
-        uint8_t tail[8 * 24];
+        uint8_t tail[8 * 34];  /* eight blocks of the largest 32-value type, Q8_0 */
         for (int64_t b = 0; b < n; b += 8) {
             int m = n - b < 8 ? (int)(n - b) : 8;
             const float *xb = (const float *)x + b * 32;
