@@ -49,10 +49,15 @@ def library() -> ctypes.CDLL | None:
     if path is None:
         return None
     try:
-        lib = ctypes.CDLL(str(path))
+        return load(path)
     except OSError as e:  # built for another machine: the torch searches instead
         warnings.warn(f"{path.name} does not load ({e}): GGUF quantization falls back to torch, ~20x slower")
         return None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A build of quantkit/kernels/ggml.c at path (the installed one, or a test's own build)."""
+    lib = ctypes.CDLL(str(path))
     lib.quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                              ctypes.c_void_p]
     lib.quantize.restype = ctypes.c_int

@@ -81,22 +81,17 @@ def test_32_value_blocks_in_any_number(kind, monkeypatch):
 
 
 CHILD = """
-import ctypes, sys
+import sys
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-lib = ctypes.CDLL(sys.argv[1])
-lib.quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+from quantkit import blocks
+lib = blocks.load(sys.argv[1])
+blocks.library = lambda: lib
 x = np.random.default_rng(0).standard_normal((9, 768)).astype(np.float32)
 for t in sys.argv[2:]:
-    kind = GGMLQuantizationType[t]
-    block, size = GGML_QUANT_SIZES[kind]
     for rows, k in ((1, 96), (7, 96), (9, 768), (3, 256)):
-        if k % block:
-            continue
-        for half in (0, 1):
-            xx = np.ascontiguousarray(x[:rows, :k].astype(np.float16) if half else x[:rows, :k])
-            out = np.empty((rows, k // block * size), np.uint8)
-            assert lib.quantize(int(kind), xx.ctypes.data, half, rows, k, out.ctypes.data) == 0
+        if k % blocks.sizes(t)[0] == 0:
+            blocks.quantize(x[:rows, :k], t)
+            blocks.quantize(x[:rows, :k].astype(np.float16), t)
 """
 
 

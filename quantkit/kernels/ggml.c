@@ -380,9 +380,9 @@ WIDE static void blocks32(const float *x, uint8_t *y, int type, int nmax, int si
             memcpy(yb + 2, q, 32);
         } else if (type == Q4_1 || type == Q5_1) {
             put_half(yb + 2, half_bits(lo[b]));
-            pack32(q, nmax == 31, yb + 4);
+            pack32(q, type == Q5_1, yb + 4);
         } else {
-            pack32(q, nmax == 16, yb + 2);
+            pack32(q, type == Q5_0, yb + 2);
         }
     }
 }
@@ -542,13 +542,13 @@ WIDE static void widen(const uint16_t *h, int n, float *x) {
 /* Quantize rows [rows, k] of x (float32, or float16 where half) into out; 0 on success, -1 for a type
  * this file does not hold. */
 int quantize(int type, const void *x, int half, int64_t rows, int64_t k, uint8_t *out) {
-    int block, size;
+    int block, size, nmax = 0;  /* nmax: a 32-value type's top code (Q8_0's magnitude) */
     switch (type) {
-        case Q8_0: block = 32; size = 34; break;
-        case Q4_0: block = 32; size = 18; break;
-        case Q4_1: block = 32; size = 20; break;
-        case Q5_0: block = 32; size = 22; break;
-        case Q5_1: block = 32; size = 24; break;
+        case Q8_0: block = 32; size = 34; nmax = 127; break;
+        case Q4_0: block = 32; size = 18; nmax = 8; break;
+        case Q4_1: block = 32; size = 20; nmax = 15; break;
+        case Q5_0: block = 32; size = 22; nmax = 16; break;
+        case Q5_1: block = 32; size = 24; nmax = 31; break;
         case Q2_K: block = 256; size = 84; break;
         case Q3_K: block = 256; size = 110; break;
         case Q4_K: block = 256; size = 144; break;
@@ -559,13 +559,12 @@ int quantize(int type, const void *x, int half, int64_t rows, int64_t k, uint8_t
     int64_t n = rows * (k / block);
     float buf[256];
     if (block == 32) {  /* eight blocks at a time; the last few padded with zeros into a buffer */
-        int nmax = type == Q8_0 ? 127 : type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q4_1 ? 15 : 31;
         uint8_t tail[8 * 34];  /* eight blocks of the largest 32-value type, Q8_0 */
         for (int64_t b = 0; b < n; b += 8) {
             int m = n - b < 8 ? (int)(n - b) : 8;
             const float *xb = (const float *)x + b * 32;
             if (half || m < 8) {
-                memset(buf, 0, sizeof buf);
+                if (m < 8) memset(buf, 0, sizeof buf);
                 if (half) widen((const uint16_t *)x + b * 32, 32 * m, buf);
                 else memcpy(buf, xb, 32 * m * sizeof(float));
                 xb = buf;
