@@ -1,6 +1,7 @@
 """The layer-wise pipeline, the one place where layers flow: each decoder layer is read from the
-checkpoint (in its own dtype), moved to the device in float32, calibrated, quantized, handed to the
-writer and dropped, so one layer is in memory at a time. Calibration inputs go through the decoder
+checkpoint (in its own dtype) onto the device, calibrated and quantized in float32 (a linear's
+float32 weight made only while it runs or is quantized), handed to the writer and dropped, so one
+layer is in memory at a time. Calibration inputs go through the decoder
 with the layers: hooks gather what the quantizer needs from each linear's inputs, the linears are
 quantized, and the layer is run again so the next layer sees the quantized layer's outputs.
 """
@@ -17,10 +18,11 @@ from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import distributed
-from .layers import GROUPS, Captured, on_device, run_hooked
+from .layers import GROUPS, LINEARS, Captured, on_device, run_hooked
 from .modelio import Model
 from .qtensor import QuantizedTensor
 
@@ -306,12 +308,47 @@ def load_progress(path: Path, key: str) -> dict | None:
     return state
 
 
+class Lean:
+    """A layer's linears kept small while it is quantized (a 7B layer is 0.8 GB in float32): each holds
+    the checkpoint's weight, in the checkpoint's dtype, until it is quantized, then only its quantized
+    tensor. A linear's float32 weight is made when it is called and let go after; finish() leaves the
+    layer as the other paths do (float32, the quantized linears dequantized)."""
+
+    def __init__(self, layer: torch.nn.Module):
+        self.layer, self.quantized = layer, {}
+        linears = {name: layer.get_submodule(name) for name in LINEARS}
+        kept = {name: linear.weight.data for name, linear in linears.items()}
+        for linear in linears.values():
+            linear.weight.data = linear.weight.new_empty(0)
+        layer.float()  # the rest: norms, biases, buffers
+        for name, linear in linears.items():
+            linear.weight.data = kept[name]
+            linear.forward = lambda x, name=name, linear=linear: F.linear(x, self.weight(name), linear.bias)
+
+    def weight(self, name: str) -> torch.Tensor:
+        qt = self.quantized.get(name)
+        return qt.dequantize() if qt is not None else self.layer.get_submodule(name).weight.float()
+
+    def set(self, name: str, qt: QuantizedTensor) -> None:
+        """name quantized to qt: the checkpoint's weight is let go."""
+        weight = self.layer.get_submodule(name).weight
+        self.quantized[name], weight.data = qt.to(weight.device), weight.new_empty(0)
+
+    def finish(self) -> None:
+        for name in LINEARS:
+            linear = self.layer.get_submodule(name)
+            linear.weight.data = self.weight(name)
+            del linear.forward  # the class's again
+
+
 def quantize_layer(i: int, layer: torch.nn.Module, quantize: QuantizeFn, batches, stages,
                    update: bool = True) -> dict[str, QuantizedTensor]:
-    """One decoder layer's linears through quantize, group by group; with update (always when there
-    are calibration batches: the next group and layer see the quantized outputs) the weights become
-    their dequantized values in place."""
+    """One decoder layer's linears through quantize, group by group; with calibration batches the
+    next group and layer see the quantized outputs. update: the weights become their dequantized
+    values in place, in float32; otherwise, with batches, the layer is Lean while it is quantized
+    and left as update leaves it."""
     tensors = {}
+    lean = Lean(layer) if batches is not None and not update else None
     attention = None  # the attention block's outputs, once they are final
     for stage in stages:
         hessians, o_inputs = {}, []
@@ -321,23 +358,30 @@ def quantize_layer(i: int, layer: torch.nn.Module, quantize: QuantizeFn, batches
             with replaying_attention(layer, attention):
                 hessians, o_inputs = gather_hessians(layer, batches, stage, keep)
         names = [name for group in stage for name in group]
-        mine = {name: quantize(f"model.layers.{i}.{name}", layer.get_submodule(name).weight.data, hessians.get(name))
-                for j, name in enumerate(names) if distributed.owner(j) == distributed.rank()}
+        mine = {}
+        for j, name in enumerate(names):
+            h = hessians.pop(name, None)  # the last linear sharing an input lets its Hessian go
+            if distributed.owner(j) == distributed.rank():
+                mine[name] = quantize(f"model.layers.{i}.{name}", layer.get_submodule(name).weight.data, h)
         for j, name in enumerate(names):  # under torchrun, each linear from the process that quantized it
-            qt = distributed.shared(mine.get(name), distributed.owner(j), "cpu")
+            qt = distributed.shared(mine.pop(name, None), distributed.owner(j), "cpu")
             if qt is None:  # left in float (a rule skips it)
                 continue
-            if update or batches is not None:
+            if lean is not None:
+                lean.set(name, qt)
+            elif update:
                 linear = layer.get_submodule(name)
                 linear.weight.data.copy_(qt.dequantize().to(linear.weight.device))  # in place: no second copy
             tensors[f"model.layers.{i}.{name}"] = qt
         if o_inputs:
             attention = [layer.self_attn.o_proj(x) for x in o_inputs]
-        del hessians, o_inputs, mine
+        del hessians, h, o_inputs
         free_memory()
     if batches is not None:
         with replaying_attention(layer, attention):
             run_layer(layer, batches)
+    if lean is not None:
+        lean.finish()
     return tensors
 
 
@@ -427,7 +471,7 @@ def quantize_layers(
     for i in bar:
         prefix = f"model.layers.{i}"
         layer = model.materialize(prefix, device, dtype=None)
-        if batches is not None or keep:  # computed in float32; otherwise each weight is converted on its own
+        if keep or layer_fn is not None:  # computed in float32 (quantize_layer keeps the rest Lean)
             layer.float()
         if layer_fn is not None:
             layer_tensors = {name: qt.to("cpu") for name, qt in layer_fn(i, layer, batches).items()}

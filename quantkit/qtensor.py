@@ -134,7 +134,16 @@ class QuantizedTensor:
             n, k = self.codes.shape
             s = self.scales.float().repeat_interleave(self.group_size)[: n * k].view(n, k)
             return (self.codebook[self.codes.long()] * s).to(dtype)
-        g = self.g_idx.long()
-        w = self.codes.to(torch.float32)  # s * (q - z) in place: one [N, K] temporary at a time beside w
-        w.sub_(self.zeros.to(torch.float32)[:, g])
-        return w.mul_(self.scales.to(torch.float32)[:, g]).to(dtype)
+        w = self.codes.to(torch.float32)  # s * (q - z) in place
+        zeros, scales = self.zeros.to(torch.float32), self.scales.to(torch.float32)
+        n, k = w.shape
+        if self.act_order:  # each column's group gathered, a slice of rows at a time
+            g, rows = self.g_idx.long(), max(1, 2**22 // max(k, 1))
+            for r in range(0, n, rows):
+                w[r:r + rows].sub_(zeros[r:r + rows, g]).mul_(scales[r:r + rows, g])
+            return w.to(dtype)
+        size = k if self.group_size == -1 else self.group_size  # groups of adjacent columns: broadcast
+        whole = k // size
+        w[:, :whole * size].view(n, whole, size).sub_(zeros[:, :whole, None]).mul_(scales[:, :whole, None])
+        w[:, whole * size:].sub_(zeros[:, whole:]).mul_(scales[:, whole:])  # a shorter last group
+        return w.to(dtype)

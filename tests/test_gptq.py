@@ -115,6 +115,35 @@ def test_damping_is_raised_with_a_warning_then_refused():
         gptq.quantize(w, h, 4, 128, True, name="model.layers.0.mlp.up_proj")
 
 
+@pytest.mark.parametrize("order", ["plain", "permuted"])
+def test_the_factor_made_in_the_hessians_memory_is_torchs_and_leaves_it_whole(order):
+    """On the CPU the inverse Hessian's factor is made in H's own memory: the same values as torch's
+    three calls on a copy (so GPTQ's codes equal the references' above), through a retry with more
+    damping and an input that is always zero, and H the same bytes afterwards."""
+    assert gptq.LAPACK is not None  # torch's CPU build exports its LAPACK
+    _, h = problem(k=300, seed=4)
+    h[7, :], h[:, 7] = 0, 0
+    h -= 0.9 * torch.diag(h.diagonal()) * (torch.arange(300) % 2)  # half the inputs too weak: 0.01 fails
+    before = h.clone()
+    perm = torch.randperm(300, generator=torch.Generator().manual_seed(0)) if order == "permuted" else None
+    with pytest.warns(UserWarning, match="raising it"):
+        with gptq.inverse_factor(h, 0.01, perm=perm) as u:
+            made = u.triu().clone()
+    assert torch.equal(h, before)
+    for attempt in range(6):  # torch's calls on a copy, as auto-gptq makes them
+        ref = before.clone()
+        ref.diagonal()[ref.diagonal() == 0] = 1
+        mean = torch.mean(torch.diag(ref))  # in the columns' own order
+        ref = ref if perm is None else ref[perm][:, perm]
+        ref.diagonal().add_(0.01 * 10**attempt * mean)
+        ref, info = torch.linalg.cholesky_ex(ref)
+        if not info:
+            ref, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(ref), upper=True)
+        if not info:
+            break
+    assert attempt > 0 and torch.equal(made, ref.triu())
+
+
 def test_mse_clipping_search_lowers_the_error():
     w, h = problem(seed=2)
     w[:, 0] *= 20  # an outlier column that stretches every row's range

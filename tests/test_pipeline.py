@@ -165,6 +165,39 @@ def test_layers_stream_one_at_a_time_in_the_checkpoints_dtype(tiny_dir, tmp_path
     assert torch.equal(back.tensors["model.layers.1.mlp.down_proj"].codes, rtn.quantize(w.float(), 4, 32, True).codes)
 
 
+def test_a_streamed_layer_keeps_its_linears_small_and_quantizes_as_in_memory(tiny_dir, tmp_path, monkeypatch):
+    """Streamed GPTQ of a bf16 checkpoint: while a linear is quantized, no other linear of its layer
+    holds float32 weights (those waiting are bf16, those done only their codes), and the export is
+    what the run that keeps the whole float32 model in memory makes, code for code."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantkit.quantizers import gptq
+
+    AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(tmp_path / "bf16")
+    m, real, seen = quantkit.load(tmp_path / "bf16"), gptq.quantize, []
+
+    def spy(w, h, *args, name="layer", **kwargs):
+        layer = m.layers[int(name.split(".")[2])]
+        others = [layer.get_submodule(other).weight for other in LINEARS if not name.endswith(other)]
+        seen.append((name, w.dtype, sorted({(t.dtype, t.numel() > 0) for t in others}, key=str)))
+        return real(w, h, *args, name=name, **kwargs)
+
+    monkeypatch.setattr(gptq, "quantize", spy)
+    settings = dict(method="gptq", bits=4, group_size=32, calib_data=VALID, calib_samples=8, calib_seqlen=64,
+                    progress=False)
+    quantkit.quantize(m, out=tmp_path / "q", **settings)
+    assert len(seen) == 14
+    assert all(dtype == torch.bfloat16 for _, dtype, _ in seen)
+    assert all(others in ([(torch.bfloat16, True)], [(torch.bfloat16, False)], [(torch.bfloat16, False), (torch.bfloat16, True)])
+               for _, _, others in seen), seen
+    monkeypatch.setattr(gptq, "quantize", real)
+    kept = quantkit.quantize(quantkit.load(tmp_path / "bf16"), **settings)  # float32 in memory throughout
+    back = quantkit.load(tmp_path / "q")
+    for name, qt in kept.tensors.items():
+        assert torch.equal(back.tensors[name].codes, qt.codes) and torch.equal(back.tensors[name].scales, qt.scales)
+
+
 def test_progress_whose_partial_output_is_gone_starts_afresh(tiny_dir, tmp_path, monkeypatch, capsys):
     kw = dict(method="gptq", bits=4, group_size=32, calib_data=VALID, calib_samples=4, calib_seqlen=48, progress=False)
     quantkit.quantize(str(tiny_dir), out=tmp_path / "whole", **kw)

@@ -113,7 +113,7 @@ def quantize(w: torch.Tensor, h: torch.Tensor, setting: Setting, damp: float = 0
     n, k = w.shape
     if k % 32:
         raise QuantkitError(f"{name} has {k} inputs: EXL2 needs a multiple of 32")
-    w, h = prepare(w, h)
+    w, diag = prepare(w, h)
     g = setting.group_size
     widths = setting.group_bits(k)
     scales = torch.zeros(n, len(widths), device=w.device)
@@ -124,7 +124,7 @@ def quantize(w: torch.Tensor, h: torch.Tensor, setting: Setting, damp: float = 0
         scales[:, grp], maxima[grp] = grid(span, b)
         return scales[:, grp], torch.full((n,), 2.0 ** (b - 1), device=w.device), 2**b - 1
 
-    perm = torch.argsort(torch.diag(h), descending=True)
+    perm = torch.argsort(diag, descending=True)
     col_group = torch.arange(k, device=w.device) // g
     codes, loss = run(w, h, perm, col_group, fit, damp, block_size, name)
     group_bits = torch.tensor(widths, dtype=torch.uint8, device=codes.device)

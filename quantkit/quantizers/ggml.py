@@ -24,7 +24,7 @@ from .. import blocks as compiled
 from ..blocks import BITS, FLOAT_TYPES, K_TYPES, LEGACY_TYPES, TYPES, check, sizes  # noqa: F401 (read as ggml.*)
 from ..errors import QuantkitError
 from ..qtensor import QuantizedTensor
-from .gptq import GPTQResult, inverse_hessian_factor
+from .gptq import GPTQResult, inverse_factor, prepare
 
 F32 = np.float32
 EPS = 1e-15  # GROUP_MAX_EPS: a block this small is all zeros
@@ -525,29 +525,25 @@ def gptq(w: torch.Tensor, h: torch.Tensor, t: str, importance: torch.Tensor | No
     n, k = w.shape
     b = sizes(t)[0]
     sub = {"Q4_K": 32, "Q5_K": 32}.get(t, 16 if t in K_TYPES else b)
-    w = w.detach().float().clone()
-    h = h.float().clone()
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1
-    w[:, dead] = 0
-    hinv = inverse_hessian_factor(h, damp, name)
+    w, _ = prepare(w.detach(), h)
     fits, codes, loss = [], torch.zeros(n, k), 0.0
-    for c0 in range(0, k, b):
-        w1 = w[:, c0:c0 + b].clone()
-        err = torch.zeros_like(w1)
-        hinv1 = hinv[c0:c0 + b, c0:c0 + b].contiguous()  # its rows are read one by one
-        qw = None if importance is None else importance[c0:c0 + b].float().expand(n, -1)
-        f = FITS[t](w1, qw, row_sigma2(t, w, importance))
-        for i in range(b):
-            q = f.round(w1[:, i], i // sub)
-            codes[:, c0 + i] = q
-            e = (w1[:, i] - f.value(q, i // sub)) / hinv1[i, i]
-            w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
-            err[:, i] = e
-        loss += float(err.square().sum()) / 2
-        w[:, c0 + b:] -= err @ hinv[c0:c0 + b, c0 + b:]
-        f.codes = torch.where((f.scale == 0).repeat_interleave(sub, dim=1), f.codes, codes[:, c0:c0 + b])
-        fits.append(pack(t, f))
+    with inverse_factor(h, damp, name) as hinv:
+        for c0 in range(0, k, b):
+            w1 = w[:, c0:c0 + b].clone()
+            err = torch.zeros_like(w1)
+            hinv1 = hinv[c0:c0 + b, c0:c0 + b].contiguous()  # its rows are read one by one
+            qw = None if importance is None else importance[c0:c0 + b].float().expand(n, -1)
+            f = FITS[t](w1, qw, row_sigma2(t, w, importance))
+            for i in range(b):
+                q = f.round(w1[:, i], i // sub)
+                codes[:, c0 + i] = q
+                e = (w1[:, i] - f.value(q, i // sub)) / hinv1[i, i]
+                w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
+                err[:, i] = e
+            loss += float(err.square().sum()) / 2
+            w[:, c0 + b:] -= err @ hinv[c0:c0 + b, c0 + b:]
+            f.codes = torch.where((f.scale == 0).repeat_interleave(sub, dim=1), f.codes, codes[:, c0:c0 + b])
+            fits.append(pack(t, f))
     return GPTQResult(tensor(t, np.stack(fits, axis=1).reshape(n, -1), n), loss)
 
 

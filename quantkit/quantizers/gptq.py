@@ -6,9 +6,12 @@ a block of columns are applied at once, the rest of the matrix is updated once p
 """
 from __future__ import annotations
 
+import ctypes
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -23,40 +26,153 @@ class GPTQResult:
     loss: float  # sum over weights of (w - q)^2 / Hinv_jj^2 / 2: the layer's output error the method minimizes
 
 
-def inverse_hessian_factor(h: torch.Tensor, damp: float, name: str = "layer",
-                           perm: torch.Tensor | None = None) -> torch.Tensor:
-    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, with H's rows and columns in perm's
-    order when given, raising damping tenfold on failure. One K x K copy of H (485 MB for K = 11008),
-    factored in place: it is column-major, LAPACK's order, so torch needs no copy of its own."""
-    mean_diag = torch.mean(torch.diag(h))
-    for attempt in range(6):
-        d = damp * 10**attempt
-        try:
-            m = torch.empty_like(h).mT  # column-major
-            step = max(1, 2**22 // len(h))
-            for r in range(0, len(h), step):  # a slice of rows at a time: no second K x K temporary
-                m[r:r + step] = h[r:r + step] if perm is None else h[perm[r:r + step]][:, perm]
-            m.diagonal().add_(d * mean_diag)
-            torch.linalg.cholesky(m, out=m)
-            torch.cholesky_inverse(m, out=m)
-            return torch.linalg.cholesky(m, upper=True, out=m)
-        except torch.linalg.LinAlgError:
+def torch_lapack() -> ctypes.CDLL | None:
+    """The LAPACK torch factors with (MKL, in the x86 builds), for calls torch has no form of: its
+    Cholesky zeroes the triangle it does not use, and GPTQ keeps H there. None where it is not exported."""
+    try:
+        lib = ctypes.CDLL(str(next(Path(torch.__file__).parent.glob("lib/libtorch_cpu.*"))))
+        lib.spotrf_, lib.spotri_  # AttributeError when not exported
+        return lib
+    except (StopIteration, OSError, AttributeError):
+        return None
+
+
+LAPACK = torch_lapack()
+
+
+def lapack(routine: str, uplo: str, a: torch.Tensor) -> int:
+    """spotrf or spotri on a column-major square float32 a, in place; LAPACK's info (> 0: not positive
+    definite)."""
+    n, info = ctypes.c_int(len(a)), ctypes.c_int(0)
+    getattr(LAPACK, routine + "_")(uplo.encode(), ctypes.byref(n), ctypes.c_void_p(a.data_ptr()), ctypes.byref(n),
+                                   ctypes.byref(info))
+    return info.value
+
+
+@contextmanager
+def inverse_factor(h: torch.Tensor, damp: float, name: str = "layer",
+                   perm: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+    """The upper Cholesky factor U of (H' + damp * mean(diag H') * I)^-1, H' being the symmetric H with
+    its rows and columns in perm's order (when given) and each zero on its diagonal (an input that is
+    always zero) made 1; damping rises tenfold while it does not factor. Only U's upper triangle is
+    meant: the rest of the matrix yielded is not U's.
+
+    On the CPU, U is made in H's own memory (485 MB saved on a 7B model's down_proj), by the calls
+    torch's own would make: LAPACK works on one triangle, so the other keeps H to start again from,
+    and H is whole again when the context ends (linears sharing an input share H). Elsewhere, or
+    without torch's LAPACK at hand, U is made in a copy."""
+    given = h.diagonal().clone()
+    diag = torch.where(given == 0, 1, given).float()
+    mean = diag.mean()  # a float32 tensor: d * mean rounded as torch rounds it, not in double
+    diag = diag if perm is None else diag[perm]
+    own = LAPACK is not None and h.device.type == "cpu" and h.dtype == torch.float32 and h.is_contiguous()
+    if own and perm is not None:
+        permute_(h, perm)
+    try:
+        for attempt in range(6):
+            d = damp * 10**attempt
+            factor = factor_in_place(h, diag + d * mean) if own else factor_copy(h, diag + d * mean, perm)
+            if factor is not None:
+                yield factor
+                return
             warnings.warn(f"{name}: Hessian not positive definite with damping {d:g}; raising it to {d * 10:g}")
+    finally:
+        if own:  # H again: the triangle U took from the one that kept H, then H's order and diagonal
+            mirror_lower(h.mT)
+            if perm is not None:
+                permute_(h, torch.argsort(perm))
+            h.diagonal().copy_(given)
     raise QuantkitError(
         f"{name}: the Hessian stays singular even with damping {d:g}: calibrate on more or more varied text"
     )
 
 
+def factor_in_place(h: torch.Tensor, diag: torch.Tensor) -> torch.Tensor | None:
+    """inverse_factor's U for the symmetric h with diag on its diagonal, made in h's memory read
+    column-major (m = h.mT), with the LAPACK calls torch.linalg.cholesky, cholesky_inverse and
+    cholesky(upper=True) make, so the same values: the factor and its inverse in m's lower triangle
+    while m's strict upper keeps H; then the two swap, and the upper factor is made in m's upper
+    triangle while its strict lower keeps H. Returns m, or None with h symmetric again."""
+    m = h.mT
+    m.diagonal().copy_(diag)
+    if lapack("spotrf", "L", m) or lapack("spotri", "L", m):
+        mirror_lower(h)  # m's lower triangle from its upper one
+        return None
+    transpose_(m)  # the inverse to m's upper triangle, H to its lower
+    if lapack("spotrf", "U", m):
+        mirror_lower(m)
+        return None
+    return m
+
+
+def factor_copy(h: torch.Tensor, diag: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor | None:
+    """inverse_factor's U, in a float32 copy of h in perm's order (None when it does not factor). The
+    copy is column-major, LAPACK's order, so torch factors it in place without one of its own."""
+    m = torch.empty(h.shape, dtype=torch.float32, device=h.device).mT
+    step = max(1, 2**22 // len(h))
+    for r in range(0, len(h), step):  # a slice of rows at a time: no second K x K temporary
+        m[r:r + step] = h[r:r + step] if perm is None else h[perm[r:r + step]][:, perm]
+    m.diagonal().copy_(diag)
+    try:
+        torch.linalg.cholesky(m, out=m)
+        torch.cholesky_inverse(m, out=m)
+        return torch.linalg.cholesky(m, upper=True, out=m)
+    except torch.linalg.LinAlgError:
+        return None
+
+
+def mirror_lower(t: torch.Tensor) -> None:
+    """t's strict upper triangle set from its strict lower one, a block of rows at a time."""
+    k = len(t)
+    step = max(1, 2**22 // k)
+    for r in range(0, k, step):
+        s = min(step, k - r)
+        t[r:r + s, r + s:] = t[r + s:, r:r + s].T
+        d = t[r:r + s, r:r + s]
+        d.copy_(d.tril() + d.tril(-1).T)
+
+
+def transpose_(t: torch.Tensor) -> None:
+    """t = t.T in place, a pair of blocks at a time."""
+    k, step = len(t), 256
+    for r in range(0, k, step):
+        d = t[r:r + step, r:r + step]
+        d.copy_(d.T.clone())
+        for c in range(r + step, k, step):
+            upper = t[r:r + step, c:c + step].clone()
+            t[r:r + step, c:c + step] = t[c:c + step, r:r + step].T
+            t[c:c + step, r:r + step] = upper.T
+
+
+def permute_(h: torch.Tensor, perm: torch.Tensor) -> None:
+    """h[perm][:, perm] in place: the columns a slice of rows at a time, the rows along the
+    permutation's cycles, one row held aside per cycle."""
+    k = len(h)
+    step = max(1, 2**22 // k)
+    for r in range(0, k, step):
+        h[r:r + step] = h[r:r + step, perm]
+    p, seen = perm.tolist(), [False] * k
+    for start in range(k):
+        if seen[start]:
+            continue
+        row, j = h[start].clone(), start
+        while not seen[j]:
+            seen[j] = True
+            if p[j] == start:
+                h[j] = row
+            else:
+                h[j] = h[p[j]]
+            j = p[j]
+
+
 def prepare(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float32 copy of w to work on and h in float32, inputs that are always zero set to 0 in w
-    (any value is exact; take 0) and to 1 on h's diagonal so that it factors."""
-    w, h = w.float().clone(), h.float()
-    dead = torch.diag(h) == 0
-    if dead.any():
-        h = h.clone()  # the caller's matrix may serve other linears
-        h[dead, dead] = 1
-        w[:, dead] = 0
-    return w, h
+    """A float32 copy of w to work on, and H's diagonal, where an input that is always zero (0 on the
+    diagonal) gets 1, as inverse_factor gives it; its column of w is set to 0 (any value is exact)."""
+    w = w.to(torch.float32, copy=True)
+    diag = h.diagonal().float()
+    dead = diag == 0
+    w[:, dead] = 0
+    return w, torch.where(dead, 1, diag)
 
 
 def column_order(diag: torch.Tensor, g: int, act_order: bool, group_aware: bool) -> torch.Tensor:
@@ -99,7 +215,7 @@ def quantize(
     n, k = w.shape
     g = k if group_size == -1 else group_size
     ng = -(-k // g)
-    w, h = prepare(w, h)
+    w, diag = prepare(w, h)
 
     scales = torch.zeros(n, ng, device=w.device)
     zeros = torch.zeros(n, ng, device=w.device)
@@ -107,7 +223,7 @@ def quantize(
         for j in range(ng):
             scales[:, j], zeros[:, j] = fit_grid(w[:, j * g : (j + 1) * g], bits, sym, mse)
 
-    perm = column_order(torch.diag(h), g, act_order, group_aware)
+    perm = column_order(diag, g, act_order, group_aware)
     # group of each column in quantization order; each group's columns are contiguous in it
     col_group = torch.arange(k, device=w.device) // g if act_order and not static_groups else perm // g
     maxq = 2**bits - 1
@@ -138,36 +254,38 @@ def run(w: torch.Tensor, h: torch.Tensor, perm: torch.Tensor, col_group: torch.T
     """GPTQ's loop: w [N, K]'s columns quantized in perm order, col_group[i] the group of the i-th
     of them (each group's columns contiguous in that order). At a group's first column,
     fit(span, group) gives its scale, zero (per row) and top code from the group's columns (span) as
-    updated so far. w is a working copy (prepare's), permuted and updated in place. Codes [N, K] in
-    the original column order, and the loss."""
+    updated so far. w is a working copy (prepare's), permuted and updated in place; h, H as summed
+    (symmetric), is lent to inverse_factor and whole again on return. Codes [N, K] in the original
+    column order, and the loss."""
     n, k = w.shape
-    if torch.equal(perm, torch.arange(k, device=perm.device)):
-        hinv = inverse_hessian_factor(h, damp, name)
-    else:
-        step = max(1, 2**22 // k)
-        for r in range(0, n, step):  # in place, a slice of rows at a time: no second copy of w
-            w[r:r + step] = w[r:r + step, perm]
-        hinv = inverse_hessian_factor(h, damp, name, perm)
+    identity = torch.equal(perm, torch.arange(k, device=perm.device))
+    if not identity:
+        rows = max(1, 2**22 // k)
+        for r in range(0, n, rows):  # in place, a slice of rows at a time: no second copy of w
+            w[r:r + rows] = w[r:r + rows, perm]
+    step = max(1, 2**22 // n)
     groups, sizes = col_group.tolist(), torch.bincount(col_group).tolist()
     codes = torch.zeros(n, k, dtype=torch.uint8, device=w.device)
     loss = 0.0
-    for i1 in range(0, k, block_size):
-        i2 = min(i1 + block_size, k)
-        w1 = w[:, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
-        hinv1 = hinv[i1:i2, i1:i2].contiguous()  # its rows are read one by one
-        diag = hinv1.diagonal().tolist()
-        for i in range(i2 - i1):
-            col = i1 + i
-            grp = groups[col]
-            if col == 0 or grp != groups[col - 1]:
-                end = col + sizes[grp]  # the group's columns, contiguous in this order
-                s, z, maxq = fit(torch.cat([w1[:, i:end - i1], w[:, i2:max(end, i2)]], dim=1), grp)
-            q = torch.round(w1[:, i] / s).add_(z).clamp_(0, maxq)
-            codes[:, col] = q
-            e = (w1[:, i] - (q - z) * s) / diag[i]
-            w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = e
-        loss += float(err1.square().sum()) / 2  # (w - q)^2 / Hinv_jj^2 / 2 = e^2 / 2
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    with inverse_factor(h, damp, name, None if identity else perm) as hinv:
+        for i1 in range(0, k, block_size):
+            i2 = min(i1 + block_size, k)
+            w1 = w[:, i1:i2].clone()
+            err1 = torch.zeros_like(w1)
+            hinv1 = hinv[i1:i2, i1:i2].contiguous()  # its rows are read one by one
+            diag = hinv1.diagonal().tolist()
+            for i in range(i2 - i1):
+                col = i1 + i
+                grp = groups[col]
+                if col == 0 or grp != groups[col - 1]:
+                    end = col + sizes[grp]  # the group's columns, contiguous in this order
+                    s, z, maxq = fit(torch.cat([w1[:, i:end - i1], w[:, i2:max(end, i2)]], dim=1), grp)
+                q = torch.round(w1[:, i] / s).add_(z).clamp_(0, maxq)
+                codes[:, col] = q
+                e = (w1[:, i] - (q - z) * s) / diag[i]
+                w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
+                err1[:, i] = e
+            loss += float(err1.square().sum()) / 2  # (w - q)^2 / Hinv_jj^2 / 2 = e^2 / 2
+            for c in range(i2, k, step):  # a slice of columns at a time: no [N, K] product beside w
+                w[:, c:c + step] -= err1 @ hinv[i1:i2, c:c + step]
     return codes[:, torch.argsort(perm)], loss
