@@ -326,13 +326,15 @@ class Lean:
             linear.forward = lambda x, name=name, linear=linear: F.linear(x, self.weight(name), linear.bias)
 
     def weight(self, name: str) -> torch.Tensor:
-        qt = self.quantized.get(name)
-        return qt.dequantize() if qt is not None else self.layer.get_submodule(name).weight.float()
+        qt, weight = self.quantized.get(name), self.layer.get_submodule(name).weight
+        return qt.dequantize().to(weight.device) if qt is not None else weight.float()
 
     def set(self, name: str, qt: QuantizedTensor) -> None:
         """name quantized to qt: the checkpoint's weight is let go."""
         weight = self.layer.get_submodule(name).weight
-        self.quantized[name], weight.data = qt.to(weight.device), weight.new_empty(0)
+        # integer grids dequantize where the layer is; GGUF blocks only on the CPU (numpy)
+        self.quantized[name] = qt if qt.ggml is not None else qt.to(weight.device)
+        weight.data = weight.new_empty(0)
 
     def finish(self) -> None:
         for name in LINEARS:
@@ -349,39 +351,41 @@ def quantize_layer(i: int, layer: torch.nn.Module, quantize: QuantizeFn, batches
     and left as update leaves it."""
     tensors = {}
     lean = Lean(layer) if batches is not None and not update else None
-    attention = None  # the attention block's outputs, once they are final
-    for stage in stages:
-        hessians, o_inputs = {}, []
+    try:
+        attention = None  # the attention block's outputs, once they are final
+        for stage in stages:
+            hessians, o_inputs = {}, []
+            if batches is not None:
+                # o_proj's inputs are final when q/k/v were quantized in an earlier stage
+                keep = "self_attn.o_proj" if stage == (("self_attn.o_proj",),) else None
+                with replaying_attention(layer, attention):
+                    hessians, o_inputs = gather_hessians(layer, batches, stage, keep)
+            names = [name for group in stage for name in group]
+            mine = {}
+            for j, name in enumerate(names):
+                h = hessians.pop(name, None)  # the last linear sharing an input lets its Hessian go
+                if distributed.owner(j) == distributed.rank():
+                    mine[name] = quantize(f"model.layers.{i}.{name}", layer.get_submodule(name).weight.data, h)
+            for j, name in enumerate(names):  # under torchrun, each linear from the process that quantized it
+                qt = distributed.shared(mine.pop(name, None), distributed.owner(j), "cpu")
+                if qt is None:  # left in float (a rule skips it)
+                    continue
+                if lean is not None:
+                    lean.set(name, qt)
+                elif update:
+                    linear = layer.get_submodule(name)
+                    linear.weight.data.copy_(qt.dequantize().to(linear.weight.device))  # in place: no second copy
+                tensors[f"model.layers.{i}.{name}"] = qt
+            if o_inputs:
+                attention = [layer.self_attn.o_proj(x) for x in o_inputs]
+            del hessians, h, o_inputs
+            free_memory()
         if batches is not None:
-            # o_proj's inputs are final when q/k/v were quantized in an earlier stage
-            keep = "self_attn.o_proj" if stage == (("self_attn.o_proj",),) else None
             with replaying_attention(layer, attention):
-                hessians, o_inputs = gather_hessians(layer, batches, stage, keep)
-        names = [name for group in stage for name in group]
-        mine = {}
-        for j, name in enumerate(names):
-            h = hessians.pop(name, None)  # the last linear sharing an input lets its Hessian go
-            if distributed.owner(j) == distributed.rank():
-                mine[name] = quantize(f"model.layers.{i}.{name}", layer.get_submodule(name).weight.data, h)
-        for j, name in enumerate(names):  # under torchrun, each linear from the process that quantized it
-            qt = distributed.shared(mine.pop(name, None), distributed.owner(j), "cpu")
-            if qt is None:  # left in float (a rule skips it)
-                continue
-            if lean is not None:
-                lean.set(name, qt)
-            elif update:
-                linear = layer.get_submodule(name)
-                linear.weight.data.copy_(qt.dequantize().to(linear.weight.device))  # in place: no second copy
-            tensors[f"model.layers.{i}.{name}"] = qt
-        if o_inputs:
-            attention = [layer.self_attn.o_proj(x) for x in o_inputs]
-        del hessians, h, o_inputs
-        free_memory()
-    if batches is not None:
-        with replaying_attention(layer, attention):
-            run_layer(layer, batches)
-    if lean is not None:
-        lean.finish()
+                run_layer(layer, batches)
+    finally:
+        if lean is not None:  # also when interrupted: the layer whole again
+            lean.finish()
     return tensors
 
 

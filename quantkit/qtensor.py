@@ -110,7 +110,8 @@ class QuantizedTensor:
 
     @property
     def act_order(self) -> bool:
-        return not self.flat and not torch.equal(self.g_idx, group_index(self.codes.shape[1], self.group_size))
+        return not self.flat and not torch.equal(self.g_idx, group_index(self.codes.shape[1], self.group_size)
+                                                 .to(self.g_idx.device))
 
     @property
     def bits_per_weight(self) -> float:

@@ -74,9 +74,13 @@ def test_gptq_on_the_grid_lowers_the_output_error(kind):
     h = 2 * x.T @ x / x.shape[0]
     def out_err(qt):
         return float(((x @ (qt.dequantize() - w).T) ** 2).mean())
-    r = ggml.gptq(w, h, kind, h.diagonal())
+    before = h.clone()
+    r = ggml.gptq(w, h, kind, h.diagonal())  # H's own diagonal, as the pipeline passes it
     assert r.tensor.ggml == kind and r.tensor.shape == (96, 512)
     assert out_err(r.tensor) < 0.9 * out_err(ggml.quantize(w, kind, h.diagonal()))
+    # H is lent to the factor and whole again; its diagonal was read as it was, not as the factor's
+    assert torch.equal(h, before)
+    assert torch.equal(ggml.gptq(w, before.clone(), kind, before.diagonal().clone()).tensor.codes, r.tensor.codes)
 
 
 def test_mix_falls_back_when_rows_do_not_fill_256():

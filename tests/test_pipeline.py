@@ -198,6 +198,31 @@ def test_a_streamed_layer_keeps_its_linears_small_and_quantizes_as_in_memory(tin
         assert torch.equal(back.tensors[name].codes, qt.codes) and torch.equal(back.tensors[name].scales, qt.scales)
 
 
+def test_a_lean_layer_is_whole_again_when_quantization_fails(tiny_dir):
+    """A quantizer failing midway through a layer leaves it whole: every linear float32 with its own
+    forward again (the ones already quantized dequantized)."""
+    m = loaded(tiny_dir)
+    windows = sample_windows(m.tokenizer, load_text(VALID), 4, 64, seed=1)
+    done = {}
+
+    def failing(name, w, h):
+        if len(done) == 4:
+            raise RuntimeError("out of patience")
+        done[name] = rtn.quantize(w, 4, 32, sym=True)
+        return done[name]
+
+    with pytest.raises(RuntimeError, match="patience"):
+        quantize_layers(m, failing, windows, batch_size=4, sequential=True, keep=False, progress=False)
+    layer = m.layers[0]
+    for name in LINEARS:
+        linear = layer.get_submodule(name)
+        assert "forward" not in vars(linear) and linear.weight.dtype == torch.float32
+        if f"model.layers.0.{name}" in done:
+            assert torch.equal(linear.weight, done[f"model.layers.0.{name}"].dequantize())
+        else:
+            assert linear.weight.shape == (linear.out_features, linear.in_features)
+
+
 def test_progress_whose_partial_output_is_gone_starts_afresh(tiny_dir, tmp_path, monkeypatch, capsys):
     kw = dict(method="gptq", bits=4, group_size=32, calib_data=VALID, calib_samples=4, calib_seqlen=48, progress=False)
     quantkit.quantize(str(tiny_dir), out=tmp_path / "whole", **kw)

@@ -526,6 +526,8 @@ def gptq(w: torch.Tensor, h: torch.Tensor, t: str, importance: torch.Tensor | No
     b = sizes(t)[0]
     sub = {"Q4_K": 32, "Q5_K": 32}.get(t, 16 if t in K_TYPES else b)
     w, _ = prepare(w.detach(), h)
+    if importance is not None:  # often H's diagonal, which the factor below overwrites while it lasts
+        importance = importance.clone()
     fits, codes, loss = [], torch.zeros(n, k), 0.0
     with inverse_factor(h, damp, name) as hinv:
         for c0 in range(0, k, b):

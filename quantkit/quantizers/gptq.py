@@ -57,15 +57,17 @@ def inverse_factor(h: torch.Tensor, damp: float, name: str = "layer",
     always zero) made 1; damping rises tenfold while it does not factor. Only U's upper triangle is
     meant: the rest of the matrix yielded is not U's.
 
-    On the CPU, U is made in H's own memory (485 MB saved on a 7B model's down_proj), by the calls
-    torch's own would make: LAPACK works on one triangle, so the other keeps H to start again from,
-    and H is whole again when the context ends (linears sharing an input share H). Elsewhere, or
-    without torch's LAPACK at hand, U is made in a copy."""
+    On the CPU, a symmetric float32 H (as 2 X^T X / n is) is lent: U is made in its own memory (485 MB
+    saved on a 7B model's down_proj), by the calls torch's own would make. LAPACK works on one
+    triangle, so the other keeps H to start again from, and H is whole again when the context ends
+    (linears sharing an input share H). Any other H, or without torch's LAPACK at hand, U is made in
+    a copy."""
     given = h.diagonal().clone()
     diag = torch.where(given == 0, 1, given).float()
     mean = diag.mean()  # a float32 tensor: d * mean rounded as torch rounds it, not in double
     diag = diag if perm is None else diag[perm]
-    own = LAPACK is not None and h.device.type == "cpu" and h.dtype == torch.float32 and h.is_contiguous()
+    own = LAPACK is not None and h.device.type == "cpu" and h.dtype == torch.float32 and h.is_contiguous() \
+        and not h.requires_grad and symmetric(h)  # else torch's calls read the triangle this does not
     if own and perm is not None:
         permute_(h, perm)
     try:
@@ -85,6 +87,12 @@ def inverse_factor(h: torch.Tensor, damp: float, name: str = "layer",
     raise QuantkitError(
         f"{name}: the Hessian stays singular even with damping {d:g}: calibrate on more or more varied text"
     )
+
+
+def symmetric(h: torch.Tensor) -> bool:
+    """h equals its transpose exactly, compared a block of rows at a time."""
+    step = max(1, 2**22 // len(h))
+    return all(torch.equal(h[r:r + step], h[:, r:r + step].T) for r in range(0, len(h), step))
 
 
 def factor_in_place(h: torch.Tensor, diag: torch.Tensor) -> torch.Tensor | None:
