@@ -24,7 +24,7 @@ from .. import blocks as compiled
 from ..blocks import BITS, FLOAT_TYPES, K_TYPES, LEGACY_TYPES, TYPES, check, sizes  # noqa: F401 (read as ggml.*)
 from ..errors import QuantkitError
 from ..qtensor import QuantizedTensor
-from .gptq import GPTQResult, inverse_factor, prepare
+from .gptq import GPTQResult, inverse_factor, prepare, push_error
 
 F32 = np.float32
 EPS = 1e-15  # GROUP_MAX_EPS: a block this small is all zeros
@@ -543,7 +543,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, t: str, importance: torch.Tensor | No
                 w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
                 err[:, i] = e
             loss += float(err.square().sum()) / 2
-            w[:, c0 + b:] -= err @ hinv[c0:c0 + b, c0 + b:]
+            push_error(w, err, hinv, c0, c0 + b)
             f.codes = torch.where((f.scale == 0).repeat_interleave(sub, dim=1), f.codes, codes[:, c0:c0 + b])
             fits.append(pack(t, f))
     return GPTQResult(tensor(t, np.stack(fits, axis=1).reshape(n, -1), n), loss)

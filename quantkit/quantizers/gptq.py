@@ -271,7 +271,6 @@ def run(w: torch.Tensor, h: torch.Tensor, perm: torch.Tensor, col_group: torch.T
         rows = max(1, 2**22 // k)
         for r in range(0, n, rows):  # in place, a slice of rows at a time: no second copy of w
             w[r:r + rows] = w[r:r + rows, perm]
-    step = max(1, 2**22 // n)
     groups, sizes = col_group.tolist(), torch.bincount(col_group).tolist()
     codes = torch.zeros(n, k, dtype=torch.uint8, device=w.device)
     loss = 0.0
@@ -294,6 +293,13 @@ def run(w: torch.Tensor, h: torch.Tensor, perm: torch.Tensor, col_group: torch.T
                 w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
                 err1[:, i] = e
             loss += float(err1.square().sum()) / 2  # (w - q)^2 / Hinv_jj^2 / 2 = e^2 / 2
-            for c in range(i2, k, step):  # a slice of columns at a time: no [N, K] product beside w
-                w[:, c:c + step] -= err1 @ hinv[i1:i2, c:c + step]
+            push_error(w, err1, hinv, i1, i2)
     return codes[:, torch.argsort(perm)], loss
+
+
+def push_error(w: torch.Tensor, err: torch.Tensor, hinv: torch.Tensor, i1: int, i2: int) -> None:
+    """The columns of w after i2 take the errors err of columns i1:i2 through hinv's rows, a slice of
+    columns at a time: no [N, K] product beside w (180 MB on a 7B model's down_proj)."""
+    step = max(1, 2**22 // len(w))
+    for c in range(i2, w.shape[1], step):
+        w[:, c:c + step] -= err @ hinv[i1:i2, c:c + step]
