@@ -167,6 +167,36 @@ def test_the_descent_judges_few_candidates_and_crosses_a_narrow_dip():
         assert round(exhaustive * 20) == 13
 
 
+def test_the_coarse_search_of_a_smooth_loss_finds_a_minimum_beside_the_second_best_even():
+    """An o_proj curve seen at w4: the least (3) sits beside the second-best even candidate (4), not the
+    best (6); the coarse search finds it in fewer evaluations, the exhaustive one tries all 20."""
+    values = [1.0629, 1.0278, 1.0267, 1.0, 1.024, 1.0281, 1.0198, 1.057] + [1.1 + i / 10 for i in range(12)]
+    for smooth, evaluations in ((True, 13), (False, 20)):
+        tried = []
+        assert awq.least(lambda i: tried.append(i) or values[i], 20, smooth) == 3
+        assert len(set(tried)) == evaluations
+
+
+def test_the_attention_is_judged_on_the_first_windows_of_a_batch(layer_and_batches):
+    """head takes a batch's first windows and the keyword arguments' rows per window alike; Llama's
+    attention on them gives those windows' outputs of the whole batch."""
+    m, batches = layer_and_batches
+    hidden, kwargs = batches[0]  # 2 windows of 48 tokens
+    x, kw = awq.head(hidden, kwargs, 60)
+    assert torch.equal(x, hidden[:1]) and kw.keys() == kwargs.keys()
+    cos, sin = kwargs["position_embeddings"]  # one row, broadcast over the windows: kept whole
+    assert kw["position_embeddings"][0] is cos and kw["position_embeddings"][1] is sin
+    assert awq.head(hidden, kwargs, 96)[0] is hidden
+    attn = m.layers[0].self_attn
+    with torch.no_grad():
+        whole, first = attn(hidden_states=hidden, **kwargs)[0], attn(hidden_states=x, **kw)[0]
+    torch.testing.assert_close(first, whole[:1], rtol=1e-5, atol=1e-6)
+    mask = torch.zeros(2, 1, 48, 48)
+    _, kw = awq.head(hidden, {"attention_mask": mask, "position_embeddings": (mask, mask[:1]), "use_cache": False}, 48)
+    assert kw["attention_mask"].shape[0] == 1 and [t.shape[0] for t in kw["position_embeddings"]] == [1, 1]
+    assert kw["use_cache"] is False
+
+
 @pytest.mark.parametrize("group_size", [32, 40, -1])  # 40: a shorter last group
 def test_fake_quantize_is_rtns_round_trip(group_size):
     w = torch.randn(40, 96, generator=torch.Generator().manual_seed(7))

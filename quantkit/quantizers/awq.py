@@ -10,6 +10,7 @@ linears, the ops that feed them, the blocks that judge them), called by the pipe
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -23,14 +24,24 @@ from . import rtn
 
 
 def fake_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool = False) -> torch.Tensor:
-    """w through RTN and back: what a scaled or clipped weight becomes (RTN's values, all groups at once)."""
+    """w through RTN and back: what a scaled or clipped weight becomes (RTN's values, all whole groups
+    at once, a shorter last group after them)."""
     n, k = w.shape
     g = k if group_size == -1 else group_size
-    if k % g:
-        return rtn.quantize(w, bits, group_size, sym).dequantize(w.dtype)
-    rows = w.reshape(-1, g)
+    whole = k - k % g
+    if whole == k:
+        return round_trip(w.reshape(-1, g), bits, sym).reshape(n, k)
+    out = torch.empty_like(w)
+    out[:, :whole] = round_trip(w[:, :whole].reshape(-1, g), bits, sym).reshape(n, whole)
+    out[:, whole:] = round_trip(w[:, whole:], bits, sym)
+    return out
+
+
+def round_trip(rows: torch.Tensor, bits: int, sym: bool) -> torch.Tensor:
+    """Each row [R, G] as one group, quantized and dequantized: rtn's operations, in place on one copy."""
     s, z = rtn.fit_grid(rows, bits, sym)
-    return rtn.dequantize(rtn.round_codes(rows, s, z, bits), s, z).reshape(n, k).to(w.dtype)
+    s, z = s[:, None], z[:, None]
+    return (rows.float() / s).round_().add_(z).clamp_(0, 2**bits - 1).sub_(z).mul_(s).to(rows.dtype)
 
 
 def weight_mean(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
@@ -52,13 +63,14 @@ def candidate(x_mean: torch.Tensor, w_mean: torch.Tensor | None, alpha: float) -
 
 
 def search_scale(x_mean: torch.Tensor, loss: Callable[[torch.Tensor], float], n_grid: int = 20,
-                 w_mean: torch.Tensor | None = None, start: Callable[[torch.Tensor], float] | None = None
-                 ) -> tuple[torch.Tensor, float, dict[int, float]]:
+                 w_mean: torch.Tensor | None = None, start: Callable[[torch.Tensor], float] | None = None,
+                 smooth: bool = False) -> tuple[torch.Tensor, float, dict[int, float]]:
     """The scales among alpha = 0, 1/n, .., (n-1)/n with the least block loss: (scales, alpha, the
     losses by candidate tried). loss(s) is the block's output error with its linears' input channels
     scaled by s and quantized. start: a cheaper loss; then loss descends from the candidate start
     ranks best, two candidates each side at a time, until none is lower (a few evaluations of loss
-    instead of n)."""
+    instead of n). smooth: the loss that ranks every candidate (start, or else loss) is an output loss,
+    which varies smoothly with alpha: its least is sought coarse to fine (least)."""
     def judged(i: int) -> float:
         if i not in losses:
             losses[i] = loss(candidate(x_mean, w_mean, i / n_grid))
@@ -66,12 +78,12 @@ def search_scale(x_mean: torch.Tensor, loss: Callable[[torch.Tensor], float], n_
 
     losses: dict[int, float] = {}
     if start is None:
-        best = min(range(n_grid), key=judged)  # the first of equal losses, as the reference
+        best = least(judged, n_grid, smooth)  # not smooth: the first of equal losses, as the reference
     else:
-        cheap = [start(candidate(x_mean, w_mean, i / n_grid)) for i in range(n_grid)]
+        ranked = functools.cache(lambda i: start(candidate(x_mean, w_mean, i / n_grid)))
         # under torchrun every process must descend alike (each runs the block loss's collectives): one
         # start, in case the processes' arithmetic differs (GPUs of two kinds)
-        best = distributed.agree(min(range(n_grid), key=cheap.__getitem__), "min")
+        best = distributed.agree(least(ranked, n_grid, smooth), "min")
         while True:
             # two neighbours each side: the block loss has shallow local minima a step wide
             step = min((j for j in range(best - 2, best + 3) if 0 <= j < n_grid), key=judged)
@@ -79,6 +91,17 @@ def search_scale(x_mean: torch.Tensor, loss: Callable[[torch.Tensor], float], n_
                 break
             best = step
     return candidate(x_mean, w_mean, best / n_grid), best / n_grid, losses
+
+
+def least(f: Callable[[int], float], n: int, smooth: bool) -> int:
+    """The i < n of least f(i), the first of equal ones tried. smooth: from every other i and then the
+    neighbours of the best two of those, about 13 evaluations of 20 (for the output losses of a whole
+    model, at w3 and at w4, the same i as all 20 in each of 240 searches; the best one's neighbours
+    alone missed 3 at w4, where some curves have more than one local minimum)."""
+    if not smooth:
+        return min(range(n), key=f)
+    near = sorted(range(0, n, 2), key=f)[:2]
+    return min(sorted({j for i in near for j in (i - 1, i, i + 1) if 0 <= j < n}), key=f)
 
 
 def search_clip(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, n_grid: int = 20,
@@ -163,6 +186,20 @@ def first_batches(xs: list[torch.Tensor], tokens: int) -> list[int]:
     return [i for i in range(len(xs)) if distributed.rank() + distributed.world() * i < n]
 
 
+def head(x: torch.Tensor, kwargs: dict, tokens: int) -> tuple[torch.Tensor, dict]:
+    """A batch's first windows holding at most tokens tokens (at least one), and its keyword arguments
+    with their rows per window taken alike (those made for one window broadcast, as Llama's are)."""
+    n = max(1, tokens // x.shape[1]) if x.dim() == 3 else len(x)
+    if n >= len(x):
+        return x, kwargs
+
+    def rows(v):
+        if isinstance(v, tuple):
+            return tuple(rows(u) for u in v)
+        return v[:n] if torch.is_tensor(v) and v.dim() and len(v) == len(x) else v
+    return x[:n], {k: rows(v) for k, v in kwargs.items()}
+
+
 def input_mean(xs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Mean |x| of each input channel over the batches xs (under torchrun, every process's)."""
     k = xs[0].shape[-1]
@@ -194,10 +231,10 @@ def search_group(linears: list[torch.nn.Linear], xs: list[torch.Tensor], x_mean:
     elif token_wise:
         loss = block_loss(linears, spread(xs, block_tokens), [{}] * len(xs), block, full, bits, group_size, sym)
     else:  # each candidate costs a block forward per token
-        first = first_batches(xs, block_tokens)
-        loss = block_loss(linears, [xs[i] for i in first], [kwargs[i] for i in first], block, full, bits, group_size,
-                          sym)
-    s, _, _ = search_scale(x_mean, loss, n_grid, w_mean, own if block is not None and descent else None)
+        first = [head(xs[i], kwargs[i], block_tokens) for i in first_batches(xs, block_tokens)]
+        loss = block_loss(linears, [x for x, _ in first], [kw for _, kw in first], block, full, bits, group_size, sym)
+    s, _, _ = search_scale(x_mean, loss, n_grid, w_mean, own if block is not None and descent else None,
+                           smooth=block is None or descent)
     return s, full(s)
 
 
@@ -211,7 +248,7 @@ def block_loss(linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: l
     def loss(s: torch.Tensor) -> float:
         originals = [lin.weight.data for lin in linears]
         for lin in linears:
-            lin.weight.data = fake_quantize(lin.weight * full(s), bits, group_size, sym) / full(s)
+            lin.weight.data = fake_quantize(lin.weight * full(s), bits, group_size, sym).div_(full(s))
         err = sum(((block(x, kw) - ref).pow(2).sum().item() for x, kw, ref in zip(xs, kwargs, reference)), 0.0)
         for lin, w in zip(linears, originals):
             lin.weight.data = w
@@ -238,14 +275,17 @@ def output_loss(linears: list[torch.nn.Linear], h: torch.Tensor, full: Callable,
     w = torch.cat([lin.weight.data for lin in linears])
 
     def loss(s: torch.Tensor) -> float:
-        dw = fake_quantize(w * full(s), bits, group_size, sym) / full(s) - w
+        dw = fake_quantize(w * full(s), bits, group_size, sym).div_(full(s)).sub_(w)
         return quadratic(dw, h) / (2 * len(w))
     return loss
 
 
-def quadratic(dw: torch.Tensor, h: torch.Tensor, blocks: int = 8) -> float:
+def quadratic(dw: torch.Tensor, h: torch.Tensor, blocks: int | None = None) -> float:
     """tr(dW H dW^T) for a symmetric H, from H's blocks on and above the diagonal (each pair of input
-    blocks once, the off-diagonal ones doubled): about (blocks + 1) / (2 blocks) of the full product."""
+    blocks once, the off-diagonal ones doubled): about (blocks + 1) / (2 blocks) of the full product.
+    By default blocks of about 1024 inputs or more, 2 to 8 of them: smaller products lose more to
+    their overhead than they save (2 cores: 576 inputs fastest in 2 blocks, 4096 in 2-4, 11008 in 8)."""
+    blocks = blocks or max(2, min(8, h.shape[0] // 1024))
     step = -(-h.shape[0] // blocks)
     total = dw.new_zeros((), dtype=torch.float64)
     for a in range(0, h.shape[0], step):
