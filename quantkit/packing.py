@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .qtensor import per_slice
+
 
 def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Unsigned values [R, C] (R*bits a multiple of 32) -> int32 [R*bits/32, C]; columns are packed
@@ -14,7 +16,7 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     r, c = values.shape
     if r * bits % 32:
         raise ValueError(f"{r} values of {bits} bits do not fill whole 32-bit words")
-    step = max(1, 2**22 // max(r, 1))
+    step = per_slice(r)
     if c > step:
         return torch.cat([pack(values[:, j:j + step], bits) for j in range(0, c, step)], dim=1)
     v = torch.cat([values.long(), values.new_zeros((-r) % 32, c, dtype=torch.long)]).view(-1, 32, c)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from . import distributed
 from .layers import GROUPS, LINEARS, Captured, on_device, run_hooked
 from .modelio import Model
-from .qtensor import QuantizedTensor
+from .qtensor import QuantizedTensor, per_slice
 
 try:
     LIBC = ctypes.CDLL("libc.so.6")
@@ -59,7 +59,7 @@ class Hessian:
     first matrix() drops the sums (linears sharing an input share the float32 matrix)."""
 
     def __init__(self, cols: int, device: str | torch.device = "cpu"):
-        step = max(1, min(2**22 // cols, -(-cols // 8)))  # rows per block: a 16 MiB float32 product at most, 8 blocks at least
+        step = min(per_slice(cols), -(-cols // 8))  # rows per block: a 16 MiB float32 product at most, 8 blocks at least
         self.blocks = [torch.zeros(min(step, cols - r), cols - r, dtype=torch.float64, device=device)
                        for r in range(0, cols, step)]
         self.cols, self.count, self.result = cols, 0, None

@@ -10,6 +10,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from .errors import QuantkitError
 
+
+def per_slice(width: int) -> int:
+    """How many lines (rows or columns) of width values make a slice of about 4M values (16 MiB of
+    float32), at least one: operations on large matrices go a slice at a time to bound temporaries."""
+    return max(1, 2**22 // max(width, 1))
+
+
 BITS = (2, 3, 4, 8)
 EXL2_BITS = (2, 3, 4, 5, 6, 8)
 
@@ -139,7 +146,7 @@ class QuantizedTensor:
         zeros, scales = self.zeros.to(torch.float32), self.scales.to(torch.float32)
         n, k = w.shape
         if self.act_order:  # each column's group gathered, a slice of rows at a time
-            g, rows = self.g_idx.long(), max(1, 2**22 // max(k, 1))
+            g, rows = self.g_idx.long(), per_slice(k)
             for r in range(0, n, rows):
                 w[r:r + rows].sub_(zeros[r:r + rows, g]).mul_(scales[r:r + rows, g])
             return w.to(dtype)

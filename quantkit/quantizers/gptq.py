@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..errors import QuantkitError
-from ..qtensor import QuantizedTensor, check_bits_group
+from ..qtensor import QuantizedTensor, check_bits_group, per_slice
 from .rtn import fit_grid
 
 
@@ -91,7 +91,7 @@ def inverse_factor(h: torch.Tensor, damp: float, name: str = "layer",
 
 def symmetric(h: torch.Tensor) -> bool:
     """h equals its transpose exactly, compared a block of rows at a time."""
-    step = max(1, 2**22 // len(h))
+    step = per_slice(len(h))
     return all(torch.equal(h[r:r + step], h[:, r:r + step].T) for r in range(0, len(h), step))
 
 
@@ -117,7 +117,7 @@ def factor_copy(h: torch.Tensor, diag: torch.Tensor, perm: torch.Tensor | None) 
     """inverse_factor's U, in a float32 copy of h in perm's order (None when it does not factor). The
     copy is column-major, LAPACK's order, so torch factors it in place without one of its own."""
     m = torch.empty(h.shape, dtype=torch.float32, device=h.device).mT
-    step = max(1, 2**22 // len(h))
+    step = per_slice(len(h))
     for r in range(0, len(h), step):  # a slice of rows at a time: no second K x K temporary
         m[r:r + step] = h[r:r + step] if perm is None else h[perm[r:r + step]][:, perm]
     m.diagonal().copy_(diag)
@@ -132,7 +132,7 @@ def factor_copy(h: torch.Tensor, diag: torch.Tensor, perm: torch.Tensor | None) 
 def mirror_lower(t: torch.Tensor) -> None:
     """t's strict upper triangle set from its strict lower one, a block of rows at a time."""
     k = len(t)
-    step = max(1, 2**22 // k)
+    step = per_slice(k)
     for r in range(0, k, step):
         s = min(step, k - r)
         t[r:r + s, r + s:] = t[r + s:, r:r + s].T
@@ -156,7 +156,7 @@ def permute_(h: torch.Tensor, perm: torch.Tensor) -> None:
     """h[perm][:, perm] in place: the columns a slice of rows at a time, the rows along the
     permutation's cycles, one row held aside per cycle."""
     k = len(h)
-    step = max(1, 2**22 // k)
+    step = per_slice(k)
     for r in range(0, k, step):
         h[r:r + step] = h[r:r + step, perm]
     p, seen = perm.tolist(), [False] * k
@@ -268,7 +268,7 @@ def run(w: torch.Tensor, h: torch.Tensor, perm: torch.Tensor, col_group: torch.T
     n, k = w.shape
     identity = torch.equal(perm, torch.arange(k, device=perm.device))
     if not identity:
-        rows = max(1, 2**22 // k)
+        rows = per_slice(k)
         for r in range(0, n, rows):  # in place, a slice of rows at a time: no second copy of w
             w[r:r + rows] = w[r:r + rows, perm]
     groups, sizes = col_group.tolist(), torch.bincount(col_group).tolist()
@@ -300,6 +300,6 @@ def run(w: torch.Tensor, h: torch.Tensor, perm: torch.Tensor, col_group: torch.T
 def push_error(w: torch.Tensor, err: torch.Tensor, hinv: torch.Tensor, i1: int, i2: int) -> None:
     """The columns of w after i2 take the errors err of columns i1:i2 through hinv's rows, a slice of
     columns at a time: no [N, K] product beside w (180 MB on a 7B model's down_proj)."""
-    step = max(1, 2**22 // len(w))
+    step = per_slice(len(w))
     for c in range(i2, w.shape[1], step):
         w[:, c:c + step] -= err @ hinv[i1:i2, c:c + step]
