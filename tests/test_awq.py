@@ -197,6 +197,27 @@ def test_the_attention_is_judged_on_the_first_windows_of_a_batch(layer_and_batch
     assert kw["use_cache"] is False
 
 
+def test_a_search_judges_the_attention_on_its_first_windows_and_an_output_loss_coarse_to_fine(layer_and_batches,
+                                                                                             monkeypatch):
+    m, batches = layer_and_batches  # batches of 2 windows of 48 tokens
+    layer = m.layers[0]
+    attn = layer.self_attn
+    lins, kw = [attn.q_proj, attn.k_proj, attn.v_proj], [k for _, k in batches]
+    xs = linear_inputs(layer, batches, ["self_attn.q_proj"])["self_attn.q_proj"]
+    windows, products = [], []
+    block = lambda x, k: windows.append(len(x)) or attn(hidden_states=x, **k)[0]  # noqa: E731
+    quadratic = awq.quadratic
+    monkeypatch.setattr(awq, "quadratic", lambda dw, h: products.append(1) or quadratic(dw, h))
+    with torch.no_grad():
+        h = awq.hessian(xs, attn.q_proj.in_features, "cpu")
+        mean = awq.input_mean(xs, "cpu")
+        search_group(lins, xs, mean, kw, block, None, h, 4, 32, False, block_tokens=48, descent=True)
+        assert set(windows) == {1} and 12 <= len(products) <= 14  # the start, coarse to fine
+        products.clear()
+        search_group(lins, xs, mean, kw, None, None, h, 4, 32, False)
+    assert 12 <= len(products) <= 14
+
+
 @pytest.mark.parametrize("group_size", [32, 40, -1])  # 40: a shorter last group
 def test_fake_quantize_is_rtns_round_trip(group_size):
     w = torch.randn(40, 96, generator=torch.Generator().manual_seed(7))

@@ -95,7 +95,7 @@ def search_scale(x_mean: torch.Tensor, loss: Callable[[torch.Tensor], float], n_
 
 def least(f: Callable[[int], float], n: int, smooth: bool) -> int:
     """The i < n of least f(i), the first of equal ones tried. smooth: from every other i and then the
-    neighbours of the best two of those, about 13 evaluations of 20 (for the output losses of a whole
+    neighbours of the best two of those, 12 to 14 evaluations of 20 (for the output losses of a whole
     model, at w3 and at w4, the same i as all 20 in each of 240 searches; the best one's neighbours
     alone missed 3 at w4, where some curves have more than one local minimum)."""
     if not smooth:
@@ -215,7 +215,7 @@ def search_group(linears: list[torch.nn.Linear], xs: list[torch.Tensor], x_mean:
                  descent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """AWQ's scale search for linears sharing the inputs xs (one tensor per batch, mean |x| x_mean,
     Hessian h), judged by block(x, kwargs)'s output (block_loss; None: output_loss) on block_tokens
-    tokens: the first batches, or with token_wise (a block that works on each token alone, the MLP)
+    tokens: the first windows of the first batches (head), or with token_wise (a block that works on each token alone, the MLP)
     rows spread over all of them. descent: the block loss only descends from the candidate of least
     output_loss (search_scale's start). channels maps each input channel to the output channel of the
     op that feeds it (grouped-query attention), or None. Returns the op's scales and the linears'."""
@@ -283,8 +283,8 @@ def output_loss(linears: list[torch.nn.Linear], h: torch.Tensor, full: Callable,
 def quadratic(dw: torch.Tensor, h: torch.Tensor, blocks: int | None = None) -> float:
     """tr(dW H dW^T) for a symmetric H, from H's blocks on and above the diagonal (each pair of input
     blocks once, the off-diagonal ones doubled): about (blocks + 1) / (2 blocks) of the full product.
-    By default blocks of about 1024 inputs or more, 2 to 8 of them: smaller products lose more to
-    their overhead than they save (2 cores: 576 inputs fastest in 2 blocks, 4096 in 2-4, 11008 in 8)."""
+    By default one block per 1024 inputs, 2 to 8 of them: smaller products lose more to their
+    overhead than they save (2 cores: 576 inputs fastest in 2 blocks, 4096 in 2-4, 11008 in 8)."""
     blocks = blocks or max(2, min(8, h.shape[0] // 1024))
     step = -(-h.shape[0] // blocks)
     total = dw.new_zeros((), dtype=torch.float64)
