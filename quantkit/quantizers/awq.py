@@ -189,7 +189,7 @@ def first_batches(xs: list[torch.Tensor], tokens: int) -> list[int]:
 def head(x: torch.Tensor, kwargs: dict, tokens: int) -> tuple[torch.Tensor, dict]:
     """A batch's first windows holding at most tokens tokens (at least one), and its keyword arguments
     with their rows per window taken alike (those made for one window broadcast, as Llama's are)."""
-    n = max(1, tokens // x.shape[1]) if x.dim() == 3 else len(x)
+    n = max(1, tokens // x.shape[1])  # x: [windows, tokens, channels]
     if n >= len(x):
         return x, kwargs
 
@@ -215,10 +215,11 @@ def search_group(linears: list[torch.nn.Linear], xs: list[torch.Tensor], x_mean:
                  descent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """AWQ's scale search for linears sharing the inputs xs (one tensor per batch, mean |x| x_mean,
     Hessian h), judged by block(x, kwargs)'s output (block_loss; None: output_loss) on block_tokens
-    tokens: the first windows of the first batches (head), or with token_wise (a block that works on each token alone, the MLP)
-    rows spread over all of them. descent: the block loss only descends from the candidate of least
-    output_loss (search_scale's start). channels maps each input channel to the output channel of the
-    op that feeds it (grouped-query attention), or None. Returns the op's scales and the linears'."""
+    tokens: the first windows of the first batches (head), or with token_wise (a block that works on
+    each token alone, the MLP) rows spread over all of them. descent: the block loss only descends
+    from the candidate of least output_loss (search_scale's start). channels maps each input channel
+    to the output channel of the op that feeds it (grouped-query attention), or None. Returns the
+    op's scales and the linears'."""
     w_mean = weight_mean([lin.weight for lin in linears], group_size) if duo else None
     if channels is not None:  # one scale per output channel of prev: average what shares it
         count = torch.bincount(channels).float()
