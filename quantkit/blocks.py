@@ -1,7 +1,8 @@
 """GGUF block types (llama.cpp's ggml types): their names, sizes and widths, and plain
 round-to-nearest into them compiled: quantkit/kernels/ggml.c, the searches of
 quantkit.quantizers.ggml in C with the same float32 operations, built at install into
-quantkit/_ggml*.so. numpy only, so that requantizing a GGUF file starts without torch."""
+quantkit/_ggml*.so. Neither torch nor numpy nor the gguf package is imported here, so that
+requantizing a GGUF file starts at once (quantize_at); quantize takes numpy arrays."""
 from __future__ import annotations
 
 import ctypes
@@ -11,11 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
-
-import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from typing import TYPE_CHECKING, Callable
 
 from .errors import QuantkitError
+from .gguf_constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+if TYPE_CHECKING:
+    import numpy as np
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 LEGACY_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -74,8 +77,9 @@ os.register_at_fork(after_in_child=pool.cache_clear)  # a forked child has none 
 
 def quantize(x: np.ndarray, t: str) -> np.ndarray | None:
     """The blocks of x [N, K] (float32 or float16) in type t (not a float type), [N, bytes per row]
-    uint8, its rows split over the machine's cores (ctypes lets go of the GIL); None without the
-    compiled quantizer."""
+    uint8, its rows split over the machine's cores; None without the compiled quantizer."""
+    import numpy as np
+
     lib = library()
     if lib is None:
         return None
@@ -85,13 +89,33 @@ def quantize(x: np.ndarray, t: str) -> np.ndarray | None:
     check(t, k)
     block, size = sizes(t)
     out = np.empty((n, k // block * size), dtype=np.uint8)
-    kind = int(GGMLQuantizationType[t])
-    step = max(1, -(-n // threads()))
-
-    def rows(r0: int) -> None:
-        r1 = min(n, r0 + step)
-        if lib.quantize(kind, x[r0:r1].ctypes.data, half, r1 - r0, k, out[r0:r1].ctypes.data):
-            raise QuantkitError(f"the compiled quantizer has no {t}")
-
-    list(pool().map(rows, range(0, n, step)))
+    split(n, lambda r0, r1: run(lib, t, x[r0:r1].ctypes.data, half, r1 - r0, k, out[r0:r1].ctypes.data))
     return out
+
+
+def quantize_at(x: int, half: bool, n: int, k: int, t: str) -> bytearray | None:
+    """The blocks in type t of the n rows of k float32 (half: float16) values at the address x (a
+    mapped file's), [N x bytes per row], the rows split over the machine's cores; None without the
+    compiled quantizer."""
+    lib = library()
+    if lib is None:
+        return None
+    check(t, k)
+    block, size = sizes(t)
+    width, row = 2 if half else 4, k // block * size
+    out = bytearray(n * row)
+    dst = ctypes.addressof(ctypes.c_char.from_buffer(out))
+    split(n, lambda r0, r1: run(lib, t, x + r0 * k * width, half, r1 - r0, k, dst + r0 * row))
+    return out
+
+
+def run(lib: ctypes.CDLL, t: str, x: int, half: bool, n: int, k: int, out: int) -> None:
+    """The compiled quantizer on n rows at the address x into out."""
+    if lib.quantize(int(GGMLQuantizationType[t]), x, half, n, k, out):
+        raise QuantkitError(f"the compiled quantizer has no {t}")
+
+
+def split(n: int, work: Callable[[int, int], None]) -> None:
+    """work(r0, r1) on a share of n rows per core, at once (ctypes lets go of the GIL)."""
+    step = max(1, -(-n // threads()))
+    list(pool().map(lambda r0: work(r0, min(n, r0 + step)), range(0, n, step)))

@@ -5,32 +5,37 @@ as they are, each 2-D weight goes through the compiled block quantizer (quantkit
 of rows at a time, and the file appears only when complete, as every export does."""
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
 import re
 import struct
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
 
-import gguf
-import numpy as np
 from tqdm import tqdm
 
 from . import blocks
 from .atomic import Staged, write_behind
 from .errors import QuantkitError, space_for
+from .gguf_constants import GGML_QUANT_VERSION, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, LlamaFileType
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # mix -> (general.file_type, the type most tensors get)
 MIXES = {
-    "F32": (gguf.LlamaFileType.ALL_F32, "F32"), "F16": (gguf.LlamaFileType.MOSTLY_F16, "F16"),
-    "BF16": (gguf.LlamaFileType.MOSTLY_BF16, "BF16"), "Q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, "Q8_0"),
-    "Q4_0": (gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_0"), "Q4_1": (gguf.LlamaFileType.MOSTLY_Q4_1, "Q4_1"),
-    "Q5_0": (gguf.LlamaFileType.MOSTLY_Q5_0, "Q5_0"), "Q5_1": (gguf.LlamaFileType.MOSTLY_Q5_1, "Q5_1"),
-    "Q2_K": (gguf.LlamaFileType.MOSTLY_Q2_K, "Q2_K"), "Q3_K_M": (gguf.LlamaFileType.MOSTLY_Q3_K_M, "Q3_K"),
-    "Q4_K_M": (gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q4_K"), "Q5_K_M": (gguf.LlamaFileType.MOSTLY_Q5_K_M, "Q5_K"),
-    "Q6_K": (gguf.LlamaFileType.MOSTLY_Q6_K, "Q6_K"),
+    "F32": (LlamaFileType.ALL_F32, "F32"), "F16": (LlamaFileType.MOSTLY_F16, "F16"),
+    "BF16": (LlamaFileType.MOSTLY_BF16, "BF16"), "Q8_0": (LlamaFileType.MOSTLY_Q8_0, "Q8_0"),
+    "Q4_0": (LlamaFileType.MOSTLY_Q4_0, "Q4_0"), "Q4_1": (LlamaFileType.MOSTLY_Q4_1, "Q4_1"),
+    "Q5_0": (LlamaFileType.MOSTLY_Q5_0, "Q5_0"), "Q5_1": (LlamaFileType.MOSTLY_Q5_1, "Q5_1"),
+    "Q2_K": (LlamaFileType.MOSTLY_Q2_K, "Q2_K"), "Q3_K_M": (LlamaFileType.MOSTLY_Q3_K_M, "Q3_K"),
+    "Q4_K_M": (LlamaFileType.MOSTLY_Q4_K_M, "Q4_K"), "Q5_K_M": (LlamaFileType.MOSTLY_Q5_K_M, "Q5_K"),
+    "Q6_K": (LlamaFileType.MOSTLY_Q6_K, "Q6_K"),
 }
 DEFAULT_MIX = "Q4_K_M"
 # a row that does not fill 256-value blocks takes a 32-value type instead
@@ -220,8 +225,8 @@ class Header:
             dims = struct.unpack_from(f"<{n}Q", self.buf, self.pos)
             self.pos += 8 * n
             kind, offset = self.take("IQ")
-            self.tensors.append(Tensor(name, dims, gguf.GGMLQuantizationType(kind).name, offset))
-        self.alignment = self.get(ALIGNMENT, gguf.GGUF_DEFAULT_ALIGNMENT)
+            self.tensors.append(Tensor(name, dims, GGMLQuantizationType(kind).name, offset))
+        self.alignment = self.get(ALIGNMENT, GGUF_DEFAULT_ALIGNMENT)
         if not isinstance(self.alignment, int) or self.alignment <= 0 or self.alignment & (self.alignment - 1):
             raise ValueError("alignment")
         self.data = pad(self.pos, self.alignment)
@@ -244,6 +249,9 @@ class Header:
     def array(self, t: Tensor) -> np.ndarray:
         """t's values [rows, row length]: a view of the file's float32 or float16 (both quantize as they
         are), float32 for the other types."""
+        import gguf
+        import numpy as np
+
         k, n = t.dims[0], math.prod(t.dims[1:])
         raw = np.frombuffer(self.buf, np.uint8, nbytes(t.dims, t.type), self.data + t.offset)
         if t.type == "F32":
@@ -286,14 +294,14 @@ def header_bytes(h: Header, types: dict[str, str], mix: str) -> tuple[bytes, dic
     quantization version and file type; the same tensors in its order, of their new types. And each
     tensor's offset."""
     kv = [h.buf[start:end] for key, (start, end, _) in h.kv.items() if key not in (FILE_TYPE, QUANT_VERSION)]
-    kv += [u32_kv(QUANT_VERSION, gguf.GGML_QUANT_VERSION), u32_kv(FILE_TYPE, int(MIXES[mix][0]))]  # last, as there
+    kv += [u32_kv(QUANT_VERSION, GGML_QUANT_VERSION), u32_kv(FILE_TYPE, int(MIXES[mix][0]))]  # last, as there
     out = [b"GGUF", struct.pack("<IQQ", 3, len(h.tensors), len(kv)), *kv]
     offsets, offset = {}, 0
     for t in order(h.tensors):
         kind = types.get(t.name, t.type)
         name = t.name.encode()
         out.append(struct.pack(f"<Q{len(name)}sI{len(t.dims)}QIQ", len(name), name, len(t.dims), *t.dims,
-                               int(gguf.GGMLQuantizationType[kind]), offset))
+                               int(GGMLQuantizationType[kind]), offset))
         offsets[t.name] = offset
         offset += pad(nbytes(t.dims, kind), h.alignment)
     head = b"".join(out)
@@ -331,19 +339,25 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
     bar = tqdm(total=total, desc=f"requantizing to {mix}", unit="B", unit_scale=True, disable=not progress,
                file=sys.stderr)
     try:
-        with space_for(out, total, "the GGUF", "run it again"), open(staged.fresh(), "wb") as f, bar:
+        with space_for(out, total, "the GGUF", "run it again"), open(staged.fresh(), "wb") as f, \
+                mapped(src) as base, bar:
             f.write(head)
             bar.update(len(head))
             for t in order(h.tensors):
                 start = len(head) + offsets[t.name]
                 f.seek(start)
                 kind = types.get(t.name)
+                k, n = t.dims[0], math.prod(t.dims[1:])
+                step = max(1, CHUNK // k)
                 if kind is None or kind == t.type:  # norms, biases and what keeps its type: as they are
                     f.write(h.buf[h.data + t.offset:h.data + t.offset + nbytes(t.dims, t.type)])
-                else:
+                elif base is not None and t.type in ("F32", "F16") and kind not in blocks.FLOAT_TYPES and blocks.library():
+                    for r in range(0, n, step):
+                        f.write(blocks.quantize_at(base + h.data + t.offset + nbytes((k, r), t.type),
+                                                   t.type == "F16", min(step, n - r), k, kind))
+                else:  # to a float type, from a quantized one, or without the compiled quantizer
                     x = h.array(t)
-                    step = max(1, CHUNK // t.dims[0])
-                    for r in range(0, len(x), step):
+                    for r in range(0, n, step):
                         f.write(quantize_rows(x[r:r + step], kind))
                 write_behind(f, start)
                 bar.update(pad(nbytes(t.dims, kind or t.type), h.alignment))
@@ -354,7 +368,36 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
         raise
 
 
+@contextmanager
+def mapped(path: str | os.PathLike) -> Iterator[int | None]:
+    """The address of a read-only map of the file, for the compiled quantizer to read: Python's mmap
+    gives no address of a read-only map, and numpy, which does, takes 0.08 s to import (a small
+    file's requantization is timed against llama-quantize's as a whole command). None where libc
+    has no mmap."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                                  ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    except (OSError, AttributeError):
+        yield None
+        return
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        base = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+    if base in (None, ctypes.c_void_p(-1).value):  # MAP_FAILED: the numpy path instead
+        yield None
+        return
+    try:
+        yield base
+    finally:
+        libc.munmap(base, size)
+
+
 def quantize_rows(x: np.ndarray, kind: str) -> np.ndarray:
+    import gguf
+    import numpy as np
+
     if kind in blocks.FLOAT_TYPES:
         return gguf.quants.quantize(np.ascontiguousarray(x, dtype=np.float32), gguf.GGMLQuantizationType[kind])
     q = blocks.quantize(x, kind)
