@@ -59,11 +59,17 @@ def library() -> ctypes.CDLL | None:
 
 
 def load(path: Path) -> ctypes.CDLL:
-    """A build of quantkit/kernels/ggml.c at path (the installed one, or a test's own build)."""
+    """A build of quantkit/kernels/ggml.c and absmax.c at path (the installed one, or a test's own build)."""
     lib = ctypes.CDLL(str(path))
     lib.quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                              ctypes.c_void_p]
     lib.quantize.restype = ctypes.c_int
+    lib.absmax_codes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p]
+    lib.absmax_codes.restype = None
+    lib.nested_codes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                                 ctypes.c_void_p, ctypes.c_void_p]
+    lib.nested_codes.restype = None
     return lib
 
 

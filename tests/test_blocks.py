@@ -92,21 +92,29 @@ for t in sys.argv[2:]:
         if k % blocks.sizes(t)[0] == 0:
             blocks.quantize(x[:rows, :k], t)
             blocks.quantize(x[:rows, :k].astype(np.float16), t)
+mids, order = np.linspace(-1, 1, 15, dtype=np.float32), np.arange(16, dtype=np.uint8)[::-1].copy()
+for n, block in ((1, 64), (63, 64), (64, 64), (6911, 64), (100, 4096)):  # NF4/FP4 codes, tails too
+    codes, absmax = np.empty(n, np.uint8), np.empty(-(-n // block), np.float32)
+    lib.absmax_codes(x.ctypes.data, n, block, mids.ctypes.data, order.ctypes.data, codes.ctypes.data,
+                     absmax.ctypes.data)
+    lib.nested_codes(x.ctypes.data, n, 256, mids.ctypes.data, 15, codes.ctypes.data, absmax.ctypes.data)
 """
 
 
 def test_the_compiled_quantizer_stays_inside_its_buffers(tmp_path):
     """Built with AddressSanitizer: every type, from float32 and float16, on block counts that end in a
-    partial group of eight, reads and writes nothing outside its buffers (a tail buffer too small for
+    partial group of eight, and the NF4/FP4 codes on counts that end in a shorter block, read and
+    write nothing outside their buffers (a tail buffer too small for
     Q8_0 once passed every byte test, its overflow landing in a buffer already read)."""
     gcc = shutil.which("gcc")
     asan = gcc and subprocess.run([gcc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
     if not asan or not os.path.isabs(asan):
         pytest.skip("no gcc with AddressSanitizer here")
-    src = Path(__file__).resolve().parents[1] / "quantkit" / "kernels" / "ggml.c"
+    kernels = Path(__file__).resolve().parents[1] / "quantkit" / "kernels"
     lib = tmp_path / "ggml_asan.so"
     subprocess.run([gcc, "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-ffp-contract=off",
-                    "-Wno-psabi", "-shared", "-fPIC", "-o", str(lib), str(src), "-lm"], check=True)
+                    "-Wno-psabi", "-shared", "-fPIC", "-o", str(lib), str(kernels / "ggml.c"),
+                    str(kernels / "absmax.c"), "-lm"], check=True)
     run = subprocess.run([sys.executable, "-c", CHILD, str(lib), *blocks.LEGACY_TYPES, *blocks.K_TYPES],
                          capture_output=True, text=True,
                          env={**os.environ, "LD_PRELOAD": asan, "ASAN_OPTIONS": "detect_leaks=0"})

@@ -74,6 +74,56 @@ def test_tensor_smaller_than_a_block(kind):
         assert_matches_bnb(w, kind, block_size, False)
 
 
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+def test_compiled_codes_are_the_torch_paths(kind):
+    """The compiled pass (quantkit/kernels/absmax.c) gives the torch path's codes and absmax on values
+    at every midpoint between entries and the floats beside them, zeros of both signs, subnormal,
+    infinite and NaN values, and a last shorter block (a NaN's bits aside: NaN either way)."""
+    from quantkit import blocks
+
+    if blocks.library() is None:
+        pytest.skip("the compiled kernels were not built here")
+    g = torch.Generator().manual_seed(0)
+    mids, _ = nf4.midpoints(nf4.CODEBOOKS[kind])
+    edges = torch.cat([mids, mids.nextafter(torch.tensor(2.0)), mids.nextafter(torch.tensor(-2.0)),
+                       torch.tensor([1.0, -1.0, 0.0, -0.0])])
+    w = torch.randn(41, 250, generator=g) * 0.02
+    w[0, :len(edges)] = edges  # scaled by an absmax of 1 (its block holds 1.0)
+    w[1] = 0
+    w[2, :64] = -0.0
+    w[3] = torch.randn(250, generator=g) * 1e-40
+    w[4, 3], w[5, 7], w[6, 9] = float("nan"), float("inf"), -float("inf")
+    w[-1, -3] = float("nan")  # in the last, shorter block for most sizes
+    for block_size in nf4.BLOCK_SIZES:
+        x = w.reshape(-1)
+        scaled, absmax = nf4.absmax_scaled(x, block_size, reciprocal=True)
+        codes, compiled = nf4.compiled_codes(x, block_size, nf4.CODEBOOKS[kind])
+        assert torch.equal(codes, nf4.nearest(scaled.clamp(-1, 1), nf4.CODEBOOKS[kind])), block_size
+        torch.testing.assert_close(compiled, absmax, rtol=0, atol=0, equal_nan=True)
+
+
+def test_compiled_nested_codes_are_the_torch_paths():
+    """Double quantization's compiled second level gives the torch path's codes and absmax: blocks of
+    zeros (0 / 0, snapped as -1), infinities, NaN, values on and beside the grid's points and the map's
+    midpoints, and a last shorter block."""
+    from quantkit import blocks
+
+    if blocks.library() is None:
+        pytest.skip("the compiled kernels were not built here")
+    g = torch.Generator().manual_seed(0)
+    table = nf4.dynamic_map()
+    mids, _ = nf4.midpoints(table)
+    grid = -1 + 2 * torch.arange(0, 65536, 97, dtype=torch.float32) / 65535
+    x = torch.cat([torch.randn(256 * 3, generator=g), torch.zeros(256), mids, mids.nextafter(torch.tensor(2.0)),
+                   grid, grid.nextafter(torch.tensor(-2.0)), torch.tensor([1.0, -1.0, float("inf"), -float("inf")]),
+                   torch.randn(300, generator=g)])
+    x[5], x[-7] = float("nan"), float("nan")
+    scaled, absmax = nf4.absmax_scaled(x, nf4.NESTED_BLOCK, reciprocal=False)
+    codes, compiled = nf4.compiled_nested(x, table)
+    assert torch.equal(codes, nf4.nearest(nf4.snap(scaled), table))
+    torch.testing.assert_close(compiled, absmax, rtol=0, atol=0, equal_nan=True)
+
+
 def test_nested_codes_follow_bitsandbytes_table_not_plain_nearest():
     """bitsandbytes' CPU kernel snaps each value to a 65536-point grid before taking the nearest
     8-bit code; a value just below a midpoint can land above it. We reproduce that, and it is not a
