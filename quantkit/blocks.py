@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from functools import cache
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
@@ -122,6 +122,13 @@ def run(lib: ctypes.CDLL, t: str, x: int, half: bool, n: int, k: int, out: int) 
 
 
 def split(n: int, work: Callable[[int, int], None]) -> None:
-    """work(r0, r1) on a share of n rows per core, at once (ctypes lets go of the GIL)."""
+    """work(r0, r1) on a share of n rows per core, at once (ctypes lets go of the GIL). Every share
+    has ended when this returns or raises (an error or Ctrl-C in one): none is left writing to a
+    buffer, or reading a map, that its caller then frees."""
     step = max(1, -(-n // threads()))
-    list(pool().map(lambda r0: work(r0, min(n, r0 + step)), range(0, n, step)))
+    shares = [pool().submit(work, r0, min(n, r0 + step)) for r0 in range(0, n, step)]
+    try:
+        for share in shares:
+            share.result()
+    finally:
+        wait(shares)

@@ -143,7 +143,7 @@ class QuantizedTensor:
             s = self.scales.float().repeat_interleave(self.group_size)[: n * k].view(n, k)
             # index_select: indexing's kernel runs small gathers on threads left spinning after it, which
             # took cores from the compiled NF4 codes that follow it in double quantization
-            values = self.codebook.index_select(0, self.codes.view(-1).long()).view(n, k)
+            values = self.codebook.index_select(0, self.codes.reshape(-1).long()).view(n, k)
             return (values * s).to(dtype)
         w = self.codes.to(torch.float32)  # s * (q - z) in place
         zeros, scales = self.zeros.to(torch.float32), self.scales.to(torch.float32)

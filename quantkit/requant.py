@@ -375,9 +375,11 @@ def mapped(path: str | os.PathLike) -> Iterator[int | None]:
     file's requantization is timed against llama-quantize's as a whole command). None where libc
     has no mmap."""
     try:
+        if os.name != "posix":
+            raise OSError("no libc mmap")
         libc = ctypes.CDLL(None)
         libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                                                  ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+                                                                  ctypes.c_int, ctypes.c_int, ctypes.c_long]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     except (OSError, AttributeError):
         yield None

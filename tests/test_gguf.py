@@ -316,17 +316,30 @@ def test_requantizing_a_gguf_file_starts_without_torch(tmp_path):
 
 
 def test_requantizing_through_numpy_writes_the_same_bytes(tmp_path, monkeypatch):
-    """Where the file cannot be mapped for the compiled quantizer, it goes through numpy: the same file
-    (in slices of 8 rows, each split over the cores)."""
+    """Where the file cannot be mapped for the compiled quantizer, it goes through numpy: the same file,
+    from F32 and F16 (in slices of 8 rows, each split over 3 threads)."""
     import contextlib
 
     from quantkit import requant
 
-    src = small_gguf(tmp_path / "m.gguf")
+    from quantkit import blocks
+
+    if blocks.library() is None:
+        pytest.skip("the compiled quantizer was not built here")
+    f32 = small_gguf(tmp_path / "m.gguf")
+    f16 = requant.requantize(f32, tmp_path / "f16.gguf", "F16", progress=False)
     monkeypatch.setattr(requant, "CHUNK", 8 * 96)
-    mapped = requant.requantize(src, tmp_path / "mapped.gguf", "Q4_0", progress=False).read_bytes()
-    monkeypatch.setattr(requant, "mapped", lambda path: contextlib.nullcontext())
-    assert requant.requantize(src, tmp_path / "numpy.gguf", "Q4_0", progress=False).read_bytes() == mapped
+    monkeypatch.setattr(blocks, "threads", lambda: 3)
+    calls = []
+    monkeypatch.setattr(blocks, "quantize_at", lambda *a, f=blocks.quantize_at: calls.append(a) or f(*a))
+    for src in (f32, f16):
+        mapped = requant.requantize(src, tmp_path / "mapped.gguf", "Q4_0", overwrite=True, progress=False).read_bytes()
+        assert calls and all(a[1] == (src == f16) for a in calls)  # the map was read, as float16 from F16
+        calls.clear()
+        with monkeypatch.context() as m:
+            m.setattr(requant, "mapped", lambda path: contextlib.nullcontext())
+            through = requant.requantize(src, tmp_path / "numpy.gguf", "Q4_0", overwrite=True, progress=False)
+        assert not calls and through.read_bytes() == mapped
 
 
 def by_name(src, dst):

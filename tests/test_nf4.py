@@ -75,7 +75,7 @@ def test_tensor_smaller_than_a_block(kind):
 
 
 @pytest.mark.parametrize("kind", ["nf4", "fp4"])
-def test_compiled_codes_are_the_torch_paths(kind):
+def test_compiled_codes_are_the_torch_paths(kind, monkeypatch):
     """The compiled pass (quantkit/kernels/absmax.c) gives the torch path's codes and absmax on values
     at every midpoint between entries and the floats beside them, zeros of both signs, subnormal,
     infinite and NaN values, and a last shorter block (a NaN's bits aside: NaN either way)."""
@@ -83,6 +83,7 @@ def test_compiled_codes_are_the_torch_paths(kind):
 
     if blocks.library() is None:
         pytest.skip("the compiled kernels were not built here")
+    monkeypatch.setattr(blocks, "threads", lambda: 3)  # shares that start past the first block, on any machine
     g = torch.Generator().manual_seed(0)
     mids, _ = nf4.midpoints(nf4.CODEBOOKS[kind])
     edges = torch.cat([mids, mids.nextafter(torch.tensor(2.0)), mids.nextafter(torch.tensor(-2.0)),
@@ -100,6 +101,10 @@ def test_compiled_codes_are_the_torch_paths(kind):
         codes, compiled = nf4.compiled_codes(x, block_size, nf4.CODEBOOKS[kind])
         assert torch.equal(codes, nf4.nearest(scaled.clamp(-1, 1), nf4.CODEBOOKS[kind])), block_size
         torch.testing.assert_close(compiled, absmax, rtol=0, atol=0, equal_nan=True)
+    calls = []
+    monkeypatch.setattr(nf4, "compiled_codes", lambda *a, f=nf4.compiled_codes: calls.append(a) or f(*a))
+    nf4.quantize(w, kind, 64)
+    assert calls  # quantize takes the compiled path here
 
 
 def test_compiled_nested_codes_are_the_torch_paths():

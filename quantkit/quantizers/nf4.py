@@ -73,7 +73,8 @@ def compiled_codes(x: torch.Tensor, block_size: int, table: torch.Tensor) -> tup
     float32 operations), its blocks split over the cores: the codes [n] and each block's absmax. None
     on a GPU or without the compiled kernels."""
     lib = blocks.library()
-    if lib is None or x.device.type != "cpu" or len(table) != 16:
+    if lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or table.dtype != torch.float32 \
+            or len(table) != 16:
         return None
     x = x.contiguous()
     mids, order = midpoints(table)
@@ -127,7 +128,7 @@ def compiled_nested(x: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor,
     threads spinning against the first level's (1.5 s against 1.1 s over the embedded model).
     None on a GPU or without the compiled kernels."""
     lib = blocks.library()
-    if lib is None or x.device.type != "cpu":
+    if lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or table.dtype != torch.float32:
         return None
     x = x.contiguous()
     mids, order = midpoints(table)
