@@ -34,6 +34,9 @@ static float largest(const float *x, int64_t n) {
     return nan ? NAN : m;
 }
 
+/* an absmax clamped to TINY before it scales (torch's clamp keeps a NaN) */
+static inline float above_tiny(float m) { return m != m ? m : (m < TINY ? TINY : m); }
+
 /* each value's rank among the midpoints, scaled by scale (or divided by it) */
 WIDE static void ranks(const float *x, int64_t n, float scale, int divide, const float *mids, uint8_t *codes) {
     for (int64_t i = 0; i < n; i++) {
@@ -51,11 +54,11 @@ void absmax_codes(const float *x, int64_t n, int64_t block, const float *mids, c
     for (int64_t b = 0; b < full; b += block) {
         float m = largest(x + b, block);
         absmax[b / block] = m;
-        ranks(x + b, block, 1.0f / (m != m ? m : (m < TINY ? TINY : m)), 0, mids, codes + b);
+        ranks(x + b, block, 1.0f / above_tiny(m), 0, mids, codes + b);
     }
     if (full < n) {
         float m = largest(x + full, n - full);
-        absmax[full / block] = m != m ? m : (m < TINY ? TINY : m);  /* stored clamped */
+        absmax[full / block] = above_tiny(m);  /* stored clamped */
         ranks(x + full, n - full, absmax[full / block], 1, mids, codes + full);
     }
     int identity = 1;  /* NF4's entries are sorted: its ranks are its codes */

@@ -145,10 +145,11 @@ def double_quantize(qt: QuantizedTensor) -> QuantizedTensor:
     """qt with its absmax stored as 8-bit dynamic codes around their mean; its scales become the
     values those codes give back, which is what every consumer dequantizes with."""
     offset = qt.scales.mean()
+    centred = qt.scales - offset
     table = dynamic_map().to(qt.scales.device)
-    compiled = compiled_nested(qt.scales - offset, table)
+    compiled = compiled_nested(centred, table)
     if compiled is None:
-        scaled, absmax = absmax_scaled(qt.scales - offset, NESTED_BLOCK, reciprocal=False)
+        scaled, absmax = absmax_scaled(centred, NESTED_BLOCK, reciprocal=False)
         codes = nearest(snap(scaled), table)
     else:
         codes, absmax = compiled
