@@ -3,7 +3,7 @@
     python benchmarks/kernel_bench.py [--batches 1,16,512] [--repeats 5]
     python benchmarks/kernel_bench.py --sweep [--batches 1,512] [--layouts 4-bit,4-bit act-order,NF4]
     python benchmarks/kernel_bench.py --kernels DIR      # another version of quantkit/kernels/
-    python benchmarks/kernel_bench.py --rows 1,16,64,128,512   # CPU: fused int4 against the fallback by rows
+    python benchmarks/kernel_bench.py --rows 1,16,64,128,512   # CPU: the fused paths against the fallback by rows
 
 On a GPU (Triton kernels, float16 activations), per shape and batch:
   - time of ours (4-bit g128 GPTQ layout in plain group order and with act-order, which the layer
@@ -26,14 +26,18 @@ of quantkit's (two runs in one call compare two versions on one machine).
 On the CPU, per shape and batch, best of --repeats: our packed layers as quantkit runs them (4-bit
 g128 in plain group order, and in act-order with x's columns taken in group order, with bfloat16
 activations: torch's fused int4 matmul up to qlinear.FUSED_ROWS rows, the fallback beyond; 4-bit
-g128 act-order and NF4 with double quantization, float32 activations: the fallback that dequantizes
-a slice of rows at a time), against the anchor, a dense float32 matmul of the same shape, against a
-dense bfloat16 one, and against dequantizing the whole weight then one matmul in the same dtype as ours.
---rows: the fused int4 path against the fallback in bfloat16, by rows of input.
+g128 plain and act-order and NF4 with double quantization, float32 activations: the compiled GEMV
+up to qlinear.GEMV_ROWS rows, beyond it the fallback that dequantizes a slice of rows at a time),
+against the anchor, a dense float32 matmul of the same shape, against a dense bfloat16 one, and
+against dequantizing the whole weight then one matmul in the same dtype as ours. Each of ours and of the
+dense weights is timed in copies taken in turn (ROTATE bytes of float32 copies), so that no call finds
+its weight in the cache left by the one before, as in a model whose layers come one after another.
+--rows: the fused paths against the fallback by rows of input (int4 in bfloat16, the GEMV in float32).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import sys
 import time
@@ -42,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (out, in): q/k/v/o, gate/up, down
+ROTATE = 1 << 30  # CPU: bytes of each dense float32 weight's copies timed in turn, so that none is served from cache
 DATASHEET_TBPS = {"H100 80GB HBM3": 3.35, "H100 PCIe": 2.0, "H200": 4.8}
 
 
@@ -59,62 +64,84 @@ def layers(n: int, k: int, device: str):
 
 
 def cpu(batches: list[int], repeats: int) -> None:
+    import copy
+
+    from quantkit import qlinear
+
     print(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"Each weight in copies taken in turn, {ROTATE >> 20} MiB of its float32 copies (beyond the L3 cache), "
+          "as a model's layers come one after another")
     print("| shape (out x in) | batch | format (path, activations) | ours | dense float32 (anchor) | ours / anchor "
           "| dense bfloat16 | ours / that | dequantize, then matmul | ours / that |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n, k in SHAPES:
         w, act, nf, plain = layers(n, k, "cpu")
-        wb = w.bfloat16()
+        copies = -(-ROTATE // (4 * n * k))
+        dense_w = [w.clone() for _ in range(copies)]
+        dense_wb = [w.bfloat16() for _ in range(copies)]
         for layer, label, dtype in ((plain, "4-bit g128 (bf16)", torch.bfloat16),
                                     (act, "4-bit g128 act-order (x in group order; bf16)", torch.bfloat16),
-                                    (act, "4-bit g128 act-order (slices, f32)", torch.float32),
-                                    (nf, "NF4 dq (slices, f32)", torch.float32)):
+                                    (plain, "4-bit g128 (f32)", torch.float32),
+                                    (act, "4-bit g128 act-order (f32)", torch.float32),
+                                    (nf, "NF4 dq (f32)", torch.float32)):
+            twins = [layer] + [copy.deepcopy(layer) for _ in range(copies - 1)]
             for b in batches:
+                shown = label if dtype != torch.float32 else \
+                    f"{label.split(' (')[0]} ({'GEMV' if b <= qlinear.GEMV_ROWS else 'slices'}, f32)"
                 x = torch.randn(b, k)
                 xq, xb = x.to(dtype), x.bfloat16()
-
-                def ours():
-                    return layer(xq)
+                ours = rotation(lambda t: t(xq), twins)
+                dense = rotation(lambda v: F.linear(x, v), dense_w)
+                dense_bf16 = rotation(lambda v: F.linear(xb, v), dense_wb)
 
                 def baseline():
                     return F.linear(xq, layer.dequantize(dtype))
 
-                def dense():
-                    return F.linear(x, w)
-
-                def dense_bf16():
-                    return F.linear(xb, wb)
-
                 with torch.no_grad():
+                    for t in twins:  # each copy's operands made on first use, before the timing
+                        t(xq)
                     ref = F.linear(x, layer.dequantize())
                     tol = 1e-4 if dtype == torch.float32 else 2e-2  # bfloat16: 2^-8 per rounding
-                    torch.testing.assert_close(ours().float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+                    torch.testing.assert_close(layer(xq).float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
                     t = {f: best(f, repeats) for f in (ours, dense, dense_bf16, baseline)}
-                print(f"| {n}x{k} | {b} | {label} | {t[ours] * 1e3:.2f} ms | {t[dense] * 1e3:.2f} ms | "
+                print(f"| {n}x{k} | {b} | {shown} | {t[ours] * 1e3:.2f} ms | {t[dense] * 1e3:.2f} ms | "
                       f"{t[ours] / t[dense]:.2f} | {t[dense_bf16] * 1e3:.2f} ms | {t[ours] / t[dense_bf16]:.2f} | "
                       f"{t[baseline] * 1e3:.2f} ms | {t[ours] / t[baseline]:.2f} |", flush=True)
+            del twins
+
+
+def rotation(call, items: list):
+    """A function that applies call to the next of items on each call, round and round."""
+    turn = itertools.cycle(items)
+    return lambda: call(next(turn))
 
 
 def crossover(rows: list[int], repeats: int) -> None:
-    """CPU, bfloat16: the fused int4 matmul against the fallback (dequantize a slice of rows at a time,
-    multiply in bfloat16) by rows of input, for qlinear.FUSED_ROWS."""
+    """CPU: each fused path against the fallback (dequantize a slice of rows at a time, multiply in x's
+    dtype) by rows of input, for qlinear.FUSED_ROWS and GEMV_ROWS: torch's int4 matmul in bfloat16, and
+    the compiled GEMV in float32 on 4-bit g128 (plain and act-order) and NF4 with double quantization."""
     from quantkit import qlinear
 
     print(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print("| shape (out x in) | rows | fused int4 | fallback | fused / fallback |")
-    print("| --- | --- | --- | --- | --- |")
-    limit, qlinear.FUSED_ROWS = qlinear.FUSED_ROWS, 1 << 30  # the fused path at every row count
+    print("| shape (out x in) | rows | path | fused | fallback | fused / fallback |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    limits = qlinear.FUSED_ROWS, qlinear.GEMV_ROWS
+    qlinear.FUSED_ROWS = qlinear.GEMV_ROWS = 1 << 30  # the fused paths at every row count
     for n, k in SHAPES[:2]:
-        plain = layers(n, k, "cpu")[3]
+        _, act, nf, plain = layers(n, k, "cpu")
         for r in rows:
-            x = torch.randn(r, k).bfloat16()
-            with torch.no_grad():
-                fused = best(lambda: plain.fused(x), repeats)
-                fallback = best(lambda: plain.sliced(x), repeats)
-            print(f"| {n}x{k} | {r} | {fused * 1e3:.2f} ms | {fallback * 1e3:.2f} ms | {fused / fallback:.2f} |", flush=True)
-    qlinear.FUSED_ROWS = limit
-    print(f"(qlinear.FUSED_ROWS = {limit})")
+            for label, layer, dtype, fused in (("int4 4-bit g128, bf16", plain, torch.bfloat16, plain.fused),
+                                               ("GEMV 4-bit g128, f32", plain, torch.float32, plain.gemv),
+                                               ("GEMV 4-bit g128 act-order, f32", act, torch.float32, act.gemv),
+                                               ("GEMV NF4 dq, f32", nf, torch.float32, nf.gemv)):
+                x = torch.randn(r, k).to(dtype)
+                with torch.no_grad():
+                    t_fused = best(lambda: fused(x), repeats)
+                    t_fallback = best(lambda: layer.sliced(x), repeats)
+                print(f"| {n}x{k} | {r} | {label} | {t_fused * 1e3:.2f} ms | {t_fallback * 1e3:.2f} ms | "
+                      f"{t_fused / t_fallback:.2f} |", flush=True)
+    qlinear.FUSED_ROWS, qlinear.GEMV_ROWS = limits
+    print(f"(qlinear.FUSED_ROWS = {limits[0]}, GEMV_ROWS = {limits[1]})")
 
 
 def best(fn, repeats: int) -> float:
@@ -340,7 +367,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="GPU: time the kernels' other tiles instead")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="--sweep: which layouts")
     p.add_argument("--kernels", help="GPU: a folder to use in place of quantkit/kernels/")
-    p.add_argument("--rows", help="CPU: the fused int4 path against the fallback at these rows of input (1,16,...)")
+    p.add_argument("--rows", help="CPU: the fused paths against the fallback at these rows of input (1,16,...)")
     a = p.parse_args()
     if a.kernels:
         import importlib.util

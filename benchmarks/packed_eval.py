@@ -1,19 +1,20 @@
 """`quantkit eval` on the CPU: a packed 4-bit export against the float model, whole command against
 whole command; and decoding speed, token by token.
 
-    python benchmarks/packed_eval.py [--windows 8] [--repeat 2] [--act-order] [--tokens 64]
+    python benchmarks/packed_eval.py [--windows 8] [--repeat 2] [--act-order] [--nf4] [--tokens 64]
 
 The embedded SmolLM2-135M and its RTN 4-bit g128 export (`quantkit quantize --out q4`, plain group
 order), each scored by `quantkit eval MODEL --data wiki.test.raw --max-windows N --json` in a fresh
 process (interpreter start, imports, loading, scoring), in float32 and in bfloat16 (`--dtype`), best
 of --repeat. The anchor is the float model in float32, quantkit's CPU default. In bfloat16 the packed
-model's linears run torch's fused int4 matmul up to qlinear.FUSED_ROWS rows of input, and dequantize a
-slice of rows at a time beyond (an evaluation window is 512 rows); in float32 always the latter.
---act-order adds a GPTQ 4-bit g128 --act-order export (calibrated on wiki.valid.tokens; minutes).
+model's linears run torch's fused int4 matmul up to qlinear.FUSED_ROWS rows of input, in float32 the
+compiled GEMV up to qlinear.GEMV_ROWS, and beyond they dequantize a slice of rows at a time (an
+evaluation window is 512 rows). --act-order adds a GPTQ 4-bit g128 --act-order export (calibrated on
+wiki.valid.tokens; minutes); --nf4 an NF4 export with double quantization.
 
-Decoding: greedy generation of --tokens tokens after a 32-token prompt, batch 1, in bfloat16 (every
-linear's input is one row: the fused path), tokens per second, best of --repeat, against the float
-model in bfloat16 in the same run.
+Decoding: greedy generation of --tokens tokens after a 32-token prompt, batch 1 (every linear's input
+is one row: the fused paths), in float32 and in bfloat16, tokens per second, best of --repeat,
+against the float model in the same dtype in the same run.
 """
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def best(command: list[str], repeat: int) -> tuple[float, float]:
     return min(times), json.loads(out.strip().splitlines()[-1])["perplexity"]
 
 
-def decode(path: str | None, tokens: int, repeat: int) -> float:
-    """Tokens per second of greedy batch-1 generation in bfloat16, best of repeat."""
+def decode(path: str | None, tokens: int, repeat: int, dtype: str) -> float:
+    """Tokens per second of greedy batch-1 generation in dtype, best of repeat."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -50,9 +51,9 @@ def decode(path: str | None, tokens: int, repeat: int) -> float:
     from quantkit.modelio import default_model_dir
 
     if path is None:  # quantkit.load streams a float model's layers from disk: it holds none in memory
-        model = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=getattr(torch, dtype))
     else:
-        model = quantkit.load(path, packed=True).module.to(torch.bfloat16)
+        model = quantkit.load(path, packed=True).module.to(getattr(torch, dtype))
     model.eval()
     prompt = torch.arange(100, 132)[None]
     times = []
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--act-order", action="store_true", help="also a GPTQ --act-order export")
+    ap.add_argument("--nf4", action="store_true", help="also an NF4 export with double quantization")
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per decoding run")
     a = ap.parse_args()
 
@@ -82,6 +84,9 @@ def main() -> None:
         quantkit.quantize(None, method="gptq", bits=4, group_size=128, act_order=True, out=work / "act",
                           calib_data=str(DATA / "wikitext-2/wiki.valid.tokens"), progress=False)
         models.append(("packed GPTQ w4 g128 act-order", str(work / "act")))
+    if a.nf4:
+        quantkit.quantize(None, method="nf4", double_quant=True, out=work / "nf4", progress=False)
+        models.append(("packed NF4 dq", str(work / "nf4")))
     print(f"`quantkit eval MODEL --data wiki.test.raw --max-windows {a.windows}`, best of {a.repeat}; "
           "anchor: the float model in float32")
     print("| model | dtype | perplexity | time | time / anchor |")
@@ -93,15 +98,15 @@ def main() -> None:
                            "--max-windows", str(a.windows), "--dtype", dtype, "--json"], a.repeat)
             anchor = anchor or t
             print(f"| {label} | {dtype} | {ppl:.4f} | {t:.2f} s | {t / anchor:.2f} |", flush=True)
-    print(f"\nDecoding {a.tokens} tokens, batch 1, bfloat16, best of {a.repeat}; anchor: the float model")
-    print("| model | tokens/s | / anchor |")
-    print("| --- | --- | --- |")
-    anchor = None
+    print(f"\nDecoding {a.tokens} tokens, batch 1, best of {a.repeat}; anchor: the float model in the same dtype")
+    print("| model | float32 tokens/s | / anchor | bfloat16 tokens/s | / anchor |")
+    print("| --- | --- | --- | --- | --- |")
+    anchors = {}
     for label, model in models:
-        rate = decode(model, a.tokens, a.repeat)
-        anchor = anchor or rate
-        print(f"| {label} | {rate:.1f} | {rate / anchor:.2f} |", flush=True)
-
+        rates = {dtype: decode(model, a.tokens, a.repeat, dtype) for dtype in ("float32", "bfloat16")}
+        anchors = anchors or rates
+        print(f"| {label} | " + " | ".join(f"{rates[d]:.1f} | {rates[d] / anchors[d]:.2f}" for d in rates) + " |",
+              flush=True)
 
 if __name__ == "__main__":
     main()

@@ -362,8 +362,9 @@ def ready(model: Model | PathLike | None, packed: bool = True, device: str | Non
     (its linears reading the exported tensors through quantkit.qlinear) unless packed=False, on device
     (default: CUDA, in float16, when there is a GPU; else the CPU in float32); a Model passed in is moved
     only when device or dtype is given. dtype: the activations' and float weights' dtype, one of DTYPES
-    (bfloat16 on the CPU runs 4-bit layers through torch's fused int4 matmul where they take up to
-    qlinear.FUSED_ROWS rows, as in decoding; evaluation windows take the sliced fallback)."""
+    (on the CPU, bfloat16 runs 4-bit layers through torch's fused int4 matmul where they take up to
+    qlinear.FUSED_ROWS rows, as in decoding, and the other layers, and float32 all, through the compiled
+    GEMV up to qlinear.GEMV_ROWS rows; evaluation windows take the sliced fallback)."""
     if dtype is not None and dtype not in DTYPES:
         raise QuantkitError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     m = model if isinstance(model, Model) else load(model, packed=packed)

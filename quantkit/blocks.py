@@ -2,7 +2,8 @@
 round-to-nearest into them compiled: quantkit/kernels/ggml.c, the searches of
 quantkit.quantizers.ggml in C with the same float32 operations, built at install into
 quantkit/_ggml*.so. Neither torch nor numpy nor the gguf package is imported here, so that
-requantizing a GGUF file starts at once (quantize_at); quantize takes numpy arrays."""
+requantizing a GGUF file starts at once (quantize_at); quantize takes numpy arrays. The same
+library holds NF4/FP4's codes (kernels/absmax.c) and the CPU's GEMV (kernels/gemv.c)."""
 from __future__ import annotations
 
 import ctypes
@@ -46,7 +47,7 @@ def threads() -> int:
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The compiled quantizer, or None where it was not built (no C compiler at install)."""
+    """The compiled kernels, or None where they were not built (no C compiler at install)."""
     here = Path(__file__).parent
     path = next((p for p in (here / f"_ggml{s}" for s in EXTENSION_SUFFIXES) if p.is_file()), None)
     if path is None:
@@ -59,7 +60,7 @@ def library() -> ctypes.CDLL | None:
 
 
 def load(path: Path) -> ctypes.CDLL:
-    """A build of quantkit/kernels/ggml.c and absmax.c at path (the installed one, or a test's own build)."""
+    """A build of quantkit/kernels/ggml.c, absmax.c and gemv.c at path (the installed one, or a test's own build)."""
     lib = ctypes.CDLL(str(path))
     lib.quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                              ctypes.c_void_p]
@@ -70,6 +71,11 @@ def load(path: Path) -> ctypes.CDLL:
     lib.nested_codes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                                  ctypes.c_void_p, ctypes.c_void_p]
     lib.nested_codes.restype = None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.gptq_gemv.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, ptr]
+    lib.gptq_gemv.restype = None
+    lib.nf4_gemv.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ctypes.c_float, i64, i64, i64, ptr]
+    lib.nf4_gemv.restype = None
     return lib
 
 

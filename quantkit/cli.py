@@ -167,7 +167,8 @@ cli.add_command(export)
 @click.option("--dequantized", is_flag=True, help="a quantized export: evaluate a dequantized copy, not the packed model")
 @click.option("--device", help="cpu or cuda [cuda, in float16, when there is a GPU]")
 @click.option("--dtype", type=click.Choice(api.DTYPES), help="the activations' dtype [float16 on a GPU, float32 on "
-              "the CPU]; bfloat16 on the CPU runs 4-bit layers in torch's fused int4 matmul where they take few rows")
+              "the CPU]; on the CPU, where layers take few rows, bfloat16 runs 4-bit layers in torch's fused int4 matmul "
+              "and float32 every layout in quantkit's compiled GEMV")
 def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_increase, max_kld, min_same_top,
              as_json, dequantized, device, dtype) -> None:
     """Perplexity of MODEL (a directory, an export, a .gguf file, or the embedded model). A quantized

@@ -1,6 +1,7 @@
 """Linear layers that keep their weight packed, as the exports store it, and multiply through it:
-Triton kernels on a GPU (quantkit.kernels), a torch fallback that dequantizes a slice of rows at a
-time elsewhere. No float copy of the weight is kept between calls, and the weight is not a
+Triton kernels on a GPU (quantkit.kernels); on the CPU, for few rows of input, torch's int4 matmul
+or our compiled GEMV (quantkit/kernels/gemv.c), and else a torch fallback that dequantizes a slice
+of rows at a time. No float copy of the weight is kept between calls, and the weight is not a
 parameter: gradients reach the input (and any adapter on top), never the quantized weight.
 
 Every shape and setting is checked when a layer is built, so a checkpoint that disagrees with its
@@ -14,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from . import blocks, kernels
 from .errors import QuantkitError
 from .packing import pack, pack_nibbles, unpack, unpack_nibbles
 from .qtensor import BITS, QuantizedTensor
@@ -26,6 +27,10 @@ CHUNK = 1 << 20  # weights dequantized at a time by the torch fallback (4 MiB of
 # fallback's dequantization does not; on an AMX machine it took 0.76-1.05 of the fallback's time at
 # 128 rows, 1.5-1.6x at 256 and 2.2-2.8x at 512 (benchmarks/RESULTS.md, kernel_bench.py --rows)
 FUSED_ROWS = 128
+# rows of x up to which the compiled GEMV runs (float32 sums of products: its time grows with the rows);
+# at 32 rows it took 0.32-0.63 of the fallback's time on 7B shapes, at 64 rows 0.57-1.11 (kernel_bench.py --rows)
+GEMV_ROWS = 32
+GEMV_SPLIT = 1 << 20  # weights from which the GEMV's outputs are split over the cores (below: one thread's work)
 
 
 class QuantLinear(torch.nn.Module):
@@ -58,7 +63,38 @@ class QuantLinear(torch.nn.Module):
 
     def fused(self, x: torch.Tensor) -> torch.Tensor | None:
         """x W^T by a fused CPU kernel for this layout (no gradient), or None where there is none."""
-        return None
+        return self.gemv(x)
+
+    GEMV_UNIT = 1  # outputs per share of the GEMV's split
+
+    def gemv(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x W^T by the compiled GEMV (quantkit/kernels/gemv.c) on the CPU for up to GEMV_ROWS rows, in
+        float32 whatever x's dtype (each weight the float32 value of dequantize, only the sums in
+        another order), the outputs split over the cores; None where it does not apply or was not built."""
+        rows = x.numel() // max(self.in_features, 1)
+        lib = blocks.library()
+        if x.is_cuda or rows > GEMV_ROWS or lib is None or not self.gemv_fits():
+            return None
+        x2 = x.reshape(rows, self.in_features).float().contiguous()
+        y = torch.zeros(rows, self.out_features)
+        units = self.out_features // self.GEMV_UNIT
+
+        def share(u0: int, u1: int) -> None:
+            self.gemv_share(lib, x2, y, u0 * self.GEMV_UNIT, u1 * self.GEMV_UNIT)
+
+        if self.in_features * self.out_features >= GEMV_SPLIT:
+            blocks.split(units, share)
+        else:
+            share(0, units)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def gemv_fits(self) -> bool:
+        """Whether the compiled GEMV reads this layout."""
+        return False
+
+    def gemv_share(self, lib, x: torch.Tensor, y: torch.Tensor, start: int, stop: int) -> None:
+        """Outputs start:stop of y = x W^T by the compiled GEMV (x float32 [M, K], y zeros [M, N])."""
+        raise NotImplementedError
 
     def sliced(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T by the torch fallback: W dequantized to x's dtype a slice of rows at a time."""
@@ -109,7 +145,8 @@ class GPTQLinear(QuantLinear):
     W[n, k] = scales[g, n] * (q[k, n] - z[g, n]) with g = g_idx[k]. v1 checkpoints store z - 1."""
 
     PACKED = ("qweight", "qzeros", "scales", "g_idx")
-    DERIVED = ("int4", "order", "grouped")
+    DERIVED = ("int4", "order", "grouped", "decoded")
+    GEMV_UNIT = 8  # the GEMV reads 8 columns of the packed words at a time
 
     def __init__(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                  bits: int, group_size: int, v1: bool, sym: bool = True, bias: torch.Tensor | None = None,
@@ -188,10 +225,14 @@ class GPTQLinear(QuantLinear):
         bfloat16 activations, up to FUSED_ROWS rows, on the CPU: torch's int4 matmul
         (_weight_int4pack_mm_for_cpu, which reads W = (q - 8) s + (8 - z) s with s and (8 - z) s rounded to
         bfloat16), the inputs padded with zeros to whole kernel groups. Its float32 and float16 paths are
-        not vectorized: 4x a dense float32 matmul at batch 1 and 30x at batch 16 (benchmarks/kernel_bench.py)."""
+        not vectorized: 4x a dense float32 matmul at batch 1 and 30x at batch 16 (benchmarks/kernel_bench.py).
+        Otherwise the compiled GEMV where it applies, act-order with whole groups through the twin in
+        group order (`grouped`): its scales and zeros are then read a group at a time, where act-order's
+        read all groups' at once and took 1.2-1.6x a dense float32 matmul at batch 1 (kernel_bench.py)."""
         rows = x.numel() // self.in_features
         if x.is_cuda or self.bits != 4 or x.dtype != torch.bfloat16 or rows > FUSED_ROWS or self.int4 is None:
-            return None
+            x, layer = self.ordered(x) if rows <= GEMV_ROWS else (x, self)
+            return layer.gemv(x)
         packed, scales_zeros, group, k = self.int4
         if self.order is not None:
             x = x.index_select(-1, self.order)
@@ -249,6 +290,21 @@ class GPTQLinear(QuantLinear):
         z = self.zeros().cpu().T.float()[ours]
         scales_zeros = F.pad(torch.stack([s, (8 - z) * s], -1), (0, 0, 0, codes.shape[0] - n)).bfloat16()
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), scales_zeros, group, padded
+
+    def gemv_fits(self) -> bool:
+        return self.out_features % 8 == 0
+
+    @functools.cached_property
+    def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The GEMV's scales float32 [G, N] and zeros int32 [G, N], made once (1/8 of the 4-bit packed
+        weight's size at group 128)."""
+        return self.scales.float().contiguous(), self.zeros().T.contiguous()
+
+    def gemv_share(self, lib, x: torch.Tensor, y: torch.Tensor, start: int, stop: int) -> None:
+        scales, zeros = self.decoded
+        lib.gptq_gemv(x.data_ptr(), x.shape[0], self.in_features, self.qweight.data_ptr(), self.bits,
+                      self.g_idx.data_ptr(), scales.data_ptr(), zeros.data_ptr(), self.out_features, start, stop,
+                      y.data_ptr())
 
     def kernel_args(self, tile_k: int) -> tuple[tuple, dict]:
         # GROUP: the group size where every tile lies in one group, so scales and zeros are read per tile
@@ -338,6 +394,16 @@ class NF4Linear(QuantLinear):
         else:
             w = values * self.scales(first, last).repeat_interleave(b)[lo - first * b: hi - first * b]
         return w.view(stop - start, self.in_features).to(dtype)
+
+    def gemv_fits(self) -> bool:  # blocks whole within rows, 16 codes at a time
+        return self.in_features % self.blocksize == 0 and self.blocksize % 16 == 0
+
+    def gemv_share(self, lib, x: torch.Tensor, y: torch.Tensor, start: int, stop: int) -> None:
+        nested = self.nested_absmax is not None
+        lib.nf4_gemv(x.data_ptr(), x.shape[0], self.in_features, self.packed.data_ptr(), self.quant_map.data_ptr(),
+                     self.blocksize, None if nested else self.absmax.data_ptr(), self.absmax.data_ptr() if nested else None,
+                     self.nested_absmax.data_ptr() if nested else None, self.nested_map.data_ptr() if nested else None,
+                     self.nested_blocksize, self.offset, start, stop, self.out_features, y.data_ptr())
 
     def kernel_args(self, tile_k: int) -> tuple[tuple, dict]:
         nested = self.nested_absmax is not None

@@ -98,13 +98,29 @@ for n, block in ((1, 64), (63, 64), (64, 64), (6911, 64), (100, 4096)):  # NF4/F
     lib.absmax_codes(x.ctypes.data, n, block, mids.ctypes.data, order.ctypes.data, codes.ctypes.data,
                      absmax.ctypes.data)
     lib.nested_codes(x.ctypes.data, n, 256, mids.ctypes.data, 15, codes.ctypes.data, absmax.ctypes.data)
+rng = np.random.default_rng(1)
+for m in (1, 5):  # the GEMVs (quantkit.qlinear): a last share of outputs, rows past one pass of 4
+    xs, y = rng.standard_normal((m, 128)).astype(np.float32), np.zeros((m, 24), np.float32)
+    for bits in (2, 3, 4, 8):
+        qweight = rng.integers(-2 ** 31, 2 ** 31, (128 * bits // 32, 24)).astype(np.int32)
+        g_idx = rng.integers(0, 3, 128).astype(np.int32)
+        scales, zeros = rng.random((3, 24), np.float32), rng.integers(0, 1 << bits, (3, 24)).astype(np.int32)
+        lib.gptq_gemv(xs.ctypes.data, m, 128, qweight.ctypes.data, bits, g_idx.ctypes.data, scales.ctypes.data,
+                      zeros.ctypes.data, 24, 16, 24, y.ctypes.data)
+    packed, table = rng.integers(0, 256, 24 * 64).astype(np.uint8), np.linspace(-1, 1, 16, dtype=np.float32)
+    absmax, codes = rng.random(48, np.float32), rng.integers(0, 256, 48).astype(np.uint8)
+    nested, nested_map = rng.random(1, np.float32), np.linspace(-1, 1, 256, dtype=np.float32)
+    lib.nf4_gemv(xs.ctypes.data, m, 128, packed.ctypes.data, table.ctypes.data, 64, absmax.ctypes.data, None, None,
+                 None, 256, 0.0, 20, 24, 24, y.ctypes.data)
+    lib.nf4_gemv(xs.ctypes.data, m, 128, packed.ctypes.data, table.ctypes.data, 64, None, codes.ctypes.data,
+                 nested.ctypes.data, nested_map.ctypes.data, 256, 0.5, 20, 24, 24, y.ctypes.data)
 """
 
 
 def test_the_compiled_quantizer_stays_inside_its_buffers(tmp_path):
     """Built with AddressSanitizer: every type, from float32 and float16, on block counts that end in a
-    partial group of eight, and the NF4/FP4 codes on counts that end in a shorter block, read and
-    write nothing outside their buffers (a tail buffer too small for
+    partial group of eight, the NF4/FP4 codes on counts that end in a shorter block, and the GEMVs on
+    a last share of outputs, read and write nothing outside their buffers (a tail buffer too small for
     Q8_0 once passed every byte test, its overflow landing in a buffer already read)."""
     gcc = shutil.which("gcc")
     asan = gcc and subprocess.run([gcc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
@@ -114,7 +130,7 @@ def test_the_compiled_quantizer_stays_inside_its_buffers(tmp_path):
     lib = tmp_path / "ggml_asan.so"
     subprocess.run([gcc, "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-ffp-contract=off",
                     "-Wno-psabi", "-shared", "-fPIC", "-o", str(lib), str(kernels / "ggml.c"),
-                    str(kernels / "absmax.c"), "-lm"], check=True)
+                    str(kernels / "absmax.c"), str(kernels / "gemv.c"), "-lm"], check=True)
     run = subprocess.run([sys.executable, "-c", CHILD, str(lib), *blocks.LEGACY_TYPES, *blocks.K_TYPES],
                          capture_output=True, text=True,
                          env={**os.environ, "LD_PRELOAD": asan, "ASAN_OPTIONS": "detect_leaks=0"})

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import quantkit
-from quantkit import QuantkitError, kernels
+from quantkit import QuantkitError, blocks, kernels
 from quantkit import qlinear
 from quantkit.qlinear import GPTQLinear, NF4Linear
 from quantkit.qtensor import QuantizedTensor
@@ -199,7 +199,8 @@ def test_cpu_int4_path(group_size, act_order):
     x = torch.randn(2, 3, IN, generator=g).bfloat16()
     with torch.no_grad():
         y = layer.fused(x)
-        assert y is not None and layer.fused(x.float()) is None  # float32: the sliced fallback is faster
+        x32, ordered = layer.ordered(x.float())
+        assert y is not None and torch.equal(layer.fused(x.float()), ordered.gemv(x32))  # float32: the GEMV
         assert layer.fused(torch.zeros(qlinear.FUSED_ROWS + 1, IN).bfloat16()) is None  # and at many rows
         assert torch.equal(layer(x), y + layer.bias.bfloat16())
     x2, y2 = x.reshape(-1, IN).float(), y.reshape(-1, OUTPUTS[4]).float()
@@ -209,10 +210,9 @@ def test_cpu_int4_path(group_size, act_order):
     x = torch.randn(5, IN, generator=g).bfloat16().requires_grad_()
     layer(x).sum().backward()  # the fallback: the fused kernel has no backward
     torch.testing.assert_close(x.grad, torch.ones(5, OUTPUTS[4]).bfloat16() @ qt.dequantize(torch.bfloat16))
-    other = grid(3, group_size, act_order)
-    assert GPTQLinear.from_tensor(other).fused(x.detach()) is None
+    assert GPTQLinear.from_tensor(grid(8, group_size, act_order)).int4 is None
     if act_order:  # groups of unequal sizes: no order makes them plain
-        assert GPTQLinear.from_tensor(uneven(qt)).fused(x.detach()) is None
+        assert GPTQLinear.from_tensor(uneven(qt)).int4 is None
 
 
 def uneven(qt: QuantizedTensor) -> QuantizedTensor:
@@ -220,6 +220,103 @@ def uneven(qt: QuantizedTensor) -> QuantizedTensor:
     g_idx = torch.randint(0, int(qt.g_idx.max()) + 1, qt.g_idx.shape, generator=torch.Generator().manual_seed(8),
                           dtype=torch.int32)
     return dataclasses.replace(qt, g_idx=g_idx)
+
+
+def gemv_layers():
+    """Every layout the compiled GEMV reads: GPTQ's 2, 3, 4 and 8 bits per channel, in groups, in
+    act-order and in uneven groups; NF4 and FP4 with and without double quantization."""
+    layers = {}
+    for bits in (2, 3, 4, 8):
+        for group_size, act_order in ((-1, False), (32, False), (64, False), (32, True)):
+            layers[f"gptq{bits}-g{group_size}{'-act' if act_order else ''}"] = grid(bits, group_size, act_order, seed=bits, n=96 if bits == 3 else 48)
+    layers["gptq4-uneven"] = uneven(grid(4, 32, True, seed=11))
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(12))
+    for kind in ("nf4", "fp4"):
+        for block, double in ((64, False), (128, True), (256, True)):
+            layers[f"{kind}-b{block}{'-dq' if double else ''}"] = nf4.quantize(w, kind, block, double)
+    return layers
+
+
+GEMV_LAYERS = gemv_layers()
+
+
+@pytest.mark.parametrize("name", list(GEMV_LAYERS))
+def test_cpu_gemv(name, monkeypatch):
+    """The compiled GEMV (quantkit/kernels/gemv.c) on the CPU, for 1 to GEMV_ROWS rows of x: each weight is
+    the float32 value dequantize gives it and only the sums' order differs, so each output is within
+    (K + 1) 2^-24 sum |x| |w| of the exact product (float32's bound for a sum of K products in any
+    order). Any split of the outputs over threads gives the same values; x in bfloat16 is multiplied in
+    float32; more rows, and gradients, take the sliced fallback."""
+    if blocks.library() is None:
+        pytest.skip("the compiled kernels were not built")
+    qt = GEMV_LAYERS[name]
+    layer = qlinear.from_tensor(qt)
+    assert layer.gemv_fits()
+    n, k = qt.shape
+    w = qt.dequantize().double()
+    g = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for rows in (1, 3, 4, 5, 9, qlinear.GEMV_ROWS):
+            x = torch.randn(rows, k, generator=g)
+            y = layer(x)  # act-order with whole groups: x's columns in group order, and the twin's GEMV
+            exact = x.double() @ w.T
+            bound = (k + 1) * 2 ** -24 * (x.double().abs() @ w.abs().T)
+            for z in (y, layer.gemv(x)):  # and in act-order
+                assert ((z.double() - exact).abs() <= bound).all(), rows
+            monkeypatch.setattr(qlinear, "GEMV_SPLIT", 0)
+            monkeypatch.setattr(blocks, "threads", lambda: 3)  # shares of whole units, the last shorter
+            assert torch.equal(layer(x), y)
+            monkeypatch.undo()
+        x3 = torch.randn(2, 3, k, generator=g)
+        assert torch.equal(layer.gemv(x3.bfloat16()), layer.gemv(x3.bfloat16().float()).bfloat16())
+        assert layer.gemv(torch.zeros(qlinear.GEMV_ROWS + 1, k)) is None
+        assert ("-act" in name) == (layer.__dict__.get("grouped") is not None)  # the twin was made and used
+    x = torch.randn(2, k, generator=g, requires_grad=True)
+    torch.testing.assert_close(layer(x), x.detach() @ w.float().T)  # with a gradient: the fallback
+    layer.backend = "torch"
+    with torch.no_grad():
+        assert torch.equal(layer(x), layer.sliced(x))
+
+
+def test_cpu_gemv_builds_for_every_target_agree(tmp_path, monkeypatch):
+    """gemv.c built for the baseline x86-64 (SSE2), for AVX2 and, where this CPU runs it, AVX-512 (the
+    clones the installed build chooses from at load) gives the installed build's bits: the same
+    float32 operations in the same order on every target, whichever the CPU picks."""
+    import platform
+    import shutil
+
+    gcc = shutil.which("gcc")
+    installed = blocks.library()
+    if gcc is None or installed is None or platform.machine() != "x86_64":
+        pytest.skip("needs gcc, the installed build and an x86-64 CPU")
+    source = Path(quantkit.__file__).parent / "kernels" / "gemv.c"
+    targets = ["x86-64", "x86-64-v3"] + (["x86-64-v4"] if "avx512f" in Path("/proc/cpuinfo").read_text() else [])
+    layouts = {name: qlinear.from_tensor(GEMV_LAYERS[name]) for name in ("gptq3-g32-act", "gptq4-g64", "nf4-b128-dq", "fp4-b64")}
+    g = torch.Generator().manual_seed(14)
+    xs = {name: [torch.randn(rows, layer.in_features, generator=g) for rows in (1, 5)] for name, layer in layouts.items()}
+    with torch.no_grad():
+        want = {name: [layer.gemv(x) for x in xs[name]] for name, layer in layouts.items()}
+    for target in targets:
+        path = tmp_path / f"gemv-{target}.so"  # without __linux__: no clones, this target alone
+        subprocess.run([gcc, "-O3", "-ffp-contract=off", "-Wno-psabi", f"-march={target}", "-U__linux__", "-shared",
+                        "-fPIC", "-o", str(path), str(source)], check=True)
+        import ctypes
+
+        lib = ctypes.CDLL(str(path))
+        for fn in ("gptq_gemv", "nf4_gemv"):
+            getattr(lib, fn).argtypes = getattr(installed, fn).argtypes
+        monkeypatch.setattr(blocks, "library", lambda: lib)
+        with torch.no_grad():
+            for name, layer in layouts.items():
+                assert all(torch.equal(layer.gemv(x), y) for x, y in zip(xs[name], want[name])), (target, name)
+        monkeypatch.undo()
+
+
+def test_cpu_gemv_declines_what_it_does_not_read():
+    """GPTQ outputs not in eights, and NF4 blocks across rows."""
+    assert not GPTQLinear.from_tensor(grid(8, 32, False, n=44)).gemv_fits()
+    layer = NF4Linear.from_tensor(nf4.quantize(torch.randn(8, 96), "nf4", 64))  # 768 codes: blocks cross rows
+    assert not layer.gemv_fits() and layer.fused(torch.randn(1, 96)) is None
 
 
 @pytest.mark.parametrize("bits", [3, 4, 8])
