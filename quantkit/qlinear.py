@@ -71,10 +71,9 @@ class QuantLinear(torch.nn.Module):
         """x W^T by the compiled GEMV (quantkit/kernels/gemv.c) on the CPU for up to GEMV_ROWS rows, in
         float32 whatever x's dtype (each weight the float32 value of dequantize, only the sums in
         another order), the outputs split over the cores; None where it does not apply or was not built."""
-        rows = x.numel() // max(self.in_features, 1)
-        lib = blocks.library()
-        if x.is_cuda or rows > GEMV_ROWS or lib is None or not self.gemv_fits():
+        if not self.gemv_ready(x):
             return None
+        lib, rows = blocks.library(), x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features).float().contiguous()
         y = torch.zeros(rows, self.out_features)
         units = self.out_features // self.GEMV_UNIT
@@ -87,6 +86,15 @@ class QuantLinear(torch.nn.Module):
         else:
             share(0, units)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def gemv_ready(self, x: torch.Tensor) -> bool:
+        """Whether the compiled GEMV takes x: on the CPU with the layer, a float dtype it rounds from
+        float32 without loss of what was asked (not float64), no autocast, up to GEMV_ROWS rows, a
+        layout it reads, and the library built."""
+        return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and x.numel() // max(self.in_features, 1) <= GEMV_ROWS and not torch.is_autocast_enabled("cpu")
+                and all(t.device.type == "cpu" for t in self._buffers.values() if t is not None)
+                and self.gemv_fits() and blocks.library() is not None)
 
     def gemv_fits(self) -> bool:
         """Whether the compiled GEMV reads this layout."""
@@ -172,9 +180,22 @@ class GPTQLinear(QuantLinear):
         self.bits, self.group_size, self.v1, self.sym = bits, group_size, v1, sym
         for key, t in {**got, "g_idx": g_idx.to(torch.int32)}.items():
             self.register_buffer(key, t.contiguous())
-        # groups of whole columns in order (no act-order, K a multiple of the group size)
-        self.plain_order = group_size == -1 or (k % group_size == 0 and torch.equal(
-            self.g_idx.cpu(), torch.arange(k, dtype=torch.int32) // group_size))
+        self.plain_order = self._plain_order()
+
+    def _plain_order(self) -> bool:
+        """Whether the groups are of whole columns in order (no act-order, K a multiple of the group size)."""
+        k, size = self.in_features, self.group_size
+        return size == -1 or (k % size == 0 and torch.equal(self.g_idx.cpu(), torch.arange(k, dtype=torch.int32) // size))
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        # the buffers' shapes are checked by torch; g_idx's values, which index the scales, here
+        super()._load_from_state_dict(*args, **kwargs)
+        groups = self.scales.shape[0]
+        lo, hi = (int(self.g_idx.min()), int(self.g_idx.max())) if self.in_features else (0, 0)
+        if not 0 <= lo <= hi < groups:
+            raise QuantkitError(f"g_idx in [{lo}, {hi}] does not fit a GPTQ layer of {groups} groups: "
+                                "the state dict is corrupt")
+        self.plain_order = self._plain_order()
 
     @classmethod
     def from_tensor(cls, qt: QuantizedTensor, bias: torch.Tensor | None = None, name: str = "linear") -> GPTQLinear:
@@ -231,7 +252,9 @@ class GPTQLinear(QuantLinear):
         read all groups' at once and took 1.2-1.6x a dense float32 matmul at batch 1 (kernel_bench.py)."""
         rows = x.numel() // self.in_features
         if x.is_cuda or self.bits != 4 or x.dtype != torch.bfloat16 or rows > FUSED_ROWS or self.int4 is None:
-            x, layer = self.ordered(x) if rows <= GEMV_ROWS else (x, self)
+            if not self.gemv_ready(x):  # before the twin is made for it
+                return None
+            x, layer = self.ordered(x)
             return layer.gemv(x)
         packed, scales_zeros, group, k = self.int4
         if self.order is not None:

@@ -109,11 +109,11 @@ for m in (1, 5):  # the GEMVs (quantkit.qlinear): a last share of outputs, rows 
                       zeros.ctypes.data, 24, 16, 24, y.ctypes.data)
     packed, table = rng.integers(0, 256, 24 * 64).astype(np.uint8), np.linspace(-1, 1, 16, dtype=np.float32)
     absmax, codes = rng.random(48, np.float32), rng.integers(0, 256, 48).astype(np.uint8)
-    nested, nested_map = rng.random(1, np.float32), np.linspace(-1, 1, 256, dtype=np.float32)
+    nested, nested_map = rng.random(12, np.float32), np.linspace(-1, 1, 256, dtype=np.float32)  # blocks of 4
     lib.nf4_gemv(xs.ctypes.data, m, 128, packed.ctypes.data, table.ctypes.data, 64, absmax.ctypes.data, None, None,
                  None, 256, 0.0, 20, 24, 24, y.ctypes.data)
     lib.nf4_gemv(xs.ctypes.data, m, 128, packed.ctypes.data, table.ctypes.data, 64, None, codes.ctypes.data,
-                 nested.ctypes.data, nested_map.ctypes.data, 256, 0.5, 20, 24, 24, y.ctypes.data)
+                 nested.ctypes.data, nested_map.ctypes.data, 4, 0.5, 20, 24, 24, y.ctypes.data)
 """
 
 
