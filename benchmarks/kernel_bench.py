@@ -3,6 +3,7 @@
     python benchmarks/kernel_bench.py [--batches 1,16,512] [--repeats 5]
     python benchmarks/kernel_bench.py --sweep [--batches 1,512] [--layouts 4-bit,4-bit act-order,NF4]
     python benchmarks/kernel_bench.py --kernels DIR      # another version of quantkit/kernels/
+    python benchmarks/kernel_bench.py --dense --batches 4,8,16,32,64,128,256,512   # where DENSE_ROWS starts
     python benchmarks/kernel_bench.py --rows 1,16,64,128,512   # CPU: the fused paths against the fallback by rows
 
 On a GPU (Triton kernels, float16 activations), per shape and batch:
@@ -20,7 +21,9 @@ On a GPU (Triton kernels, float16 activations), per shape and batch:
   time, what a decoder run under CUDA graphs sees), and calls from Python one by one (each with its
   launch: at batch 1 mostly launch).
 --sweep: each kernel's other tiles and launch options (GEMV_TILES, GEMM_TILES), the slices of K
-(SPLITS) at the default tile, and the GPTQ codes read value by value, as ratios of the defaults' time in the same run (graph times, copies in rotation).
+(SPLITS) at the default tile, and the codes read value by value (NF4: the absmax too), as ratios of
+the defaults' time in the same run (graph times, copies in rotation).
+--dense: the fused kernels against dequantizing W and torch's matmul (kernels.DENSE_ROWS), per layout.
 --kernels DIR: another version of the package quantkit/kernels/ (its __init__.py and jit.py) in place
 of quantkit's (two runs in one call compare two versions on one machine).
 On the CPU, per shape and batch, best of --repeats: our packed layers as quantkit runs them (4-bit
@@ -250,64 +253,97 @@ SPLITS = (1, 2, 4, 8, 16, 32, 64)  # slices of K (kernels.split_for chooses them
 LAYOUTS = ("4-bit", "4-bit act-order", "NF4")
 
 
-def sweep(batches: list[int], layouts: list[str]) -> None:
-    """The defaults (the first row of each), then each tile of GEMV_TILES (batch 1) or GEMM_TILES (larger
-    batches) on each shape and layout, as a ratio of the defaults' time; GPTQ layouts also with the codes
-    read value by value (kernels.WORDS off) at the default tiles."""
+def cases(batches: list[int], layouts: list[str]):
+    """Per shape, layout (of LAYOUTS, those in layouts) and batch: the shape's label, the layout's label,
+    its layer, 8 copies of it to take in rotation (more bytes than L2 holds), x (float16) and the
+    float32 product x W^T."""
     import copy
 
+    for n, k in SHAPES:
+        _, act, nf, plain = layers(n, k, "cuda")
+        for label, layer in zip(LAYOUTS, (plain, act, nf)):
+            if label not in layouts:
+                continue
+            copies = [copy.deepcopy(layer) for _ in range(8)]
+            for b in batches:
+                x = torch.randn(b, k, dtype=torch.float16, device="cuda")
+                yield f"{n}x{k}", label, layer, copies, x, x.float() @ layer.dequantize(torch.float16).float().T
+
+
+def sweep(batches: list[int], layouts: list[str]) -> None:
+    """The defaults (the first row of each), then each tile of GEMV_TILES (batch 1) or GEMM_TILES (larger
+    batches) on each shape and layout, as a ratio of the defaults' time; also with the codes read value
+    by value (kernels.WORDS off; NF4 its absmax too) at the default tiles. Fused kernels only (no
+    DENSE_ROWS)."""
     from quantkit import kernels
 
     defaults = (dict(kernels.GEMV_TILE), dict(kernels.GEMM_TILE), kernels.GEMM_ROWS, dict(kernels.LAUNCH), kernels.WORDS,
-                dict(kernels.FEW_TILE))
+                dict(kernels.FEW_TILE), kernels.DENSE_ROWS)
+    kernels.DENSE_ROWS = dict.fromkeys(defaults[6], 1 << 30)
     print("| shape | batch | layout | tile (rows of x, outputs, inputs; launch) | time | / defaults |")
     print("| --- | --- | --- | --- | --- | --- |")
     try:
-        for n, k in SHAPES:
-            _, act, nf, plain = layers(n, k, "cuda")
-            for label, layer in zip(LAYOUTS, (plain, act, nf)):
-                if label not in layouts:
-                    continue
-                copies = [copy.deepcopy(layer) for _ in range(8)]  # in rotation, more bytes than L2 holds
-                for b in batches:
-                    x = torch.randn(b, k, dtype=torch.float16, device="cuda")
-                    ref = x.float() @ layer.dequantize(torch.float16).float().T
-                    gemv = b <= kernels.GEMV_ROWS
-                    tiles = [(1, *t) for t in GEMV_TILES] if gemv else GEMM_TILES
-                    configs = [("defaults", None)] + ([("codes value by value", "words")] if label != "NF4" else [])
-                    bk = kernels.tile(layer, b)[1]  # matmul rounds a slice to whole tiles: the label says how many it made
-                    configs += [(f"defaults, K in {kernels.cdiv(k, kernels.cdiv(kernels.cdiv(k, split), bk) * bk)} "
-                                 "slices", split) for split in SPLITS]
-                    configs += [(f"{rows}, {tile[0]}, {tile[1]}; {launch or 'defaults'}", (rows, tile, launch))
-                                for rows, tile, launch in tiles]
-                    first = None
-                    for name, config in configs:
-                        kernels.GEMV_TILE, kernels.GEMM_TILE, kernels.FEW_TILE = map(dict, (defaults[0], defaults[1], defaults[5]))
-                        kernels.GEMM_ROWS = defaults[2]
-                        kernels.LAUNCH.update(defaults[3])
-                        kernels.WORDS = config != "words"
-                        if isinstance(config, tuple):
-                            rows, tile, launch = config
-                            if gemv:
-                                kernels.GEMV_TILE = dict.fromkeys(defaults[0], tile)
-                                kernels.LAUNCH["gemv"] = launch
-                            else:
-                                kernels.GEMM_TILE = dict.fromkeys(defaults[1], tile)
-                                kernels.FEW_TILE = {}
-                                kernels.GEMM_ROWS, kernels.LAUNCH["gemm"] = rows, launch
-                        try:
-                            split = config if isinstance(config, int) else None
-                            err = (kernels.matmul(x, layer, split).float() - ref).norm() / ref.norm()
-                            t = graphed([lambda c=c: kernels.matmul(x, c, split) for c in copies], rep=50) if err < 1e-2 else None
-                        except Exception as e:  # a tile the compiler refuses (shared memory): say so, go on
-                            t, err = None, f"{type(e).__name__}"
-                        if name == "defaults":
-                            first = t
-                        cell = f"{t * 1e6:.1f} us | " + (f"{t / first:.2f}" if first else "-") if t else f"failed ({err}) | -"
-                        print(f"| {n}x{k} | {b} | {label} | {name} | {cell} |", flush=True)
+        for shape, label, layer, copies, x, ref in cases(batches, layouts):
+            b, k = x.shape
+            gemv = b <= kernels.GEMV_ROWS
+            tiles = [(1, *t) for t in GEMV_TILES] if gemv else GEMM_TILES
+            configs = [("defaults", None), ("codes value by value", "words")]
+            bk = kernels.tile(layer, b)[1]  # matmul rounds a slice to whole tiles: the label says how many it made
+            configs += [(f"defaults, K in {kernels.cdiv(k, kernels.cdiv(kernels.cdiv(k, split), bk) * bk)} "
+                         "slices", split) for split in SPLITS]
+            configs += [(f"{rows}, {tile[0]}, {tile[1]}; {launch or 'defaults'}", (rows, tile, launch))
+                        for rows, tile, launch in tiles]
+            first = None
+            for name, config in configs:
+                kernels.GEMV_TILE, kernels.GEMM_TILE, kernels.FEW_TILE = map(dict, (defaults[0], defaults[1], defaults[5]))
+                kernels.GEMM_ROWS = defaults[2]
+                kernels.LAUNCH.update(defaults[3])
+                kernels.WORDS = config != "words"
+                if isinstance(config, tuple):
+                    rows, tile, launch = config
+                    if gemv:
+                        kernels.GEMV_TILE = dict.fromkeys(defaults[0], tile)
+                        kernels.LAUNCH["gemv"] = launch
+                    else:
+                        kernels.GEMM_TILE = dict.fromkeys(defaults[1], tile)
+                        kernels.FEW_TILE = {}
+                        kernels.GEMM_ROWS, kernels.LAUNCH["gemm"] = rows, launch
+                try:
+                    split = config if isinstance(config, int) else None
+                    err = (kernels.matmul(x, layer, split).float() - ref).norm() / ref.norm()
+                    t = graphed([lambda c=c: kernels.matmul(x, c, split) for c in copies], rep=50) if err < 1e-2 else None
+                except Exception as e:  # a tile the compiler refuses (shared memory): say so, go on
+                    t, err = None, f"{type(e).__name__}"
+                if name == "defaults":
+                    first = t
+                cell = f"{t * 1e6:.1f} us | " + (f"{t / first:.2f}" if first else "-") if t else f"failed ({err}) | -"
+                print(f"| {shape} | {b} | {label} | {name} | {cell} |", flush=True)
     finally:
-        kernels.GEMV_TILE, kernels.GEMM_TILE, kernels.GEMM_ROWS, launch, kernels.WORDS, kernels.FEW_TILE = defaults
+        kernels.GEMV_TILE, kernels.GEMM_TILE, kernels.GEMM_ROWS, launch, kernels.WORDS, kernels.FEW_TILE, \
+            kernels.DENSE_ROWS = defaults
         kernels.LAUNCH.update(launch)
+
+
+def dense(batches: list[int], layouts: list[str]) -> None:
+    """Each layout's fused kernels against dequantizing W (in float16) and torch's matmul, at each
+    batch: where kernels.DENSE_ROWS should start. Graph times, weights in rotation."""
+    from quantkit import kernels
+
+    saved = kernels.DENSE_ROWS
+    print("| shape | layout | rows of x | fused | dequantize + torch matmul | fused / dense |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    try:
+        for shape, label, layer, copies, x, ref in cases(batches, layouts):
+            t = {}
+            for name, rows in (("fused", 1 << 30), ("dense", 0)):
+                kernels.DENSE_ROWS = dict.fromkeys(saved, rows)
+                err = (kernels.matmul(*layer.ordered(x)).float() - ref).norm() / ref.norm()
+                assert err < 1e-2, f"{shape} {label} {name} batch {len(x)}: relative error {err:.2e}"
+                t[name] = graphed([lambda c=c: kernels.matmul(*c.ordered(x)) for c in copies], rep=50)
+            print(f"| {shape} | {label} | {len(x)} | {t['fused'] * 1e6:.1f} us | {t['dense'] * 1e6:.1f} us | "
+                  f"{t['fused'] / t['dense']:.2f} |", flush=True)
+    finally:
+        kernels.DENSE_ROWS = saved
 
 
 def int4_operands(layer) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -365,7 +401,8 @@ def main() -> None:
     p.add_argument("--batches", default="1,16,512")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="GPU: time the kernels' other tiles instead")
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help="--sweep: which layouts")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="--sweep, --dense: which layouts")
+    p.add_argument("--dense", action="store_true", help="GPU: the fused kernels against dequantize + torch's matmul")
     p.add_argument("--kernels", help="GPU: a folder to use in place of quantkit/kernels/")
     p.add_argument("--rows", help="CPU: the fused paths against the fallback at these rows of input (1,16,...)")
     a = p.parse_args()
@@ -384,7 +421,7 @@ def main() -> None:
     batches = [int(b) for b in a.batches.split(",")]
     print(" ".join(sys.argv), flush=True)
     if torch.cuda.is_available():
-        sweep(batches, a.layouts.split(",")) if a.sweep else gpu(batches)
+        sweep(batches, a.layouts.split(",")) if a.sweep else dense(batches, a.layouts.split(",")) if a.dense else gpu(batches)
     else:
         crossover([int(r) for r in a.rows.split(",")], a.repeats) if a.rows else cpu(batches, a.repeats)
 

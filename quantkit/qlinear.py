@@ -430,9 +430,11 @@ class NF4Linear(QuantLinear):
 
     def kernel_args(self, tile_k: int) -> tuple[tuple, dict]:
         nested = self.nested_absmax is not None
+        # GROUP: the block size where rows are whole blocks and every tile lies in one (jit._weight's WORDS)
+        whole = self.in_features % self.blocksize == 0 and self.blocksize % tile_k == 0
         return ((self.packed, self.absmax, self.quant_map, self.nested_absmax if nested else self.absmax,
                  self.nested_map if nested else self.quant_map, self.offset, self.blocksize, self.nested_blocksize),
-                {"FMT": kernels.NF4, "BITS": 4, "NESTED": nested, "GROUP": 0})
+                {"FMT": kernels.NF4, "BITS": 4, "NESTED": nested, "GROUP": self.blocksize if whole else 0})
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, 4-bit codebook, block {self.blocksize}, nested {self.nested_absmax is not None}"

@@ -13,7 +13,8 @@ from quantkit.kernels import GPTQ, NF4, jit
 
 LAYOUTS = [  # FMT, BITS, NESTED, GROUP, the five weight pointers' types
     (GPTQ, bits, False, group, ["*i32", "*i32", "*fp16", "*i32", "*i32"]) for bits in (2, 3, 4, 8) for group in (0, 128)
-] + [(NF4, 4, nested, 0, ["*u8", "*u8" if nested else "*fp32", "*fp32", "*fp32", "*fp32"]) for nested in (False, True)]
+] + [(NF4, 4, nested, group, ["*u8", "*u8" if nested else "*fp32", "*fp32", "*fp32", "*fp32"])
+      for nested in (False, True) for group in (0, 64)]
 
 
 def compile_one(fn, types: dict, consts: dict, capability: int) -> None:
@@ -29,9 +30,9 @@ def main(capabilities: list[int]) -> None:
             args = dict(zip(["w0", "w1", "w2", "w3", "w4"], w)) | {
                 "fparam": "fp32", "i0": "i32", "i1": "i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32"}
             c = {"FMT": fmt, "BITS": bits, "NESTED": nested, "GROUP": group}
-            words = fmt == GPTQ and 32 % bits == 0
+            words = 32 % bits == 0 if fmt == GPTQ else group > 0  # as kernels.matmul decides
             for dt in ("fp16", "bf16", "fp32"):
-                compile_one(jit.dequantize_kernel, args | {"out": f"*{dt}"}, c | {"BN": 32, "BK": 64}, cap)
+                compile_one(jit.dequantize_kernel, args | {"out": f"*{dt}"}, c | {"BN": 32, "BK": 64, "WORDS": words}, cap)
                 io = args | {"x": f"*{dt}", "y": f"*{dt}", "part": "*fp32", "count": "*i32"}
                 for split in (False, True):
                     compile_one(jit.gemv_kernel, io, c | {"BN": 64, "BK": 64, "SPLIT": split, "WORDS": words}, cap)

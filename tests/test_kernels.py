@@ -43,6 +43,12 @@ def assert_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     torch.testing.assert_close(y.float(), ref, rtol=eps, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.fixture
+def fused(monkeypatch):
+    """Every row count through the fused kernels (none dequantizes W for torch's matmul)."""
+    monkeypatch.setattr(kernels, "DENSE_ROWS", dict.fromkeys(kernels.DENSE_ROWS, 1 << 30))
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group_size", [-1, 32, 64, 128])
 @pytest.mark.parametrize("act_order", [False, True])
@@ -153,7 +159,7 @@ def test_split_sums_over_chunks(rows):
 
 @pytest.mark.parametrize("kind", ["nf4", "fp4"])
 @pytest.mark.parametrize("block_size,double_quant", [(64, False), (64, True), (128, True), (256, False)])
-def test_nf4_dequantize_exact_and_matmul(kind, block_size, double_quant):
+def test_nf4_dequantize_exact_and_matmul(kind, block_size, double_quant, fused):
     w = torch.randn(37, 333, generator=torch.Generator().manual_seed(block_size))  # odd count: a padded nibble
     qt = nf4.quantize(w, kind, block_size, double_quant)
     layer = NF4Linear.from_tensor(qt).to(DEVICE)
@@ -164,6 +170,40 @@ def test_nf4_dequantize_exact_and_matmul(kind, block_size, double_quant):
     for rows in (1, 19):
         x = torch.randn(rows, 333, generator=torch.Generator().manual_seed(rows)).half().to(DEVICE)
         assert_product(kernels.matmul(x, layer), x, qt.dequantize(torch.float16).to(DEVICE))
+
+
+@pytest.mark.parametrize("kind,block_size,double_quant", [("nf4", 64, True), ("fp4", 128, False), ("nf4", 256, True)])
+def test_nf4_tiles_in_one_block(kind, block_size, double_quant, fused):
+    """Rows of whole blocks: every tile lies in one block per output (kernel_args' GROUP), so the kernels
+    read the codes a byte at a time and each absmax once per tile (jit._gemv_nf4, _weight's WORDS);
+    40 outputs end in a part tile, and 3 slices of K meet in _finish."""
+    g = torch.Generator().manual_seed(block_size)
+    qt = nf4.quantize(torch.randn(40, 512, generator=g), kind, block_size, double_quant)
+    layer = NF4Linear.from_tensor(qt).to(DEVICE)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        assert torch.equal(kernels.dequantize(layer, dtype).cpu(), qt.dequantize(dtype))
+    for rows in (1, 3, 19):
+        assert layer.kernel_args(kernels.tile(layer, rows)[1])[1]["GROUP"] == block_size
+        for dtype in (torch.float16, torch.bfloat16):
+            x = torch.randn(rows, 512, generator=g).to(dtype).to(DEVICE)
+            for split in (None, 3):
+                assert_product(kernels.matmul(x, layer, split), x, qt.dequantize(dtype).to(DEVICE))
+
+
+@pytest.mark.parametrize("kind", ["gptq", "nf4"])
+def test_dense_rows_dequantize_then_matmul(kind, monkeypatch):
+    """From DENSE_ROWS rows of x a matmul dequantizes W once and calls torch's matmul; below, the
+    fused kernels; both give the product."""
+    qt = grid(4, 64, True, seed=7, n=40, k=256) if kind == "gptq" else nf4.quantize(torch.randn(40, 256), "nf4", 64, True)
+    layer = qlinear.from_tensor(qt).to(DEVICE)
+    monkeypatch.setattr(kernels, "DENSE_ROWS", dict.fromkeys(kernels.DENSE_ROWS, 6))
+    calls, dequantize = [], kernels.dequantize
+    monkeypatch.setattr(kernels, "dequantize", lambda *a: calls.append(a) or dequantize(*a))
+    for rows, dense in ((1, False), (5, False), (6, True), (20, True)):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).half().to(DEVICE)
+        assert_product(kernels.matmul(x, layer), x, qt.dequantize(torch.float16).to(DEVICE))
+        assert len(calls) == dense
+        calls.clear()
 
 
 def test_torch_fallback_slices_rows(monkeypatch):
@@ -504,7 +544,7 @@ def test_kernels_compile_for_a_gpu():
     r = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_kernels.py")), "90"], env=env,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 10
+    assert r.stdout.count("compiled") == 12
 
 
 @pytest.fixture(scope="module")

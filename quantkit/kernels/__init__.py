@@ -19,14 +19,18 @@ GEMV_ROWS = 4  # up to this many rows of x take the GEMV: a tensor-core tile wou
 DEQUANT_TILE = (32, 64)  # outputs, inputs
 # Tiles (outputs, inputs per step) by layout and launch options, from sweeps on an H200 and an H100
 # (benchmarks/RESULTS.md, kernel_bench.py --sweep); NF4's GEMM keeps the tile that compiled for it there.
-# A GPTQ group smaller than a tile's inputs takes tiles of one group (tile()).
-GEMV_TILE = {"gptq": (64, 128), "act-order": (128, 64), "nf4": (32, 128)}
+# A GPTQ group or NF4 block smaller than a tile's inputs takes tiles of one group (tile()).
+GEMV_TILE = {"gptq": (64, 128), "act-order": (128, 64), "nf4": (64, 128)}
 GEMM_TILE = {"gptq": (64, 64), "act-order": (64, 64), "nf4": (64, 32)}
 FEW_ROWS = 16  # GEMMs of up to this many rows of x (one 16-row tile) take FEW_TILE where the layout has one
 FEW_TILE = {"gptq": (128, 64), "act-order": (128, 32)}  # at 16 rows on an H100: 0.57-0.93 and 0.66-1.02 of GEMM_TILE's time
+# From this many rows of x a matmul dequantizes W in x's dtype and calls torch's matmul: the tensor-core
+# library beats a fused tile once the weight's reads are shared by enough rows (H100, kernel_bench.py --dense)
+DENSE_ROWS = {"gptq": 256, "act-order": 256, "nf4": 3}
 GEMM_ROWS = 128  # rows of x per GEMM tile at most (16 to this, by M)
 LAUNCH = {"gemv": {}, "gemm": {"num_stages": 4}}  # Triton launch options of each (num_warps, num_stages)
-WORDS = True  # GPTQ codes of 2, 4 or 8 bits (either order): each packed word loaded once (jit._words)
+WORDS = True  # each packed word loaded once (jit._words): GPTQ codes of 2, 4 or 8 bits (either order), NF4 in
+# tiles of one block per output (its absmax read once per tile)
 
 
 def _jit():
@@ -55,8 +59,13 @@ def dequantize(layer, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     out = torch.empty(n, k, dtype=dtype, device=args[0].device)
     # no fused multiply-add, so that the nested absmax rounds as the torch reference rounds it
     _jit().dequantize_kernel[(cdiv(n, bn), cdiv(k, bk))](out, *args, n, k, **consts, BN=bn, BK=bk,
-                                                         enable_fp_fusion=False)
+                                                         WORDS=words(consts), enable_fp_fusion=False)
     return out
+
+
+def words(consts: dict) -> bool:
+    """Whether the kernels read a layer's codes a packed word at a time (jit._words; WORDS)."""
+    return WORDS and (32 % consts["BITS"] == 0 if consts["FMT"] == GPTQ else consts["GROUP"] > 0)
 
 
 @functools.cache
@@ -104,32 +113,34 @@ def layout(layer) -> str:
 
 def tile(layer, rows: int) -> tuple[int, int]:
     """(outputs, inputs) per step for rows of x: the layout's GEMV or GEMM tile, its inputs cut to
-    one group where a GPTQ group in plain order is smaller, so that each tile reads one group's
-    scales (kernel_args' GROUP) rather than one per weight."""
+    one group where a GPTQ group in plain order (or an NF4 block) is smaller, so that each tile reads one
+    group's scales (kernel_args' GROUP) rather than one per weight."""
     kind = layout(layer)
     if rows <= GEMV_ROWS:
         bn, bk = GEMV_TILE[kind]
     else:
         bn, bk = FEW_TILE.get(kind, GEMM_TILE[kind]) if rows <= FEW_ROWS else GEMM_TILE[kind]
-    group = getattr(layer, "group_size", -1)
-    if kind == "gptq" and 16 <= group < bk and bk % group == 0:
+    group = getattr(layer, "group_size", getattr(layer, "blocksize", -1))
+    if kind in ("gptq", "nf4") and 16 <= group < bk and bk % group == 0:
         bk = group
     return bn, bk
 
 
 def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T in x's dtype, accumulated in float32, W never written out. split: slices of
-    K (None: by the device), summed in a fixed order, so that a call gives the same y every time."""
+    """x [..., K] @ W^T in x's dtype, accumulated in float32. Below DENSE_ROWS rows W is never written
+    out, and split (slices of K; None: by the device) is summed in a fixed order, so that a call gives
+    the same y every time; from DENSE_ROWS, torch's matmul of x and the dequantized W."""
     _check(x)
     n, k = layer.out_features, layer.in_features
     if x.shape[-1] != k:
         raise QuantkitError(f"input of {x.shape[-1]} features for a layer of {k}")
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
+    if m >= DENSE_ROWS[layout(layer)]:
+        return torch.nn.functional.linear(x2, dequantize(layer, x.dtype)).view(*x.shape[:-1], n)
     jit = _jit()
     bn, bk = tile(layer, m)
     args, consts = layer.kernel_args(bk)
-    words = WORDS and consts["FMT"] == GPTQ and 32 % consts["BITS"] == 0
     gemv = m <= GEMV_ROWS
     if gemv:
         grid, per_sm = (cdiv(n, bn), 1, m), GEMV_PROGRAMS
@@ -147,12 +158,12 @@ def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         if gemv:
             jit.gemv_kernel[(grid[0], split, m)](x2, y, part, count, *args, n, k, k_split, **consts, BN=bn, BK=bk,
-                                                 SPLIT=split > 1, WORDS=words, **LAUNCH["gemv"])
+                                                 SPLIT=split > 1, WORDS=words(consts), **LAUNCH["gemv"])
         else:
             precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: no tf32 rounding of x
             upcast = not x.is_cuda and x.dtype == torch.bfloat16
             jit.gemm_kernel[(grid[0], grid[1], split)](x2, y, part, count, *args, m, n, k, k_split, **consts, BM=bm,
-                                                       BN=bn, BK=bk, PRECISION=precision, UPCAST=upcast, WORDS=words,
+                                                       BN=bn, BK=bk, PRECISION=precision, UPCAST=upcast, WORDS=words(consts),
                                                        SPLIT=split > 1, **LAUNCH["gemm"])
     return y.view(*x.shape[:-1], n)
 

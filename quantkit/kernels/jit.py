@@ -46,31 +46,46 @@ def _half(q):
 
 
 @triton.jit
-def _words(ptr, k0, n, K, N, BITS: tl.constexpr, BK: tl.constexpr):
-    """The GPTQ codes of columns k0..k0+BK for outputs n [1, BN] as a [BK, BN] tile, BITS dividing 32:
-    each int32 word is loaded once and split by shifts (_stream loads it once per value)."""
-    PER: tl.constexpr = 32 // BITS
+def _words(ptr, k0, n, K, N, RS, NS, BITS: tl.constexpr, BK: tl.constexpr, PER: tl.constexpr, HIGH: tl.constexpr):
+    """The codes of columns k0..k0+BK for outputs n [1, BN] as a [BK, BN] tile, from words of PER codes
+    of BITS bits at ptr + row * RS + n * NS (row: word k // PER of an output), the first code in the
+    low bits (GPTQ's int32 words) or, HIGH, in the high bits (bitsandbytes' bytes). Each word is
+    loaded once and split by shifts (_stream loads it once per value)."""
     rows = k0 // PER + tl.arange(0, BK // PER)[:, None]
-    words = tl.load(ptr + rows * N + n, mask=(rows * PER < K) & (n < N), other=0)
-    shifts = (tl.arange(0, PER) * BITS)[None, :, None]
+    words = tl.load(ptr + rows * RS + n * NS, mask=(rows * PER < K) & (n < N), other=0).to(tl.int32)
+    j = tl.arange(0, PER)
+    shifts = ((PER - 1 - j if HIGH else j) * BITS)[None, :, None]
     q = (words[:, None, :] >> shifts) & ((1 << BITS) - 1)  # [BK / PER, PER, BN]: value j of word r is column r * PER + j
     return tl.reshape(q, (BK, q.shape[2]))
 
 
 @triton.jit
+def _absmax(w1, w3, w4, fparam, j, i1, NESTED: tl.constexpr, mask):
+    """The absmax of NF4 blocks j: stored, or with double quantization its uint8 code's value times
+    the nested block's absmax, plus the offset."""
+    if NESTED:
+        code = tl.load(w1 + j, mask=mask, other=0).to(tl.int32)
+        a = tl.load(w4 + code, mask=mask, other=0.0) * tl.load(w3 + j // i1, mask=mask, other=0.0) + fparam
+    else:
+        a = tl.load(w1 + j, mask=mask, other=0.0)
+    return a
+
+
+@triton.jit
 def _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k, n, K, N, mask, k0,
             FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr,
-            BK: tl.constexpr = 0, WORDS: tl.constexpr = False):
+            BK: tl.constexpr, WORDS: tl.constexpr):
     """W[n, k] in float32 for index tensors k and n (broadcast together), k0 the tile's first column.
     GPTQ: w0 qweight, w1 qzeros, w2 scales, w3 g_idx; i0 int32 words per qzeros row, i1 added to stored
     zeros. GROUP > 0: the tile lies in group k0 // GROUP (no act-order, groups whole tiles), so scales
     and zeros are read once per output, not per weight; GROUP 0: each column's group from g_idx.
     NF4: w0 nibbles, w1 absmax (uint8 codes if NESTED), w2 code table, w3 nested absmax, w4 nested table;
     i0 block size, i1 nested block size, fparam the offset of the nested absmax. WORDS: k is the
-    [BK, 1] range from k0 and BITS divides 32, so the codes come from _words."""
+    [BK, 1] range from k0 and the codes come from _words; GPTQ: BITS divides 32; NF4: GROUP > 0, rows
+    are whole blocks and the tile lies in one, so its absmax is read once per output."""
     if FMT == 0:
         if WORDS:
-            q = _words(w0, k0, n, K, N, BITS, BK)
+            q = _words(w0, k0, n, K, N, N, 1, BITS, BK, 32 // BITS, False)
         else:
             q = _stream(w0, k, n, N, BITS, mask)
         if GROUP > 0:
@@ -81,17 +96,14 @@ def _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k, n, K, N, mask, k0,
             gmask = mask
         z, s = _zero_scale(w1, w2, g, n, i0, i1, N, BITS, gmask)
         w = s.to(tl.float32) * (_float(q) - _float(z))
+    elif WORDS:  # NF4, the tile in one block per output: bytes loaded once, the absmax once per output
+        q = _words(w0, k0, n, K, N, 1, K // 2, 4, BK, 2, True)
+        w = tl.load(w2 + q) * _absmax(w1, w3, w4, fparam, (n * K + k0) // i0, i1, NESTED, n < N)
     else:
         i = n * K + k
         byte = tl.load(w0 + i // 2, mask=mask, other=0).to(tl.int32)
         v = tl.load(w2 + tl.where(i % 2 == 0, byte >> 4, byte & 15), mask=mask, other=0.0)
-        j = i // i0
-        if NESTED:
-            code = tl.load(w1 + j, mask=mask, other=0).to(tl.int32)
-            a = tl.load(w4 + code, mask=mask, other=0.0) * tl.load(w3 + j // i1, mask=mask, other=0.0) + fparam
-        else:
-            a = tl.load(w1 + j, mask=mask, other=0.0)
-        w = v * a
+        w = v * _absmax(w1, w3, w4, fparam, i // i0, i1, NESTED, mask)
     return w
 
 
@@ -111,12 +123,13 @@ def _round(w, DTYPE: tl.constexpr):
 @triton.jit
 def dequantize_kernel(out, w0, w1, w2, w3, w4, fparam, i0, i1, N, K,
                       FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr):
-    n = tl.program_id(0) * BN + tl.arange(0, BN)[:, None]
+                      BN: tl.constexpr, BK: tl.constexpr, WORDS: tl.constexpr):
+    """A [BK, BN] tile of W (inputs by outputs, as the matmuls read it), stored in out [N, K]."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)[None, :]
     k0 = tl.program_id(1) * BK
-    k = k0 + tl.arange(0, BK)[None, :]
+    k = k0 + tl.arange(0, BK)[:, None]
     mask = (n < N) & (k < K)
-    w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k, n, K, N, mask, k0, FMT, BITS, NESTED, GROUP)
+    w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k, n, K, N, mask, k0, FMT, BITS, NESTED, GROUP, BK, WORDS)
     tl.store(out + n * K + k, _round(w, out.dtype.element_ty), mask=mask)
 
 
@@ -131,6 +144,8 @@ def gemv_kernel(x, y, part, count, w0, w1, w2, w3, w4, fparam, i0, i1, N, K, K_S
     row = tl.program_id(2)
     if FMT == 0 and WORDS and GROUP > 0:
         acc = _gemv_words(x + row * K, w0, w1, w2, i0, i1, n, start, K_SPLIT, K, N, BITS, GROUP, BN, BK)
+    elif FMT == 1 and WORDS:
+        acc = _gemv_nf4(x + row * K, w0, w1, w2, w3, w4, fparam, i0, i1, n, start, K_SPLIT, K, N, NESTED, BN, BK)
     else:
         acc = tl.zeros((BN,), dtype=tl.float32)
         for step in range(0, tl.minimum(K_SPLIT, K - start), BK):  # the last slice ends at K
@@ -196,6 +211,26 @@ def _gemv_words(x, w0, w1, w2, i0, i1, n, start, K_SPLIT, K, N, BITS: tl.constex
                 w = ((_half(q) - z16[None, :]) * s16[None, :]).to(tl.float32)
             else:
                 w = _round(sf[None, :] * (_float(q) - zf[None, :]), xk.dtype).to(tl.float32)
+            acc += xk.to(tl.float32)[:, None] * w
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _gemv_nf4(x, w0, w1, w2, w3, w4, fparam, i0, i1, n, start, K_SPLIT, K, N, NESTED: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr):
+    """The GEMV's sum over one slice for NF4/FP4 codes, each tile in one block per output: a [BK / 2, BN]
+    tile of bytes taken apart one nibble at a time (no reshape), the absmax read once per tile. Same W,
+    rounded to x's dtype, as _weight gives."""
+    acc = tl.zeros((BK // 2, BN), dtype=tl.float32)
+    for step in range(0, tl.minimum(K_SPLIT, K - start), BK):  # the last slice ends at K
+        k0 = start + step
+        r = k0 // 2 + tl.arange(0, BK // 2)  # bytes of a row; K is whole blocks
+        b = tl.load(w0 + r[:, None] + n[None, :] * (K // 2), mask=(r[:, None] * 2 < K) & (n[None, :] < N),
+                    other=0).to(tl.int32)
+        a = _absmax(w1, w3, w4, fparam, (n * K + k0) // i0, i1, NESTED, n < N)
+        for j in tl.static_range(2):  # the high nibble is the first column
+            xk = tl.load(x + r * 2 + j, mask=r * 2 < K, other=0.0)
+            w = _round(tl.load(w2 + ((b >> (4 - 4 * j)) & 15)) * a[None, :], xk.dtype).to(tl.float32)
             acc += xk.to(tl.float32)[:, None] * w
     return tl.sum(acc, axis=0)
 
