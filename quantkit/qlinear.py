@@ -71,8 +71,10 @@ class QuantLinear(torch.nn.Module):
         """x W^T by the compiled GEMV (quantkit/kernels/gemv.c) on the CPU for up to GEMV_ROWS rows, in
         float32 whatever x's dtype (each weight the float32 value of dequantize, only the sums in
         another order), the outputs split over the cores; None where it does not apply or was not built."""
-        if not self.gemv_ready(x):
-            return None
+        return self.gemv_run(x) if self.gemv_ready(x) else None
+
+    def gemv_run(self, x: torch.Tensor) -> torch.Tensor:
+        """gemv for an x that gemv_ready takes."""
         lib, rows = blocks.library(), x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features).float().contiguous()
         y = torch.zeros(rows, self.out_features)
@@ -147,6 +149,14 @@ class QuantLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def check_groups(g_idx: torch.Tensor, groups: int, name: str) -> None:
+    """g_idx indexes the scales and zeros (the GEMV reads them by it): every value must be a group."""
+    lo, hi = (int(g_idx.min()), int(g_idx.max())) if g_idx.numel() else (0, 0)
+    if not 0 <= lo <= hi < groups:
+        raise QuantkitError(f"{name}: g_idx in [{lo}, {hi}] does not fit the GPTQ layout's {groups} groups: "
+                            "the checkpoint is corrupt")
+
+
 class GPTQLinear(QuantLinear):
     """The GPTQ checkpoint layout (exporters/gptq.py): qweight int32 [K*b/32, N] and qzeros int32
     [G, N*b/32] packed along K and N, scales fp16 [G, N], g_idx int32 [K];
@@ -173,9 +183,10 @@ class GPTQLinear(QuantLinear):
                     f"{name}: {key} is {t.dtype} {tuple(t.shape)}, but {bits}-bit weights of {k} inputs and {n} outputs "
                     f"in groups of {group_size} need {'int32' if key != 'scales' else 'float'} {want[key]}: "
                     "the checkpoint is corrupt or its quantization_config is wrong")
-        if k % 32 or n * bits % 32 or (k and not 0 <= int(g_idx.min()) <= int(g_idx.max()) < groups):
-            raise QuantkitError(f"{name}: {k} inputs, {n} outputs and g_idx in [{int(g_idx.min())}, {int(g_idx.max())}] "
-                                f"do not fit the GPTQ layout of {groups} groups: the checkpoint is corrupt")
+        if k % 32 or n * bits % 32:
+            raise QuantkitError(f"{name}: {k} inputs and {n} outputs of {bits} bits do not fit the GPTQ layout "
+                                "(whole int32 words along both): the checkpoint is corrupt")
+        check_groups(g_idx, groups, name)
         super().__init__(n, k, bias)
         self.bits, self.group_size, self.v1, self.sym = bits, group_size, v1, sym
         for key, t in {**got, "g_idx": g_idx.to(torch.int32)}.items():
@@ -190,11 +201,7 @@ class GPTQLinear(QuantLinear):
     def _load_from_state_dict(self, *args, **kwargs):
         # the buffers' shapes are checked by torch; g_idx's values, which index the scales, here
         super()._load_from_state_dict(*args, **kwargs)
-        groups = self.scales.shape[0]
-        lo, hi = (int(self.g_idx.min()), int(self.g_idx.max())) if self.in_features else (0, 0)
-        if not 0 <= lo <= hi < groups:
-            raise QuantkitError(f"g_idx in [{lo}, {hi}] does not fit a GPTQ layer of {groups} groups: "
-                                "the state dict is corrupt")
+        check_groups(self.g_idx, self.scales.shape[0], "the state dict")
         self.plain_order = self._plain_order()
 
     @classmethod
@@ -252,10 +259,10 @@ class GPTQLinear(QuantLinear):
         read all groups' at once and took 1.2-1.6x a dense float32 matmul at batch 1 (kernel_bench.py)."""
         rows = x.numel() // self.in_features
         if x.is_cuda or self.bits != 4 or x.dtype != torch.bfloat16 or rows > FUSED_ROWS or self.int4 is None:
-            if not self.gemv_ready(x):  # before the twin is made for it
+            if not self.gemv_ready(x):  # before the twin is made for it (which would take x alike)
                 return None
             x, layer = self.ordered(x)
-            return layer.gemv(x)
+            return layer.gemv_run(x)
         packed, scales_zeros, group, k = self.int4
         if self.order is not None:
             x = x.index_select(-1, self.order)
@@ -322,6 +329,10 @@ class GPTQLinear(QuantLinear):
         """The GEMV's scales float32 [G, N] and zeros int32 [G, N], made once (1/8 of the 4-bit packed
         weight's size at group 128)."""
         return self.scales.float().contiguous(), self.zeros().T.contiguous()
+
+    def gemv_run(self, x: torch.Tensor) -> torch.Tensor:
+        self.decoded  # made here once, not by the first shares on several threads at once
+        return super().gemv_run(x)
 
     def gemv_share(self, lib, x: torch.Tensor, y: torch.Tensor, start: int, stop: int) -> None:
         scales, zeros = self.decoded

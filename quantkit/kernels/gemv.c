@@ -66,21 +66,25 @@ INLINE void gptq_rows(const int m, const float *x, int64_t k, const int32_t *qwe
     }
 }
 
+/* CALL(M) for each pass over the weight, ROWS rows of x at a time (xi, yi the pass's first rows), M
+ * the pass's rows as a constant in each case so that the loops over rows unroll */
+#define PASSES(CALL)                                         \
+    for (int64_t i = 0; i < m; i += ROWS) {                  \
+        const float *xi = x + i * k;                         \
+        float *yi = y + i * n;                               \
+        switch (m - i < ROWS ? (int)(m - i) : ROWS) {        \
+            case 1: CALL(1); break;                          \
+            case 2: CALL(2); break;                          \
+            case 3: CALL(3); break;                          \
+            default: CALL(4);                                \
+        }                                                    \
+    }
+
 WIDE void gptq_gemv(const float *x, int64_t m, int64_t k, const int32_t *qweight, int bits, const int32_t *g_idx,
                     const float *scales, const int32_t *zeros, int64_t n, int64_t j0, int64_t j1, float *y) {
-    for (int64_t i = 0; i < m; i += ROWS) {
-        const float *xi = x + i * k;
-        float *yi = y + i * n;
-        int rows = m - i < ROWS ? (int)(m - i) : ROWS;
 #define GPTQ(M, B) gptq_rows(M, xi, k, qweight, B, g_idx, scales, zeros, n, j0, j1, yi)
 #define BY_BITS(M) (bits == 4 ? GPTQ(M, 4) : bits == 8 ? GPTQ(M, 8) : bits == 3 ? GPTQ(M, 3) : GPTQ(M, 2))
-        switch (rows) {
-            case 1: BY_BITS(1); break;
-            case 2: BY_BITS(2); break;
-            case 3: BY_BITS(3); break;
-            default: BY_BITS(4);
-        }
-    }
+    PASSES(BY_BITS)
 }
 
 /* the table's entries for 8 codes: two 8-entry halves, chosen by bit 3 */
@@ -132,17 +136,7 @@ WIDE void nf4_gemv(const float *x, int64_t m, int64_t k, const uint8_t *packed, 
                    const float *absmax, const uint8_t *codes, const float *nested, const float *nested_map,
                    int64_t nested_block, float offset, int64_t r0, int64_t r1, int64_t n, float *y) {
     v8 lo = ld(table), hi = ld(table + 8);
-    for (int64_t i = 0; i < m; i += ROWS) {
-        const float *xi = x + i * k;
-        float *yi = y + i * n;
-        int rows = m - i < ROWS ? (int)(m - i) : ROWS;
 #define NF4(M) nf4_rows(M, xi, k, packed, lo, hi, block, absmax, codes, nested, nested_map, nested_block, offset, \
                         r0, r1, n, yi)
-        switch (rows) {
-            case 1: NF4(1); break;
-            case 2: NF4(2); break;
-            case 3: NF4(3); break;
-            default: NF4(4);
-        }
-    }
+    PASSES(NF4)
 }
