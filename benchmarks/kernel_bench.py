@@ -5,6 +5,7 @@
     python benchmarks/kernel_bench.py --kernels DIR      # another version of quantkit/kernels/
     python benchmarks/kernel_bench.py --dense --batches 4,8,16,32,64,128,256,512   # where DENSE_ROWS starts
     python benchmarks/kernel_bench.py --rows 1,16,64,128,512   # CPU: the fused paths against the fallback by rows
+    python benchmarks/kernel_bench.py --split 1,4,8,16,32      # CPU: where the GEMV splits over the cores
 
 On a GPU (Triton kernels, float16 activations), per shape and batch:
   - time of ours (4-bit g128 GPTQ layout in plain group order and with act-order, which the layer
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import platform
 import sys
 import time
@@ -145,6 +147,39 @@ def crossover(rows: list[int], repeats: int) -> None:
                       f"{t_fused / t_fallback:.2f} |", flush=True)
     qlinear.FUSED_ROWS, qlinear.GEMV_ROWS = limits
     print(f"(qlinear.FUSED_ROWS = {limits[0]}, GEMV_ROWS = {limits[1]})")
+
+
+SPLIT_SHAPES = ((576, 576), (1536, 576), (1024, 1024), (2048, 1024), (2048, 2048), (4096, 4096))
+
+
+def split(rows: list[int], repeats: int) -> None:
+    """CPU: the compiled GEMV on one thread against its outputs split over the cores (blocks.split), by
+    weights and rows of x, on 4-bit g128 and NF4 with double quantization: where qlinear.GEMV_SPLIT
+    should start. Best of repeats of 100 calls each."""
+    from quantkit import qlinear
+    from quantkit.qlinear import GPTQLinear, NF4Linear
+    from quantkit.quantizers import nf4, rtn
+
+    print(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print("| shape (out x in) | rows | layout | work (weights (rows + 2) / 3) | one thread | split | split / one thread |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    threshold = qlinear.GEMV_SPLIT
+    try:
+        for n, k in SPLIT_SHAPES:
+            w = torch.randn(n, k) * 0.02
+            for label, layer in (("4-bit g128", GPTQLinear.from_tensor(rtn.quantize(w, 4, 128, sym=True))),
+                                 ("NF4 dq", NF4Linear.from_tensor(nf4.quantize(w, "nf4", 64, True)))):
+                for r in rows:
+                    x = torch.randn(r, k)
+                    t = {}
+                    for name, at in (("one", 1 << 62), ("split", 0)):
+                        qlinear.GEMV_SPLIT = at
+                        t[name] = best(lambda: [layer.gemv(x) for _ in range(100)], repeats) / 100
+                    work = n * k * (r + 2) / 3
+                    print(f"| {n}x{k} | {r} | {label} | 2^{math.log2(work):.1f} | {t['one'] * 1e6:.1f} us | "
+                          f"{t['split'] * 1e6:.1f} us | {t['split'] / t['one']:.2f} |", flush=True)
+    finally:
+        qlinear.GEMV_SPLIT = threshold
 
 
 def best(fn, repeats: int) -> float:
@@ -405,6 +440,7 @@ def main() -> None:
     p.add_argument("--dense", action="store_true", help="GPU: the fused kernels against dequantize + torch's matmul")
     p.add_argument("--kernels", help="GPU: a folder to use in place of quantkit/kernels/")
     p.add_argument("--rows", help="CPU: the fused paths against the fallback at these rows of input (1,16,...)")
+    p.add_argument("--split", help="CPU: the GEMV on one thread against split over the cores at these rows (1,4,...)")
     a = p.parse_args()
     if a.kernels:
         import importlib.util
@@ -423,7 +459,12 @@ def main() -> None:
     if torch.cuda.is_available():
         sweep(batches, a.layouts.split(",")) if a.sweep else dense(batches, a.layouts.split(",")) if a.dense else gpu(batches)
     else:
-        crossover([int(r) for r in a.rows.split(",")], a.repeats) if a.rows else cpu(batches, a.repeats)
+        if a.split:
+            split([int(r) for r in a.split.split(",")], a.repeats)
+        elif a.rows:
+            crossover([int(r) for r in a.rows.split(",")], a.repeats)
+        else:
+            cpu(batches, a.repeats)
 
 
 if __name__ == "__main__":

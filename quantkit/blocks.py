@@ -132,8 +132,9 @@ def split(n: int, work: Callable[[int, int], None]) -> None:
     has ended when this returns or raises (an error or Ctrl-C in one): none is left writing to a
     buffer, or reading a map, that its caller then frees."""
     step = max(1, -(-n // threads()))
-    shares = [pool().submit(work, r0, min(n, r0 + step)) for r0 in range(0, n, step)]
+    shares = [pool().submit(work, r0, min(n, r0 + step)) for r0 in range(step, n, step)]
     try:
+        work(0, min(n, step))  # the first share on this thread: one hand-over fewer
         for share in shares:
             share.result()
     finally:

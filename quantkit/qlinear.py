@@ -30,7 +30,11 @@ FUSED_ROWS = 128
 # rows of x up to which the compiled GEMV runs (float32 sums of products: its time grows with the rows);
 # at 32 rows it took 0.32-0.63 of the fallback's time on 7B shapes, at 64 rows 0.57-1.11 (kernel_bench.py --rows)
 GEMV_ROWS = 32
-GEMV_SPLIT = 1 << 20  # weights from which the GEMV's outputs are split over the cores (below: one thread's work)
+# the GEMV's work, in one row's weights, from which its outputs are split over the cores: below, handing
+# shares to threads costs more than it saves. Each row after the first costs about a third of the
+# first (work = weights (rows + 2) / 3); on 2 cores 2^21 was the crossing, 2^20 took 1.2-1.4x one
+# thread's time at one row (benchmarks/RESULTS.md, kernel_bench.py --split)
+GEMV_SPLIT = 1 << 21
 
 
 class QuantLinear(torch.nn.Module):
@@ -83,7 +87,7 @@ class QuantLinear(torch.nn.Module):
         def share(u0: int, u1: int) -> None:
             self.gemv_share(lib, x2, y, u0 * self.GEMV_UNIT, u1 * self.GEMV_UNIT)
 
-        if self.in_features * self.out_features >= GEMV_SPLIT:
+        if self.in_features * self.out_features * (rows + 2) >= 3 * GEMV_SPLIT:
             blocks.split(units, share)
         else:
             share(0, units)
