@@ -6,10 +6,12 @@
 #   bash benchmarks/gpu.sh run [S] [STEPS]      # there, from the repo root, carry [".whl", ".gpu"]
 #
 # S: seconds for the whole run (default 480; each step's timeout is cut to what is left). STEPS: a
-# comma list of those to run (default exllama,tests,kernels); they run in this order:
+# comma list of those to run (default exllama,tests,kernels; `none`: the setup alone, before commands of
+# one's own with PYTHONPATH=/tmp/site); they run in this order:
 #   tests    the kernel tests, then tests/test_gpu.py (GPU_TESTS_S seconds, default 90) (tests.log)
 #   kernels  benchmarks/kernel_bench.py; with KERNELS=DIR also with that version of quantkit/kernels/ (kernels_other.log)
 #   sweep    the tile sweep (SWEEP_S seconds, default 120; SWEEP_BATCHES, SWEEP_LAYOUTS)
+#   dense    the fused kernels against dequantize + torch's matmul by rows of x (kernels.DENSE_ROWS)
 #   exllama  exllamav2 (its extension built in the background from the start) loads our EXL2 files of a
 #            random model of SmolLM2-135M's shapes: benchmarks/exl2_consumer.py with its matmul
 #            attention, then its SDPA one on one file and 2 windows
@@ -76,6 +78,10 @@ run)
   if has sweep; then
     timeout "$(upto ${SWEEP_S:-120})" python3 benchmarks/kernel_bench.py --sweep --batches "${SWEEP_BATCHES:-1,512}" \
       --layouts "${SWEEP_LAYOUTS:-4-bit,4-bit act-order,NF4}" > "$out/sweep.log" 2>&1; mark sweep $?
+  fi
+  if has dense; then
+    timeout "$(upto 120)" python3 benchmarks/kernel_bench.py --dense --batches 2,3,4,8,16,64,256,512 > "$out/dense.log" 2>&1
+    mark dense $?
   fi
   if has exllama; then
     m=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import scale; print(scale.model_dir('135m'))" 2>> "$out/exllama.log" | tail -1)

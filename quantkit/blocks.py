@@ -134,7 +134,8 @@ def split(n: int, work: Callable[[int, int], None]) -> None:
     step = max(1, -(-n // threads()))
     shares = [pool().submit(work, r0, min(n, r0 + step)) for r0 in range(step, n, step)]
     try:
-        work(0, min(n, step))  # the first share on this thread: one hand-over fewer
+        if n > 0:  # the first share on this thread: one hand-over fewer
+            work(0, min(n, step))
         for share in shares:
             share.result()
     finally:

@@ -54,7 +54,7 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend not in BACKENDS:
             raise QuantkitError(f"unknown kernel backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
-        triton = self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
+        triton = self.backend == "triton" or (self.backend == "auto" and x.is_cuda and kernels.fits(self))
         if triton and not (torch.is_grad_enabled() and x.requires_grad):
             y = kernels.matmul(*self.ordered(x))
         elif triton:  # the kernels have no backward: dequantize with them, multiply with torch

@@ -183,7 +183,8 @@ def test_nf4_tiles_in_one_block(kind, block_size, double_quant, fused):
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         assert torch.equal(kernels.dequantize(layer, dtype).cpu(), qt.dequantize(dtype))
     for rows in (1, 3, 19):
-        assert layer.kernel_args(kernels.tile(layer, rows)[1])[1]["GROUP"] == block_size
+        consts = layer.kernel_args(kernels.tile(layer, rows)[1])[1]
+        assert consts["GROUP"] == block_size and kernels.words(consts)
         for dtype in (torch.float16, torch.bfloat16):
             x = torch.randn(rows, 512, generator=g).to(dtype).to(DEVICE)
             for split in (None, 3):
@@ -445,6 +446,27 @@ def test_casting_keeps_packed_buffers():
     assert layer.bias.dtype == torch.bfloat16 and layer.qweight.dtype == torch.int32
     nf = NF4Linear.from_tensor(nf4.quantize(torch.randn(8, 64), "nf4", 64, True)).half()
     assert nf.absmax.dtype == torch.uint8 and nf.nested_absmax.dtype == torch.float32
+
+
+def test_weights_past_int32_offsets_are_refused(monkeypatch):
+    """The kernels index W in int32: a weight of 2^31 values or more is refused, not read out of place,
+    and the auto backend takes the torch fallback for it."""
+    layer = GPTQLinear.from_tensor(grid(4, 32, False, n=40, k=160))
+    x = torch.randn(2, 160).half()
+    monkeypatch.setattr(kernels, "OFFSETS", 40 * 160)
+    for call in (lambda: kernels.matmul(x, layer), lambda: kernels.dequantize(layer)):
+        with pytest.raises(QuantkitError, match=r"40x160 weight has 2\^31 values or more"):
+            call()
+    layer.backend = "triton"
+    with pytest.raises(QuantkitError, match="int32 offsets"):
+        layer(x)
+    assert not kernels.fits(layer)
+    if torch.cuda.is_available():
+        layer.backend = "auto"
+        y = layer.cuda()(x.cuda())
+        assert_product(y, x.cuda(), layer.dequantize(torch.float16))
+    monkeypatch.setattr(kernels, "OFFSETS", 40 * 160 + 1)
+    assert kernels.fits(layer)
 
 
 def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):

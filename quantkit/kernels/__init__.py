@@ -15,10 +15,11 @@ import torch
 from quantkit.errors import QuantkitError
 
 GPTQ, NF4 = 0, 1  # jit.py's FMT
-GEMV_ROWS = 4  # up to this many rows of x take the GEMV: a tensor-core tile would be mostly padding
+GEMV_ROWS = 4  # up to this many rows of x (below DENSE_ROWS) take the GEMV: a tensor-core tile would be mostly padding
 DEQUANT_TILE = (32, 64)  # outputs, inputs
 # Tiles (outputs, inputs per step) by layout and launch options, from sweeps on an H200 and an H100
-# (benchmarks/RESULTS.md, kernel_bench.py --sweep); NF4's GEMM keeps the tile that compiled for it there.
+# (benchmarks/RESULTS.md, kernel_bench.py --sweep); NF4's GEMM keeps the tile that compiled for it there
+# (by default NF4 goes dense before its GEMM: only a raised DENSE_ROWS or the sweep reaches it).
 # A GPTQ group or NF4 block smaller than a tile's inputs takes tiles of one group (tile()).
 GEMV_TILE = {"gptq": (64, 128), "act-order": (128, 64), "nf4": (64, 128)}
 GEMM_TILE = {"gptq": (64, 64), "act-order": (64, 64), "nf4": (64, 32)}
@@ -41,10 +42,21 @@ def _jit():
     return jit
 
 
-def _check(t: torch.Tensor) -> None:
+def _check(t: torch.Tensor, layer) -> None:
     if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise QuantkitError("the Triton kernels run on CUDA tensors (on the CPU only under TRITON_INTERPRET=1): "
                             "move the model to a GPU or use the torch backend")
+    if not fits(layer):
+        raise QuantkitError(f"a {layer.out_features}x{layer.in_features} weight has 2^31 values or more, past the "
+                            "Triton kernels' int32 offsets: use the torch backend for it")
+
+
+OFFSETS = 1 << 31  # the kernels index W's values in int32
+
+
+def fits(layer) -> bool:
+    """Whether the kernels can index every value of the layer's W."""
+    return layer.out_features * layer.in_features < OFFSETS
 
 
 ALL = 1 << 30  # jit._weight's GROUP for one group per row
@@ -55,12 +67,19 @@ def dequantize(layer, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     n, k = layer.out_features, layer.in_features
     bn, bk = DEQUANT_TILE
     args, consts = layer.kernel_args(bk)
-    _check(args[0])
+    _check(args[0], layer)
     out = torch.empty(n, k, dtype=dtype, device=args[0].device)
     # no fused multiply-add, so that the nested absmax rounds as the torch reference rounds it
-    _jit().dequantize_kernel[(cdiv(n, bn), cdiv(k, bk))](out, *args, n, k, **consts, BN=bn, BK=bk,
-                                                         WORDS=words(consts), enable_fp_fusion=False)
+    with on(out):
+        _jit().dequantize_kernel[(cdiv(n, bn), cdiv(k, bk))](out, *args, n, k, **consts, BN=bn, BK=bk,
+                                                             WORDS=words(consts), enable_fp_fusion=False)
     return out
+
+
+def on(t: torch.Tensor):
+    """Triton launches on the current device's stream: make it t's (a layer on cuda:1 while cuda:0 is
+    current would otherwise run there)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def words(consts: dict) -> bool:
@@ -121,16 +140,18 @@ def tile(layer, rows: int) -> tuple[int, int]:
     else:
         bn, bk = FEW_TILE.get(kind, GEMM_TILE[kind]) if rows <= FEW_ROWS else GEMM_TILE[kind]
     group = getattr(layer, "group_size", getattr(layer, "blocksize", -1))
-    if kind in ("gptq", "nf4") and 16 <= group < bk and bk % group == 0:
+    whole = kind == "gptq" or (kind == "nf4" and layer.in_features % group == 0)  # NF4: rows of whole blocks
+    if whole and 16 <= group < bk and bk % group == 0:
         bk = group
     return bn, bk
 
 
 def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T in x's dtype, accumulated in float32. Below DENSE_ROWS rows W is never written
-    out, and split (slices of K; None: by the device) is summed in a fixed order, so that a call gives
-    the same y every time; from DENSE_ROWS, torch's matmul of x and the dequantized W."""
-    _check(x)
+    """x [..., K] @ W^T in x's dtype. Below DENSE_ROWS rows W is never written out, the sums are
+    float32, and split (slices of K; None: by the device) is summed in a fixed order, so that a call
+    gives the same y every time; from DENSE_ROWS, torch's matmul of x and the dequantized W (under
+    torch's precision settings: TF32, reduced-precision reductions)."""
+    _check(x, layer)
     n, k = layer.out_features, layer.in_features
     if x.shape[-1] != k:
         raise QuantkitError(f"input of {x.shape[-1]} features for a layer of {k}")
@@ -154,8 +175,7 @@ def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
     y = x2.new_empty(m, n)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     count = counts(x.device, tiles) if split > 1 else y
-    # Triton launches on the current device's stream: make it x's
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+    with on(x):
         if gemv:
             jit.gemv_kernel[(grid[0], split, m)](x2, y, part, count, *args, n, k, k_split, **consts, BN=bn, BK=bk,
                                                  SPLIT=split > 1, WORDS=words(consts), **LAUNCH["gemv"])
