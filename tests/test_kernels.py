@@ -200,9 +200,11 @@ def test_dense_rows_dequantize_then_matmul(kind, monkeypatch):
     monkeypatch.setattr(kernels, "DENSE_ROWS", dict.fromkeys(kernels.DENSE_ROWS, 6))
     calls, dequantize = [], kernels.dequantize
     monkeypatch.setattr(kernels, "dequantize", lambda *a: calls.append(a) or dequantize(*a))
-    for rows, dense in ((1, False), (5, False), (6, True), (20, True)):
-        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).half().to(DEVICE)
-        assert_product(kernels.matmul(x, layer), x, qt.dequantize(torch.float16).to(DEVICE))
+    for shape, dense in (((1, 256), False), ((5, 256), False), ((6, 256), True), ((2, 10, 256), True)):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0])).half().to(DEVICE)
+        y = kernels.matmul(x, layer)
+        assert y.shape == (*shape[:-1], 40)
+        assert_product(y.reshape(-1, 40), x.reshape(-1, 256), qt.dequantize(torch.float16).to(DEVICE))
         assert len(calls) == dense
         calls.clear()
 
