@@ -140,8 +140,8 @@ def tile(layer, rows: int) -> tuple[int, int]:
     else:
         bn, bk = FEW_TILE.get(kind, GEMM_TILE[kind]) if rows <= FEW_ROWS else GEMM_TILE[kind]
     group = getattr(layer, "group_size", getattr(layer, "blocksize", -1))
-    whole = kind == "gptq" or (kind == "nf4" and layer.in_features % group == 0)  # NF4: rows of whole blocks
-    if whole and 16 <= group < bk and bk % group == 0:
+    # only where the layer then reads a group per tile (plain order; NF4 rows of whole blocks)
+    if 16 <= group < bk and bk % group == 0 and layer.kernel_args(group)[1]["GROUP"]:
         bk = group
     return bn, bk
 
