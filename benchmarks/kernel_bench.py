@@ -8,8 +8,10 @@
     python benchmarks/kernel_bench.py --split 1,4,8,16,32      # CPU: where the GEMV splits over the cores
 
 On a GPU (Triton kernels, float16 activations), per shape and batch:
-  - time of ours (4-bit g128 GPTQ layout in plain group order and with act-order, which the layer
-    runs as its twin in group order with x's columns reordered; NF4 with double quantization),
+  - time of ours (4-bit g128 GPTQ layout in plain group order and with act-order, which the kernels
+    read as its twin in group order, x's columns through the order; NF4 with double quantization),
+    and of act-order with x's columns reordered first (a launch of its own, as before the kernels
+    read the order),
     torch's float16 matmul on the dense weight (the anchor), bitsandbytes' NF4 matmul
     (bnb.matmul_4bit) where it runs, and torch's int4 matmul (_weight_int4pack_mm, bfloat16) on the
     same 4-bit weights;
@@ -26,7 +28,8 @@ On a GPU (Triton kernels, float16 activations), per shape and batch:
 the defaults' time in the same run (graph times, copies in rotation).
 --dense: the fused kernels against dequantizing W and torch's matmul (kernels.DENSE_ROWS), per layout.
 --kernels DIR: another version of the package quantkit/kernels/ (its __init__.py and jit.py) in place
-of quantkit's (two runs in one call compare two versions on one machine).
+of quantkit's (two runs in one call compare two versions on one machine); one that takes
+kernel_args' ORDER (from the commit that added it).
 On the CPU, per shape and batch, best of --repeats: our packed layers as quantkit runs them (4-bit
 g128 in plain group order, and in act-order with x's columns taken in group order, with bfloat16
 activations: torch's fused int4 matmul up to qlinear.FUSED_ROWS rows, the fallback beyond; 4-bit
@@ -215,10 +218,11 @@ def gpu(batches: list[int]) -> None:
     names = ("ours 4-bit", "ours 4-bit act-order", "ours NF4")
     print("Times: in a CUDA graph (the kernels alone), then (in brackets) called from Python one by one. Ratios "
           "and bandwidths from the graph times; the last column from the other.")
-    print("| shape (out x in) | batch | fp16 | " + " | ".join(names) + " | bnb NF4 | torch int4 mm (bf16) "
-          "| fp16 / ours 4-bit | int4 mm / ours 4-bit | bnb / ours NF4 | GEMV bandwidth / copy (4-bit, act-order, NF4) "
-          "| / datasheet | fp16 / ours 4-bit, called one by one |")
-    print("|" + " --- |" * 14)
+    print("| shape (out x in) | batch | fp16 | " + " | ".join(names) + " | act-order, x reordered first | bnb NF4 "
+          "| torch int4 mm (bf16) | fp16 / ours 4-bit | int4 mm / ours 4-bit | bnb / ours NF4 | x reordered / read "
+          "through the order | GEMV bandwidth / copy (4-bit, act-order, NF4) | / datasheet | fp16 / ours 4-bit, "
+          "called one by one |")
+    print("|" + " --- |" * 16)
     for n, k in SHAPES:
         w, act, nf, plain = layers(n, k, "cuda")
         ours = (plain, act, nf)
@@ -236,13 +240,15 @@ def gpu(batches: list[int]) -> None:
             x = torch.randn(b, k, dtype=torch.float16, device="cuda")
             for layer in ours:  # the right answer before any timing
                 ref = x.float() @ layer.dequantize(torch.float16).float().T
-                err = (kernels.matmul(*layer.ordered(x)).float() - ref).norm() / ref.norm()
-                assert err < 1e-2, f"{n}x{k} batch {b}: relative error {err:.2e}"
+                for y in (kernels.matmul(x, layer), *([kernels.matmul(*layer.ordered(x))] if layer is act else [])):
+                    err = (y.float() - ref).norm() / ref.norm()
+                    assert err < 1e-2, f"{n}x{k} batch {b}: relative error {err:.2e}"
             xb = x.bfloat16()
             ref = xb.float() @ plain.dequantize(torch.float32).T
             int4_err = (int4_mm(xb, int4[0]).float() - ref).norm() / ref.norm() if int4 else 0
             calls = {"fp16": [lambda d=d: F.linear(x, d) for d in dense]}
-            calls |= {name: [lambda r=r: kernels.matmul(*r.ordered(x)) for r in rot] for name, rot in zip(names, rotations)}
+            calls |= {name: [lambda r=r: kernels.matmul(x, r) for r in rot] for name, rot in zip(names, rotations)}
+            calls["reordered"] = [lambda r=r: kernels.matmul(*r.ordered(x)) for r in rotations[1]]
             if theirs:
                 calls["bnb"] = [lambda q=q: bnb.matmul_4bit(x, *pair(q)) for q in theirs]
             if int4:
@@ -264,9 +270,10 @@ def gpu(batches: list[int]) -> None:
 
             t_fp16, t_bnb, t_int4 = graph["fp16"], graph.get("bnb"), graph.get("int4")
             t_ours = [graph[name] for name in names]
-            cells = [cell(key) for key in ("fp16", *names, "bnb")]
+            cells = [cell(key) for key in ("fp16", *names, "reordered", "bnb")]
             cells += [cell("int4") + (f" (error {int4_err:.1e})" if int4_err > 1e-2 else ""),
-                      ratio(t_fp16, t_ours[0]), ratio(t_int4, t_ours[0]), ratio(t_bnb, t_ours[2])]
+                      ratio(t_fp16, t_ours[0]), ratio(t_int4, t_ours[0]), ratio(t_bnb, t_ours[2]),
+                      ratio(graph["reordered"], t_ours[1])]
             if b == 1:  # bytes the GEMV must move: its weight buffers, x in, y out
                 moved = [sum(t.numel() * t.element_size() for t in layer.buffers()) + 2 * (k + n) for layer in ours]
                 tbps = [m / t / 1e12 if t else None for m, t in zip(moved, t_ours)]
@@ -372,9 +379,9 @@ def dense(batches: list[int], layouts: list[str]) -> None:
             t = {}
             for name, rows in (("fused", 1 << 30), ("dense", 0)):
                 kernels.DENSE_ROWS = dict.fromkeys(saved, rows)
-                err = (kernels.matmul(*layer.ordered(x)).float() - ref).norm() / ref.norm()
+                err = (kernels.matmul(x, layer).float() - ref).norm() / ref.norm()
                 assert err < 1e-2, f"{shape} {label} {name} batch {len(x)}: relative error {err:.2e}"
-                t[name] = graphed([lambda c=c: kernels.matmul(*c.ordered(x)) for c in copies], rep=50)
+                t[name] = graphed([lambda c=c: kernels.matmul(x, c) for c in copies], rep=50)
             print(f"| {shape} | {label} | {len(x)} | {t['fused'] * 1e6:.1f} us | {t['dense'] * 1e6:.1f} us | "
                   f"{t['fused'] / t['dense']:.2f} |", flush=True)
     finally:

@@ -56,7 +56,7 @@ class QuantLinear(torch.nn.Module):
             raise QuantkitError(f"unknown kernel backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
         triton = self.backend == "triton" or (self.backend == "auto" and x.is_cuda and kernels.fits(self))
         if triton and not (torch.is_grad_enabled() and x.requires_grad):
-            y = kernels.matmul(*self.ordered(x))
+            y = kernels.matmul(x, self)
         elif triton:  # the kernels have no backward: dequantize with them, multiply with torch
             y = F.linear(x, kernels.dequantize(self, x.dtype))
         else:
@@ -125,7 +125,7 @@ class QuantLinear(torch.nn.Module):
 
     def kernel_args(self, tile_k: int) -> tuple[tuple, dict]:
         """What quantkit.kernels.jit's weight tile reads, for tiles of tile_k inputs: (w0..w4, fparam,
-        i0, i1) and the compile-time constants FMT, BITS, NESTED, GROUP."""
+        i0, i1) and the compile-time constants FMT, BITS, NESTED, GROUP, ORDER."""
         raise NotImplementedError
 
     def _apply(self, fn, recurse=True):
@@ -145,10 +145,6 @@ class QuantLinear(torch.nn.Module):
         for name in self.DERIVED:
             self.__dict__.pop(name, None)
 
-    def ordered(self, x: torch.Tensor) -> tuple[torch.Tensor, QuantLinear]:
-        """x and the layer whose layout the kernels multiply it with (the same product)."""
-        return x, self
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
@@ -167,7 +163,7 @@ class GPTQLinear(QuantLinear):
     W[n, k] = scales[g, n] * (q[k, n] - z[g, n]) with g = g_idx[k]. v1 checkpoints store z - 1."""
 
     PACKED = ("qweight", "qzeros", "scales", "g_idx")
-    DERIVED = ("int4", "order", "grouped", "decoded")
+    DERIVED = ("int4", "order", "grouped", "columns", "decoded")
     GEMV_UNIT = 8  # the GEMV reads 8 columns of the packed words at a time
 
     def __init__(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
@@ -297,7 +293,14 @@ class GPTQLinear(QuantLinear):
         return GPTQLinear(pack(codes, self.bits), self.qzeros, self.scales, self.g_idx[self.order], self.bits,
                           self.group_size, self.v1, self.sym)
 
-    def ordered(self, x: torch.Tensor) -> tuple[torch.Tensor, QuantLinear]:
+    @functools.cached_property
+    def columns(self) -> torch.Tensor:
+        """`order` in int32, for the kernels: the column of W (and x) that each of the twin's columns is."""
+        return self.order.to(torch.int32)
+
+    def ordered(self, x: torch.Tensor) -> tuple[torch.Tensor, GPTQLinear]:
+        """x and the layer whose layout the CPU's GEMV multiplies it with (the same product): the twin and
+        x's columns in its order where there is one."""
         if self.grouped is None:
             return x, self
         return x.index_select(-1, self.order), self.grouped
@@ -345,12 +348,15 @@ class GPTQLinear(QuantLinear):
                       y.data_ptr())
 
     def kernel_args(self, tile_k: int) -> tuple[tuple, dict]:
+        if self.grouped is not None:  # act-order with whole groups: the twin, x read (and W written) through its order
+            args, consts = self.grouped.kernel_args(tile_k)
+            return args[:4] + (self.columns,) + args[5:], consts | {"ORDER": True}
         # GROUP: the group size where every tile lies in one group, so scales and zeros are read per tile
         group = 0
         if self.plain_order:
             group = kernels.ALL if self.group_size == -1 else self.group_size if self.group_size % tile_k == 0 else 0
         return ((self.qweight, self.qzeros, self.scales, self.g_idx, self.g_idx, 0.0, self.qzeros.shape[1],
-                 int(self.v1)), {"FMT": kernels.GPTQ, "BITS": self.bits, "NESTED": False, "GROUP": group})
+                 int(self.v1)), {"FMT": kernels.GPTQ, "BITS": self.bits, "NESTED": False, "GROUP": group, "ORDER": False})
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self.bits}-bit, group {self.group_size}"
@@ -449,7 +455,7 @@ class NF4Linear(QuantLinear):
         whole = self.in_features % self.blocksize == 0 and self.blocksize % tile_k == 0
         return ((self.packed, self.absmax, self.quant_map, self.nested_absmax if nested else self.absmax,
                  self.nested_map if nested else self.quant_map, self.offset, self.blocksize, self.nested_blocksize),
-                {"FMT": kernels.NF4, "BITS": 4, "NESTED": nested, "GROUP": self.blocksize if whole else 0})
+                {"FMT": kernels.NF4, "BITS": 4, "NESTED": nested, "GROUP": self.blocksize if whole else 0, "ORDER": False})
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, 4-bit codebook, block {self.blocksize}, nested {self.nested_absmax is not None}"

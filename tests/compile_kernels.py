@@ -11,10 +11,11 @@ from triton.compiler import ASTSource
 
 from quantkit.kernels import GPTQ, NF4, jit
 
-LAYOUTS = [  # FMT, BITS, NESTED, GROUP, the five weight pointers' types
-    (GPTQ, bits, False, group, ["*i32", "*i32", "*fp16", "*i32", "*i32"]) for bits in (2, 3, 4, 8) for group in (0, 128)
-] + [(NF4, 4, nested, group, ["*u8", "*u8" if nested else "*fp32", "*fp32", "*fp32", "*fp32"])
-      for nested in (False, True) for group in (0, 64)]
+LAYOUTS = [  # FMT, BITS, NESTED, GROUP, ORDER, the five weight pointers' types
+    (GPTQ, bits, False, group, False, ["*i32", "*i32", "*fp16", "*i32", "*i32"]) for bits in (2, 3, 4, 8) for group in (0, 128)
+] + [(GPTQ, bits, False, group, True, ["*i32", "*i32", "*fp16", "*i32", "*i32"]) for bits in (4,) for group in (0, 128)
+     ] + [(NF4, 4, nested, group, False, ["*u8", "*u8" if nested else "*fp32", "*fp32", "*fp32", "*fp32"])
+          for nested in (False, True) for group in (0, 64)]
 
 
 def compile_one(fn, types: dict, consts: dict, capability: int) -> None:
@@ -26,10 +27,10 @@ def compile_one(fn, types: dict, consts: dict, capability: int) -> None:
 
 def main(capabilities: list[int]) -> None:
     for cap in capabilities:
-        for fmt, bits, nested, group, w in LAYOUTS:
+        for fmt, bits, nested, group, order, w in LAYOUTS:
             args = dict(zip(["w0", "w1", "w2", "w3", "w4"], w)) | {
                 "fparam": "fp32", "i0": "i32", "i1": "i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32"}
-            c = {"FMT": fmt, "BITS": bits, "NESTED": nested, "GROUP": group}
+            c = {"FMT": fmt, "BITS": bits, "NESTED": nested, "GROUP": group, "ORDER": order}
             words = 32 % bits == 0 if fmt == GPTQ else group > 0  # as kernels.matmul decides
             for dt in ("fp16", "bf16", "fp32"):
                 compile_one(jit.dequantize_kernel, args | {"out": f"*{dt}"}, c | {"BN": 32, "BK": 64, "WORDS": words}, cap)
@@ -39,7 +40,7 @@ def main(capabilities: list[int]) -> None:
                     tile = {"BM": 16, "BN": 128, "BK": 64} if split else {"BM": 64, "BN": 64, "BK": 32}  # split: few rows
                     compile_one(jit.gemm_kernel, io, c | tile | {"UPCAST": False, "WORDS": words, "SPLIT": split,
                                                                  "PRECISION": "ieee" if dt == "fp32" else "tf32"}, cap)
-            print(f"sm_{cap}: FMT {fmt}, {bits} bits, nested {nested}, group {group}: compiled", flush=True)
+            print(f"sm_{cap}: FMT {fmt}, {bits} bits, nested {nested}, group {group}, order {order}: compiled", flush=True)
 
 
 if __name__ == "__main__":

@@ -113,13 +113,15 @@ def test_matmul_dtypes_and_split(dtype, rows, act_order):
 @pytest.mark.parametrize("group_size", [16, 32, 64, 128, 256])
 def test_tiles_hold_one_group(group_size):
     """A group in plain order no wider than a tile's inputs gets tiles within one group, so the kernels
-    read its scales once per tile; act-order reads them per column whatever the tile."""
-    layer = GPTQLinear.from_tensor(grid(4, group_size, False, n=64, k=512))
-    for rows in (1, 16):
-        bk = kernels.tile(layer, rows)[1]
-        assert layer.kernel_args(bk)[1]["GROUP"] == group_size
-    act = GPTQLinear.from_tensor(grid(4, 64, True, n=64, k=512))
-    assert act.kernel_args(kernels.tile(act, 1)[1])[1]["GROUP"] == 0
+    read its scales once per tile, and so does act-order with whole groups (read as its twin in group
+    order); uneven groups are read per column whatever the tile."""
+    for act_order in (False, True):
+        layer = GPTQLinear.from_tensor(grid(4, group_size, act_order, n=64, k=512))
+        for rows in (1, 16):
+            bk = kernels.tile(layer, rows)[1]
+            assert layer.kernel_args(bk)[1]["GROUP"] == group_size
+    odd = GPTQLinear.from_tensor(uneven(grid(4, 64, True, n=64, k=512)))
+    assert odd.kernel_args(kernels.tile(odd, 1)[1])[1]["GROUP"] == 0
 
 
 @pytest.mark.parametrize("words", [True, False])
@@ -376,30 +378,38 @@ def test_cpu_gemv_declines_what_it_does_not_read():
 
 
 @pytest.mark.parametrize("bits", [3, 4, 8])
-def test_act_order_kernels_read_group_order(bits):
+def test_act_order_kernels_read_group_order(bits, monkeypatch):
     """The kernels take an act-order layer with whole groups as its twin in plain group order (made
-    once) and x's columns in that order: the same product. The checkpoint's buffers and state stay
-    as loaded; moving the layer makes the twin again on its device; uneven groups keep act-order."""
+    once), and read x's columns (and write W's, in dequantize) through the order themselves: no
+    reordered copy of x is made, in the GEMV, the GEMM, with K split, and from DENSE_ROWS. The
+    checkpoint's buffers and state stay as loaded; moving the layer makes the twin again on its
+    device; uneven groups keep act-order."""
     qt = grid(bits, 32, True, seed=9, n=96)
     layer = GPTQLinear.from_tensor(qt).to(DEVICE)
     layer.backend = "triton"
     state = {key: t.clone() for key, t in layer.state_dict().items()}
-    x = torch.randn(2, IN, generator=torch.Generator().manual_seed(10)).half().to(DEVICE)
-    with torch.no_grad():
-        y = layer(x)
-    assert_product(y, x, qt.dequantize(torch.float16).to(DEVICE))
+    monkeypatch.setattr(GPTQLinear, "ordered", None)  # the CPU GEMV's reorder of x: not for the kernels
+    w = qt.dequantize(torch.float16).to(DEVICE)
+    assert torch.equal(kernels.dequantize(layer), w)
+    for rows in (1, 9):
+        x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(10)).half().to(DEVICE)
+        for dense_rows in (1 << 30, 1):
+            monkeypatch.setattr(kernels, "DENSE_ROWS", dict.fromkeys(kernels.DENSE_ROWS, dense_rows))
+            with torch.no_grad():
+                assert_product(layer(x), x, w)
+            assert_product(kernels.matmul(x, layer, split=3), x, w)
     twin = layer.grouped
-    assert twin.plain_order and layer.ordered(x)[1] is twin
+    assert twin.plain_order and layer.kernel_args(32)[1]["ORDER"] and kernels.layout(layer) == "gptq"
     assert torch.equal(twin.dequantize(), layer.dequantize()[:, layer.order])
     assert layer.state_dict().keys() == state.keys() and all(torch.equal(t, state[key]) for key, t in layer.state_dict().items())
     layer.to(DEVICE)
-    assert "grouped" not in layer.__dict__
+    assert "grouped" not in layer.__dict__ and "columns" not in layer.__dict__
     assert GPTQLinear.from_tensor(grid(4, 64, False)).order is None  # plain, with a short last group (K = 160)
     short = GPTQLinear.from_tensor(grid(4, 64, True))  # act-order with one: x sorted for the CPU's int4, no twin
-    assert short.order is not None and short.grouped is None
+    assert short.order is not None and short.grouped is None and not short.kernel_args(32)[1]["ORDER"]
     odd = uneven(qt)
     other = GPTQLinear.from_tensor(odd).to(DEVICE)
-    assert other.order is None and other.ordered(x)[1] is other
+    assert other.order is None and kernels.layout(other) == "act-order"
     other.backend = "triton"
     with torch.no_grad():
         assert_product(other(x), x, odd.dequantize(torch.float16).to(DEVICE))
@@ -568,7 +578,7 @@ def test_kernels_compile_for_a_gpu():
     r = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_kernels.py")), "90"], env=env,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 12
+    assert r.stdout.count("compiled") == 14
 
 
 @pytest.fixture(scope="module")

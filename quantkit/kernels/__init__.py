@@ -125,9 +125,10 @@ def counts(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def layout(layer) -> str:
-    """The key of a layer's tiles: GPTQ layers have plain_order, NF4 layers not."""
+    """The key of a layer's tiles: GPTQ layers have plain_order, NF4 layers not; act-order with whole
+    groups is read as its twin in plain group order (qlinear.GPTQLinear.grouped)."""
     plain = getattr(layer, "plain_order", None)
-    return "nf4" if plain is None else "gptq" if plain else "act-order"
+    return "nf4" if plain is None else "gptq" if plain or layer.grouped is not None else "act-order"
 
 
 def tile(layer, rows: int) -> tuple[int, int]:

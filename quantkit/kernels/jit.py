@@ -3,7 +3,9 @@ GEMM for prefill. All three read the weight through one tile function, so a layo
 once; the matmuls accumulate in float32 and never write W to memory.
 
 A layout's buffers arrive as five pointers (w0..w4), a float and two ints (quantkit.qlinear's
-kernel_args); FMT picks the layout at compile time.
+kernel_args); FMT picks the layout at compile time. ORDER: W's columns are stored in another order,
+w4[k] the column that stored column k is (act-order read in plain group order): x is read, and W
+written, through it.
 """
 import triton
 import triton.language as tl
@@ -108,6 +110,16 @@ def _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k, n, K, N, mask, k0,
 
 
 @triton.jit
+def _column(w4, k, mask, ORDER: tl.constexpr):
+    """The column of W and x that stored column k is: w4[k] where the columns are stored in another order."""
+    if ORDER:
+        c = tl.load(w4 + k, mask=mask, other=0)
+    else:
+        c = k
+    return c
+
+
+@triton.jit
 def _round(w, DTYPE: tl.constexpr):
     """float32 w in DTYPE, rounded to nearest even; bfloat16 by integer arithmetic, which the
     interpreter (whose cast truncates) and the GPU agree on."""
@@ -123,27 +135,28 @@ def _round(w, DTYPE: tl.constexpr):
 @triton.jit
 def dequantize_kernel(out, w0, w1, w2, w3, w4, fparam, i0, i1, N, K,
                       FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, WORDS: tl.constexpr):
-    """A [BK, BN] tile of W (inputs by outputs, as the matmuls read it), stored in out [N, K]."""
+                      ORDER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WORDS: tl.constexpr):
+    """A [BK, BN] tile of W (inputs by outputs, as the matmuls read it), stored in out [N, K] (in W's
+    own column order)."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)[None, :]
     k0 = tl.program_id(1) * BK
     k = k0 + tl.arange(0, BK)[:, None]
     mask = (n < N) & (k < K)
     w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k, n, K, N, mask, k0, FMT, BITS, NESTED, GROUP, BK, WORDS)
-    tl.store(out + n * K + k, _round(w, out.dtype.element_ty), mask=mask)
+    tl.store(out + n * K + _column(w4, k, k < K, ORDER), _round(w, out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def gemv_kernel(x, y, part, count, w0, w1, w2, w3, w4, fparam, i0, i1, N, K, K_SPLIT,
                 FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, WORDS: tl.constexpr):
+                ORDER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, WORDS: tl.constexpr):
     """One row of x against BN outputs over one K_SPLIT slice of the inputs; with several slices
     the partial sums meet in _finish."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     start = tl.program_id(1) * K_SPLIT
     row = tl.program_id(2)
     if FMT == 0 and WORDS and GROUP > 0:
-        acc = _gemv_words(x + row * K, w0, w1, w2, i0, i1, n, start, K_SPLIT, K, N, BITS, GROUP, BN, BK)
+        acc = _gemv_words(x + row * K, w0, w1, w2, w4, i0, i1, n, start, K_SPLIT, K, N, BITS, GROUP, ORDER, BN, BK)
     elif FMT == 1 and WORDS:
         acc = _gemv_nf4(x + row * K, w0, w1, w2, w3, w4, fparam, i0, i1, n, start, K_SPLIT, K, N, NESTED, BN, BK)
     else:
@@ -151,7 +164,7 @@ def gemv_kernel(x, y, part, count, w0, w1, w2, w3, w4, fparam, i0, i1, N, K, K_S
         for step in range(0, tl.minimum(K_SPLIT, K - start), BK):  # the last slice ends at K
             k0 = start + step
             k = k0 + tl.arange(0, BK)
-            xk = tl.load(x + row * K + k, mask=k < K, other=0.0)
+            xk = tl.load(x + row * K + _column(w4, k, k < K, ORDER), mask=k < K, other=0.0)
             mask = (k[:, None] < K) & (n[None, :] < N)
             w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k[:, None], n[None, :], K, N, mask, k0,
                         FMT, BITS, NESTED, GROUP, BK, WORDS)
@@ -185,8 +198,8 @@ def _finish(y, part, count, acc, offs, mask, tile, piece, pieces, size, CHUNK: t
 
 
 @triton.jit
-def _gemv_words(x, w0, w1, w2, i0, i1, n, start, K_SPLIT, K, N, BITS: tl.constexpr, GROUP: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr):
+def _gemv_words(x, w0, w1, w2, w4, i0, i1, n, start, K_SPLIT, K, N, BITS: tl.constexpr, GROUP: tl.constexpr,
+                ORDER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """The GEMV's sum over one slice for GPTQ codes in whole words, each tile in one group: the tile
     of words is taken apart one value position at a time (a [BK / PER, BN] slice of W each, no
     reshape), products gather in a [BK / PER, BN] float32 sum reduced once at the end, and scales
@@ -206,7 +219,8 @@ def _gemv_words(x, w0, w1, w2, i0, i1, n, start, K_SPLIT, K, N, BITS: tl.constex
             zf, sf = _float(zq), s.to(tl.float32)
         for j in tl.static_range(PER):
             q = (words >> (j * BITS)) & ((1 << BITS) - 1)
-            xk = tl.load(x + r * PER + j, mask=r * PER < K, other=0.0)  # one predicate per word row
+            # one predicate per word row
+            xk = tl.load(x + _column(w4, r * PER + j, r * PER < K, ORDER), mask=r * PER < K, other=0.0)
             if HALF:  # (1024 + q) - (1024 + z) is exact in float16, its product with s rounds once: W in float16
                 w = ((_half(q) - z16[None, :]) * s16[None, :]).to(tl.float32)
             else:
@@ -237,7 +251,8 @@ def _gemv_nf4(x, w0, w1, w2, w3, w4, fparam, i0, i1, n, start, K_SPLIT, K, N, NE
 
 @triton.jit
 def gemm_kernel(x, y, part, count, w0, w1, w2, w3, w4, fparam, i0, i1, M, N, K, K_SPLIT,
-                FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr,
+                FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr, ORDER: tl.constexpr,
+                BM: tl.constexpr,
                 BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                 WORDS: tl.constexpr, SPLIT: tl.constexpr):
     """A BM x BN tile of y over one K_SPLIT slice of the inputs (slices meet in _finish). UPCAST:
@@ -250,7 +265,8 @@ def gemm_kernel(x, y, part, count, w0, w1, w2, w3, w4, fparam, i0, i1, M, N, K, 
     for step in range(0, tl.minimum(K_SPLIT, K - start), BK):  # the last slice ends at K
         k0 = start + step
         k = k0 + tl.arange(0, BK)
-        a = tl.load(x + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        a = tl.load(x + m[:, None] * K + _column(w4, k, k < K, ORDER)[None, :], mask=(m[:, None] < M) & (k[None, :] < K),
+                    other=0.0)
         mask = (k[:, None] < K) & (n[None, :] < N)
         w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k[:, None], n[None, :], K, N, mask, k0,
                     FMT, BITS, NESTED, GROUP, BK, WORDS)
