@@ -201,7 +201,7 @@ def test_dense_rows_dequantize_then_matmul(kind, monkeypatch):
     layer = qlinear.from_tensor(qt).to(DEVICE)
     monkeypatch.setattr(kernels, "DENSE_ROWS", dict.fromkeys(kernels.DENSE_ROWS, 6))
     calls, dequantize = [], kernels.dequantize
-    monkeypatch.setattr(kernels, "dequantize", lambda *a: calls.append(a) or dequantize(*a))
+    monkeypatch.setattr(kernels, "dequantize", lambda *a, **kw: calls.append(a) or dequantize(*a, **kw))
     for shape, dense in (((1, 256), False), ((5, 256), False), ((6, 256), True), ((2, 10, 256), True)):
         x = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0])).half().to(DEVICE)
         y = kernels.matmul(x, layer)
@@ -381,7 +381,8 @@ def test_cpu_gemv_declines_what_it_does_not_read():
 def test_act_order_kernels_read_group_order(bits, monkeypatch):
     """The kernels take an act-order layer with whole groups as its twin in plain group order (made
     once), and read x's columns (and write W's, in dequantize) through the order themselves: no
-    reordered copy of x is made, in the GEMV, the GEMM, with K split, and from DENSE_ROWS. The
+    reordered copy of x is made in the GEMV, the GEMM, or with K split; from DENSE_ROWS, W as stored
+    and x's columns gathered to it. The
     checkpoint's buffers and state stay as loaded; moving the layer makes the twin again on its
     device; uneven groups keep act-order."""
     qt = grid(bits, 32, True, seed=9, n=96)
@@ -391,6 +392,7 @@ def test_act_order_kernels_read_group_order(bits, monkeypatch):
     monkeypatch.setattr(GPTQLinear, "ordered", None)  # the CPU GEMV's reorder of x: not for the kernels
     w = qt.dequantize(torch.float16).to(DEVICE)
     assert torch.equal(kernels.dequantize(layer), w)
+    assert torch.equal(kernels.dequantize(layer, stored=True), w[:, layer.order])  # the dense path's W
     for rows in (1, 9):
         x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(10)).half().to(DEVICE)
         for dense_rows in (1 << 30, 1):

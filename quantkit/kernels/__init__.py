@@ -62,8 +62,9 @@ def fits(layer) -> bool:
 ALL = 1 << 30  # jit._weight's GROUP for one group per row
 
 
-def dequantize(layer, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """W [N, K] in dtype, equal to layer.dequantize(dtype) bit for bit."""
+def dequantize(layer, dtype: torch.dtype = torch.float16, stored: bool = False) -> torch.Tensor:
+    """W [N, K] in dtype, equal to layer.dequantize(dtype) bit for bit; stored: with its columns in the
+    order the layer stores them, where kernel_args has an ORDER (W[:, order], order its w4)."""
     n, k = layer.out_features, layer.in_features
     bn, bk = DEQUANT_TILE
     args, consts = layer.kernel_args(bk)
@@ -71,6 +72,7 @@ def dequantize(layer, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     out = torch.empty(n, k, dtype=dtype, device=args[0].device)
     # no fused multiply-add, so that the nested absmax rounds as the torch reference rounds it
     with on(out):
+        consts["ORDER"] = consts["ORDER"] and not stored
         _jit().dequantize_kernel[(cdiv(n, bn), cdiv(k, bk))](out, *args, n, k, **consts, BN=bn, BK=bk,
                                                              WORDS=words(consts), enable_fp_fusion=False)
     return out
@@ -159,7 +161,10 @@ def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
     if m >= DENSE_ROWS[layout(layer)]:
-        return torch.nn.functional.linear(x2, dequantize(layer, x.dtype)).view(*x.shape[:-1], n)
+        args, consts = layer.kernel_args(DEQUANT_TILE[1])
+        if consts["ORDER"]:  # W as stored, its tiles written contiguously (as DENSE_ROWS was measured), and
+            x2 = x2.index_select(1, args[4])  # x's columns gathered to it
+        return torch.nn.functional.linear(x2, dequantize(layer, x.dtype, stored=True)).view(*x.shape[:-1], n)
     jit = _jit()
     bn, bk = tile(layer, m)
     args, consts = layer.kernel_args(bk)
