@@ -13,7 +13,7 @@ from quantkit.kernels import GPTQ, NF4, jit
 
 LAYOUTS = [  # FMT, BITS, NESTED, GROUP, ORDER, the five weight pointers' types
     (GPTQ, bits, False, group, False, ["*i32", "*i32", "*fp16", "*i32", "*i32"]) for bits in (2, 3, 4, 8) for group in (0, 128)
-] + [(GPTQ, bits, False, group, True, ["*i32", "*i32", "*fp16", "*i32", "*i32"]) for bits in (4,) for group in (0, 128)
+] + [(GPTQ, bits, False, group, True, ["*i32", "*i32", "*fp16", "*i32", "*i32"]) for bits in (3, 4) for group in (0, 128)
      ] + [(NF4, 4, nested, group, False, ["*u8", "*u8" if nested else "*fp32", "*fp32", "*fp32", "*fp32"])
           for nested in (False, True) for group in (0, 64)]
 

@@ -110,6 +110,33 @@ def test_matmul_dtypes_and_split(dtype, rows, act_order):
     assert not kernels.counts(x.device, 1).any()  # left zero for the next call
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bits, group_size, k", [(4, 64, 448), (4, 96, 288), (3, 96, 288)])
+def test_act_order_read_through_the_order(dtype, bits, group_size, k, monkeypatch):
+    """Act-order with whole groups, read through the order (kernel_args' ORDER) in every activation
+    dtype: the GEMV (1 and 3 rows) and the GEMM (9), K split, tiles of one group (64), tiles across
+    groups with K not whole tiles (96: GROUP 0), 3-bit codes value by value, and from DENSE_ROWS."""
+    qt = grid(bits, group_size, True, seed=11, n=96, k=k)
+    layer = GPTQLinear.from_tensor(qt).to(DEVICE)
+    assert layer.kernel_args(64)[1]["ORDER"]
+    w = qt.dequantize(dtype).to(DEVICE)
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype).to(DEVICE)
+        for dense_rows in (1 << 30, 1):
+            monkeypatch.setattr(kernels, "DENSE_ROWS", dict.fromkeys(kernels.DENSE_ROWS, dense_rows))
+            assert_product(kernels.matmul(x, layer), x, w)
+        assert_product(kernels.matmul(x, layer, split=3), x, w)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU a CPU input is refused before, as not a CUDA tensor")
+def test_an_input_on_another_device_is_refused():
+    """The kernels take raw pointers: x on another device than the layer is refused by name."""
+    layer = GPTQLinear.from_tensor(grid(4, 32, True, n=96))
+    for call in (kernels.matmul, kernels.dense):
+        with pytest.raises(QuantkitError, match="input on meta for a layer on cpu"):
+            call(torch.randn(1, IN, device="meta"), layer)
+
+
 @pytest.mark.parametrize("group_size", [16, 32, 64, 128, 256])
 def test_tiles_hold_one_group(group_size):
     """A group in plain order no wider than a tile's inputs gets tiles within one group, so the kernels
@@ -580,7 +607,7 @@ def test_kernels_compile_for_a_gpu():
     r = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_kernels.py")), "90"], env=env,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 14
+    assert r.stdout.count("compiled") == 16
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,9 @@ def _check(t: torch.Tensor, layer) -> None:
     if not fits(layer):
         raise QuantkitError(f"a {layer.out_features}x{layer.in_features} weight has 2^31 values or more, past the "
                             "Triton kernels' int32 offsets: use the torch backend for it")
+    where = next(layer.buffers()).device
+    if t.device != where:
+        raise QuantkitError(f"input on {t.device} for a layer on {where}: move them to one device")
 
 
 OFFSETS = 1 << 31  # the kernels index W's values in int32
@@ -64,7 +67,8 @@ ALL = 1 << 30  # jit._weight's GROUP for one group per row
 
 def dequantize(layer, dtype: torch.dtype = torch.float16, stored: bool = False) -> torch.Tensor:
     """W [N, K] in dtype, equal to layer.dequantize(dtype) bit for bit; stored: with its columns in the
-    order the layer stores them, where kernel_args has an ORDER (W[:, order], order its w4)."""
+    order the kernels read them, where kernel_args has an ORDER (W[:, order], order its w4: an
+    act-order layer's twin in plain group order)."""
     n, k = layer.out_features, layer.in_features
     bn, bk = DEQUANT_TILE
     args, consts = layer.kernel_args(bk)
@@ -161,10 +165,7 @@ def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
     if m >= DENSE_ROWS[layout(layer)]:
-        args, consts = layer.kernel_args(DEQUANT_TILE[1])
-        if consts["ORDER"]:  # W as stored, its tiles written contiguously (as DENSE_ROWS was measured), and
-            x2 = x2.index_select(1, args[4])  # x's columns gathered to it
-        return torch.nn.functional.linear(x2, dequantize(layer, x.dtype, stored=True)).view(*x.shape[:-1], n)
+        return dense(x2, layer).view(*x.shape[:-1], n)
     jit = _jit()
     bn, bk = tile(layer, m)
     args, consts = layer.kernel_args(bk)
@@ -192,6 +193,17 @@ def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
                                                        BN=bn, BK=bk, PRECISION=precision, UPCAST=upcast, WORDS=words(consts),
                                                        SPLIT=split > 1, **LAUNCH["gemm"])
     return y.view(*x.shape[:-1], n)
+
+
+def dense(x: torch.Tensor, layer) -> torch.Tensor:
+    """x W^T by torch's matmul of x and W dequantized by the kernel in x's dtype (differentiable in x).
+    W comes in the order the kernels read it, its tiles written contiguously (as DENSE_ROWS was
+    measured), and x's columns are gathered to it where that is another order."""
+    _check(x, layer)
+    args, consts = layer.kernel_args(DEQUANT_TILE[1])
+    if consts["ORDER"]:
+        x = x.index_select(-1, args[4])
+    return torch.nn.functional.linear(x, dequantize(layer, x.dtype, stored=True))
 
 
 def cdiv(a: int, b: int) -> int:
