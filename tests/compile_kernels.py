@@ -38,7 +38,9 @@ def main(capabilities: list[int]) -> None:
                 for split in (False, True):
                     compile_one(jit.gemv_kernel, io, c | {"BN": 64, "BK": 64, "SPLIT": split, "WORDS": words}, cap)
                     tile = {"BM": 16, "BN": 128, "BK": 64} if split else {"BM": 64, "BN": 64, "BK": 32}  # split: few rows
-                    compile_one(jit.gemm_kernel, io, c | tile | {"UPCAST": False, "WORDS": words, "SPLIT": split,
+                    if not order:  # the GEMM takes x reordered, and no ORDER
+                        gemm = {key: v for key, v in c.items() if key != "ORDER"} | tile
+                        compile_one(jit.gemm_kernel, io, gemm | {"UPCAST": False, "WORDS": words, "SPLIT": split,
                                                                  "PRECISION": "ieee" if dt == "fp32" else "tf32"}, cap)
             print(f"sm_{cap}: FMT {fmt}, {bits} bits, nested {nested}, group {group}, order {order}: compiled", flush=True)
 

@@ -407,9 +407,8 @@ def test_cpu_gemv_declines_what_it_does_not_read():
 @pytest.mark.parametrize("bits", [3, 4, 8])
 def test_act_order_kernels_read_group_order(bits, monkeypatch):
     """The kernels take an act-order layer with whole groups as its twin in plain group order (made
-    once), and read x's columns (and write W's, in dequantize) through the order themselves: no
-    reordered copy of x is made in the GEMV, the GEMM, or with K split; from DENSE_ROWS, W as stored
-    and x's columns gathered to it. The
+    once): the GEMV reads x's columns through the order itself (no reordered copy of x), and so does
+    dequantize W's; the GEMM and, from DENSE_ROWS, the dense path take x's columns gathered once. The
     checkpoint's buffers and state stay as loaded; moving the layer makes the twin again on its
     device; uneven groups keep act-order."""
     qt = grid(bits, 32, True, seed=9, n=96)

@@ -170,6 +170,9 @@ def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
     bn, bk = tile(layer, m)
     args, consts = layer.kernel_args(bk)
     gemv = m <= GEMV_ROWS
+    order = consts.pop("ORDER")  # the GEMV reads x through it; a GEMM tile of x read so would be BM x BK
+    if order and not gemv:  # scattered loads per tile of W: x's columns reordered once instead
+        x2 = x2.index_select(1, args[4])
     if gemv:
         grid, per_sm = (cdiv(n, bn), 1, m), GEMV_PROGRAMS
     else:
@@ -184,7 +187,7 @@ def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
     count = counts(x.device, tiles) if split > 1 else y
     with on(x):
         if gemv:
-            jit.gemv_kernel[(grid[0], split, m)](x2, y, part, count, *args, n, k, k_split, **consts, BN=bn, BK=bk,
+            jit.gemv_kernel[(grid[0], split, m)](x2, y, part, count, *args, n, k, k_split, **consts, ORDER=order, BN=bn, BK=bk,
                                                  SPLIT=split > 1, WORDS=words(consts), **LAUNCH["gemv"])
         else:
             precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: no tf32 rounding of x

@@ -3,9 +3,9 @@ GEMM for prefill. All three read the weight through one tile function, so a layo
 once; the matmuls accumulate in float32 and never write W to memory.
 
 A layout's buffers arrive as five pointers (w0..w4), a float and two ints (quantkit.qlinear's
-kernel_args); FMT picks the layout at compile time. ORDER: W's columns are stored in another order,
-w4[k] the column that stored column k is (act-order read in plain group order): x is read, and W
-written, through it.
+kernel_args); FMT picks the layout at compile time. ORDER (the GEMV and dequantize): W's columns are
+stored in another order, w4[k] the column that stored column k is (act-order read in plain group
+order): x is read, and W written, through it.
 """
 import triton
 import triton.language as tl
@@ -251,8 +251,7 @@ def _gemv_nf4(x, w0, w1, w2, w3, w4, fparam, i0, i1, n, start, K_SPLIT, K, N, NE
 
 @triton.jit
 def gemm_kernel(x, y, part, count, w0, w1, w2, w3, w4, fparam, i0, i1, M, N, K, K_SPLIT,
-                FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr, ORDER: tl.constexpr,
-                BM: tl.constexpr,
+                FMT: tl.constexpr, BITS: tl.constexpr, NESTED: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                 WORDS: tl.constexpr, SPLIT: tl.constexpr):
     """A BM x BN tile of y over one K_SPLIT slice of the inputs (slices meet in _finish). UPCAST:
@@ -265,8 +264,7 @@ def gemm_kernel(x, y, part, count, w0, w1, w2, w3, w4, fparam, i0, i1, M, N, K, 
     for step in range(0, tl.minimum(K_SPLIT, K - start), BK):  # the last slice ends at K
         k0 = start + step
         k = k0 + tl.arange(0, BK)
-        a = tl.load(x + m[:, None] * K + _column(w4, k, k < K, ORDER)[None, :], mask=(m[:, None] < M) & (k[None, :] < K),
-                    other=0.0)
+        a = tl.load(x + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         mask = (k[:, None] < K) & (n[None, :] < N)
         w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k[:, None], n[None, :], K, N, mask, k0,
                     FMT, BITS, NESTED, GROUP, BK, WORDS)
