@@ -163,7 +163,7 @@ class GPTQLinear(QuantLinear):
     W[n, k] = scales[g, n] * (q[k, n] - z[g, n]) with g = g_idx[k]. v1 checkpoints store z - 1."""
 
     PACKED = ("qweight", "qzeros", "scales", "g_idx")
-    DERIVED = ("int4", "order", "grouped", "columns", "decoded")
+    DERIVED = ("int4", "order", "grouped", "decoded")
     GEMV_UNIT = 8  # the GEMV reads 8 columns of the packed words at a time
 
     def __init__(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
@@ -274,13 +274,15 @@ class GPTQLinear(QuantLinear):
     def order(self) -> torch.Tensor | None:
         """For act-order weights whose groups are whole (group g's columns, gathered, are group_size of
         them, as GPTQ's act-order writes them): the order of the columns that puts them in plain group
-        order, int64 [K]. x[..., order] @ W[:, order]^T is x @ W^T, and W[:, order] is what the fast
-        paths read. None for plain order (also with a short last group) and other groupings."""
+        order, int32 [K] (as the kernels read it). x[..., order] @ W[:, order]^T is x @ W^T, and
+        W[:, order] is what the fast paths read. None for plain order (also with a short last group)
+        and other groupings."""
         if self.plain_order or self.group_size == -1:
             return None
         order = torch.argsort(self.g_idx, stable=True)
         plain = torch.arange(self.in_features, dtype=torch.int32, device=order.device) // self.group_size
-        return order if torch.equal(self.g_idx[order], plain) and not torch.equal(self.g_idx, plain) else None
+        whole = torch.equal(self.g_idx[order], plain) and not torch.equal(self.g_idx, plain)
+        return order.to(torch.int32) if whole else None
 
     @functools.cached_property
     def grouped(self) -> GPTQLinear | None:
@@ -292,11 +294,6 @@ class GPTQLinear(QuantLinear):
         codes = unpack(self.qweight, self.bits)[self.order]  # [K, N] in plain group order
         return GPTQLinear(pack(codes, self.bits), self.qzeros, self.scales, self.g_idx[self.order], self.bits,
                           self.group_size, self.v1, self.sym)
-
-    @functools.cached_property
-    def columns(self) -> torch.Tensor:
-        """`order` in int32, for the kernels: the column of W (and x) that each of the twin's columns is."""
-        return self.order.to(torch.int32)
 
     def ordered(self, x: torch.Tensor) -> tuple[torch.Tensor, GPTQLinear]:
         """x and the layer whose layout the CPU's GEMV multiplies it with (the same product): the twin and
@@ -350,7 +347,7 @@ class GPTQLinear(QuantLinear):
     def kernel_args(self, tile_k: int) -> tuple[tuple, dict]:
         if self.grouped is not None:  # act-order with whole groups: the twin, x read (and W written) through its order
             args, consts = self.grouped.kernel_args(tile_k)
-            return args[:4] + (self.columns,) + args[5:], consts | {"ORDER": True}
+            return args[:4] + (self.order,) + args[5:], consts | {"ORDER": True}
         # GROUP: the group size where every tile lies in one group, so scales and zeros are read per tile
         group = 0
         if self.plain_order:

@@ -431,7 +431,7 @@ def test_act_order_kernels_read_group_order(bits, monkeypatch):
     assert torch.equal(twin.dequantize(), layer.dequantize()[:, layer.order])
     assert layer.state_dict().keys() == state.keys() and all(torch.equal(t, state[key]) for key, t in layer.state_dict().items())
     layer.to(DEVICE)
-    assert "grouped" not in layer.__dict__ and "columns" not in layer.__dict__
+    assert "grouped" not in layer.__dict__ and "order" not in layer.__dict__
     assert GPTQLinear.from_tensor(grid(4, 64, False)).order is None  # plain, with a short last group (K = 160)
     short = GPTQLinear.from_tensor(grid(4, 64, True))  # act-order with one: x sorted for the CPU's int4, no twin
     assert short.order is not None and short.grouped is None and not short.kernel_args(32)[1]["ORDER"]

@@ -73,10 +73,10 @@ def dequantize(layer, dtype: torch.dtype = torch.float16, stored: bool = False) 
     bn, bk = DEQUANT_TILE
     args, consts = layer.kernel_args(bk)
     _check(args[0], layer)
+    consts["ORDER"] = consts["ORDER"] and not stored
     out = torch.empty(n, k, dtype=dtype, device=args[0].device)
     # no fused multiply-add, so that the nested absmax rounds as the torch reference rounds it
     with on(out):
-        consts["ORDER"] = consts["ORDER"] and not stored
         _jit().dequantize_kernel[(cdiv(n, bn), cdiv(k, bk))](out, *args, n, k, **consts, BN=bn, BK=bk,
                                                              WORDS=words(consts), enable_fp_fusion=False)
     return out
