@@ -3,7 +3,7 @@
 
     python benchmarks/awq_bench.py table [--samples 128] [--windows 40] [--duo True]
     python benchmarks/awq_bench.py speed [--samples 16] [--bits 4] [--layers 30]
-    python benchmarks/awq_bench.py losses [--samples 32] [--windows 20] [--losses block,descent,output] [--widths 4,3]
+    python benchmarks/awq_bench.py losses [--samples 32] [--windows 20] [--losses block,descent,output] [--widths 4,3] [--duo True]
 
 `table`: base, RTN (asymmetric), AWQ (--duo: with duo scaling) and GPTQ (act-order, MSE clipping)
 perplexity at w4 g64 and w3 g64 (llama.cpp protocol, ctx 512, first --windows windows of the wikitext-2 test file),
@@ -14,7 +14,8 @@ ours / theirs, and both perplexities. --layers limits both to the first N layers
 search takes minutes per layer on a CPU).
 `losses`: AWQ with each --awq-loss (or those in --losses) against GPTQ with its defaults (the anchor),
 w4 and w3 (--widths) in groups of 128, each with its own defaults otherwise: whole-model quantization
-time, perplexity and KLD from the float model (log-probabilities saved once, in a temporary directory).
+time, perplexity and KLD from the float model (log-probabilities saved once, in a temporary directory);
+--duo True: the AWQ runs with duo scaling.
 `descent`: on every --every-th layer of the float model, for q/k/v and gate/up, the exhaustive block
 search against --awq-loss descent's (the same losses, 8192 calibration tokens, g128 asym): how often
 they choose the same scales, the block loss of the descent's choice over the exhaustive one's, and
@@ -111,6 +112,7 @@ def run(a) -> dict:
         elif a.method != "base":
             if a.defaults:  # each method as it comes
                 extra = dict(awq_loss=a.loss) if a.method == "awq" and a.loss else {}
+                extra |= dict(duo_scaling=True) if a.method == "awq" and a.duo else {}
             else:
                 extra = dict(sym=False, duo_scaling=a.duo) | (dict(act_order=True, mse=True) if a.method == "gptq" else {})
             quantkit.quantize(m, method=a.method, bits=a.bits, group_size=a.group_size, calib_data=VALID,
@@ -166,7 +168,7 @@ def losses(a) -> None:
         print("| --- | --- |" + " --- |" * len(losses))
         for bits in map(int, a.widths.split(",")):
             gptq = child(__file__, method="gptq", bits=bits, **kw)
-            awq = [child(__file__, method="awq", loss=loss, bits=bits, **kw) for loss in losses]
+            awq = [child(__file__, method="awq", loss=loss, bits=bits, duo=a.duo, **kw) for loss in losses]
             cells = [f"{r['perplexity']:.3f}, {r['kld']:.4f}, {r['seconds']:.0f} s ({r['seconds'] / gptq['seconds']:.2f})"
                      for r in (gptq, *awq)]
             print(f"| w{bits} | " + " | ".join(cells) + " |", flush=True)
@@ -208,7 +210,7 @@ def descent(a) -> None:
                     _, exhaustive, losses = awq.search_scale(x_mean, loss, 20)
                     seconds["exhaustive"] += time.perf_counter() - t
                     t = time.perf_counter()
-                    own = awq.output_loss(linears, awq.hessian(xs[:n]), lambda s: s, a.bits, 128, False)
+                    own = awq.output_loss(linears, awq.hessian(xs[:n], xs[0].shape[-1], "cpu"), lambda s: s, a.bits, 128, False)
                     _, chosen, tried = awq.search_scale(x_mean, loss, 20, start=own)
                     seconds["descent"] += time.perf_counter() - t
                     same += chosen == exhaustive

@@ -14,7 +14,6 @@ from safetensors.torch import load_file
 
 import quantkit
 from quantkit import measurement
-from quantkit.quantizers import exl2
 from quantkit.quantizers.exl2 import CANDIDATES, Setting
 
 from .conftest import TEST, VALID, refused
