@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from quantkit.errors import QuantkitError
 from quantkit.config import QuantConfig
-from quantkit.modelio import Model, check_config, finite, load_tokenizer
+from quantkit.modelio import Model, check_config, finite, load_tokenizer, shard_files
 from quantkit.qlinear import QuantLinear
 from quantkit.qtensor import QuantizedTensor
 
@@ -75,7 +76,8 @@ class CheckpointWriter:
         cfg["architectures"] = cfg.get("architectures") or [type(self.model.module).__name__]
         cfg["quantization_config"] = qcfg
         cfg["dtype"] = str(self.dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        # top-level keys sorted; nested ones as made: dynamic's rules are read first match first
+        (tmp / "config.json").write_text(json.dumps(dict(sorted(cfg.items())), indent=2) + "\n")
         for name in self.extra:
             (tmp / name).write_text(json.dumps(qcfg, indent=2) + "\n")
         if self.model.module.generation_config is not None:
@@ -88,9 +90,19 @@ class CheckpointWriter:
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's files (modelio.shard_files); a name found in two files is refused,
+    since which one a loader takes is then a matter of file order."""
     state = {}
-    for f in sorted(path.glob("*.safetensors")):
-        state.update(load_file(f))
+    for f in shard_files(path):
+        try:
+            tensors = load_file(f)
+        except (SafetensorError, OSError) as e:
+            raise QuantkitError(f"{f}: corrupt or truncated safetensors file ({e}): re-download or re-export it") from None
+        twice = sorted(state.keys() & tensors.keys())
+        if twice:
+            raise QuantkitError(f"{path}: tensor {twice[0]} is in {f.name} and in another file: remove the file "
+                                "that does not belong to this checkpoint")
+        state.update(tensors)
     return state
 
 

@@ -81,6 +81,26 @@ class Model:
             self.module.get_submodule(prefix).to("meta")
 
 
+def shard_files(path: Path) -> list[Path]:
+    """A safetensors checkpoint's files: those its index names (each checked to be there), else every
+    one in the directory. Where there is an index, other files beside it (a stray model.safetensors)
+    are not read, as transformers reads none."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return sorted(path.glob("*.safetensors"))
+    with untrusted(index, "not a valid shard index", "restore it from the model's files"):
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    outside = [f for f in files if f.parent != path]
+    if outside:
+        raise QuantkitError(f"{index}: names a shard outside the model directory ({outside[0]}): "
+                            "restore it from the model's files")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise QuantkitError(f"{path}: shard {missing[0]} is named by model.safetensors.index.json but missing: "
+                            "download the whole checkpoint again")
+    return files
+
+
 class Checkpoint:
     """A float safetensors checkpoint read tensor by tensor: each read maps its shard (mmap) only
     for as long as it takes, so what was read is not counted against the process afterwards."""
@@ -89,24 +109,10 @@ class Checkpoint:
 
     def __init__(self, path: Path):
         self.path = path
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            with untrusted(index, "not a valid shard index", "restore it from the model's files"):
-                files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-            outside = [f for f in files if f.parent != path]
-            if outside:
-                raise QuantkitError(f"{index}: names a shard outside the model directory ({outside[0]}): "
-                                    "restore it from the model's files")
-            missing = [f.name for f in files if not f.is_file()]
-            if missing:
-                raise QuantkitError(f"{path}: shard {missing[0]} is named by model.safetensors.index.json but missing: "
-                                    "download the whole checkpoint again")
-        else:
-            files = sorted(path.glob("*.safetensors"))
         self.where: dict[str, Path] = {}
         self.dtypes: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
-        for f in files:
+        for f in shard_files(path):
             try:
                 with safe_open(str(f), "pt") as sf:
                     for key in sf.keys():

@@ -149,6 +149,15 @@ class QuantLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def check_whole(name: str, **values) -> None:
+    """Settings read from a checkpoint's JSON that must be whole numbers (4.0 or true passes `in` and
+    comparisons, then breaks indexing far from here)."""
+    for key, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise QuantkitError(f"{name}: {key} is {v!r}, not a whole number: the checkpoint's quantization "
+                                "config is wrong; re-export it")
+
+
 def check_groups(g_idx: torch.Tensor, groups: int, name: str) -> None:
     """g_idx indexes the scales and zeros (the GEMV reads them by it): every value must be a group."""
     lo, hi = (int(g_idx.min()), int(g_idx.max())) if g_idx.numel() else (0, 0)
@@ -170,6 +179,7 @@ class GPTQLinear(QuantLinear):
                  bits: int, group_size: int, v1: bool, sym: bool = True, bias: torch.Tensor | None = None,
                  name: str = "linear"):
         k, n = g_idx.shape[0], scales.shape[-1]
+        check_whole(name, bits=bits, group_size=group_size)
         if bits not in BITS:
             raise QuantkitError(f"{name}: {bits}-bit weights are not supported: the kernels read {', '.join(map(str, BITS))}")
         if group_size != -1 and group_size < 1:
@@ -266,7 +276,7 @@ class GPTQLinear(QuantLinear):
         packed, scales_zeros, group, k = self.int4
         if self.order is not None:
             x = x.index_select(-1, self.order)
-        x2 = F.pad(x.reshape(-1, self.in_features), (0, k - self.in_features))
+        x2 = F.pad(x.reshape(-1, self.in_features), (0, k - self.in_features)).contiguous()  # a zero pad keeps strides
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group, scales_zeros)
         return y[:, :self.out_features].reshape(*x.shape[:-1], self.out_features)
 
@@ -372,6 +382,11 @@ class NF4Linear(QuantLinear):
                  nested_blocksize: int = nf4.NESTED_BLOCK, offset: float = 0.0, bias: torch.Tensor | None = None,
                  name: str = "linear"):
         n, k = shape
+        check_whole(name, blocksize=blocksize, nested_blocksize=nested_blocksize)
+        if nested_blocksize < 1 or isinstance(offset, bool) or not isinstance(offset, (int, float)) \
+                or not math.isfinite(offset):
+            raise QuantkitError(f"{name}: nested block size {nested_blocksize}, offset {offset!r}: the checkpoint's "
+                                "quant_state is corrupt; re-export it")
         if blocksize not in nf4.BLOCK_SIZES:
             raise QuantkitError(f"{name}: block size {blocksize} is not supported: use one of "
                                 f"{', '.join(map(str, nf4.BLOCK_SIZES))}")

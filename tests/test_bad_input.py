@@ -161,6 +161,44 @@ def test_quantized_checkpoint_whose_config_does_not_say_so(tiny_dir, capsys, mon
     quantize_fails([tmp_path / "gptq"], capsys, monkeypatch, tmp_path, "already quantized by GPTQ or AWQ")
 
 
+def edit_bnb_state(path, change: dict) -> None:
+    """Each linear's bitsandbytes quant_state (JSON held as uint8 tensors) updated with change."""
+    import torch
+
+    f = path / "model.safetensors"
+    state = load_file(f)
+    for key in [k for k in state if ".quant_state.bitsandbytes__" in k]:
+        meta = json.loads(bytes(state[key].tolist())) | change
+        state[key] = torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8)
+    save_file(state, f, metadata={"format": "pt"})
+
+
+def edit_quantization_config(path, change: dict) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] |= change
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("method,change,match", [
+    ("rtn", {"bits": 4.0}, "bits is 4.0, not a whole number"),
+    ("rtn", {"group_size": 32.0}, "group_size is 32.0, not a whole number"),
+    ("nf4", {"blocksize": 64.0}, "blocksize is 64.0, not a whole number"),
+    ("nf4", {"nested_offset": float("nan")}, "offset nan: the checkpoint's quant_state is corrupt"),
+])
+def test_quantization_settings_that_are_not_whole_or_finite(tiny_dir, capsys, monkeypatch, tmp_path, method, change,
+                                                            match):
+    """JSON's 4.0 passes `in (2, 3, 4, 8)` and broke the packed layers' indexing at the first forward; a NaN
+    offset made every logit NaN. The packed load (eval's default) refuses them, as the dequantized one did."""
+    import quantkit
+
+    out = tmp_path / "q"
+    quantkit.quantize(str(tiny_dir), method=method, bits=4, group_size=32, double_quant=method == "nf4", out=out,
+                      progress=False)
+    (edit_bnb_state if method == "nf4" else edit_quantization_config)(out, change)
+    code, line = run(["eval", out, "--data", TEST, "--max-windows", 1], capsys, monkeypatch)
+    assert code == 2 and line.startswith("error: ") and match in line, line
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="there is a GPU here")
 def test_cuda_without_a_gpu(model, capsys, monkeypatch, tmp_path):
     quantize_fails([model, "--device", "cuda"], capsys, monkeypatch, tmp_path, "torch sees no CUDA GPU")

@@ -275,6 +275,8 @@ def test_cpu_int4_path(group_size, act_order):
         assert y is not None and (layer.fused(x.float()) is not None) == (blocks.library() is not None)  # the GEMV
         assert layer.fused(torch.zeros(qlinear.FUSED_ROWS + 1, IN).bfloat16()) is None  # and at many rows
         assert torch.equal(layer(x), y + layer.bias.bfloat16())
+        xt = torch.randn(IN, 3, generator=g).bfloat16().T  # a view the kernel cannot read as it is, nor pad a copy of
+        assert torch.equal(layer.fused(xt), layer.fused(xt.contiguous()))
     x2, y2 = x.reshape(-1, IN).float(), y.reshape(-1, OUTPUTS[4]).float()
     exact = x2 @ qt.dequantize().T
     bound = x2.abs() @ qt.scales.float()[:, qt.g_idx.long()].T / 16 + exact.abs() * 2 ** -8

@@ -18,7 +18,8 @@ from quantkit.rules import Rule, parse, read
 
 from .conftest import VALID, loaded, refused
 
-RULES = [{"match": r"layers\.0\.mlp\.down_proj", "bits": 8, "group_size": 32},
+# the first pattern sorts after the third: a file that sorted `dynamic` would give layer 0's down_proj the third's
+RULES = [{"match": r"model\.layers\.0\.mlp\.down_proj", "bits": 8, "group_size": 32},
          {"match": r"layers\.1\.self_attn\.o_proj", "skip": True},
          {"match": r"mlp\.down_proj", "group_size": 32},  # layer 0's took the first rule
          {"match": r"layers\.1\.mlp\.(gate|up)_proj", "bits": 8}]

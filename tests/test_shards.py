@@ -89,6 +89,29 @@ def test_sharded_export_loads_in_quantkit_and_transformers(tiny_dir, tmp_path):
     assert loaded.model.layers[1].mlp.down_proj.weight.numel() == nf4.tensors["model.layers.1.mlp.down_proj"].codes.numel() // 2
 
 
+def test_a_stray_file_beside_indexed_shards_is_not_read(tiny_dir, tmp_path):
+    """A model.safetensors left beside an index (another export's, here with other weights) sorted
+    after the shards and replaced their tensors; the index names the files, as for transformers. Without
+    an index, a tensor in two files is refused: which one wins would be a matter of file order."""
+    from safetensors.torch import save_file
+
+    out = tmp_path / "q"
+    m = quantkit.quantize(tiny_dir, method="rtn", bits=4, group_size=32, out=out, max_shard_size="100kB", keep=True,
+                          progress=False)
+    other = quantkit.quantize(tiny_dir, method="rtn", bits=4, group_size=32, sym=False, out=tmp_path / "other",
+                              progress=False, keep=True)
+    name = "model.layers.0.mlp.down_proj"
+    assert not torch.equal(other.tensors[name].dequantize(), m.tensors[name].dequantize())
+    (tmp_path / "other" / "model.safetensors").rename(out / "model.safetensors")
+    for packed in (False, True):
+        back = quantkit.load(out, packed=packed)
+        layer = back.module.get_submodule(name)
+        assert torch.equal(layer.dequantize() if packed else layer.weight, m.tensors[name].dequantize())
+    (out / INDEX).unlink()
+    with pytest.raises(QuantkitError, match="is in model.safetensors and in another file: remove the file"):
+        quantkit.load(out, packed=True)
+
+
 def test_cli_refuses_a_bad_shard_size_before_loading(tiny_dir, tmp_path, capsys, monkeypatch):
     code, line = run(["quantize", tiny_dir, "--out", tmp_path / "q", "--max-shard-size", "big"], capsys, monkeypatch)
     assert code == 2 and line.startswith("error: shard size 'big'") and not (tmp_path / "q").exists()
