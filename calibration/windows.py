@@ -9,6 +9,7 @@ import torch
 from quantkit.errors import QuantkitError
 
 HUB_DATASET = ("wikitext", "wikitext-2-raw-v1")
+PURPOSE = {"train": "calibrate on", "test": "evaluate on"}  # what each split's text is for
 
 
 def load_text(source: str | os.PathLike | None = None, split: str = "train") -> str:
@@ -25,7 +26,7 @@ def load_text(source: str | os.PathLike | None = None, split: str = "train") -> 
     except UnicodeDecodeError as e:
         raise QuantkitError(f"{p}: not UTF-8 text ({e}): pass a plain text file") from None
     if not text.strip():
-        raise QuantkitError(f"{p}: the file is empty: pass a file with text to calibrate on")
+        raise QuantkitError(f"{p}: the file is empty: pass a file with text to {PURPOSE.get(split, 'use')}")
     return text
 
 
@@ -37,7 +38,7 @@ def hub_text(split: str) -> str:
         rows = datasets.load_dataset(name, config, split=split)["text"]
     except Exception as e:  # no network, no `datasets`, a hub error: all mean "use a local file"
         raise QuantkitError(
-            f"could not load the default calibration set {name}/{config} from the hub ({type(e).__name__}: {e}): "
+            f"could not load the default text to {PURPOSE.get(split, 'use')}, {name}/{config} {split}, from the hub ({type(e).__name__}: {e}): "
             "pass a local text file (--calib-data or --data), or install `datasets` and allow network access"
         ) from None
     return "\n\n".join(rows)  # how the GPTQ reference joins the rows

@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from quantkit.errors import QuantkitError
+from quantkit.modelio import check_context
 
 PROTOCOLS = ("wikitext", "llamacpp")
 
@@ -85,6 +86,7 @@ def window_logits(module: torch.nn.Module, tokenizer, windows: torch.Tensor, pro
     """(logits, targets) of the scored predictions, a batch of windows at a time: logits (b, t, vocab)
     in float32, targets (b, t). Under llamacpp the first token of a window becomes BOS when the
     tokenizer adds BOS."""
+    check_context(module.config, windows.shape[1], "--ctx")
     first = first_scored(protocol, windows.shape[1])
     bos = protocol == "llamacpp" and adds_bos(tokenizer)
     device = next(module.parameters()).device

@@ -48,7 +48,10 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
                                 "in float16: drop --head-bits")
         if cfg.hidden_size % 32:
             raise QuantkitError(f"lm_head has {cfg.hidden_size} inputs: EXL2 needs a multiple of 32; drop --head-bits")
-        exl2.Setting.for_target(qconfig.head_bits, cfg.vocab_size, cfg.hidden_size)
+        try:
+            exl2.Setting.for_target(qconfig.head_bits, cfg.vocab_size, cfg.hidden_size)
+        except QuantkitError as e:
+            raise QuantkitError(f"--head-bits: {e}") from None
 
 
 def quantize_head(w: torch.Tensor, qconfig: QuantConfig) -> QuantizedTensor:

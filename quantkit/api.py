@@ -20,7 +20,7 @@ from . import rules as layer_rules
 from .config import QuantConfig
 from .errors import QuantkitError, ResumableError, space_for
 from .layers import GROUPS, LINEARS, linear_shapes, shapes_by_name
-from .modelio import Model, linear_types, load
+from .modelio import Model, check_context, linear_types, load
 from .pipeline import Hessian, gather_hessians, quantize_layers
 from .qtensor import QuantizedTensor
 from .quantizers import awq, exl2, ggml, gptq, nf4, rtn
@@ -252,7 +252,7 @@ def quantize(
     distributed.init(dev)  # under torchrun: this process's part of the job
     keep = out is None if keep is None else keep
     if out is not None:
-        exporters.check_out(out, overwrite)
+        exporters.check_out(out, overwrite, directory=format != "gguf")
         exporters.parse_size(max_shard_size)
     m = model if isinstance(model, Model) else load(model)
     types = None
@@ -276,6 +276,7 @@ def quantize(
         consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
     windows = None
     if config.needs_calibration:
+        check_context(m.module.config, calib_seqlen, "--calib-seqlen")
         text = calibration.load_text(calib_data)
         windows = calibration.sample_windows(m.tokenizer, text, calib_samples, calib_seqlen, seed)
     if config.target_bpw is not None:  # from here on, a rule per group of linears, or a GGUF type per linear

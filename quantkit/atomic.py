@@ -12,13 +12,27 @@ from typing import BinaryIO
 from quantkit.errors import QuantkitError
 
 
-def check_out(out: str | os.PathLike, overwrite: bool = False) -> None:
-    """Fail before any work when out cannot be written."""
+def check_out(out: str | os.PathLike, overwrite: bool = False, directory: bool | None = None) -> None:
+    """Fail before any work when out cannot be written; directory: whether out is to be a directory (True)
+    or a file (False), where the caller knows."""
     out = Path(out)
+    if out.name in ("", "..") or Path.cwd().resolve().is_relative_to(out.resolve()):  # '', '.', 'x/..', '/', ...
+        raise QuantkitError(f"--out {str(out)!r} names no new file or directory: give the output a name of its own, "
+                            "such as out/model")
+    if directory is False and out.is_dir():
+        raise QuantkitError(f"{out} is a directory, and this output is a file: choose another --out, such as "
+                            f"{out / 'model.gguf'}")
     if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
         raise QuantkitError(f"{out} already exists: choose another --out or remove it (or pass --overwrite)")
     if not out.parent.is_dir():
         raise QuantkitError(f"{out.parent}: no such directory: create it or choose another --out")
+    check_writable(out.parent, "--out")
+
+
+def check_writable(directory: Path, option: str) -> None:
+    """Refuse, before any work, a directory this user cannot create files in (option names the path's option)."""
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise QuantkitError(f"{directory}: not writable by this user: choose another {option}, or make it writable")
 
 
 def partial_path(out: str | os.PathLike) -> Path:
@@ -84,7 +98,7 @@ class Staged:
     """out (a directory, or a file) under construction at .{name}.partial beside it."""
 
     def __init__(self, out: str | os.PathLike, overwrite: bool = False, directory: bool = True):
-        check_out(out, overwrite)
+        check_out(out, overwrite, directory)
         self.out, self.directory, self.overwrite = Path(out), directory, overwrite
         self.path = partial_path(self.out)
         self.lock_path = self.out.with_name(f".{self.out.name}.lock")
@@ -114,7 +128,7 @@ class Staged:
         return self.path
 
     def commit(self) -> Path:
-        check_out(self.out, self.overwrite)  # out may have appeared since the start
+        check_out(self.out, self.overwrite, self.directory)  # out may have appeared since the start
         sync(self.path)
         if not self.directory:
             os.replace(self.path, self.out)

@@ -3,6 +3,7 @@ a thin layer over quantkit.api and quantkit.trainer."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -105,7 +106,7 @@ def quiet() -> None:
 @click.option("--calib-seqlen", type=int, default=512, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--eval-data", type=click.Path(), help="also print perplexity before and after on this text file")
-@click.option("--eval-windows", type=int, default=40, show_default=True)
+@click.option("--eval-windows", type=click.IntRange(1), default=40, show_default=True)
 @click.option("--ctx", type=int, default=512, show_default=True, help="context of the --eval-data perplexity")
 @click.option("--device", help="where layers are quantized: cuda or cpu [cuda when there is a GPU]")
 def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, calib_samples, calib_seqlen, seed,
@@ -113,6 +114,7 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     """Quantize MODEL (a directory, a .gguf file, or by default the embedded SmolLM2-135M-Instruct).
     Layers stream from disk to --out: memory holds one layer at a time."""
     # options and output path first: a mistake there should not cost a model load
+    unused(options["method"], fmt)
     if fmt == "gguf" and options["gguf_type"] is None:
         options["gguf_type"] = exporters.gguf.DEFAULT_MIX
     options["tensor_type"] = tuple(options["tensor_type"])
@@ -120,6 +122,8 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     imatrix = options.pop("imatrix")
     options.update(imatrix=imatrix == "", imatrix_file=imatrix or None)
     bits = options.pop("bits")
+    if not math.isfinite(bits):
+        raise QuantkitError(f"--bits {bits} is not a width: pass a number of bits, such as 4")
     if fmt == "exl2":
         options["exl2"] = bits
     elif bits != int(bits):
@@ -129,7 +133,7 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
         options["bits"] = int(bits)
     config = QuantConfig(**options)
     api.device_of(device)
-    check_out(out, overwrite)
+    check_out(out, overwrite, directory=fmt != "gguf")
     exporters.parse_size(max_shard_size)
     m = load(model)
     consumers.check_targets(consumers.Export.of(fmt, config, m.module), targets)  # before the "before" evaluation
@@ -149,13 +153,33 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
 
 cli.add_command(export)
 
+GPTQ_ONLY = ("damp", "act_order", "static_groups", "true_sequential", "group_aware")
+
+
+def unused(method: str, fmt: str) -> None:
+    """Refuse an option given on the command line that the method or format does not read: it would be
+    ignored, and the export would not be what was asked for (--bits 8 with --format gguf writes the mix)."""
+    ctx = click.get_current_context()
+    given = [p for p in ctx.command.params if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
+    for p in given:
+        flag = "/".join(p.opts + p.secondary_opts)  # --sym/--asym as one
+        if fmt == "gguf" and p.name in ("bits", "group_size", "sym", "mse", "act_order", "static_groups", "group_aware",
+                                        "block_size", "max_shard_size"):
+            raise QuantkitError(f"{flag} does not apply to --format gguf, whose --gguf-type mix sets the blocks: drop it, "
+                                "or choose the types with --gguf-type and --tensor-type")
+        if p.name in GPTQ_ONLY and method != "gptq" or p.name == "mse" and method not in ("rtn", "gptq") or \
+                p.name == "block_size" and method not in ("gptq", "nf4", "fp4") or \
+                p.name in ("group_size", "sym") and method in ("nf4", "fp4"):
+            raise QuantkitError(f"{flag} is not an option of --method {method}: drop it, or use a method it belongs to "
+                                "(see quantkit quantize --help)")
+
 
 @cli.command("eval")
 @click.argument("model", required=False)
 @click.option("--data", type=click.Path(), help="text file (default: WikiText-2 test from the hub)")
 @click.option("--protocol", type=click.Choice(["wikitext", "llamacpp"]), default="llamacpp", show_default=True)
 @click.option("--ctx", type=int, default=512, show_default=True)
-@click.option("--max-windows", type=int, help="score only the first N windows")
+@click.option("--max-windows", type=click.IntRange(1), help="score only the first N windows")
 @click.option("--base", help="compare with this model (or a base saved with --save-base): KL divergence, delta-p, "
                              "same top token, as llama-perplexity --kl-divergence")
 @click.option("--save-base", type=click.Path(), help="with --base MODEL: save its log-probabilities here for reuse "
@@ -203,10 +227,10 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_i
 @cli.command("lm-eval")
 @click.argument("model", required=False)
 @click.option("--tasks", required=True, help="comma-separated lm-eval task names; offline: wikitext, dolly_mc")
-@click.option("--limit", type=float, help="at most N documents per task (a fraction below 1)")
-@click.option("--num-fewshot", type=int)
-@click.option("--batch-size", type=int, default=4, show_default=True)
-@click.option("--max-length", type=int, help="tokens per window [the model's context]")
+@click.option("--limit", type=click.FloatRange(0, min_open=True), help="at most N documents per task (a fraction below 1)")
+@click.option("--num-fewshot", type=click.IntRange(0))
+@click.option("--batch-size", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--max-length", type=click.IntRange(2), help="tokens per window [the model's context]")
 @click.option("--data-dir", type=click.Path(), help="where the local tasks read [$QUANTKIT_DATA, else ../shared/data]")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="end with one JSON line: the results by task")
@@ -252,7 +276,7 @@ def listed(value: str, kind=str, option: str = "") -> list:
 @click.option("--group-size", type=int, default=128, show_default=True)
 @click.option("--calib-data", type=click.Path(), help="calibration text (default: WikiText-2 train from the hub)")
 @click.option("--calib-samples", type=int, default=128, show_default=True)
-@click.option("--windows", type=int, default=40, show_default=True, help="evaluation windows")
+@click.option("--windows", type=click.IntRange(1), default=40, show_default=True, help="evaluation windows")
 @click.option("--ctx", type=int, default=512, show_default=True)
 @click.option("--tasks", default="", help="also run these lm-eval tasks on each point (comma-separated)")
 @click.option("--lm-eval-limit", type=float, help="documents per lm-eval task")
@@ -340,10 +364,10 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
             gguf_type = exporters.gguf.DEFAULT_MIX
         qconfig = QuantConfig(method=quantize_method, bits=bits, group_size=group_size, gguf_type=gguf_type)
         quantize_out = quantize_out or f"{out}-{quantize_method}{'.gguf' if fmt == 'gguf' else ''}"
-        for path in (merged, quantize_out):
-            check_out(path, overwrite)
+        check_out(merged, overwrite, directory=True)
+        check_out(quantize_out, overwrite, directory=fmt != "gguf")
     if not resume:
-        check_out(out, overwrite)
+        check_out(out, overwrite, directory=True)
     result = trainer.train(model, config, data=data, out=out, eval_data=eval_data, resume=resume,
                            overwrite=overwrite, device=device)
     if distributed.rank() != 0:
@@ -371,6 +395,6 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
 def merge(adapter, out, base, onto_nf4, overwrite, max_shard_size) -> None:
     """Merge a LoRA ADAPTER (quantkit's or PEFT's) into its base in float32 and write a model
     directory in the base's dtype, ready for quantkit quantize."""
-    check_out(out, overwrite)
+    check_out(out, overwrite, directory=True)
     trainer.merge(adapter, out, base, onto_nf4=onto_nf4, overwrite=overwrite, max_shard_size=max_shard_size)
     click.echo(f"merged into {out}")

@@ -23,7 +23,7 @@ def export(model, out, gguf_type, overwrite) -> None:
     is requantized into that mix tensor by tensor, its metadata kept, as llama-quantize does."""
     from .atomic import check_out
 
-    check_out(out, overwrite)
+    check_out(out, overwrite, directory=False)
     if model is not None and model.endswith(".gguf") and os.path.isfile(model):
         from .requant import requantize
 

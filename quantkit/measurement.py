@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from . import distributed
 from . import blocks
+from .atomic import check_writable
 from .errors import QuantkitError, untrusted
 from .layers import GROUPS, LINEARS, on_device
 from .modelio import Model
@@ -246,6 +247,7 @@ def check_path(path: str | os.PathLike) -> None:
         raise QuantkitError(f"{path} is a directory: pass --measurement a file name, such as {path / 'measurement.json'}")
     if not path.exists() and not path.parent.is_dir():
         raise QuantkitError(f"{path.parent}: no such directory: create it or choose another --measurement")
+    check_writable(path.parent, "--measurement")  # the file, and its progress beside it
 
 
 def described(settings: tuple) -> list[dict]:

@@ -239,6 +239,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("QUANTKIT_CACHE") or user_cache_dir("quantkit"))
 
 
+def check_context(config, tokens: int, option: str) -> None:
+    """Refuse windows longer than the model's context (its positions past it were never trained, so the
+    Hessians or the perplexity would say nothing); a rope scaling's factor extends it."""
+    limit = getattr(config, "max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if limit and "original_max_position_embeddings" not in rope:  # else the scaled length is limit already
+        limit = int(limit * max(1.0, float(rope.get("factor") or 1.0)))
+    if limit and tokens > limit:
+        raise QuantkitError(f"{option} {tokens} is longer than the model's context of {limit} tokens: use "
+                            f"{option} {limit} or less")
+
+
 def check_architecture(model_type: str, source: str) -> None:
     if model_type not in SUPPORTED:
         raise QuantkitError(
@@ -469,8 +481,13 @@ def fill_cache(target: Path, write: Callable[[Path], None], ready: Callable[[Pat
 
     if ready(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_name(f".{target.name}.lock"), "a+") as lock:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(target.with_name(f".{target.name}.lock"), "a+")
+    except OSError as e:  # read-only, or not ours
+        raise QuantkitError(f"{target.parent}: the cache cannot be written ({e.strerror}): make it writable, or point "
+                            "QUANTKIT_CACHE at a directory that is") from None
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

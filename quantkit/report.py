@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import resource
+import shutil
 import struct
 import subprocess
 import sys
@@ -164,6 +165,25 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def check(todo: list[Point], settings: Settings, out: Path) -> None:
+    """Refuse, before the report directory is made, what would fail every point or the whole sweep."""
+    from quantkit import exporters
+    from quantkit.atomic import check_writable
+
+    from .config import QuantConfig
+
+    if not todo:
+        raise QuantkitError("the sweep has no points: name some of " + ", ".join(FAMILIES) + " in --methods")
+    for p in todo:
+        QuantConfig(group_size=settings.group_size, **p.config())  # widths and group size
+        if p.gguf_type is not None and p.gguf_type not in exporters.gguf.MIXES:
+            raise QuantkitError(f"unknown GGUF type {p.gguf_type!r} in --gguf-types: use some of "
+                                f"{', '.join(exporters.gguf.MIXES)}")
+    if out.exists() and not out.is_dir():
+        raise QuantkitError(f"{out} is a file: --out names the report's directory; choose another")
+    check_writable(next(d for d in [out, *out.parents] if d.exists()), "--out")  # where mkdir starts
+
+
 def write_json(path: Path, value) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(value, indent=1))
@@ -190,11 +210,13 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
 
     sweep = sweep or Sweep()
     todo = points(sweep.methods, sweep.bits, sweep.gguf_types, sweep.exl2_targets)
+    check(todo, settings, Path(out))
     s = settings  # paths as absolute: a resumed run from elsewhere is the same report
     settings = replace(s, model=str(Path(s.model).resolve()) if s.model else "", data=str(Path(s.data).resolve()),
                        calib_data=str(Path(s.calib_data).resolve()) if s.calib_data else None)
     model, data, windows, ctx = settings.model or None, settings.data, settings.windows, settings.ctx
     out = Path(out)
+    fresh = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     lock = open(out / ".lock", "a+")
     try:
@@ -210,8 +232,14 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     base = out / "base.logits"
     if not (out / "base.json").exists():  # written after base.logits: both are there or the base is redone
         echo(f"base: scoring {windows} windows of {ctx} on the float model")
-        m = load(model)
-        api.write_base(m, base, calibration.load_text(data, split="test"), ctx, windows, progress=False)
+        try:
+            m = load(model)
+            api.write_base(m, base, calibration.load_text(data, split="test"), ctx, windows, progress=False)
+        except QuantkitError:  # bad input (the model, the text, ctx): nothing of this run is worth keeping
+            if fresh:
+                lock.close()
+                shutil.rmtree(out, ignore_errors=True)
+            raise
         params, linear = parameter_counts(m.module)
         source = Path(m.source)
         write_json(out / "base.json", {"perplexity": evals.BaseFile(base).perplexity(), "params": params,

@@ -58,7 +58,10 @@ def parse(entries: object, source: str) -> tuple[Rule, ...]:
             raise QuantkitError(f"{where} must either skip the linears it matches or give them bits or a group "
                                 "size, not both or neither")
         if not skip:
-            check_bits_group(bits if bits is not None else 4, group if group is not None else -1)
+            try:
+                check_bits_group(bits if bits is not None else 4, group if group is not None else -1)
+            except QuantkitError as x:
+                raise QuantkitError(f"{where}: {x}") from None
         rules.append(Rule(e["match"], bits, group, skip))
     return tuple(rules)
 
@@ -77,8 +80,14 @@ def read(path: str | Path) -> tuple[Rule, ...]:
 
 
 def check(rules: tuple[Rule, ...], names: list[str], source: str = "--rules") -> None:
-    """Refuse a rule that matches no linear of the model (a typo would silently change nothing)."""
+    """Refuse a rule that decides no linear of the model: one that matches none (a typo), or whose every
+    match an earlier rule takes; either would silently change nothing."""
     for i, r in enumerate(rules, 1):
-        if not any(r.matches(n) for n in names):
+        matched = [n for n in names if r.matches(n)]
+        if not matched:
             raise QuantkitError(f"{source}: rule {i} ({r.match!r}) matches no linear of the model, whose names "
                                 f"read like {names[0]}: fix its pattern")
+        if all(any(e.matches(n) for e in rules[:i - 1]) for n in matched):
+            first = next(j for j, e in enumerate(rules, 1) if e.matches(matched[0]))
+            raise QuantkitError(f"{source}: rule {i} ({r.match!r}) decides no linear: rule {first} comes first for "
+                                f"{matched[0]}, and earlier rules for the rest of its matches; move it up or drop it")

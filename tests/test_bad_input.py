@@ -74,9 +74,44 @@ def test_nan_or_inf_weights(model, capsys, monkeypatch, tmp_path, bad):
 @pytest.mark.parametrize("args,match", [(["--bits", "5"], "unsupported bit width 5"),
                                         (["--group-size", "0"], "group size 0 is invalid"),
                                         (["--method", "magic"], "unknown method 'magic'"),
-                                        (["--format", "onnx"], "unknown export format 'onnx'")])
+                                        (["--format", "onnx"], "unknown export format 'onnx'"),
+                                        (["--bits", "nan"], "--bits nan is not a width"),
+                                        # options the method or format would ignore
+                                        (["--act-order"], "--act-order/--no-act-order is not an option of --method rtn"),
+                                        (["--method", "nf4", "--group-size", "32"],
+                                         "--group-size is not an option of --method nf4"),
+                                        (["--method", "awq", "--mse"], "--mse/--no-mse is not an option of --method awq"),
+                                        (["--format", "gguf", "--bits", "8"], "--bits does not apply to --format gguf")])
 def test_bad_options(model, capsys, monkeypatch, tmp_path, args, match):
     quantize_fails([model, *args], capsys, monkeypatch, tmp_path, match)
+
+
+@pytest.mark.parametrize("out,args,match", [
+    ("taken", ["--format", "gguf"], "taken is a directory, and this output is a file"),  # an empty directory
+    (".", [], "--out '.' names no new file or directory"),
+    ("taken/..", ["--overwrite"], "--out 'taken/..' names no new file or directory"),
+])
+def test_outputs_that_cannot_be_written(model, capsys, monkeypatch, tmp_path, out, args, match):
+    """An output path that is not one: found before the work, not at the final rename (a GGUF file onto a
+    directory failed there, and '..' with --overwrite set about renaming the directory the run was in)."""
+    (tmp_path / "work" / "taken").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work")
+    code, line = run(["quantize", model, "--out", out, *args], capsys, monkeypatch)
+    assert code == 2 and line.startswith("error: ") and match in line, line
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["taken"] and not any((tmp_path / "work" / "taken").iterdir())
+
+
+def test_eval_windows_must_be_counted(model, capsys, monkeypatch):
+    code, line = run(["eval", model, "--data", TEST, "--max-windows", 0], capsys, monkeypatch)
+    assert code == 2 and "'--max-windows': 0 is not in the range x>=1" in line, line
+
+
+def test_windows_longer_than_the_models_context(model, capsys, monkeypatch, tmp_path):
+    """The tiny model's context is 512: longer windows were scored, and calibrated on, from positions it never saw."""
+    code, line = run(["eval", model, "--data", TEST, "--ctx", 1024, "--max-windows", 1], capsys, monkeypatch)
+    assert code == 2 and "--ctx 1024 is longer than the model's context of 512 tokens: use --ctx 512" in line, line
+    quantize_fails([model, "--method", "gptq", "--calib-data", TEST, "--calib-samples", 2, "--calib-seqlen", 600],
+                   capsys, monkeypatch, tmp_path, "--calib-seqlen 600 is longer than the model's context of 512")
 
 
 def test_shape_the_gptq_layout_cannot_pack(capsys, monkeypatch, tmp_path):
@@ -93,7 +128,7 @@ def test_corrupt_gguf(capsys, monkeypatch, tmp_path):
 def test_empty_eval_data(model, capsys, monkeypatch, tmp_path):
     (tmp_path / "empty.txt").write_text("")
     code, line = run(["eval", model, "--data", tmp_path / "empty.txt"], capsys, monkeypatch)
-    assert code == 2 and "is empty" in line
+    assert code == 2 and "is empty: pass a file with text to evaluate on" in line
 
 
 def test_eval_text_shorter_than_a_window(model, capsys, monkeypatch, tmp_path):

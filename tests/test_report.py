@@ -9,16 +9,17 @@ from .conftest import TEST, VALID, cli
 def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "report"
     common = ["report", tiny_dir, "--out", out, "--data", TEST, "--calib-data", VALID, "--calib-samples", 4,
-              "--methods", "rtn,nf4,gguf,exl2", "--bits", "4,5", "--gguf-types", "Q8_0", "--exl2-bits", "4.0",
+              "--methods", "rtn,nf4,gguf,exl2", "--bits", "4", "--gguf-types", "Q8_0", "--exl2-bits", "4.0,9",
               "--group-size", 32,
               "--tasks", "dolly_mc", "--lm-eval-limit", 4, "--ctx", 128]
     args = [*common, "--windows", 3]
     code, printed, _ = cli(args, capsys, monkeypatch)
     r = json.loads((out / "report.json").read_text())
     by_name = {p["name"]: p for p in r["points"]}
-    assert code == 0 and list(by_name) == ["rtn-w4", "rtn-w5", "nf4", "gguf-Q8_0", "exl2-4"]
-    assert by_name["rtn-w5"]["status"] == "failed" and "unsupported bit width 5" in by_name["rtn-w5"]["error"]
-    assert "failed: rtn-w5" in printed
+    assert code == 0 and list(by_name) == ["rtn-w4", "nf4", "gguf-Q8_0", "exl2-4", "exl2-9"]
+    # a point that fails on the model (EXL2 reaches 8.19 bits on these linears), not on the options
+    assert by_name["exl2-9"]["status"] == "failed" and "outside what EXL2 reaches" in by_name["exl2-9"]["error"]
+    assert "failed: exl2-9" in printed
     ok = [p for p in r["points"] if p["status"] == "ok"]
     assert len(ok) == 4 and all(p["bytes"] > 0 and p["peak_rss"] > 2**20 and p["quantize_s"] > 0 for p in ok)
     assert by_name["gguf-Q8_0"]["bpw_linear"] == pytest.approx(8.5)  # 34 bytes per block of 32 weights
@@ -28,18 +29,33 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
     assert all(p["bpw"] > 0 and 0 <= p["same_top"] <= 1 and 0 <= p["lm_eval"]["dolly_mc"]["acc"] <= 1 for p in ok)
     md = (out / "report.md").read_text()
     assert "| dolly_mc:acc | dolly_mc:acc_norm |" in md
-    assert all(f"| {name} |" in md for name in by_name) and "failed: error: unsupported bit width 5" in md
+    assert all(f"| {name} |" in md for name in by_name) and "failed: error: 9.0 bits per weight is outside" in md
     for png in ("perplexity.png", "kld.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list((out / "exports").iterdir())  # exports measured, then dropped
 
     stamps = {p: (out / "points" / f"{p}.json").stat().st_mtime_ns for p in by_name}
     code, printed, _ = cli(args, capsys, monkeypatch)  # again: only the failed point runs
-    assert code == 0 and "[2/5] rtn-w5" in printed and "rtn-w4" not in printed.replace("rtn-w5", "")
+    assert code == 0 and "[5/5] exl2-9" in printed and "rtn-w4" not in printed
     assert all((out / "points" / f"{p}.json").stat().st_mtime_ns == stamps[p] for p in ("rtn-w4", "nf4", "gguf-Q8_0", "exl2-4"))
 
     code, _, err = cli([*common, "--windows", 2], capsys, monkeypatch)
     assert code == 2 and err[-1].startswith(f"error: {out} holds a report of other settings")
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--methods", "rtn", "--bits", "5"], "unsupported bit width 5"),
+    (["--methods", "gguf", "--gguf-types", "Q9"], "unknown GGUF type 'Q9' in --gguf-types"),
+    (["--methods", ""], "the sweep has no points"),
+    (["--methods", "rtn", "--ctx", 1], "context 1 is too short"),
+])
+def test_bad_settings_are_refused_before_the_report_is_made(tiny_dir, tmp_path, capsys, monkeypatch, args, match):
+    """Settings that every point, or the base, would fail on: one error line, and no report directory
+    left to block the corrected command."""
+    out = tmp_path / "report"
+    code, _, err = cli(["report", tiny_dir, "--out", out, "--data", TEST, "--windows", 2, *args], capsys, monkeypatch)
+    assert code == 2 and err[-1].startswith("error: ") and match in err[-1], err
+    assert not out.exists()
 
 
 def test_exl2_points_share_one_measurement(tiny_dir, tmp_path, capsys, monkeypatch):

@@ -14,7 +14,7 @@ from quantkit import consumers
 from quantkit.config import QuantConfig
 from quantkit.errors import QuantkitError
 from quantkit.layers import linear_shapes
-from quantkit.rules import Rule, parse, read
+from quantkit.rules import Rule, check, parse, read
 
 from .conftest import VALID, loaded, refused
 
@@ -52,7 +52,7 @@ def test_yaml_and_json_read_the_same(tmp_path):
     ([], "non-empty list"),
     (["down_proj"], "not a mapping with a match pattern"),
     ([{"match": "(", "bits": 8}], "not a regular expression"),
-    ([{"match": "x", "bits": 5}], "unsupported bit width 5"),
+    ([{"match": "x", "bits": 5}], "r.json: rule 1: unsupported bit width 5"),
     ([{"match": "x", "bits": "8"}], "whole numbers"),
     ([{"match": "x", "group_size": 0}], "group size 0 is invalid"),
     ([{"match": "x"}], "either skip the linears it matches or give them bits"),
@@ -62,6 +62,17 @@ def test_yaml_and_json_read_the_same(tmp_path):
 def test_bad_rules_are_refused(entries, match):
     with pytest.raises(QuantkitError, match=match):
         parse(entries, "r.json")
+
+
+def test_a_rule_that_decides_no_linear_is_refused():
+    """Rule 2 matches only what rule 1 took: it would change nothing, as a typo would."""
+    names = [f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("up_proj", "down_proj")]
+    check(parse(RULES, "r.json"), [*names, "model.layers.1.self_attn.o_proj"])  # each of these decides some
+    shadowed = parse([{"match": r"layers\.0\.", "skip": True}, {"match": r"layers\.0\.mlp", "bits": 8},
+                      {"match": "up_proj", "bits": 8}], "r.json")
+    with pytest.raises(QuantkitError, match=r"r.json: rule 2 .* decides no linear: rule 1 comes first for "
+                                            r"model.layers.0.mlp.up_proj"):
+        check(shadowed, names, "r.json")
 
 
 @pytest.fixture(scope="module")

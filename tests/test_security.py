@@ -218,10 +218,11 @@ def evil_names(tiny_dir, tmp_path):
     return model
 
 
-EXPORTS = {"gptq-layout": [], "gguf": ["--format", "gguf", "--gguf-type", "Q4_0"], "awq": ["--format", "awq"],
-           "compressed-tensors": ["--format", "compressed-tensors"],
+G32 = ["--group-size", 32]
+EXPORTS = {"gptq-layout": G32, "gguf": ["--format", "gguf", "--gguf-type", "Q4_0"], "awq": ["--format", "awq", *G32],
+           "compressed-tensors": ["--format", "compressed-tensors", *G32],
            "exl2": ["--format", "exl2", "--bits", "4.0", "--method", "gptq", "--calib-data", VALID,
-                    "--calib-samples", 2, "--calib-seqlen", 32]}
+                    "--calib-samples", 2, "--calib-seqlen", 32, *G32]}
 
 
 @pytest.mark.parametrize("args", EXPORTS.values(), ids=EXPORTS.keys())
@@ -230,7 +231,7 @@ def test_tensor_names_do_not_become_paths_in_an_export(evil_names, tmp_path, cap
     they are left out, and nothing appears or changes outside --out."""
     out = evil_names.parent / ("out.gguf" if "gguf" in args else "out")
     before = tree(tmp_path, out)
-    code, _, err = cli(["quantize", evil_names, "--out", out, "--group-size", 32, *args], capsys, monkeypatch)
+    code, _, err = cli(["quantize", evil_names, "--out", out, *args], capsys, monkeypatch)
     assert code == 0 and not any("Traceback" in line for line in err), err
     assert out.exists() and tree(tmp_path, out) == before
 

@@ -93,8 +93,6 @@ def test_a_stray_file_beside_indexed_shards_is_not_read(tiny_dir, tmp_path):
     """A model.safetensors left beside an index (another export's, here with other weights) sorted
     after the shards and replaced their tensors; the index names the files, as for transformers. Without
     an index, a tensor in two files is refused: which one wins would be a matter of file order."""
-    from safetensors.torch import save_file
-
     out = tmp_path / "q"
     m = quantkit.quantize(tiny_dir, method="rtn", bits=4, group_size=32, out=out, max_shard_size="100kB", keep=True,
                           progress=False)

@@ -81,6 +81,12 @@ def test_data_without_a_window(tiny_dir, capsys, monkeypatch, tmp_path, content,
     train_fails(tiny_dir, tmp_path / "data.txt", capsys, monkeypatch, tmp_path, match)
 
 
+def test_binary_data(tiny_dir, capsys, monkeypatch, tmp_path):
+    """Bytes that are not text were decoded with replacement characters and trained on."""
+    (tmp_path / "data.bin").write_bytes(bytes(range(256)) * 64)
+    train_fails(tiny_dir, tmp_path / "data.bin", capsys, monkeypatch, tmp_path, "data.bin: not UTF-8 text")
+
+
 @pytest.mark.parametrize("lines,match", [
     ([CHAT, {"foo": 1}], "line 2: a record needs messages, instruction and response"),
     ([CHAT, "", "{oops"], "line 3: not valid JSON")])  # blank lines count

@@ -33,7 +33,10 @@ def read(path: str | os.PathLike, tokenizer, seqlen: int) -> list[Example]:
     p = Path(path)
     if not p.is_file():
         raise QuantkitError(f"{p}: no such data file: pass a text file or JSON lines of chats or instructions")
-    text = p.read_text(encoding="utf-8", errors="replace")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise QuantkitError(f"{p}: not UTF-8 text ({e}): pass a text file or JSON lines of chats or instructions") from None
     if not text.strip():
         raise QuantkitError(f"{p} is empty: pass a file with training text or records")
     if p.suffix in (".jsonl", ".json"):
