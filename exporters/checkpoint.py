@@ -9,13 +9,12 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from quantkit.errors import QuantkitError
 from quantkit.config import QuantConfig
-from quantkit.modelio import Model, check_config, finite, load_tokenizer, shard_files
+from quantkit.modelio import Model, check_config, finite, load_tokenizer, reading, shard_files
 from quantkit.qlinear import QuantLinear
 from quantkit.qtensor import QuantizedTensor
 
@@ -94,10 +93,8 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     since which one a loader takes is then a matter of file order."""
     state = {}
     for f in shard_files(path):
-        try:
+        with reading(f):
             tensors = load_file(f)
-        except (SafetensorError, OSError) as e:
-            raise QuantkitError(f"{f}: corrupt or truncated safetensors file ({e}): re-download or re-export it") from None
         twice = sorted(state.keys() & tensors.keys())
         if twice:
             raise QuantkitError(f"{path}: tensor {twice[0]} is in {f.name} and in another file: remove the file "

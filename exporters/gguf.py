@@ -18,7 +18,7 @@ from quantkit.errors import QuantkitError, untrusted
 from quantkit.evals import adds_bos
 from quantkit.modelio import Model
 from quantkit.qtensor import QuantizedTensor
-from quantkit.requant import DEFAULT_MIX, MIXES, choose  # noqa: F401 (DEFAULT_MIX: read as gguf.DEFAULT_MIX)
+from quantkit.requant import DEFAULT_MIX, MIXES, check_mix, choose  # noqa: F401 (DEFAULT_MIX: read as gguf.DEFAULT_MIX)
 from quantkit.quantizers import ggml
 
 from quantkit.atomic import Staged
@@ -44,8 +44,7 @@ def check(module: torch.nn.Module, mix: str) -> None:
     if cfg.model_type not in ARCHS:
         raise QuantkitError(f"GGUF export writes {', '.join(ARCHS)} models, not {cfg.model_type!r}: "
                             "use --format safetensors")
-    if mix not in MIXES:
-        raise QuantkitError(f"unknown GGUF type {mix!r}: use one of {', '.join(MIXES)}")
+    check_mix(mix)
     kind = rope(cfg).get("rope_type", "default")
     if kind not in ROPES or kind == "llama3" and ARCHS[cfg.model_type] != "llama":
         raise QuantkitError(f"rope scaling {kind!r} of a {cfg.model_type} model is not written to GGUF: "

@@ -9,9 +9,10 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from platformdirs import user_cache_dir
@@ -81,6 +82,15 @@ class Model:
             self.module.get_submodule(prefix).to("meta")
 
 
+@contextmanager
+def reading(f: Path) -> Iterator[None]:
+    """Around reads of the safetensors file f: a corrupt or truncated one becomes one error naming it."""
+    try:
+        yield
+    except (SafetensorError, OSError) as e:
+        raise QuantkitError(f"{f}: corrupt or truncated safetensors file ({e}): re-download or re-export it") from None
+
+
 def shard_files(path: Path) -> list[Path]:
     """A safetensors checkpoint's files: those its index names (each checked to be there), else every
     one in the directory. Where there is an index, other files beside it (a stray model.safetensors)
@@ -113,13 +123,10 @@ class Checkpoint:
         self.dtypes: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         for f in shard_files(path):
-            try:
-                with safe_open(str(f), "pt") as sf:
-                    for key in sf.keys():
-                        info = sf.get_slice(key)
-                        self.where[key], self.dtypes[key], self.shapes[key] = f, info.get_dtype(), tuple(info.get_shape())
-            except (SafetensorError, OSError) as e:
-                raise QuantkitError(f"{f}: corrupt or truncated safetensors file ({e}): re-download or re-export it") from None
+            with reading(f), safe_open(str(f), "pt") as sf:
+                for key in sf.keys():
+                    info = sf.get_slice(key)
+                    self.where[key], self.dtypes[key], self.shapes[key] = f, info.get_dtype(), tuple(info.get_shape())
 
     @property
     def dtype(self) -> torch.dtype:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from . import blocks, kernels
 from .errors import QuantkitError
 from .packing import pack, pack_nibbles, unpack, unpack_nibbles
-from .qtensor import BITS, QuantizedTensor
+from .qtensor import BITS, QuantizedTensor, whole
 from .quantizers import nf4
 
 BACKENDS = ("auto", "triton", "torch")
@@ -150,10 +150,9 @@ class QuantLinear(torch.nn.Module):
 
 
 def check_whole(name: str, **values) -> None:
-    """Settings read from a checkpoint's JSON that must be whole numbers (4.0 or true passes `in` and
-    comparisons, then breaks indexing far from here)."""
+    """Settings read from a checkpoint's JSON that must be whole numbers (qtensor.whole)."""
     for key, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, int):
+        if not whole(v):
             raise QuantkitError(f"{name}: {key} is {v!r}, not a whole number: the checkpoint's quantization "
                                 "config is wrong; re-export it")
 

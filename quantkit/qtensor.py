@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
@@ -21,11 +22,18 @@ BITS = (2, 3, 4, 8)
 EXL2_BITS = (2, 3, 4, 5, 6, 8)
 
 
+def whole(v) -> bool:
+    """v is a whole number as a setting must be: 4.0 and True pass `in (2, 3, 4, 8)` and comparisons,
+    then break shifts and indexing far from where they came in."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def check_bits_group(bits: int, group_size: int) -> None:
-    if bits not in BITS:
-        raise QuantkitError(f"unsupported bit width {bits}: use one of {', '.join(map(str, BITS))}")
-    if group_size != -1 and group_size < 1:
-        raise QuantkitError(f"group size {group_size} is invalid: use -1 (per channel) or a positive size such as 128")
+    if not whole(bits) or bits not in BITS:
+        raise QuantkitError(f"unsupported bit width {bits!r}: use one of {', '.join(map(str, BITS))}")
+    if not whole(group_size) or group_size != -1 and group_size < 1:
+        raise QuantkitError(f"group size {group_size!r} is invalid: use -1 (per channel) or a positive whole size "
+                            "such as 128")
 
 
 def group_index(in_features: int, group_size: int) -> torch.Tensor:

@@ -13,7 +13,6 @@ import fcntl
 import json
 import os
 import resource
-import shutil
 import struct
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from . import atomic
 from .errors import QuantkitError
 
 FAMILIES = ("rtn", "gptq", "awq", "nf4", "gguf", "exl2")
@@ -115,7 +115,7 @@ def parameter_counts(module: torch.nn.Module) -> tuple[int, int]:
 
 def run_point(spec: dict) -> dict:
     """One point, in this process: quantize and export, then measure."""
-    from quantkit import atomic, exporters
+    from quantkit import exporters
 
     from . import api
     from .config import QuantConfig
@@ -167,21 +167,18 @@ def peak_rss() -> int:
 
 def check(todo: list[Point], settings: Settings, out: Path) -> None:
     """Refuse, before the report directory is made, what would fail every point or the whole sweep."""
-    from quantkit import exporters
-    from quantkit.atomic import check_writable
-
     from .config import QuantConfig
+    from .requant import check_mix
 
     if not todo:
         raise QuantkitError("the sweep has no points: name some of " + ", ".join(FAMILIES) + " in --methods")
     for p in todo:
         QuantConfig(group_size=settings.group_size, **p.config())  # widths and group size
-        if p.gguf_type is not None and p.gguf_type not in exporters.gguf.MIXES:
-            raise QuantkitError(f"unknown GGUF type {p.gguf_type!r} in --gguf-types: use some of "
-                                f"{', '.join(exporters.gguf.MIXES)}")
+        if p.gguf_type is not None:
+            check_mix(p.gguf_type, "--gguf-types")
     if out.exists() and not out.is_dir():
         raise QuantkitError(f"{out} is a file: --out names the report's directory; choose another")
-    check_writable(next(d for d in [out, *out.parents] if d.exists()), "--out")  # where mkdir starts
+    atomic.check_writable(next(d for d in [out, *out.parents] if d.exists()), "--out")  # where mkdir starts
 
 
 def write_json(path: Path, value) -> None:
@@ -238,7 +235,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         except QuantkitError:  # bad input (the model, the text, ctx): nothing of this run is worth keeping
             if fresh:
                 lock.close()
-                shutil.rmtree(out, ignore_errors=True)
+                atomic.remove(out)
             raise
         params, linear = parameter_counts(m.module)
         source = Path(m.source)

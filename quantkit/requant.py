@@ -104,6 +104,13 @@ def layer_type(mix: str, role: str, i: int, n: int, gqa: int, imatrix: bool) -> 
     return None
 
 
+def check_mix(mix: str, option: str = "") -> None:
+    """Refuse a mix llama-quantize does not know (option: the option that named it, for the message)."""
+    if mix not in MIXES:
+        raise QuantkitError(f"unknown GGUF type {mix!r}{f' in {option}' if option else ''}: use one of "
+                            f"{', '.join(MIXES)}")
+
+
 def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure: bool = False,
            imatrix: bool = False, overrides: tuple[str, ...] = ()) -> dict[str, str]:
     """The GGUF type of each 2-D weight for a mix, as llama-quantize chooses it. weights: (GGUF name,
@@ -113,8 +120,7 @@ def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure
     llama-quantize applies them to a quantized mix: the first match wins over the mix's rules, and the
     layer count those rules read skips the tensors it took (llama.cpp counts the attn_v and ffn_down
     tensors it decides)."""
-    if mix not in MIXES:
-        raise QuantkitError(f"unknown GGUF type {mix!r}: use one of {', '.join(MIXES)}")
+    check_mix(mix)
     default = MIXES[mix][1]
     manual = parse_overrides(overrides) if default not in blocks.FLOAT_TYPES else []
     tied = OUTPUT not in dict(weights)
@@ -315,8 +321,7 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
                progress: bool = True) -> Path:
     """src (a GGUF file) into the mix at out, as llama-quantize would write it: the same tensor bytes,
     the source's metadata with the new file type."""
-    if mix not in MIXES:
-        raise QuantkitError(f"unknown GGUF type {mix!r}: use one of {', '.join(MIXES)}")
+    check_mix(mix)
     h = Header(Path(src))
     arch = h.get("general.architecture")
     if arch not in ("llama", "qwen2"):

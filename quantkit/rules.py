@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import QuantkitError, untrusted
-from .qtensor import check_bits_group
+from .qtensor import check_bits_group, whole
 
 KEYS = ("match", "bits", "group_size", "skip")
 
@@ -51,8 +51,7 @@ def parse(entries: object, source: str) -> tuple[Rule, ...]:
         except re.error as x:
             raise QuantkitError(f"{where}: {e['match']!r} is not a regular expression ({x})") from None
         bits, group, skip = e.get("bits"), e.get("group_size"), e.get("skip", False)
-        if not isinstance(skip, bool) or any(v is not None and (not isinstance(v, int) or isinstance(v, bool))
-                                             for v in (bits, group)):
+        if not isinstance(skip, bool) or any(v is not None and not whole(v) for v in (bits, group)):
             raise QuantkitError(f"{where}: bits and group_size are whole numbers and skip true or false")
         if skip == (bits is not None or group is not None):
             raise QuantkitError(f"{where} must either skip the linears it matches or give them bits or a group "

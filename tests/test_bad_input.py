@@ -214,6 +214,17 @@ def edit_quantization_config(path, change: dict) -> None:
     (path / "config.json").write_text(json.dumps(cfg))
 
 
+@pytest.mark.parametrize("fields,match", [({"bits": 4.0}, "unsupported bit width 4.0"),
+                                          ({"bits": True}, "unsupported bit width True"),
+                                          ({"group_size": 32.0}, "group size 32.0 is invalid")])
+def test_settings_through_the_api_that_are_not_whole(fields, match):
+    """QuantConfig(bits=4.0) passed `in (2, 3, 4, 8)` and broke the packing with a TypeError."""
+    from quantkit import QuantConfig, QuantkitError
+
+    with pytest.raises(QuantkitError, match=match):
+        QuantConfig(method="rtn", **fields)
+
+
 @pytest.mark.parametrize("method,change,match", [
     ("rtn", {"bits": 4.0}, "bits is 4.0, not a whole number"),
     ("rtn", {"group_size": 32.0}, "group_size is 32.0, not a whole number"),
