@@ -24,12 +24,13 @@ from quantkit.quantizers import ggml
 from quantkit.atomic import Staged
 from .shards import crc
 
-ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # model_type -> llama.cpp's architecture
+ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # model_type -> llama.cpp's architecture
 ROPES = ("default", "linear", "yarn", "llama3")  # the rope scalings llama.cpp's converter writes for these
 NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",  # Qwen3's per-head norms of q and k
 }
 EMBED, HEAD = "model.embed_tokens", "lm_head"
 TOP = {EMBED: "token_embd", "model.norm": "output_norm", HEAD: "output"}  # the modules outside the layers
@@ -104,7 +105,7 @@ def gguf_name(key: str) -> str:
     _, _, i, rest = key.split(".", 3)
     module, _, kind = rest.rpartition(".")
     if module not in NAMES or kind not in ("weight", "bias"):
-        raise QuantkitError(f"tensor {key} has no GGUF name: the model has parts llama.cpp's llama and qwen2 lack")
+        raise QuantkitError(f"tensor {key} has no GGUF name: the model has parts llama.cpp's llama, qwen2 and qwen3 lack")
     return f"blk.{i}.{NAMES[module]}.{kind}"
 
 
@@ -274,7 +275,7 @@ class Writer:
         self.model, self.mix = model, mix
         cfg = model.module.config
         self.arch = ARCHS[cfg.model_type]
-        # llama.cpp's llama rotates interleaved pairs, its qwen2 (NeoX rope) the halves as transformers does
+        # llama.cpp's llama rotates interleaved pairs, its qwen2 and qwen3 (NeoX rope) the halves as transformers does
         self.heads = {"self_attn.q_proj": cfg.num_attention_heads,
                       "self_attn.k_proj": cfg.num_key_value_heads} if self.arch == "llama" else {}
         self.plan = plan(model.module, types)

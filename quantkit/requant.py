@@ -315,6 +315,7 @@ def header_bytes(h: Header, types: dict[str, str], mix: str) -> tuple[bytes, dic
 
 
 CHUNK = 2**22  # values handed to the quantizer at a time
+ARCHS = ("llama", "qwen2", "qwen3")  # the GGUF architectures quantkit reads and requantizes (Mistral's say llama)
 
 
 def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16", overwrite: bool = False,
@@ -324,8 +325,8 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
     check_mix(mix)
     h = Header(Path(src))
     arch = h.get("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise QuantkitError(f"{src}: a {arch!r} GGUF: quantkit requantizes llama and qwen2 files; use llama-quantize")
+    if arch not in ARCHS:
+        raise QuantkitError(f"{src}: a {arch!r} GGUF: quantkit requantizes {', '.join(ARCHS)} files; use llama-quantize")
     if h.get("split.count") not in (None, 0, 1):
         raise QuantkitError(f"{src} is one of {h.get('split.count')} parts of a split GGUF: merge them first "
                             "(llama-gguf-split --merge)")

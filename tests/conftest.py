@@ -43,6 +43,29 @@ def make_tiny(path: Path, hidden: int = 64, intermediate: int = 128, layers: int
     return path
 
 
+def make_qwen3(path: Path) -> Path:
+    """make_tiny's model as a Qwen3: per-head norms of q and k (random: transformers starts them at one),
+    heads 32 wide where hidden / heads is 16."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    module = Qwen3ForCausalLM(Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                          max_position_embeddings=512, tie_word_embeddings=True))
+    with torch.no_grad():
+        for layer in module.model.layers:
+            layer.self_attn.q_norm.weight.normal_(1, 0.2)
+            layer.self_attn.k_norm.weight.normal_(1, 0.2)
+    module.save_pretrained(path)
+    tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory) -> Path:
+    return make_qwen3(tmp_path_factory.mktemp("qwen3") / "model")
+
+
 def cli(args, capsys, monkeypatch):
     """Run the quantkit command line in this process: (exit status, stdout, stderr's lines)."""
     import sys

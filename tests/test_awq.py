@@ -31,8 +31,16 @@ def test_kv_channels_follow_grouped_query_heads(tiny_dir):
     assert torch.equal(kv_channels(attn), expected)
 
 
-def test_folding_keeps_the_float_model(layer_and_batches):
-    m, batches = layer_and_batches
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_folding_keeps_the_float_model(layer_and_batches, qwen3_dir, arch):
+    """Each group's scales folded into the op before it leave the layer's function as it was (Qwen3:
+    its q/k norms come after q_proj and k_proj, v_proj's rows are free to take o_proj's scales)."""
+    if arch == "llama":
+        m, batches = layer_and_batches
+    else:
+        m = loaded(qwen3_dir)
+        with torch.no_grad():
+            batches = capture_inputs(m, torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0)), 2)
     layer = m.layers[1]
     hidden, kwargs = batches[0]
     with torch.no_grad():
@@ -41,7 +49,8 @@ def test_folding_keeps_the_float_model(layer_and_batches):
         attn, mlp = layer.self_attn, layer.mlp
         s = torch.rand(64, generator=g) + 0.5
         fold(layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], s, s)
-        s = torch.rand(32, generator=g) + 0.5  # per v_proj output channel, shared by the query heads that read it
+        # per v_proj output channel, shared by the query heads that read it
+        s = torch.rand(attn.v_proj.out_features, generator=g) + 0.5
         fold(attn.v_proj, [attn.o_proj], s, s[kv_channels(attn)])
         s = torch.rand(64, generator=g) + 0.5
         fold(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], s, s)
@@ -245,9 +254,10 @@ def test_clip_matches_autoawq():
     assert (err(ours)[~agree] <= err(theirs)[~agree] * (1 + 1e-6)).all()
 
 
-def test_awq_beats_nothing_on_gqa_model_and_exports(tiny_dir, tmp_path):
-    m = quantkit.quantize(str(tiny_dir), method="awq", bits=4, group_size=32, calib_data=VALID, calib_samples=8,
-                          calib_seqlen=64, out=tmp_path / "gptq-layout", keep=True, progress=False)
+@pytest.mark.parametrize("model", ["tiny_dir", "qwen3_dir"])
+def test_awq_beats_nothing_on_gqa_model_and_exports(request, tmp_path, model):
+    m = quantkit.quantize(str(request.getfixturevalue(model)), method="awq", bits=4, group_size=32, calib_data=VALID,
+                          calib_samples=8, calib_seqlen=64, out=tmp_path / "gptq-layout", keep=True, progress=False)
     assert m.qconfig.sym is False  # zero points by default, as AWQ
     qt = m.tensors["model.layers.0.self_attn.o_proj"]
     assert not qt.sym and qt.group_size == 32

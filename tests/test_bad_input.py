@@ -60,7 +60,7 @@ def test_corrupt_safetensors(model, capsys, monkeypatch, tmp_path):
 def test_unsupported_architecture(model, capsys, monkeypatch, tmp_path):
     cfg = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**cfg, "model_type": "bloom"}))
-    quantize_fails([model], capsys, monkeypatch, tmp_path, "'bloom' is not supported: quantkit handles llama, mistral, qwen2")
+    quantize_fails([model], capsys, monkeypatch, tmp_path, "'bloom' is not supported: quantkit handles llama, mistral, qwen2, qwen3")
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf"])

@@ -99,16 +99,22 @@ def test_unquantized_model_cannot_be_exported(tiny_dir, tmp_path):
         quantkit.export(quantkit.load(tiny_dir), tmp_path / "q")
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3"])
 def test_other_supported_architectures(tiny_dir, tmp_path, arch):
-    """Mistral and Qwen2 (q/k/v with bias) quantize, export and reload like Llama."""
+    """Mistral, Qwen2 (q/k/v with bias) and Qwen3 (per-head norms of q and k, heads not hidden / heads
+    wide) quantize, export and reload like Llama."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     cfg = AutoConfig.for_model(arch, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                               tie_word_embeddings=False)
+                               tie_word_embeddings=False, **({"head_dim": 32} if arch == "qwen3" else {}))
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    module = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "_norm." in name:  # transformers starts norms at one, which would test nothing
+                p.normal_(1, 0.2)
+    module.save_pretrained(tmp_path / "m")
     AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(tmp_path / "m")
     m = quantkit.quantize(str(tmp_path / "m"), bits=4, group_size=32, out=tmp_path / "q", keep=True, progress=False)
     back = quantkit.load(tmp_path / "q")
@@ -118,4 +124,8 @@ def test_other_supported_architectures(tiny_dir, tmp_path, arch):
     bias = "model.layers.0.self_attn.q_proj.bias"
     if arch == "qwen2":
         assert torch.equal(back.module.state_dict()[bias], m.module.state_dict()[bias].half().float())
+    if arch == "qwen3":
+        norm = "model.layers.1.self_attn.k_norm.weight"
+        assert back.module.config.head_dim == 32
+        assert torch.equal(back.module.state_dict()[norm], m.module.state_dict()[norm].half().float())
     assert torch.equal(back.module.lm_head.weight, m.module.lm_head.weight.half().float())

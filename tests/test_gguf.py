@@ -183,7 +183,7 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path):
     with torch.device("meta"):
         module = GemmaForCausalLM(GemmaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, head_dim=16,
                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
-    with pytest.raises(QuantkitError, match="llama, mistral, qwen2 models, not 'gemma'"):
+    with pytest.raises(QuantkitError, match="llama, mistral, qwen2, qwen3 models, not 'gemma'"):
         G.check(module, "Q4_K_M")
 
 
@@ -286,7 +286,7 @@ def test_requantize_refuses_what_it_cannot_write(tmp_path):
     assert {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "ok-q8.gguf").tensors} == {
         "blk.0.attn_q.weight": "Q8_0", "blk.0.attn_norm.weight": "F32"}
     refusals = {
-        "a 'gemma' GGUF: quantkit requantizes llama and qwen2": small_gguf(tmp_path / "g.gguf", "gemma"),
+        "a 'gemma' GGUF: quantkit requantizes llama, qwen2, qwen3": small_gguf(tmp_path / "g.gguf", "gemma"),
         "one of 2 parts of a split GGUF": small_gguf(tmp_path / "s.gguf", **{"split.count": 2}),
         "not all positive numbers": small_gguf(tmp_path / "b.gguf", **{"llama.block_count": 0}),
     }

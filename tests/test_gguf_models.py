@@ -1,5 +1,6 @@
 """GGUF for the models people export besides SmolLM2: Llama 3's rope, linear and YaRN rope scaling,
-Qwen2 (NeoX rope, q/k/v biases), Mistral, sentencepiece tokenizers (Llama 2, Mistral). Judged by
+Qwen2 (NeoX rope, q/k/v biases), Qwen3 (per-head q/k norms, heads wider than hidden / heads),
+Mistral, sentencepiece tokenizers (Llama 2, Mistral). Judged by
 llama.cpp's own converter (the same metadata and tensors from the same checkpoint) and by
 llama.cpp itself (it tokenizes as transformers does, and scores our files as we do)."""
 import json
@@ -27,7 +28,9 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 # the embedded model's tokenizer (a Llama's is SmolLM2's own, whose pre-tokenizer the converter knows;
 # a Qwen2's takes Qwen2's pre-tokenizer in transformers), or a sentencepiece one
 CASES = {"llama-llama3": ("llama", LLAMA3, "smollm"), "mistral-linear-sentencepiece": ("mistral", LINEAR, "sentencepiece"),
-         "qwen2-yarn": ("qwen2", YARN, "smollm"), "llama-sentencepiece": ("llama", None, "sentencepiece")}
+         "qwen2-yarn": ("qwen2", YARN, "smollm"), "llama-sentencepiece": ("llama", None, "sentencepiece"),
+         "qwen3": ("qwen3", None, "smollm")}
+QWENS = ("qwen2", "qwen3")  # tied embeddings, as their small ones have
 
 
 def sentencepiece_tokenizer(path):
@@ -64,13 +67,15 @@ def write_model(path, arch: str, rope: dict | None, tokenizer: str, seed: int = 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(arch, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                                  tie_word_embeddings=arch == "qwen2", rope_parameters={"rope_theta": 10000.0, **(rope or {})},
+                                  tie_word_embeddings=arch in QWENS, rope_parameters={"rope_theta": 10000.0, **(rope or {})},
                                   bos_token_id=1, eos_token_id=2)
     module = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if name.endswith("bias"):  # transformers starts biases at zero, which would test nothing
                 p.normal_(0, 0.5)
+            if "_norm." in name:  # and Qwen3's q/k norms at one (its heads are 128 wide: hidden / heads is 16)
+                p.normal_(1, 0.2)
     module.save_pretrained(path)
     return path
 
@@ -175,36 +180,42 @@ def test_llama_cpp_tokenizes_sentencepiece_as_transformers(models, tmp_path):
 
 def embedded_as(path, arch: str, rope: dict | None):
     """The embedded model's weights under another architecture or rope (a Qwen2 gets random q/k/v
-    biases), so that llama.cpp and we score a model with real perplexity."""
+    biases, a Qwen3 random q/k norms), so that llama.cpp and we score a model with real perplexity."""
     path.mkdir()
     src = default_model_dir()
     for f in src.iterdir():
         if f.name != "model.safetensors":
             shutil.copy(f, path)
     config = json.loads((src / "config.json").read_text())
-    config["model_type"], config["architectures"] = arch, [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]]
+    config["model_type"], config["architectures"] = arch, [f"{arch.capitalize()}ForCausalLM"]
+    if arch == "qwen3":  # its default head is 128 wide
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
     config["rope_scaling"] = config["rope_parameters"] = {"rope_theta": config.get("rope_theta", 100000.0), **(rope or {})}
     (path / "config.json").write_text(json.dumps(config))
     state = load_file(src / "model.safetensors")
-    if arch == "qwen2":
-        g = torch.Generator().manual_seed(0)
-        for i in range(config["num_hidden_layers"]):
-            for p in ("q", "k", "v"):
-                w = state[f"model.layers.{i}.self_attn.{p}_proj.weight"]
-                state[f"model.layers.{i}.self_attn.{p}_proj.bias"] = (0.1 * torch.randn(w.shape[0], generator=g)).to(w.dtype)
+    g = torch.Generator().manual_seed(0)
+    for i in range(config["num_hidden_layers"]):
+        for p in ("q", "k", "v") if arch == "qwen2" else ():
+            w = state[f"model.layers.{i}.self_attn.{p}_proj.weight"]
+            state[f"model.layers.{i}.self_attn.{p}_proj.bias"] = (0.1 * torch.randn(w.shape[0], generator=g)).to(w.dtype)
+        for p in ("q", "k") if arch == "qwen3" else ():
+            w = state[f"model.layers.{i}.self_attn.{p}_proj.weight"]
+            state[f"model.layers.{i}.self_attn.{p}_norm.weight"] = \
+                (1 + 0.1 * torch.randn(config["head_dim"], generator=g)).to(w.dtype)
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
     return path
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,rope", [("llama", dict(LLAMA3, original_max_position_embeddings=2048)),
-                                       ("llama", LINEAR), ("qwen2", dict(YARN, original_max_position_embeddings=2048))],
-                         ids=["llama3", "linear", "qwen2-yarn"])
+                                       ("llama", LINEAR), ("qwen2", dict(YARN, original_max_position_embeddings=2048)),
+                                       ("qwen3", None)],
+                         ids=["llama3", "linear", "qwen2-yarn", "qwen3"])
 def test_llama_perplexity_agrees_with_ours(tmp_path, arch, rope):
-    """The embedded model's weights with Llama 3's rope, a linear-scaled rope, and as a Qwen2 with
-    YaRN (its original context 8192 / 4, as real configs have it): llama-perplexity of our Q8_0 file
-    is within 0.5% of ours for the model the file holds, and the change moves the score away from
-    the embedded model's (it is not ignored on either side)."""
+    """The embedded model's weights with Llama 3's rope, a linear-scaled rope, as a Qwen2 with YaRN
+    (its original context 8192 / 4, as real configs have it) and as a Qwen3: llama-perplexity of our
+    Q8_0 file is within 0.5% of ours for the model the file holds, and the change moves the score
+    away from the embedded model's (it is not ignored on either side)."""
     from . import llamacpp
 
     d = embedded_as(tmp_path / "m", arch, rope)
@@ -216,3 +227,21 @@ def test_llama_perplexity_agrees_with_ours(tmp_path, arch, rope):
     plain = quantkit.evaluate(quantkit.load(), TEST, max_windows=4, progress=False).perplexity
     assert abs(ours / theirs - 1) < 0.005, (ours, theirs)
     assert abs(ours / plain - 1) > 0.01, (ours, plain)
+
+
+@pytest.mark.slow
+def test_qwen3_files_are_llama_quantizes(models, tmp_path):
+    """A Qwen3 to Q4_K_M (64-wide rows: the types llama-quantize falls back to) requantized from our
+    F32 file is byte for byte the file llama-quantize makes of it; quantized from the checkpoint, it
+    holds the same key-values and tensors (in the model's order, where llama-quantize sorts them)."""
+    from quantkit.requant import requantize
+
+    from . import llamacpp
+
+    f32, theirs = tmp_path / "f32.gguf", tmp_path / "theirs.gguf"
+    quantkit.api.export_gguf(quantkit.load(models["qwen3"]), f32, "F32", progress=False)
+    llamacpp.quantize(f32, theirs, "Q4_K_M")
+    quantkit.quantize(str(models["qwen3"]), method="rtn", format="gguf", gguf_type="Q4_K_M", out=tmp_path / "direct.gguf",
+                      progress=False)
+    assert fields(tmp_path / "direct.gguf") == fields(theirs) and tensors(tmp_path / "direct.gguf") == tensors(theirs)
+    assert requantize(f32, tmp_path / "requant.gguf", "Q4_K_M", progress=False).read_bytes() == theirs.read_bytes()
