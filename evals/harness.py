@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.modelio import check_context
 
 TASKS = Path(__file__).parent / "tasks"
 LOCAL = tuple(sorted(p.stem for p in TASKS.glob("*.yaml")))
@@ -68,6 +69,8 @@ def run(tasks: Tasks, module: torch.nn.Module, tokenizer, limit: int | float | N
     from lm_eval import evaluator
     from lm_eval.models.huggingface import HFLM
 
+    if max_length is not None:  # lm-eval would run windows past the trained positions without a word
+        check_context(module.config, max_length, "--max-length")
     lm = HFLM(pretrained=module, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
     results = evaluator.simple_evaluate(model=lm, tasks=tasks.names, num_fewshot=num_fewshot, limit=limit,
                                         task_manager=tasks.manager, log_samples=False, bootstrap_iters=1000,

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from quantkit.atomic import check_writable
 from quantkit.errors import QuantkitError, space_for
 
 from .perplexity import adds_bos, window_logits
@@ -78,6 +79,19 @@ def check_save_path(path: str | os.PathLike) -> None:
         raise QuantkitError(f"{path} exists and is not a saved base: choose another --save-base")
     if not path.parent.is_dir():
         raise QuantkitError(f"{path.parent}: no such directory: create it or choose another --save-base")
+    check_writable(path.parent, "--save-base")  # here, not after the base has loaded, and by this option's name
+
+
+def check_limits(max_ppl_increase: float | None = None, max_kld: float | None = None,
+                 min_same_top: float | None = None) -> None:
+    """A gate's limits are numbers the figures can be held to: NaN would fail every run, a negative
+    KLD limit too, and the same-top share lies between 0 and 1."""
+    ranges = {"max_ppl_increase": (max_ppl_increase, -1, math.inf, "0.05"), "max_kld": (max_kld, 0, math.inf, "0.05"),
+              "min_same_top": (min_same_top, 0, 1, "0.9")}
+    for name, (v, low, high, example) in ranges.items():
+        if v is not None and not low <= v <= high:
+            raise QuantkitError(f"--{name.replace('_', '-')} {v} is not a limit: pass a number from {low:g} "
+                                f"{'up' if high == math.inf else f'to {high:g}'}, such as {example}")
 
 
 def tokenizer_difference(base, model, text: str) -> str | None:
@@ -271,6 +285,7 @@ class Divergence:
     def failures(self, max_ppl_increase: float | None = None, max_kld: float | None = None,
                  min_same_top: float | None = None) -> list[str]:
         """The limits this result breaks, each with its measured value (for a pass/fail gate)."""
+        check_limits(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_same_top=min_same_top)
         out = []  # written as "not within": a NaN figure (broken logits) breaks every limit
         if max_ppl_increase is not None and not self.ppl_ratio - 1 <= max_ppl_increase:
             out.append(f"perplexity increase {self.ppl_ratio - 1:.4f} (PPL {self.perplexity:.4f} against the "

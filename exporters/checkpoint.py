@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from quantkit.errors import QuantkitError
 from quantkit.config import QuantConfig
@@ -140,6 +140,8 @@ def build(path: Path, cfg, state: dict[str, torch.Tensor], layers: dict[str, tor
         raise QuantkitError(f"{path}: tensors missing {missing[:3]} / unexpected {unexpected[:3]}: re-export the checkpoint")
     module.tie_weights()
     module.model.rotary_emb = type(module.model.rotary_emb)(config=module.config)
+    if (path / "generation_config.json").is_file():  # from_config makes a default one: sampling settings lost
+        module.generation_config = GenerationConfig.from_pretrained(path)
     left = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
     if left:
         raise QuantkitError(f"{path}: {left[:3]} were not in the checkpoint: re-export it")

@@ -29,6 +29,7 @@ from quantkit.qtensor import QuantizedTensor, group_index
 from quantkit.rules import Rule
 
 from . import checkpoint
+from .gptq import fused_units
 from .shards import DEFAULT_MAX_SIZE
 
 BITS = (4, 8)  # vLLM's WNA16 kernels; other widths changed layout between compressed-tensors releases
@@ -95,7 +96,7 @@ def weights_scheme(c: QuantConfig) -> dict:
 def quantization_config(qconfig: QuantConfig, names: list[str]) -> dict:
     """One config group for the run's settings, targeting every Linear; with rules, one more per other
     setting before it, targeting its linears by exact name (compressed-tensors prefers an exact name to
-    a class), and the linears the rules skip ignored."""
+    a class; the parts vLLM fuses by a pattern, with_fused), and the linears the rules skip ignored."""
     targets: dict[tuple, list[str]] = {}
     ignore = ["lm_head"]
     for name in names:
@@ -105,7 +106,7 @@ def quantization_config(qconfig: QuantConfig, names: list[str]) -> dict:
         elif (c.bits, c.group_size) != (qconfig.bits, qconfig.group_size):
             targets.setdefault((c.bits, c.group_size), []).append(name)
     # the named groups first: transformers' loader takes the first group that matches a module
-    schemes = [(replace(qconfig, rules=(), bits=b, group_size=g), t) for (b, g), t in targets.items()] + \
+    schemes = [(replace(qconfig, rules=(), bits=b, group_size=g), with_fused(t)) for (b, g), t in targets.items()] + \
         [(qconfig, ["Linear"])]
     return {
         "quant_method": "compressed-tensors",
@@ -117,6 +118,18 @@ def quantization_config(qconfig: QuantConfig, names: list[str]) -> dict:
         "ignore": ignore,
         "kv_cache_scheme": None,
     }
+
+
+def with_fused(names: list[str]) -> list[str]:
+    """A config group's targets: exact names, but the parts of a linear vLLM fuses (q/k/v, gate/up) as
+    one pattern that also matches the fused name. vLLM looks that name up, then the class name, where
+    "Linear" (contained in QKVParallelLinear) would give it the run's settings, not its parts'."""
+    out = list(names)
+    for name, parts in fused_units(names).items():
+        if set(parts) <= set(out):
+            out = [n for n in out if n not in parts]
+            out.append(f"re:^(?:{'|'.join(re.escape(n) for n in [*parts, name])})$")
+    return out
 
 
 def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool = False,

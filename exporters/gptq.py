@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from quantkit import __version__
+from quantkit import __version__, measurement
 from quantkit.config import METHODS, QuantConfig
 from quantkit.errors import QuantkitError
 from quantkit.modelio import Model
@@ -36,7 +36,7 @@ def check_shapes(module: torch.nn.Module, qconfig: QuantConfig) -> None:
             )
 
 
-def quantization_config(qconfig: QuantConfig, act_order: bool) -> dict:
+def quantization_config(qconfig: QuantConfig, act_order: bool, names: list[str] = ()) -> dict:
     fmt = "gptq" if qconfig.sym else "gptq_v2"
     return {
         "quant_method": "gptq",
@@ -52,16 +52,40 @@ def quantization_config(qconfig: QuantConfig, act_order: bool) -> dict:
         "format": fmt,
         "pack_dtype": "int32",
         "meta": {"quantizer": [f"quantkit:{__version__}"], **qconfig.to_dict()},
-        **({"dynamic": dynamic(qconfig)} if qconfig.rules else {}),
+        **({"dynamic": dynamic(qconfig, names)} if qconfig.rules else {}),
     }
 
 
-def dynamic(qconfig: QuantConfig) -> dict[str, dict]:
+def fused_units(names: list[str]) -> dict[str, list[str]]:
+    """The linears vLLM loads as one (q/k/v as qkv_proj, gate/up as gate_up_proj): their parts by the fused name."""
+    units = {}
+    for unit, fused in measurement.FUSED.items():
+        parts = measurement.GROUP_UNITS[unit]
+        for name in names:
+            if name.endswith(f".{parts[0]}"):
+                prefix = name.removesuffix(parts[0])
+                units[prefix + fused] = [prefix + p for p in parts]
+    return units
+
+
+def setting(c: QuantConfig | None) -> tuple[int, int] | None:
+    return None if c is None else (c.bits, c.group_size)
+
+
+def dynamic(qconfig: QuantConfig, names: list[str] = ()) -> dict[str, dict]:
     """The rules as GPTQModel's and vLLM's `dynamic`: in order, the first pattern that re.match-es a
-    module name wins; "-:" leaves the module unquantized, "+:" overrides the settings."""
-    return {f"{'-' if r.skip else '+'}:.*(?:{r.match})":
-            {} if r.skip else {k: v for k, v in (("bits", r.bits), ("group_size", r.group_size)) if v is not None}
-            for r in qconfig.rules}
+    module name wins; "-:" leaves the module unquantized, "+:" overrides the settings. vLLM matches
+    the name of a fused linear, which the rules that decide its parts need not match (`gate_proj|up_proj`):
+    where it would get other settings than its parts share, it comes first by exact name."""
+    fused = {}
+    for name, parts in fused_units(names).items():
+        mine = {setting(qconfig.for_linear(p)) for p in parts}
+        if len(mine) == 1 and (s := mine.pop()) != setting(qconfig.for_linear(name)):
+            fused[f"{'-' if s is None else '+'}:{re.escape(name)}$"] = {} if s is None else \
+                {"bits": s[0], "group_size": s[1]}
+    return fused | {f"{'-' if r.skip else '+'}:.*(?:{r.match})":
+                    {} if r.skip else {k: v for k, v in (("bits", r.bits), ("group_size", r.group_size)) if v is not None}
+                    for r in qconfig.rules}
 
 
 def override(qc: dict, name: str) -> dict | None:
@@ -80,8 +104,9 @@ def pack(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
 def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool = False,
            max_shard_size: int | str = DEFAULT_MAX_SIZE) -> checkpoint.CheckpointWriter:
     """Called by exporters.open_writer, which has checked the shapes; the other tensors in float16."""
+    names = [name for name, _, _ in linear_shapes(model.module)]
     return checkpoint.CheckpointWriter(model, out, overwrite, torch.float16, pack,
-                                       lambda act_order: quantization_config(qconfig, act_order),
+                                       lambda act_order: quantization_config(qconfig, act_order, names),
                                        ("quantize_config.json",), max_shard_size)
 
 

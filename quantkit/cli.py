@@ -10,6 +10,7 @@ import sys
 import click
 
 from quantkit import exporters, trainer
+from quantkit.evals import kld
 from quantkit.exporters import check_out
 from quantkit.trainer import TrainConfig
 from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECISIONS
@@ -202,6 +203,7 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_i
     given = [f"--{k.replace('_', '-')}" for k, v in limits.items() if v is not None]
     if base is None and (given or save_base):
         raise QuantkitError(f"{', '.join(given + ['--save-base'] * bool(save_base))} compare with a base model: add --base BASE")
+    kld.check_limits(**limits)
     if base is not None and protocol != "llamacpp":
         raise QuantkitError("--base compares under the llamacpp protocol (the second half of each window): drop --protocol")
     if base is None:

@@ -129,8 +129,9 @@ CONSUMERS = (
              whole=(unfused,)),
     Consumer("transformers + compressed-tensors (dequantized at load)", "transformers", "compressed-tensors",
              (k_divisible, no_g_idx), "CompressedTensorsConfig(dequantize=True)", (one_setting,)),
+    # asymmetric: its model expects a zero point per row where the format packs them (size mismatch at load)
     Consumer("transformers + compressed-tensors (compressed)", "transformers", "compressed-tensors",
-             (k_divisible, no_g_idx), "the package's forward"),
+             (k_divisible, no_g_idx, symmetric), "the package's forward"),
     Consumer("transformers + bitsandbytes", "transformers", "bitsandbytes"),
     Consumer("ExLlamaV2", "exllama", "exl2"),
     Consumer("llama.cpp", "llama.cpp", "gguf"),

@@ -91,6 +91,15 @@ def reading(f: Path) -> Iterator[None]:
         raise QuantkitError(f"{f}: corrupt or truncated safetensors file ({e}): re-download or re-export it") from None
 
 
+def fingerprint(source: str | os.PathLike) -> str:
+    """The files a model's weights are read from, by name, size and time of change: a run resumed (or a
+    report gone on with) from the same path is of the same model only while these are unchanged."""
+    p = Path(source)
+    files = [p] if p.is_file() else [f for f in (p / "config.json", p / "model.safetensors.index.json",
+                                                  *p.glob("*.safetensors")) if f.is_file()]
+    return ";".join(f"{f.name}:{st.st_size}:{st.st_mtime_ns}" for f in sorted(set(files)) for st in [f.stat()])
+
+
 def shard_files(path: Path) -> list[Path]:
     """A safetensors checkpoint's files: those its index names (each checked to be there), else every
     one in the directory. Where there is an index, other files beside it (a stray model.safetensors)

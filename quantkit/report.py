@@ -82,6 +82,7 @@ class Settings:
     tasks: list[str] = field(default_factory=list)
     lm_eval_limit: float | None = None
     exl2_measured: bool = False  # EXL2 points spend the target by one measurement, OUT/exl2-measurement.json
+    weights: str = ""  # the model's files as modelio.fingerprint gives them: a report goes on only with the same
 
 
 def tensor_bytes(path: Path) -> dict[str, int]:
@@ -203,14 +204,15 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     from quantkit import calibration, evals
 
     from . import api
-    from .modelio import load
+    from .modelio import default_model_dir, fingerprint, load
 
     sweep = sweep or Sweep()
     todo = points(sweep.methods, sweep.bits, sweep.gguf_types, sweep.exl2_targets)
     check(todo, settings, Path(out))
     s = settings  # paths as absolute: a resumed run from elsewhere is the same report
     settings = replace(s, model=str(Path(s.model).resolve()) if s.model else "", data=str(Path(s.data).resolve()),
-                       calib_data=str(Path(s.calib_data).resolve()) if s.calib_data else None)
+                       calib_data=str(Path(s.calib_data).resolve()) if s.calib_data else None,
+                       weights=fingerprint(s.model or default_model_dir()))
     model, data, windows, ctx = settings.model or None, settings.data, settings.windows, settings.ctx
     out = Path(out)
     fresh = not out.exists()

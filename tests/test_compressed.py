@@ -63,6 +63,28 @@ def test_transformers_loads_ours_with_our_perplexity(tmp_path):
     assert theirs_ppl == pytest.approx(ours_ppl, rel=2e-3)
 
 
+@pytest.mark.parametrize("sym", [True, False])
+def test_transformers_compressed_path_takes_what_the_consumer_table_says(tiny_dir, tmp_path, sym):
+    """transformers' default (compressed) load gives our logits where the table lists it for the export,
+    and fails where the table says it does not (asymmetric: it expects unpacked zero points)."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit import consumers
+
+    m = export(tiny_dir, tmp_path / "q", bits=4, group_size=32, sym=sym)
+    why = dict((c.name, w) for c, w in consumers.verdicts(consumers.Export.of("compressed-tensors", m.qconfig, m.module)))
+    listed = why["transformers + compressed-tensors (compressed)"] is None
+    try:
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32)
+    except RuntimeError:
+        assert not listed
+        return
+    ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, m.module(ids).logits, rtol=0, atol=2e-3)
+    assert listed
+
+
 @pytest.mark.parametrize("args,match", [
     (["--bits", "3"], "4 or 8 bits, not 3"),
     (["--bits", "8", "--method", "awq"], "asymmetric compressed-tensors weights as 4-bit only"),

@@ -56,6 +56,8 @@ def test_refusals(tiny_dir, tmp_path, capsys, monkeypatch):
             "lm-eval knows no task 'wikitxt' (close names: wikitext")
     refused(["lm-eval", tiny_dir, "--tasks", "wikitext", "--data-dir", tmp_path / "none"], capsys, monkeypatch,
             "no such directory, where the local tasks read their data: pass --data-dir")
+    refused(["lm-eval", tiny_dir, "--tasks", "wikitext", "--max-length", 1024], capsys, monkeypatch,
+            "--max-length 1024 is longer than the model's context of 512 tokens")
     monkeypatch.setitem(sys.modules, "lm_eval.tasks", None)  # as if lm-eval were not installed
     refused(["lm-eval", tiny_dir, "--tasks", "wikitext"], capsys, monkeypatch, "lm-eval is not installed: pip install")
 

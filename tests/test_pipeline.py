@@ -1,3 +1,5 @@
+import shutil
+
 import pytest
 import torch
 
@@ -7,7 +9,7 @@ from quantkit.layers import GROUPS, LINEARS
 from quantkit.pipeline import quantize_layers
 from quantkit.quantizers import rtn
 
-from .conftest import TEST, VALID, loaded
+from .conftest import TEST, VALID, loaded, make_tiny
 
 
 def hessians_of(module, windows, layer_ids, groups):
@@ -125,6 +127,34 @@ def test_an_interrupted_export_resumes_after_the_last_finished_layer(tiny_dir, t
     assert calls and all("layers.1." in c for c in calls)
     assert files(tmp_path / "q") == files(tmp_path / "whole")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "whole"]  # no progress, partial or lock left
+
+
+def test_a_model_rewritten_at_the_same_path_is_not_resumed_from(tmp_path, monkeypatch, capsys):
+    """Killed in layer 1, then the checkpoint at that path replaced by another model: the same command
+    starts afresh (its progress was of other weights) and writes what a run on the new model writes."""
+    kw = dict(method="gptq", bits=4, group_size=32, calib_data=VALID, calib_samples=4, calib_seqlen=48, progress=False)
+    make_tiny(tmp_path / "other", seed=1)
+    quantkit.quantize(str(tmp_path / "other"), out=tmp_path / "want", **kw)
+    make_tiny(tmp_path / "m", seed=0)
+    real = quantkit.quantizers.gptq.quantize
+
+    def dies_in_layer_1(*args, **kwargs):
+        if "layers.1." in kwargs["name"]:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("quantkit.quantizers.gptq.quantize", dies_in_layer_1)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tmp_path / "m"), out=tmp_path / "q", **kw)
+    monkeypatch.undo()
+    shutil.rmtree(tmp_path / "m")
+    shutil.copytree(tmp_path / "other", tmp_path / "m")
+    capsys.readouterr()
+    quantkit.quantize(str(tmp_path / "m"), out=tmp_path / "q", **kw)
+    assert "ignoring progress file" in capsys.readouterr().err
+    got, want = files(tmp_path / "q"), files(tmp_path / "want")
+    assert got.pop("config.json") != want.pop("config.json")  # its _name_or_path alone
+    assert got == want
 
 
 def test_another_runs_progress_is_not_used(tiny_dir, tmp_path, capsys):

@@ -1,9 +1,10 @@
 """quantkit report: the sweep's table, JSON and plots, a failed point recorded, and a resumed run."""
 import json
+import shutil
 
 import pytest
 
-from .conftest import TEST, VALID, cli
+from .conftest import TEST, VALID, cli, make_tiny
 
 
 def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
@@ -40,6 +41,20 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
     assert all((out / "points" / f"{p}.json").stat().st_mtime_ns == stamps[p] for p in ("rtn-w4", "nf4", "gguf-Q8_0", "exl2-4"))
 
     code, _, err = cli([*common, "--windows", 2], capsys, monkeypatch)
+    assert code == 2 and err[-1].startswith(f"error: {out} holds a report of other settings")
+
+
+def test_a_model_rewritten_at_its_path_is_not_reported_on_with_the_old_points(tiny_dir, tmp_path, capsys, monkeypatch):
+    """The points and the base of a report belong to the weights they were made from: the same command
+    after the model at that path changed is refused, not answered from the old results."""
+    model, out = tmp_path / "m", tmp_path / "report"
+    shutil.copytree(tiny_dir, model)
+    args = ["report", model, "--out", out, "--data", TEST, "--methods", "rtn", "--bits", "4", "--group-size", 32,
+            "--windows", 1, "--ctx", 64]
+    assert cli(args, capsys, monkeypatch)[0] == 0
+    shutil.rmtree(model)
+    make_tiny(model, seed=1)
+    code, _, err = cli(args, capsys, monkeypatch)
     assert code == 2 and err[-1].startswith(f"error: {out} holds a report of other settings")
 
 

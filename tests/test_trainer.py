@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from quantkit.errors import QuantkitError
 from quantkit.trainer import TrainConfig, lora, merge, train
 from quantkit.trainer.merge import attach
 
@@ -71,6 +72,43 @@ def test_we_load_peft_adapters(tiny_dir, tmp_path):
     assert torch.allclose(logits(base(tmp_path / "m")), logits(peft.merge_and_unload()), atol=1e-4, rtol=1e-4)
 
 
+def test_merge_an_adapter_on_lm_head(tiny_dir, tmp_path):
+    """PEFT can target lm_head: merge adds it (it was dropped: the merged head was the base's), and
+    refuses a head tied to the embedding, which one merged weight cannot express."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    def peft_on(model, out):
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False,
+                            task_type="CAUSAL_LM")
+        torch.manual_seed(0)
+        peft = get_peft_model(base(model), config).eval()
+        peft.save_pretrained(out, save_embedding_layers=False)  # the LoRA tensors only
+        return peft
+
+    config = base(tiny_dir).config
+    config.tie_word_embeddings = False
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "untied")  # a head of its own
+    AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(tmp_path / "untied")
+    peft = peft_on(tmp_path / "untied", tmp_path / "a")
+    assert torch.allclose(logits(attach(tmp_path / "untied", tmp_path / "a").module), logits(peft), atol=1e-5, rtol=1e-5)
+    merge(tmp_path / "a", tmp_path / "m", base=tmp_path / "untied", progress=False)
+    assert torch.allclose(logits(base(tmp_path / "m")), logits(peft.merge_and_unload()), atol=1e-4, rtol=1e-4)
+
+    peft_on(tiny_dir, tmp_path / "tied")
+    with pytest.raises(QuantkitError, match="ties to its embedding, so it cannot be merged"):
+        merge(tmp_path / "tied", tmp_path / "m2", base=tiny_dir, progress=False)
+    assert not (tmp_path / "m2").exists()
+
+
+def test_all_linear_beside_other_names(tiny_dir):
+    """--target all-linear,q_proj was refused: "--target all-linear matches no linear: use all-linear"."""
+    from quantkit.modelio import load
+
+    module = load(tiny_dir).module
+    assert lora.targets(module, ["all-linear", "q_proj"]) == lora.decoder_linears(module)
+
+
 def test_qlora_base_is_bitsandbytes_nf4_and_merges_onto_it(tiny_dir, text, tmp_path):
     import bitsandbytes.functional as bnbf
 
@@ -110,6 +148,33 @@ def test_resumed_run_repeats_an_uninterrupted_one(tiny_dir, text, tmp_path, opti
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
     assert whole.evals[-1]["eval_loss"] < whole.evals[0]["eval_loss"]  # it learns
     assert sorted(p.name for p in (tmp_path / "cut").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "loss.png", "train_log.json"]
+
+
+def test_a_checkpoint_cut_short_stays_out_of_the_adapter(tiny_dir, text, tmp_path, monkeypatch):
+    """Ctrl-C while a checkpoint is written leaves it half-written beside the last good one; the run
+    resumed by another process (another name for its own) wrote that inside the adapter directory."""
+    import os
+
+    from quantkit.trainer import loop
+
+    real, calls = loop.save_progress, []
+
+    def save(*args):
+        calls.append(1)
+        if len(calls) == 2:  # the checkpoint of step 4
+            raise KeyboardInterrupt
+        real(*args)
+
+    monkeypatch.setattr(loop, "save_progress", save)
+    opts = dict(steps=6, save_every=2, rank=4, seqlen=32, batch_size=2, eval_fraction=0, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_dir, data=text, out=tmp_path / "a", **opts)
+    monkeypatch.undo()
+    partial = tmp_path / ".a.partial"
+    (partial / f".checkpoint-{os.getpid()}").rename(partial / ".checkpoint-1")  # as a process now gone left it
+    train(tiny_dir, data=text, out=tmp_path / "a", resume=True, **opts)
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors", "loss.png", "train_log.json"]
 
 
@@ -176,6 +241,30 @@ def test_early_stopping_keeps_the_best_adapter(tiny_dir, text, tmp_path, monkeyp
     monkeypatch.undo()
     train(tiny_dir, data=text, out=tmp_path / "one", steps=1, **opts)
     a, b = load_file(tmp_path / "stopped" / lora.WEIGHTS), load_file(tmp_path / "one" / lora.WEIGHTS)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_run_killed_after_its_early_stop_resumes_to_the_stop(tiny_dir, text, tmp_path, monkeypatch):
+    """Killed after the checkpoint of the step that stopped it early (before the adapter was
+    written): --resume ends there as the uninterrupted run did, rather than training on."""
+    from quantkit.trainer import loop
+
+    losses = [3.0, 2.0, 2.5, 2.6, 2.7, 2.8]
+    opts = dict(steps=6, patience=2, rank=4, lr=1e-2, dropout=0.0, warmup=0, precision="fp32", eval_every=1, seqlen=32,
+                batch_size=2, eval_fraction=0.1, progress=False)
+    monkeypatch.setattr(loop, "held_out_loss", lambda *args, it=iter(losses): next(it))
+    whole = train(tiny_dir, data=text, out=tmp_path / "whole", **opts)
+
+    def kill(record):
+        if record["step"] == 3:  # the stop's checkpoint is saved
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "held_out_loss", lambda *args, it=iter(losses): next(it))
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_dir, data=text, out=tmp_path / "cut", callback=kill, **opts)
+    resumed = train(tiny_dir, data=text, out=tmp_path / "cut", resume=True, **opts)
+    assert whole.steps == 3 and resumed.stopped_early and resumed.steps == 3 and resumed.best_step == 1
+    a, b = load_file(tmp_path / "whole" / lora.WEIGHTS), load_file(tmp_path / "cut" / lora.WEIGHTS)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -117,6 +117,18 @@ def test_bad_rank(tiny_dir, text, capsys, monkeypatch, tmp_path, rank, match):
     train_fails(tiny_dir, text, capsys, monkeypatch, tmp_path, match, "--rank", rank)
 
 
+@pytest.mark.parametrize("args,match", [
+    (["--max-grad-norm", 0], "--max-grad-norm 0.0 is invalid: use a positive norm"),  # zeroed every gradient
+    (["--max-grad-norm", -1], "--max-grad-norm -1.0 is invalid"),  # flipped them: the held-out loss rose
+    (["--max-grad-norm", "nan"], "--max-grad-norm nan is invalid"),  # an adapter of NaNs, exit 0
+    (["--weight-decay", -0.1], "--weight-decay -0.1 is invalid: use 0 or"),  # torch's ValueError: a traceback
+    (["--alpha", 0], "--alpha 0.0 is invalid: use a positive number"),  # scale 0: B never moved
+    (["--patience", 0], "--patience 0 is invalid: use a number of evaluations"),  # stopped at the first one
+    (["--patience", 2], "--patience stops on the held-out loss, and there is no held-out data")])  # FAST: none
+def test_bad_training_settings(tiny_dir, text, capsys, monkeypatch, tmp_path, args, match):
+    train_fails(tiny_dir, text, capsys, monkeypatch, tmp_path, match, *args)
+
+
 @pytest.fixture(scope="module")
 def adapter(tiny_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("adapter")
@@ -142,6 +154,19 @@ def test_merge_onto_a_base_of_the_same_shapes_warns(adapter, tiny_dir, tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         merge(adapter, tmp_path / "same", base=tiny_dir / ".." / tiny_dir.name, progress=False)
+
+
+def test_merge_lora_on_an_embedding(tiny_dir, capsys, monkeypatch, tmp_path):
+    """PEFT's LoRA on embed_tokens (lora_embedding_A/B) was a traceback (an Embedding has no in_features)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"], task_type="CAUSAL_LM")
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_dir), config)
+    peft.save_pretrained(tmp_path / "peft", save_embedding_layers=False)
+    fails(["merge", tmp_path / "peft", "--base", tiny_dir, "--out", tmp_path / "out"], capsys, monkeypatch,
+          "LoRA on model.embed_tokens, not a linear layer (Embedding): quantkit reads LoRA on linear layers only")
+    assert left(tmp_path) == []
 
 
 @pytest.mark.parametrize("missing", ["adapter_config.json", "adapter_model.safetensors"])
@@ -273,3 +298,21 @@ def test_every_assistant_turn_is_scored(chat_dir, tmp_path):
     edges = torch.diff(kept, prepend=torch.tensor([0]), append=torch.tensor([0])).nonzero().flatten().tolist()
     runs = [tok.decode(example.ids[a:b]) for a, b in zip(edges[::2], edges[1::2])]
     assert runs == ["Red it is.<|im_end|>\n", "Blue as asked.<|im_end|>\n"]  # the replies, not the user's turns
+
+
+def test_resume_after_the_base_was_rewritten_at_its_path(text, capsys, monkeypatch, tmp_path):
+    """A run stopped at its checkpoint is not resumed once the model at the same path is another one:
+    the adapter would be half trained on each."""
+    make_tiny(tmp_path / "m", seed=0)
+
+    def stop(record):
+        if record["step"] == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(str(tmp_path / "m"), data=text, out=tmp_path / "out", steps=4, save_every=2, seqlen=32, batch_size=2,
+              rank=4, warmup=0, eval_fraction=0, progress=False, callback=stop)
+    shutil.rmtree(tmp_path / "m")
+    make_tiny(tmp_path / "m", seed=1)
+    fails(["train", tmp_path / "m", "--data", text, "--out", tmp_path / "out", *FAST, "--steps", 4, "--save-every", 2,
+           "--resume"], capsys, monkeypatch, "is of another run (a different model, data or settings)")

@@ -72,6 +72,16 @@ class TrainConfig:
             raise QuantkitError("--steps and --epochs must be positive")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise QuantkitError(f"learning rate {self.lr} is invalid: use a positive number such as 2e-4")
+        if not (self.alpha > 0 and math.isfinite(self.alpha)):  # 0: the adapter adds nothing and never trains
+            raise QuantkitError(f"--alpha {self.alpha} is invalid: use a positive number such as 32")
+        if not self.max_grad_norm > 0:  # 0 zeroes every gradient, a negative one flips it, NaN poisons it
+            raise QuantkitError(f"--max-grad-norm {self.max_grad_norm} is invalid: use a positive norm such as 1.0 "
+                                "(inf: no clipping)")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise QuantkitError(f"--weight-decay {self.weight_decay} is invalid: use 0 or a small positive number such "
+                                "as 0.01")
+        if self.patience is not None and self.patience < 1:  # 0 would stop at the first evaluation
+            raise QuantkitError(f"--patience {self.patience} is invalid: use a number of evaluations, 1 or more")
         if not 0 <= self.eval_fraction < 1:
             raise QuantkitError(f"--eval-fraction {self.eval_fraction} is out of range: use a fraction such as 0.05")
         if self.warmup < 0:

@@ -27,7 +27,7 @@ from quantkit import distributed
 from quantkit.api import device_of
 from quantkit.errors import QuantkitError, ResumableError, free_space, size, space_for, untrusted
 from quantkit.atomic import Staged, fsync, partial_path, remove
-from quantkit.modelio import Model, load
+from quantkit.modelio import Model, fingerprint, load
 from quantkit.pipeline import free_memory, map_large_blocks, peak_memory, read_progress, save_progress
 
 from . import dataset, lora
@@ -227,6 +227,12 @@ class Checkpoints:
         tmp.rename(self.path)
         remove(self.old)
 
+    def clear(self) -> None:
+        """Every checkpoint, the previous one and any a killed save left (named for another process):
+        none of them belongs in the output."""
+        for p in [self.path, self.old, *self.path.parent.glob(f".{CHECKPOINT}-*")]:
+            remove(p)
+
     def load(self) -> dict:
         path = self.latest()
         with untrusted(path, "the checkpoint is damaged", "run again without --resume"):
@@ -288,10 +294,13 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
         train_set, held_out = examples, dataset.read(eval_file, m.tokenizer, config.seqlen)
     else:
         train_set, held_out = dataset.split(examples, config.eval_fraction, config.seed)
+    if config.patience is not None and not held_out:
+        raise QuantkitError("--patience stops on the held-out loss, and there is no held-out data: pass --eval-data or "
+                            "a positive --eval-fraction, or drop --patience")
     per_step = config.batch_size * config.grad_accum
     total = config.steps or max(1, math.ceil((config.epochs or 1) * len(train_set) / per_step))
     key = hashlib.sha256(json.dumps({
-        "model": m.source, "data": digest(data_file), "eval": digest(eval_file),
+        "model": m.source, "weights": fingerprint(m.source), "data": digest(data_file), "eval": digest(eval_file),
         "config": {k: v for k, v in config.to_dict().items() if k not in SAME_RUN}}, sort_keys=True).encode()).hexdigest()
 
     partial = partial_path(out)  # every process reads the checkpoint; only rank 0 holds the lock
@@ -317,7 +326,7 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
         if rank == 0:
             with space_for(out, None, "the adapter", "run again with --resume (the last checkpoint holds every step)"):
                 write(partial, m, config, result, adapter)
-            remove(checkpoints.path)
+            checkpoints.clear()
             staged.commit()
         result.out = str(out)
         return result
@@ -378,10 +387,12 @@ def run(m: Model, config: TrainConfig, names: list[str], train_set: list[dataset
         evaluate(0)
     context = (lambda: torch.autocast(dev.type, amp)) if amp else nullcontext
     bar = tqdm(total=total, initial=start, unit="step", disable=not progress or rank != 0, dynamic_ncols=True)
-    began, tokens, stop, evaluating = time.perf_counter(), 0, False, 0.0  # this run's tokens and time, for its speed
+    began, tokens, evaluating = time.perf_counter(), 0, 0.0  # this run's tokens and time, for its speed
+    # a run killed after the checkpoint of its early stop (before writing the adapter) stops there again
+    stop = state is not None and config.patience is not None and bad >= config.patience
     seen = result.log[-1]["tokens"] if result.log else 0  # every run's, for the log
     try:
-        for step in range(start, total):
+        for step in range(start, start if stop else total):
             first = step * config.batch_size * config.grad_accum  # this step's first place in the data stream
             stream = dataset.sequence(len(train_set), config.seed, first, config.batch_size * config.grad_accum)
             scored = sum(train_set[i].scored for i in stream)  # over the whole global batch: every process knows it

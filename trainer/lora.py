@@ -117,7 +117,7 @@ def targets(module: torch.nn.Module, target: list[str]) -> list[str]:
     """The linears that target names: all-linear (every decoder linear, not lm_head, as PEFT), or
     module names matched as PEFT does (the whole name, or its last parts)."""
     linears = decoder_linears(module)
-    if target == ["all-linear"]:
+    if "all-linear" in target:  # beside other names too: they are among all
         return linears
     found = [n for n in linears if any(n == t or n.endswith("." + t) for t in target)]
     missing = [t for t in target if not any(n == t or n.endswith("." + t) for n in linears)]

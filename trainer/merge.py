@@ -77,6 +77,9 @@ def fitted(m: Model, config: TrainConfig, tensors: dict[str, torch.Tensor], adap
         except AttributeError:
             raise QuantkitError(f"{adapter}: the adapter has {name}, which the base model lacks: pass the --base it "
                                 "was trained on") from None
+        if not isinstance(linear, torch.nn.Linear):  # PEFT's LoRA on an embedding (lora_embedding_A)
+            raise QuantkitError(f"{adapter}: the adapter has LoRA on {name}, not a linear layer ({type(linear).__name__}): "
+                                "quantkit reads LoRA on linear layers only: use PEFT for this adapter")
         a, b = parts.get("A.weight"), parts.get("B.weight")
         want = {"A.weight": (config.rank, linear.in_features), "B.weight": (linear.out_features, config.rank)}
         if config.dora:
@@ -96,6 +99,9 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
     config, cfg, tensors = read(adapter)
     m = base_of(cfg, base, adapter)
     by_linear = fitted(m, config, tensors, adapter)
+    if "lm_head" in by_linear and m.module.config.tie_word_embeddings:  # merged, it would change the embedding too
+        raise QuantkitError(f"{adapter}: the adapter changes lm_head, which this model ties to its embedding, so it "
+                            "cannot be merged into one weight: use the adapter unmerged (PEFT), or train without lm_head")
     dtype = m.checkpoint.dtype
     staged = Staged(out, overwrite)
     try:
@@ -103,18 +109,12 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
         writer = ShardWriter(directory, max_shard_size)
         for i in tqdm(range(len(m.layers)), unit="layer", desc="merging", disable=not progress):
             prefix = f"model.layers.{i}"
-            layer = m.materialize(prefix, "cpu", torch.float32)
-            for name, parts in by_linear.items():
-                if name.startswith(prefix + "."):
-                    linear = m.module.get_submodule(name)
-                    w = lora.quantize_nf4(linear, config.nf4_block).dequantize() if onto_nf4 else linear.weight
-                    linear.weight.data = lora.merged(w, parts["A.weight"], parts["B.weight"], config.scale,
-                                                     parts.get("magnitude_vector"))
-            for key, t in layer.state_dict().items():
-                writer.add(f"{prefix}.{key}", t.to(dtype))
-            m.release(prefix)
+            merge_part(m, prefix, by_linear, config, onto_nf4, writer, dtype)
         for prefix in ("model.embed_tokens", "model.norm", "lm_head"):
-            write_other(m, prefix, writer, None, keep=False)
+            if prefix in by_linear:  # PEFT can target lm_head (fitted: only linears have adapters)
+                merge_part(m, prefix, by_linear, config, onto_nf4, writer, dtype)
+            else:
+                write_other(m, prefix, writer, None, keep=False)
         writer.close()
         for f in Path(m.source).iterdir():
             if f.is_file() and f.suffix in SIDE_FILES and f.name != INDEX:
@@ -123,6 +123,21 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
     except BaseException:
         staged.abort()
         raise
+
+
+def merge_part(m: Model, prefix: str, by_linear: dict[str, dict[str, torch.Tensor]], config: TrainConfig,
+               onto_nf4: bool, writer: ShardWriter, dtype: torch.dtype) -> None:
+    """The part of the model at prefix, read in float32, with the adapters on its linears merged, written in dtype."""
+    part = m.materialize(prefix, "cpu", torch.float32)
+    for name, parts in by_linear.items():
+        if name == prefix or name.startswith(prefix + "."):
+            linear = m.module.get_submodule(name)
+            w = lora.quantize_nf4(linear, config.nf4_block).dequantize() if onto_nf4 else linear.weight
+            linear.weight.data = lora.merged(w, parts["A.weight"], parts["B.weight"], config.scale,
+                                             parts.get("magnitude_vector"))
+    for key, t in part.state_dict().items():
+        writer.add(f"{prefix}.{key}", t.to(dtype))
+    m.release(prefix)
 
 
 def attach(model: str | os.PathLike | Model | None, adapter: str | os.PathLike, onto_nf4: bool = False) -> Model:

@@ -1,0 +1,87 @@
+"""What consumers read beyond the tensors: the generation config a re-export keeps, and the settings
+vLLM finds for the linears it fuses (q/k/v as qkv_proj, gate/up as gate_up_proj) under --rules."""
+import json
+import re
+import shutil
+
+import pytest
+
+import quantkit
+from quantkit.layers import linear_shapes
+
+from .test_rules import settings, vllm_dynamic
+
+# gate and up of layer 1 at 8 bits by a pattern that names each part, not the fused gate_up_proj;
+# q/k/v of layer 0 left in float the same way
+RULES = [{"match": r"layers\.1\.mlp\.(gate|up)_proj", "bits": 8},
+         {"match": r"layers\.0\.self_attn\.[qkv]_proj", "skip": True}]
+FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fused_names(layers: int) -> dict[str, list[str]]:
+    return {f"model.layers.{i}.{f}": [f"model.layers.{i}.{f.split('.')[0]}.{p}" for p in parts]
+            for i in range(layers) for f, parts in FUSED.items()}
+
+
+def test_reexport_keeps_the_generation_config(tiny_dir, tmp_path):
+    """A quantized checkpoint read back and exported again (to another format) keeps its sampling settings."""
+    from transformers import GenerationConfig
+
+    src = tmp_path / "m"
+    shutil.copytree(tiny_dir, src)
+    g = GenerationConfig.from_pretrained(src)
+    g.do_sample, g.temperature, g.top_p, g.max_new_tokens = True, 0.2, 0.9, 77
+    g.save_pretrained(src)
+    quantkit.quantize(str(src), bits=4, group_size=32, out=tmp_path / "q", progress=False)
+    back = quantkit.load(tmp_path / "q")
+    assert (back.module.generation_config.temperature, back.module.generation_config.max_new_tokens) == (0.2, 77)
+    quantkit.export(back, tmp_path / "ct", format="compressed-tensors")
+    saved = json.loads((tmp_path / "ct" / "generation_config.json").read_text())
+    assert (saved["do_sample"], saved["temperature"], saved["top_p"], saved["max_new_tokens"]) == (True, 0.2, 0.9, 77)
+
+
+def test_vllm_finds_the_fused_linears_settings_in_dynamic(tiny_dir, tmp_path):
+    """vLLM matches `dynamic` against qkv_proj and gate_up_proj: they get the settings their parts have."""
+    (tmp_path / "r.json").write_text(json.dumps(RULES))
+    m = quantkit.quantize(str(tiny_dir), bits=4, group_size=32, rules=str(tmp_path / "r.json"), out=tmp_path / "q",
+                          keep=True, progress=False)
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    names = [n for n, _, _ in linear_shapes(m.module)]
+    want = settings(m.qconfig, names)
+    for fused, parts in fused_names(len(m.module.model.layers)).items():
+        d = vllm_dynamic(qc["dynamic"], fused)
+        got = None if d is False else (d.get("bits", qc["bits"]), d.get("group_size", qc["group_size"]))
+        assert {want[p] for p in parts} == {got}, fused
+    for n in names:  # the parts as before
+        d = vllm_dynamic(qc["dynamic"], n)
+        assert (None if d is False else (d.get("bits", qc["bits"]), d.get("group_size", qc["group_size"]))) == want[n]
+
+
+def vllm_target(name: str, cls: str, targets: list[str]) -> str | None:
+    """vLLM's compressed_tensors.utils.find_matched_target: the layer's name exactly or by "re:", then
+    its class name containing a target, then (a fused layer) the target of all its parts."""
+    def hit(value, contains=False):
+        return next((t for t in targets if (re.match(t[3:], value) if t.startswith("re:") else
+                                            t.lower() in value.lower() if contains else t == value)), None)
+
+    return hit(name) or hit(cls, True)
+
+
+@pytest.mark.parametrize("rules", [[{"match": r"layers\.1\.mlp\.(gate|up)_proj", "bits": 8}],
+                                   [{"match": r"self_attn\.[qkv]_proj", "group_size": 64}]])
+def test_vllm_finds_the_fused_linears_config_group(tiny_dir, tmp_path, rules):
+    """vLLM's QKVParallelLinear and MergedColumnParallelLinear contain "Linear": the config group
+    targeting the parts by name must also name the fused linear, or the run's group takes it."""
+    (tmp_path / "r.json").write_text(json.dumps(rules))
+    m = quantkit.quantize(str(tiny_dir), bits=4, group_size=32, rules=str(tmp_path / "r.json"), out=tmp_path / "q",
+                          format="compressed-tensors", keep=True, progress=False)
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    by_target = {t: g["weights"] for g in qc["config_groups"].values() for t in g["targets"]}
+    want = settings(m.qconfig, [n for n, _, _ in linear_shapes(m.module)])
+    classes = {"self_attn.qkv_proj": "QKVParallelLinear", "mlp.gate_up_proj": "MergedColumnParallelLinear"}
+    for fused, parts in fused_names(len(m.module.model.layers)).items():
+        w = by_target[vllm_target(fused, classes[fused.split(".", 3)[3]], list(by_target))]
+        assert {want[p] for p in parts} == {(w["num_bits"], w["group_size"] or -1)}, fused
+    back = quantkit.load(tmp_path / "q")  # our reader resolves the pattern as before
+    assert {n: (qt.bits, qt.group_size) for n, qt in back.tensors.items()} == \
+        {n: (qt.bits, qt.group_size) for n, qt in m.tensors.items()}
