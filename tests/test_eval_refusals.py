@@ -1,4 +1,4 @@
-"""Evaluation refusals found in review: each before any model loads, naming the option to change."""
+"""Evaluation refusals: each before any model loads, naming the option to change."""
 import os
 
 import pytest

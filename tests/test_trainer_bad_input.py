@@ -234,6 +234,24 @@ def test_nan_loss(tiny_dir, text, quiet, capsys, monkeypatch, tmp_path, at, matc
         assert left(tmp_path) == [".out.partial"] and saved_step(tmp_path) == 2
 
 
+def test_nan_gradients_under_a_finite_loss(tiny_dir, text, quiet, capsys, monkeypatch, tmp_path):
+    """Gradients that are not finite while the loss is (float32, no scaler to skip the step) stop the
+    run as a NaN loss does: the optimizer would have written NaN into the adapter."""
+    real, calls = torch.nn.utils.clip_grad_norm_, []
+
+    def clip(params, *a, **kw):
+        params = list(params)
+        calls.append(1)
+        if len(calls) == 3:
+            params[0].grad.fill_(float("nan"))
+        return real(params, *a, **kw)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    fails(train_6(tmp_path, tiny_dir, text), capsys, monkeypatch,
+          "the gradients' norm became nan at step 3: the last good checkpoint (step 2) is in")
+    assert left(tmp_path) == [".out.partial"] and saved_step(tmp_path) == 2
+
+
 def test_error_after_the_progress_bar(tiny_dir, text, capsys, monkeypatch, tmp_path):
     nan_from(monkeypatch, 1)
     fails(train_6(tmp_path, tiny_dir, text), capsys, monkeypatch, "the training loss became nan")

@@ -264,6 +264,14 @@ def plot(path: Path, log: list[dict], evals: list[dict], title: str) -> None:
     plt.close(fig)
 
 
+def diverged(checkpoints: Checkpoints, what: str) -> None:
+    """Stop a run whose loss or gradients are no longer finite, saying where to go on from."""
+    saved = checkpoints.latest()
+    where = (f"the last good checkpoint (step {checkpoints.load()['step']}) is in {saved}: lower --lr, or "
+             "resume from it") if saved else "no checkpoint was saved yet: lower --lr"
+    raise QuantkitError(f"{what}: {where}")
+
+
 def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | None = None, *,
           data: str | os.PathLike, out: str | os.PathLike, eval_data: str | os.PathLike | None = None,
           resume: bool = False, overwrite: bool = False, device: str | torch.device | None = None,
@@ -426,13 +434,12 @@ def run(m: Model, config: TrainConfig, names: list[str], train_set: list[dataset
                     p.grad.copy_(g.view_as(p))
                 loss_sum = float(flat[-1])
             if not math.isfinite(loss_sum):
-                saved = checkpoints.latest()
-                where = (f"the last good checkpoint (step {checkpoints.load()['step']}) is in {saved}: lower --lr, or "
-                         "resume from it") if saved else "no checkpoint was saved yet: lower --lr"
-                raise QuantkitError(f"the training loss became {loss_sum} at step {step + 1}: {where}")
+                diverged(checkpoints, f"the training loss became {loss_sum} at step {step + 1}")
             if scaler:
                 scaler.unscale_(opt)
             norm = float(lora.whole(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)))
+            if not scaler and not math.isfinite(norm):  # the scaler skips such a step; the optimizer would take it
+                diverged(checkpoints, f"the gradients' norm became {norm} at step {step + 1}")
             lr = sched.get_last_lr()[0]
             if scaler:
                 scaler.step(opt)
