@@ -327,7 +327,7 @@ def save_base(module: torch.nn.Module, tokenizer, windows: torch.Tensor, path: s
     """Score windows (n, ctx) on the base model and save its log-probabilities at path (atomically)."""
     from quantkit.atomic import Staged
 
-    staged = Staged(path, overwrite=True, directory=False)
+    staged = Staged(path, overwrite=True, directory=False, option="--save-base")
     n, ctx = windows.shape
     needed = HEADER.size + windows.numel() * 4 + n * (ctx - 1 - ctx // 2) * row_width(module.config.vocab_size) * 2
     try:

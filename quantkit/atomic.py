@@ -12,21 +12,22 @@ from typing import BinaryIO
 from quantkit.errors import QuantkitError
 
 
-def check_out(out: str | os.PathLike, overwrite: bool = False, directory: bool | None = None) -> None:
+def check_out(out: str | os.PathLike, overwrite: bool = False, directory: bool | None = None,
+              option: str = "--out") -> None:
     """Fail before any work when out cannot be written; directory: whether out is to be a directory (True)
-    or a file (False), where the caller knows."""
+    or a file (False), where the caller knows; option: the command-line option that names out."""
     out = Path(out)
     if out.name in ("", "..") or Path.cwd().resolve().is_relative_to(out.resolve()):  # '', '.', 'x/..', '/', ...
-        raise QuantkitError(f"--out {str(out)!r} names no new file or directory: give the output a name of its own, "
-                            "such as out/model")
+        raise QuantkitError(f"{option} {str(out)!r} names no new file or directory: give the output a name of its "
+                            "own, such as out/model")
     if directory is False and out.is_dir():
-        raise QuantkitError(f"{out} is a directory, and this output is a file: choose another --out, such as "
-                            f"{out / 'model.gguf'}")
+        raise QuantkitError(f"{out} is a directory, and this output is a file: choose another {option}, such as "
+                            f"{out / ('model.gguf' if option == '--out' else 'base.logits')}")
     if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
-        raise QuantkitError(f"{out} already exists: choose another --out or remove it (or pass --overwrite)")
+        raise QuantkitError(f"{out} already exists: choose another {option} or remove it (or pass --overwrite)")
     if not out.parent.is_dir():
-        raise QuantkitError(f"{out.parent}: no such directory: create it or choose another --out")
-    check_writable(out.parent, "--out")
+        raise QuantkitError(f"{out.parent}: no such directory: create it or choose another {option}")
+    check_writable(out.parent, option)
 
 
 def check_writable(directory: Path, option: str) -> None:
@@ -97,8 +98,8 @@ def remove(path: Path) -> None:
 class Staged:
     """out (a directory, or a file) under construction at .{name}.partial beside it."""
 
-    def __init__(self, out: str | os.PathLike, overwrite: bool = False, directory: bool = True):
-        check_out(out, overwrite, directory)
+    def __init__(self, out: str | os.PathLike, overwrite: bool = False, directory: bool = True, option: str = "--out"):
+        check_out(out, overwrite, directory, option)
         self.out, self.directory, self.overwrite = Path(out), directory, overwrite
         self.path = partial_path(self.out)
         self.lock_path = self.out.with_name(f".{self.out.name}.lock")
@@ -109,7 +110,7 @@ class Staged:
             except BlockingIOError:
                 self.lock.close()
                 raise QuantkitError(f"{self.out} is being written by another quantkit process: wait for it to "
-                                    "finish or choose another --out") from None
+                                    f"finish or choose another {option}") from None
             try:
                 if os.stat(self.lock_path).st_ino == os.fstat(self.lock.fileno()).st_ino:
                     break

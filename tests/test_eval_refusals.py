@@ -24,3 +24,14 @@ def test_gate_limits_that_are_not_limits_are_refused(tiny_dir, capsys, monkeypat
     monkeypatch.setattr("quantkit.api.compare", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("compared")))
     refused(["eval", tiny_dir, "--base", tiny_dir, "--data", TEST, option, value], capsys, monkeypatch,
             f"{option} {float(value)} is not a limit: pass a number from")
+
+
+def test_a_base_being_saved_by_another_process_names_its_option(tiny_dir, tmp_path, capsys, monkeypatch):
+    from quantkit.atomic import Staged
+
+    path = tmp_path / "base.logits"
+    held = Staged(path, overwrite=True, directory=False)  # another process's save, under way
+    refused(["eval", tiny_dir, "--base", tiny_dir, "--data", TEST, "--ctx", 64, "--max-windows", 1, "--save-base", path],
+            capsys, monkeypatch, "being written by another quantkit process: wait for it to finish or choose another "
+            "--save-base")
+    held.lock.close()
