@@ -94,6 +94,18 @@ def test_bad_record(chat_dir, capsys, monkeypatch, tmp_path, lines, match):
     train_fails(chat_dir, jsonl(tmp_path / "data.jsonl", *lines), capsys, monkeypatch, tmp_path, match)
 
 
+def test_a_byte_order_mark_is_not_read_as_data(chat_dir, tmp_path):
+    """JSON lines saved with a UTF-8 byte-order mark (Windows editors) read as the same records."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat_dir)
+    plain = jsonl(tmp_path / "plain.jsonl", CHAT, CHAT)
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    got, want = dataset.read(marked, tok, 64), dataset.read(plain, tok, 64)
+    assert len(got) == 2 and all(torch.equal(a.ids, b.ids) and torch.equal(a.labels, b.labels) for a, b in zip(got, want))
+
+
 def test_records_without_a_chat_template(tiny_dir, capsys, monkeypatch, tmp_path):
     train_fails(tiny_dir, jsonl(tmp_path / "data.jsonl", CHAT, CHAT), capsys, monkeypatch, tmp_path,
                 "need the tokenizer's chat template and this model's tokenizer has none: use a model with one")

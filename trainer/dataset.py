@@ -34,7 +34,7 @@ def read(path: str | os.PathLike, tokenizer, seqlen: int) -> list[Example]:
     if not p.is_file():
         raise QuantkitError(f"{p}: no such data file: pass a text file or JSON lines of chats or instructions")
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark, as Windows editors write, is not text
     except UnicodeDecodeError as e:
         raise QuantkitError(f"{p}: not UTF-8 text ({e}): pass a text file or JSON lines of chats or instructions") from None
     if not text.strip():
