@@ -319,7 +319,10 @@ def plot(r: dict, out: Path) -> None:
         ax.set_ylabel(label)
         fig.suptitle(f"{label} against size, {r['settings']['windows']} windows of {r['settings']['ctx']}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if not ok:
+            ax.text(0.5, 0.5, "no point came through: see report.md", transform=ax.transAxes, ha="center")
+        if ax.get_legend_handles_labels()[0]:  # nothing labelled: no legend (matplotlib warns of an empty one)
+            ax.legend(fontsize=8)
         fig.tight_layout()
         tmp = out / f".{name}.tmp.png"
         fig.savefig(tmp, dpi=120)

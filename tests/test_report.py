@@ -58,6 +58,15 @@ def test_a_model_rewritten_at_its_path_is_not_reported_on_with_the_old_points(ti
     assert code == 2 and err[-1].startswith(f"error: {out} holds a report of other settings")
 
 
+def test_a_report_whose_every_point_failed_still_draws_its_charts(tiny_dir, tmp_path, capsys, monkeypatch, recwarn):
+    out = tmp_path / "report"
+    code, printed, _ = cli(["report", tiny_dir, "--out", out, "--data", TEST, "--methods", "exl2", "--exl2-bits", "9",
+                            "--windows", 1, "--ctx", 64], capsys, monkeypatch)
+    assert code == 0 and "failed: exl2-9" in printed
+    assert (out / "kld.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [w for w in recwarn if "No artists" in str(w.message)]
+
+
 @pytest.mark.parametrize("args,match", [
     (["--methods", "rtn", "--bits", "5"], "unsupported bit width 5"),
     (["--methods", "gguf", "--gguf-types", "Q9"], "unknown GGUF type 'Q9' in --gguf-types"),
