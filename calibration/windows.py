@@ -8,13 +8,16 @@ import torch
 
 from quantkit.errors import QuantkitError
 
+from . import records
+
 HUB_DATASET = ("wikitext", "wikitext-2-raw-v1")
 PURPOSE = {"train": "calibrate on", "test": "evaluate on"}  # what each split's text is for
 
 
-def load_text(source: str | os.PathLike | None = None, split: str = "train") -> str:
+def load_text(source: str | os.PathLike | None = None, split: str = "train", tokenizer=None) -> str:
     """The text of a local file, or (source None) a WikiText-2 split from the hub (train to
-    calibrate, test to evaluate)."""
+    calibrate, test to evaluate). With the model's tokenizer, a .jsonl/.json file of chat or
+    instruction records (the trainer's) is the records as the chat template writes them."""
     if source is None:
         return hub_text(split)
     p = Path(source)
@@ -27,6 +30,8 @@ def load_text(source: str | os.PathLike | None = None, split: str = "train") -> 
         raise QuantkitError(f"{p}: not UTF-8 text ({e}): pass a plain text file") from None
     if not text.strip():
         raise QuantkitError(f"{p}: the file is empty: pass a file with text to {PURPOSE.get(split, 'use')}")
+    if tokenizer is not None and p.suffix in records.SUFFIXES:
+        return records.rendered(p, text, tokenizer)
     return text
 
 

@@ -56,7 +56,7 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, s
         return quantize_ggml
 
     def quantize_rtn(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
-        return rtn.quantize(w, c.bits, c.group_size, c.sym, c.mse)
+        return rtn.quantize(w, c.bits, c.group_size, c.sym, c.mse, name)
 
     def quantize_gptq(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
         if c.exl2 is not None:  # without calibration input: an identity Hessian, plain rounding onto the grid
@@ -75,7 +75,7 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, s
         return r.tensor
 
     def quantize_codebook(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
-        return nf4.quantize(w, c.method, c.block_size, c.double_quant)
+        return nf4.quantize(w, c.method, c.block_size, c.double_quant, name)
 
     return {"rtn": quantize_rtn, "gptq": quantize_gptq, "nf4": quantize_codebook, "fp4": quantize_codebook}.get(c.method)
 
@@ -277,7 +277,7 @@ def quantize(
     windows = None
     if config.needs_calibration:
         check_context(m.module.config, calib_seqlen, "--calib-seqlen")
-        text = calibration.load_text(calib_data)
+        text = calibration.load_text(calib_data, tokenizer=m.tokenizer)
         windows = calibration.sample_windows(m.tokenizer, text, calib_samples, calib_seqlen, seed)
     if config.target_bpw is not None:  # from here on, a rule per group of linears, or a GGUF type per linear
         shapes = shapes_by_name(m.module)

@@ -36,6 +36,17 @@ def check_bits_group(bits: int, group_size: int) -> None:
                             "such as 128")
 
 
+def check_scales(w: torch.Tensor, scales: torch.Tensor, name: str = "a weight") -> None:
+    """Scales (as stored) that are not finite come from NaN or Inf in w, or from values past what a
+    float16 scale can step to: refused here, since the export would be refused when read back as damaged."""
+    if torch.isfinite(scales).all():
+        return
+    if not torch.isfinite(w).all():
+        raise QuantkitError(f"{name} contains NaN or Inf: the checkpoint is damaged; re-download or re-export it")
+    raise QuantkitError(f"{name} holds values up to {float(w.abs().max()):.3g}, too large for float16 scales: "
+                        "use NF4 (float32 scales), or with RTN or GPTQ leave it in float (a --rules entry with skip)")
+
+
 def group_index(in_features: int, group_size: int) -> torch.Tensor:
     """g_idx without act-order: column k belongs to group k // G (the last group may be shorter)."""
     g = in_features if group_size == -1 else group_size

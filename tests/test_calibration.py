@@ -1,3 +1,4 @@
+import json
 import sys
 
 import pytest
@@ -7,7 +8,7 @@ from quantkit import QuantkitError
 from quantkit.calibration import load_text, sample_windows
 from quantkit.modelio import load_tokenizer
 
-from .conftest import VALID
+from .conftest import DATA, VALID
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +56,20 @@ def test_text_is_read_byte_for_byte(tmp_path):
     """wiki.test.raw has CRLF line ends; llama.cpp tokenizes them, so we must not translate them."""
     (tmp_path / "crlf.txt").write_bytes(b"one\r\ntwo\r\n")
     assert load_text(tmp_path / "crlf.txt") == "one\r\ntwo\r\n"
+
+
+def test_chat_records_calibrate_as_the_chat_template_writes_them(chat_dir, tmp_path):
+    """Dolly's JSON lines, passed as calibration data, are the records as the model's template writes
+    them (what the model will be given), not JSON; without a template they are refused."""
+    tok = load_tokenizer(chat_dir)
+    lines = (DATA / "dolly" / "dolly-15k-head.jsonl").read_text().splitlines()[:20]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    text = load_text(tmp_path / "d.jsonl", tokenizer=tok)
+    first = json.loads(lines[0])
+    assert text.startswith(f"<|im_start|>user\n{first['instruction']}\n\n{first['context']}<|im_end|>\n"
+                           f"<|im_start|>assistant\n{first['response']}<|im_end|>\n")
+    assert text.count("<|im_start|>assistant") == 20 and '"instruction":' not in text
+    assert load_text(tmp_path / "d.jsonl").startswith('{"instruction"')  # as text where no model is given
+    with pytest.raises(QuantkitError, match="need the tokenizer's chat template"):
+        tok.chat_template = None
+        load_text(tmp_path / "d.jsonl", tokenizer=tok)

@@ -3,16 +3,15 @@ lines of chats and instruction records rendered with the tokenizer's chat templa
 assistant's tokens scored). Batches are fixed by the seed: step s always sees the same sequences."""
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import jinja2
 import torch
 
-from quantkit.errors import QuantkitError, one_line
+from quantkit.calibration.records import SUFFIXES, chat_text, check_template, messages_of, parse
+from quantkit.errors import QuantkitError
 
 IGNORE = -100  # label of an unscored token (torch's cross-entropy ignore_index)
 
@@ -39,7 +38,7 @@ def read(path: str | os.PathLike, tokenizer, seqlen: int) -> list[Example]:
         raise QuantkitError(f"{p}: not UTF-8 text ({e}): pass a text file or JSON lines of chats or instructions") from None
     if not text.strip():
         raise QuantkitError(f"{p} is empty: pass a file with training text or records")
-    if p.suffix in (".jsonl", ".json"):
+    if p.suffix in SUFFIXES:
         return records(p, text, tokenizer, seqlen)
     return windows(p, text, tokenizer, seqlen)
 
@@ -55,48 +54,10 @@ def windows(p: Path, text: str, tokenizer, seqlen: int) -> list[Example]:
     return [Example(w, w.clone()) for w in ids[: n * seqlen].view(n, seqlen)]
 
 
-def messages_of(record: dict, where: str) -> list[dict]:
-    """A record's chat: `messages` (role/content), or instruction [+ context or input] + response or
-    output (Dolly, Alpaca), or prompt + completion."""
-    if "messages" in record:
-        msgs = record["messages"]
-        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
-            raise QuantkitError(f"{where}: messages must be a list of {{\"role\", \"content\"}} objects")
-        if not any(m["role"] == "assistant" for m in msgs):
-            raise QuantkitError(f"{where}: the chat has no assistant turn, so nothing to learn: add the reply "
-                                "as {\"role\": \"assistant\", \"content\": ...}")
-        return msgs
-    prompt = record.get("instruction", record.get("prompt"))
-    reply = record.get("response", record.get("output", record.get("completion")))
-    if not isinstance(prompt, str) or not isinstance(reply, str):
-        raise QuantkitError(f"{where}: a record needs messages, instruction and response (or output), or prompt "
-                            f"and completion; this one has {', '.join(sorted(record)) or 'no fields'}")
-    context = record.get("context") or record.get("input") or ""
-    user = f"{prompt}\n\n{context}" if context else prompt
-    return [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
-
-
 def records(p: Path, text: str, tokenizer, seqlen: int) -> list[Example]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise QuantkitError(f"{p}: chat records need the tokenizer's chat template and this model's tokenizer has "
-                            "none: use a model with one (an instruct model), or pass plain text")
-    lines = text.splitlines()
-    if p.suffix == ".json" and text.lstrip().startswith("["):
-        try:
-            lines = [json.dumps(r) for r in json.loads(text)]
-        except json.JSONDecodeError as e:
-            raise QuantkitError(f"{p}: not valid JSON ({e}): pass a JSON list or JSON lines") from None
+    check_template(p, tokenizer)
     out, cut = [], 0
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{p}, line {n}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise QuantkitError(f"{where}: not valid JSON ({e.msg}): write one JSON object per line") from None
-        if not isinstance(record, dict):
-            raise QuantkitError(f"{where}: a JSON object per line is needed, not {type(record).__name__}")
+    for where, record in parse(p, text):
         example = render(messages_of(record, where), tokenizer, seqlen, where)
         if example.scored:
             out.append(example)
@@ -113,11 +74,7 @@ def render(msgs: list[dict], tokenizer, seqlen: int, where: str) -> Example:
     """The chat as the template writes it, first seqlen tokens; the labels keep each assistant turn's
     tokens (from the end of the generation prompt before it to the end of the turn)."""
     def chat(turns: list[dict], **kw) -> str:
-        try:  # transformers renders in jinja's sandbox: an escape attempt is a SecurityError, a TemplateError
-            return tokenizer.apply_chat_template(turns, tokenize=False, **kw)
-        except jinja2.TemplateError as e:
-            raise QuantkitError(f"{where}: the model's chat template fails ({type(e).__name__}: {one_line(e)}): "
-                                "fix the template in its tokenizer files, or train on plain text") from None
+        return chat_text(turns, tokenizer, where, **kw)
 
     full = chat(msgs)
     spans = []

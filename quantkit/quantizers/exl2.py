@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import QuantkitError
-from ..qtensor import EXL2_BITS, QuantizedTensor
+from ..qtensor import EXL2_BITS, QuantizedTensor, check_scales
 from .gptq import GPTQResult, prepare, run
 
 P_MIN, P_MAX, P_STEPS = 0.7, 1.2, 96
+MAX_FLOOR = 2.0**-16  # the least scale_max whose scales (c^2 / 256 of it, in float16) are not 0
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,9 @@ def grid(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     # the p that scales the whole grid with the least error in the 3.5-norm
     ps = torch.linspace(P_MIN, P_MAX, P_STEPS + 1, device=x.device)
     best = ps[int(torch.argmin(err(x, grid[None, :] * ps[:, None], bits)))]
-    scale_max = (top * best).half()
+    # floored: a group of zeros (32 dead inputs) or of tiny values got scales of 0 in float16, and GPTQ's
+    # 0 / 0 then spread NaN over every later group
+    scale_max = (top * best).clamp(min=MAX_FLOOR).half()
     return scale_values(codes, scale_max).float(), scale_max
 
 
@@ -113,7 +116,7 @@ def quantize(w: torch.Tensor, h: torch.Tensor, setting: Setting, damp: float = 0
     n, k = w.shape
     if k % 32:
         raise QuantkitError(f"{name} has {k} inputs: EXL2 needs a multiple of 32")
-    w, diag = prepare(w, h)
+    work, diag = prepare(w, h)
     g = setting.group_size
     widths = setting.group_bits(k)
     scales = torch.zeros(n, len(widths), device=w.device)
@@ -126,7 +129,8 @@ def quantize(w: torch.Tensor, h: torch.Tensor, setting: Setting, damp: float = 0
 
     perm = torch.argsort(diag, descending=True)
     col_group = torch.arange(k, device=w.device) // g
-    codes, loss = run(w, h, perm, col_group, fit, damp, block_size, name)
+    codes, loss = run(work, h, perm, col_group, fit, damp, block_size, name)
+    check_scales(w, maxima, name)
     group_bits = torch.tensor(widths, dtype=torch.uint8, device=codes.device)
     qt = QuantizedTensor(codes, scales.half(), zeros(group_bits, n), col_group[torch.argsort(perm)].to(torch.int32),
                          int(group_bits.max()), g, True, group_bits=group_bits, scale_max=maxima)

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..errors import QuantkitError
-from ..qtensor import QuantizedTensor, check_bits_group, per_slice
+from ..qtensor import QuantizedTensor, check_bits_group, check_scales, per_slice
 from .rtn import fit_grid
 
 
@@ -242,11 +242,13 @@ def quantize(
         return scales[:, grp], zeros[:, grp], maxq
 
     codes, loss = run(w, h, perm, col_group, fit, damp, block_size, name)
+    scales = scales.half()
+    check_scales(w, scales, name)  # w: the weights as GPTQ's updates left them, of the same magnitude
 
     g_idx = (col_group[torch.argsort(perm)]).to(torch.int32)
     qt = QuantizedTensor(
         codes=codes,
-        scales=scales.half(),
+        scales=scales,
         zeros=zeros.to(torch.uint8),
         g_idx=g_idx,
         bits=bits,

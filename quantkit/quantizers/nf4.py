@@ -19,7 +19,7 @@ import torch
 
 from .. import blocks
 from ..errors import QuantkitError
-from ..qtensor import QuantizedTensor
+from ..qtensor import QuantizedTensor, check_scales
 
 # Quantiles of N(0, 1) with an exact zero, scaled to [-1, 1] (QLoRA, appendix E).
 NF4 = torch.tensor([
@@ -168,7 +168,8 @@ def check(kind: str, block_size: int) -> None:
                             f"{', '.join(map(str, BLOCK_SIZES))}")
 
 
-def quantize(w: torch.Tensor, kind: str = "nf4", block_size: int = 64, double_quant: bool = False) -> QuantizedTensor:
+def quantize(w: torch.Tensor, kind: str = "nf4", block_size: int = 64, double_quant: bool = False,
+             name: str = "a weight") -> QuantizedTensor:
     """NF4 or FP4 of w [N, K] in flat blocks of block_size, optionally with double quantization."""
     check(kind, block_size)
     table = CODEBOOKS[kind].to(w.device)
@@ -179,6 +180,7 @@ def quantize(w: torch.Tensor, kind: str = "nf4", block_size: int = 64, double_qu
         codes = nearest(scaled.clamp(-1, 1), table)
     else:
         codes, absmax = compiled
+    check_scales(w, absmax, name)
     codes = codes.view(w.shape)
     qt = QuantizedTensor(codes, absmax, None, None, 4, block_size, True, codebook=table, flat=True)
     return double_quantize(qt) if double_quant else qt

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..qtensor import QuantizedTensor, check_bits_group, group_index
+from ..qtensor import QuantizedTensor, check_bits_group, check_scales, group_index
 
 FP16_TINY = 2.0**-24  # smallest positive float16: scales are stored in float16
 
@@ -68,7 +68,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torc
     return scale[:, None] * (q - zero[:, None])
 
 
-def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True, mse: bool = False) -> QuantizedTensor:
+def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True, mse: bool = False,
+             name: str = "a weight") -> QuantizedTensor:
     """RTN of w [N, K], group-wise along K; a last group shorter than group_size is allowed."""
     check_bits_group(bits, group_size)
     k = w.shape[1]
@@ -79,9 +80,11 @@ def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = 
         codes.append(round_codes(chunk, s, z, bits))
         scales.append(s)
         zeros.append(z)
+    scales = torch.stack(scales, dim=1).half()
+    check_scales(w, scales, name)
     return QuantizedTensor(
         codes=torch.cat(codes, dim=1).to(torch.uint8),
-        scales=torch.stack(scales, dim=1).half(),
+        scales=scales,
         zeros=torch.stack(zeros, dim=1).to(torch.uint8),
         g_idx=group_index(k, group_size),
         bits=bits,

@@ -1,0 +1,78 @@
+"""Chat and instruction records in JSON: what the trainer trains on and what calibration can be
+rendered from, read one way. A .jsonl file holds an object per line; a .json file a list of them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+
+from quantkit.errors import QuantkitError, one_line
+
+SUFFIXES = (".jsonl", ".json")
+
+
+def parse(p: Path, text: str) -> list[tuple[str, dict]]:
+    """Each record with where it is (for messages): the file's lines, or the items of a JSON list."""
+    lines = text.splitlines()
+    if p.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            lines = [json.dumps(r) for r in json.loads(text)]
+        except json.JSONDecodeError as e:
+            raise QuantkitError(f"{p}: not valid JSON ({e}): pass a JSON list or JSON lines") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{p}, line {n}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise QuantkitError(f"{where}: not valid JSON ({e.msg}): write one JSON object per line") from None
+        if not isinstance(record, dict):
+            raise QuantkitError(f"{where}: a JSON object per line is needed, not {type(record).__name__}")
+        out.append((where, record))
+    return out
+
+
+def messages_of(record: dict, where: str) -> list[dict]:
+    """A record's chat: `messages` (role/content), or instruction [+ context or input] + response or
+    output (Dolly, Alpaca), or prompt + completion."""
+    if "messages" in record:
+        msgs = record["messages"]
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+            raise QuantkitError(f"{where}: messages must be a list of {{\"role\", \"content\"}} objects")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise QuantkitError(f"{where}: the chat has no assistant turn, so nothing to learn: add the reply "
+                                "as {\"role\": \"assistant\", \"content\": ...}")
+        return msgs
+    prompt = record.get("instruction", record.get("prompt"))
+    reply = record.get("response", record.get("output", record.get("completion")))
+    if not isinstance(prompt, str) or not isinstance(reply, str):
+        raise QuantkitError(f"{where}: a record needs messages, instruction and response (or output), or prompt "
+                            f"and completion; this one has {', '.join(sorted(record)) or 'no fields'}")
+    context = record.get("context") or record.get("input") or ""
+    user = f"{prompt}\n\n{context}" if context else prompt
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+
+
+def check_template(p: Path, tokenizer) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise QuantkitError(f"{p}: chat records need the tokenizer's chat template and this model's tokenizer has "
+                            "none: use a model with one (an instruct model), or pass plain text")
+
+
+def chat_text(turns: list[dict], tokenizer, where: str, **kw) -> str:
+    """The turns as the model's chat template writes them."""
+    try:  # transformers renders in jinja's sandbox: an escape attempt is a SecurityError, a TemplateError
+        return tokenizer.apply_chat_template(turns, tokenize=False, **kw)
+    except jinja2.TemplateError as e:
+        raise QuantkitError(f"{where}: the model's chat template fails ({type(e).__name__}: {one_line(e)}): "
+                            "fix the template in its tokenizer files, or pass plain text") from None
+
+
+def rendered(p: Path, text: str, tokenizer) -> str:
+    """Every record of the file as its chat template writes it, one after another: text to calibrate on
+    that looks like what the model will be given, not like JSON."""
+    check_template(p, tokenizer)
+    return "".join(chat_text(messages_of(record, where), tokenizer, where) for where, record in parse(p, text))
