@@ -133,6 +133,15 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     else:
         options["bits"] = int(bits)
     config = QuantConfig(**options)
+    given = given_options()
+    for name in ("calib_data", "calib_samples", "calib_seqlen", "seed"):
+        if name in given and not config.needs_calibration:
+            raise QuantkitError(f"{given[name]} sets the calibration, and --method {config.method} quantizes without "
+                                "one: drop it (GPTQ, AWQ, --imatrix and --target-bpw calibrate)")
+    for name in ("eval_windows", "ctx"):
+        if name in given and not eval_data:
+            raise QuantkitError(f"{given[name]} sets the perplexity check that --eval-data turns on: add --eval-data "
+                                "FILE, or drop it")
     api.device_of(device)
     check_out(out, overwrite, directory=fmt != "gguf")
     exporters.parse_size(max_shard_size)
@@ -157,20 +166,24 @@ cli.add_command(export)
 GPTQ_ONLY = ("damp", "act_order", "static_groups", "true_sequential", "group_aware")
 
 
+def given_options() -> dict[str, str]:
+    """The current command's options given on the command line (not defaults): their flags by name."""
+    ctx = click.get_current_context()
+    return {p.name: "/".join(p.opts + p.secondary_opts) for p in ctx.command.params  # --sym/--asym as one
+            if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE}
+
+
 def unused(method: str, fmt: str) -> None:
     """Refuse an option given on the command line that the method or format does not read: it would be
     ignored, and the export would not be what was asked for (--bits 8 with --format gguf writes the mix)."""
-    ctx = click.get_current_context()
-    given = [p for p in ctx.command.params if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
-    for p in given:
-        flag = "/".join(p.opts + p.secondary_opts)  # --sym/--asym as one
-        if fmt == "gguf" and p.name in ("bits", "group_size", "sym", "mse", "act_order", "static_groups", "group_aware",
-                                        "block_size", "max_shard_size"):
+    for name, flag in given_options().items():
+        if fmt == "gguf" and name in ("bits", "group_size", "sym", "mse", "act_order", "static_groups", "group_aware",
+                                      "block_size", "max_shard_size"):
             raise QuantkitError(f"{flag} does not apply to --format gguf, whose --gguf-type mix sets the blocks: drop it, "
                                 "or choose the types with --gguf-type and --tensor-type")
-        if p.name in GPTQ_ONLY and method != "gptq" or p.name == "mse" and method not in ("rtn", "gptq") or \
-                p.name == "block_size" and method not in ("gptq", "nf4", "fp4") or \
-                p.name in ("group_size", "sym") and method in ("nf4", "fp4"):
+        if name in GPTQ_ONLY and method != "gptq" or name == "mse" and method not in ("rtn", "gptq") or \
+                name == "block_size" and method not in ("gptq", "nf4", "fp4") or \
+                name in ("group_size", "sym") and method in ("nf4", "fp4"):
             raise QuantkitError(f"{flag} is not an option of --method {method}: drop it, or use a method it belongs to "
                                 "(see quantkit quantize --help)")
 

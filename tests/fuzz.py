@@ -308,7 +308,7 @@ def make_seed(kind: str, root: Path) -> Path:
         for f in tiny.glob("tokenizer*"):
             shutil.copy(f, out)
     elif kind in PACKED:
-        succeed("quantize", tiny, *PACKED[kind], *calib(), "--out", out)
+        succeed("quantize", tiny, *PACKED[kind], *(calib() if "gptq" in PACKED[kind] else ()), "--out", out)
     elif kind == "gguf":
         out.mkdir()
         succeed("quantize", tiny, "--format", "gguf", "--gguf-type", "Q8_0", "--out", out / "model.gguf")

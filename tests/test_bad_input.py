@@ -81,7 +81,12 @@ def test_nan_or_inf_weights(model, capsys, monkeypatch, tmp_path, bad):
                                         (["--method", "nf4", "--group-size", "32"],
                                          "--group-size is not an option of --method nf4"),
                                         (["--method", "awq", "--mse"], "--mse/--no-mse is not an option of --method awq"),
-                                        (["--format", "gguf", "--bits", "8"], "--bits does not apply to --format gguf")])
+                                        (["--format", "gguf", "--bits", "8"], "--bits does not apply to --format gguf"),
+                                        (["--calib-samples", "8"], "--calib-samples sets the calibration, and --method rtn "
+                                         "quantizes without one"),
+                                        (["--method", "nf4", "--calib-data", "x.txt"], "--calib-data sets the calibration"),
+                                        (["--eval-windows", "3"], "--eval-windows sets the perplexity check that "
+                                         "--eval-data turns on")])
 def test_bad_options(model, capsys, monkeypatch, tmp_path, args, match):
     quantize_fails([model, *args], capsys, monkeypatch, tmp_path, match)
 

@@ -17,7 +17,7 @@ def run(args, monkeypatch):
 def test_quantize_then_eval_the_export(tiny_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "q"
     run(["quantize", tiny_dir, "--bits", 3, "--group-size", 32, "--asym", "--out", out,
-         "--calib-data", VALID, "--eval-data", TEST, "--eval-windows", 2, "--ctx", 128], monkeypatch)
+         "--eval-data", TEST, "--eval-windows", 2, "--ctx", 128], monkeypatch)
     printed = capsys.readouterr().out
     assert "before: perplexity" in printed and "after: perplexity" in printed
     assert json.loads((out / "config.json").read_text())["quantization_config"]["checkpoint_format"] == "gptq_v2"
