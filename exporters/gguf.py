@@ -141,14 +141,29 @@ def add_tokenizer(w: gguf.GGUFWriter, model: Model, vocab_size: int) -> None:
     else:
         raise QuantkitError(f"a {spec['model']['type']} tokenizer is not written to GGUF here, only byte-level BPE and "
                             "sentencepiece BPE: convert this model with llama.cpp's convert_hf_to_gguf.py")
-    for kind, token in (("bos", tokenizer.bos_token), ("eos", tokenizer.eos_token),
-                        ("unk", tokenizer.unk_token), ("pad", tokenizer.pad_token)):
-        if token is not None:
-            getattr(w, {"unk": "add_unk_token_id", "pad": "add_pad_token_id"}.get(kind, f"add_{kind}_token_id"))(
-                tokenizer.convert_tokens_to_ids(token))
+    cfg = model.module.config
+    for kind in ("bos", "eos", "unk", "pad"):
+        token = getattr(tokenizer, f"{kind}_token")
+        # as the converter: the tokenizer's token, else the config's id (Qwen2's bos_token_id with no
+        # BOS in its tokenizer; a list of ids, Llama 3 instruct's eos_token_id, it skips)
+        i = tokenizer.convert_tokens_to_ids(token) if token is not None else getattr(cfg, f"{kind}_token_id", None)
+        if isinstance(i, int) and 0 <= i < vocab_size:
+            getattr(w, f"add_{kind}_token_id")(i)
     w.add_add_bos_token(adds_bos(tokenizer))
-    if tokenizer.chat_template:
-        w.add_chat_template(tokenizer.chat_template)
+    if adds_eos(tokenizer):  # llama.cpp's default is not to
+        w.add_add_eos_token(True)
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # named templates (transformers reads a list of them as a dict)
+        template = [{"name": name, "template": t} for name, t in template.items()]
+    if template:
+        w.add_chat_template(template)
+
+
+def adds_eos(tokenizer) -> bool:
+    """Whether the tokenizer puts EOS after a text (llama.cpp's tokenizer.ggml.add_eos_token)."""
+    if getattr(tokenizer, "eos_token_id", None) is None:
+        return False
+    return tokenizer("a")["input_ids"][-1:] == [tokenizer.eos_token_id]
 
 
 def add_bpe(w: gguf.GGUFWriter, spec: dict, tokenizer, vocab_size: int) -> None:
@@ -160,9 +175,10 @@ def add_bpe(w: gguf.GGUFWriter, spec: dict, tokenizer, vocab_size: int) -> None:
             tokens.append(f"[PAD{i}]")
             kinds.append(gguf.TokenType.UNUSED)
         else:
-            tokens.append(by_id[i])
+            control = i in added and (added[i] or looks_special(by_id[i]))
+            tokens.append(by_id[i] if i not in added or control else by_id[i].replace("\u2581", " "))
             kinds.append(gguf.TokenType.NORMAL if i not in added else
-                         gguf.TokenType.CONTROL if added[i] else gguf.TokenType.USER_DEFINED)
+                         gguf.TokenType.CONTROL if control else gguf.TokenType.USER_DEFINED)
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre_tokenizer(spec.get("pre_tokenizer")))
@@ -173,8 +189,8 @@ def add_bpe(w: gguf.GGUFWriter, spec: dict, tokenizer, vocab_size: int) -> None:
 
 def looks_special(token: str) -> bool:
     """Added tokens the converter makes control tokens though they are not marked special."""
-    return token in ("<pad>", "<mask>") or token.startswith("<|") and token.endswith("|>") \
-        or token.startswith("<unused") and token.endswith(">")
+    return token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or token.startswith("<|") and token.endswith("|>") \
+        or token.startswith("<\uff5c") and token.endswith("\uff5c>") or token.startswith("<unused") and token.endswith(">")
 
 
 def add_sentencepiece(w: gguf.GGUFWriter, path: Path, tokenizer, vocab_size: int) -> None:

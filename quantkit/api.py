@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from quantkit import calibration, evals, exporters
-from quantkit.atomic import partial_path, progress_files, size_on_disk
+from quantkit.atomic import locked, partial_path, progress_files, size_on_disk
 
 from . import consumers, distributed, measurement
 from . import rules as layer_rules
@@ -21,7 +21,7 @@ from .config import QuantConfig
 from .errors import QuantkitError, ResumableError, space_for
 from .layers import GROUPS, LINEARS, linear_shapes, shapes_by_name
 from .modelio import Model, check_context, fingerprint, linear_types, load
-from .pipeline import Hessian, gather_hessians, quantize_layers
+from .pipeline import BATCH, Hessian, gather_hessians, quantize_layers
 from .qtensor import QuantizedTensor
 from .quantizers import awq, exl2, ggml, gptq, nf4, rtn
 
@@ -164,14 +164,17 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
                 recorder.errors[prefix + unit] = (sq[u] / (2 * windows.numel())).tolist()
             return {}
 
-        quantize_layers(m, None, windows, device=dev, writer=recorder, keep=False,
-                        progress=progress and distributed.rank() == 0, resume=resume, layer_fn=measure,
-                        desc=f"measuring {len(settings)} settings of each "
-                             f"{'block' if exl2_run else 'linear' if gguf_run else 'group of linears'}")
-        if path is not None and distributed.rank() == 0:
-            measurement.save(path, key, m.source, shapes, units, recorder.errors, settings)
-        if resume is not None:
-            resume[0].unlink(missing_ok=True)
+        # another run measuring into the same file would take or remove this one's progress
+        with locked(path, "--measurement") if path is not None and distributed.rank() == 0 else nullcontext():
+            quantize_layers(m, None, windows, device=dev, writer=recorder, keep=False,
+                            progress=progress and distributed.rank() == 0, resume=resume, layer_fn=measure,
+                            desc=f"measuring {len(settings)} settings of each "
+                                 f"{'block' if exl2_run else 'linear' if gguf_run else 'group of linears'}")
+            if path is not None and distributed.rank() == 0:
+                measurement.save(path, key, m.source, shapes, units, recorder.errors, settings)
+            distributed.agree(0, "min")  # every process keeps its progress until the file is saved
+            if resume is not None:
+                resume[0].unlink(missing_ok=True)
         errors = recorder.errors
     grouped = measurement.grouped(shapes, units)
     chosen = measurement.allocate({unit: list(linears.values()) for unit, linears in grouped.items()}, errors, target,
@@ -279,6 +282,11 @@ def quantize(
         check_context(m.module.config, calib_seqlen, "--calib-seqlen")
         text = calibration.load_text(calib_data, tokenizer=m.tokenizer)
         windows = calibration.sample_windows(m.tokenizer, text, calib_samples, calib_seqlen, seed)
+        batches = -(-calib_samples // BATCH)
+        if config.method == "awq" and batches < distributed.world():  # a process without one has no statistics
+            raise QuantkitError(f"AWQ needs a batch of calibration windows ({BATCH} each) in each of its "
+                                f"{distributed.world()} processes, and --calib-samples {calib_samples} gives {batches}: "
+                                f"pass --calib-samples {BATCH * distributed.world()} or more")
     if config.target_bpw is not None:  # from here on, a rule per group of linears, or a GGUF type per linear
         shapes = shapes_by_name(m.module)
         config = spent(config, measured(m, config, windows, dev, progress, candidates, importance), shapes)
@@ -329,6 +337,7 @@ def quantize(
                                         layer_fn=awq_layer if config.method == "awq" else None)
             if writer is not None:
                 writer.close()
+            distributed.agree(0, "min")  # every process keeps its progress until the output is complete
     except BaseException as e:
         # what a resumed run needs stays, unless the input is at fault: running again would fail the same way
         resumable = resume is not None and bool(progress_files(Path(out))) and not (

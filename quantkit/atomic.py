@@ -6,8 +6,9 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
 from quantkit.errors import QuantkitError
 
@@ -95,6 +96,37 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def lock(path: Path, option: str) -> tuple[Path, BinaryIO]:
+    """Hold the lock of the output at path (.{name}.lock beside it, removed when done), or refuse: another
+    quantkit process is writing it. The lock's path and its open file."""
+    lock_path = path.with_name(f".{path.name}.lock")
+    while True:  # the lock file is removed when done: hold it only if it is still the one at lock_path
+        f = open(lock_path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise QuantkitError(f"{path} is being written by another quantkit process: wait for it to "
+                                f"finish or choose another {option}") from None
+        try:
+            if os.stat(lock_path).st_ino == os.fstat(f.fileno()).st_ino:
+                return lock_path, f
+        except FileNotFoundError:
+            pass
+        f.close()
+
+
+@contextmanager
+def locked(path: Path, option: str) -> Iterator[None]:
+    """Within: path is this process's to write (lock)."""
+    lock_path, f = lock(path, option)
+    try:
+        yield
+    finally:
+        lock_path.unlink(missing_ok=True)
+        f.close()
+
+
 class Staged:
     """out (a directory, or a file) under construction at .{name}.partial beside it."""
 
@@ -102,27 +134,15 @@ class Staged:
         check_out(out, overwrite, directory, option)
         self.out, self.directory, self.overwrite = Path(out), directory, overwrite
         self.path = partial_path(self.out)
-        self.lock_path = self.out.with_name(f".{self.out.name}.lock")
-        while True:  # the lock file is removed when done: hold it only if it is still the one at lock_path
-            self.lock = open(self.lock_path, "a+")
-            try:
-                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self.lock.close()
-                raise QuantkitError(f"{self.out} is being written by another quantkit process: wait for it to "
-                                    f"finish or choose another {option}") from None
-            try:
-                if os.stat(self.lock_path).st_ino == os.fstat(self.lock.fileno()).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
-            self.lock.close()
+        self.lock_path, self.lock = lock(self.out, option)
 
     def fresh(self) -> Path:
         """Start over: an empty directory (or no file) at path; no progress of an earlier run, no
         previous output left aside by a commit that was killed."""
         remove(self.path)
-        for stale in [*progress_files(self.out), *self.out.parent.glob(f".{self.out.name}.old-*")]:
+        # also the temporary of a save killed in a job of another world size (its own path's run clears it)
+        for stale in [*progress_files(self.out), *self.out.parent.glob(f".{self.out.name}.progress*.pt.tmp-*"),
+                      *self.out.parent.glob(f".{self.out.name}.old-*")]:
             remove(stale)
         if self.directory:
             self.path.mkdir()

@@ -38,6 +38,9 @@ LayerFn = Callable[[int, torch.nn.Module, list], dict[str, QuantizedTensor]]
 OtherFn = Callable[[str, torch.Tensor], "QuantizedTensor | None"]
 
 
+BATCH = 8  # calibration windows run through a layer at once
+
+
 class Writer(Protocol):
     """Where results go as they are made (an exporter): plain tensors by state-dict key, quantized
     linears by module name. start(None) begins afresh; start(state), with a state() taken after a
@@ -418,7 +421,7 @@ def quantize_layers(
     quantize: QuantizeFn | None,
     windows: torch.Tensor | None = None,
     *,
-    batch_size: int = 8,
+    batch_size: int = BATCH,
     sequential: bool = False,
     device: str | torch.device = "cpu",
     writer: Writer | None = None,

@@ -99,3 +99,17 @@ def test_a_process_that_dies_stops_the_job_and_the_same_command_resumes(tiny_dir
     whole = one_process(tiny_dir, *args[:-1], tmp_path / "whole")
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert files(tmp_path / "q") == files(tmp_path / "whole")
+
+
+def test_awq_with_fewer_batches_than_processes_is_refused_before_the_work(tiny_dir, tmp_path, monkeypatch):
+    """A process without a calibration batch has no statistics for AWQ's searches (it failed with an
+    IndexError traceback while the others waited): refused on every process, before any layer."""
+    import quantkit
+    from quantkit import QuantkitError, distributed
+
+    monkeypatch.setattr(distributed, "world", lambda: 2)
+    monkeypatch.setattr("quantkit.api.quantize_layers", lambda *a, **kw: pytest.fail("quantized"))
+    with pytest.raises(QuantkitError, match=r"in each of its 2 processes, and --calib-samples 4 gives 1: pass "
+                                            "--calib-samples 16 or more"):
+        quantkit.quantize(str(tiny_dir), method="awq", group_size=32, calib_data=VALID, calib_samples=4,
+                          calib_seqlen=64, out=tmp_path / "q", progress=False)

@@ -214,6 +214,22 @@ def test_a_killed_measurement_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "q.json", "whole", "whole.json"]
 
 
+def test_a_measurement_another_process_is_making_is_left_to_it(tiny_dir, tmp_path):
+    """Two runs measuring into one file: the second is refused, and the first's progress stays (the
+    second removed it as 'from another run', and could take it over mid-save)."""
+    from quantkit.atomic import lock
+
+    progress = tmp_path / ".m.json.progress-measurement.pt"
+    progress.write_bytes(b"the first run's")
+    lock_path, held = lock(tmp_path / "m.json", "--measurement")
+    with pytest.raises(quantkit.QuantkitError, match="m.json is being written by another quantkit process: wait for it "
+                                                     "to finish or choose another --measurement"):
+        quantkit.quantize(str(tiny_dir), method="gptq", format="exl2", exl2=4.0, **CALIB, progress=False,
+                          measurement=str(tmp_path / "m.json"), out=tmp_path / "q")
+    held.close()
+    assert progress.read_bytes() == b"the first run's" and not (tmp_path / "q").exists()
+
+
 def test_a_measurement_of_another_calibration_is_refused(tiny_dir, measured, exported, tmp_path, capsys, monkeypatch):
     args = ["quantize", str(tiny_dir), "--method", "gptq", "--format", "exl2", "--bits", "4.0", "--calib-data",
             str(VALID), "--calib-samples", "16", "--calib-seqlen", "64", "--measurement", str(measured)]

@@ -122,6 +122,60 @@ def test_file_equals_llama_cpps_converter(models, tmp_path, case):
     assert [k for k in a if a[k] != b[k]] == []
 
 
+def unmark_special(path, token, name):
+    """token, an added token, renamed name and no longer marked special (in tokenizer.json and
+    tokenizer_config.json)."""
+    for f, entries in (("tokenizer.json", lambda d: d["added_tokens"]),
+                       ("tokenizer_config.json", lambda d: d.get("added_tokens_decoder", {}).values())):
+        d = json.loads((path / f).read_text())
+        for e in entries(d):
+            if e["content"] == token:
+                e["content"], e["special"] = name, False
+        if f == "tokenizer.json":
+            d["model"]["vocab"][name] = d["model"]["vocab"].pop(token)
+        (path / f).write_text(json.dumps(d))
+
+
+def edit_json(path, name, **changes):
+    d = json.loads((path / name).read_text())
+    d.update(changes)
+    (path / name).write_text(json.dumps(d))
+
+
+# tokenizers as real models ship them, on the SmolLM2 vocabulary: templates named in a list (as
+# tool-use models have them), an added token that looks like a control token but is not marked special
+# (command-r, deepseek-coder), no BOS in the tokenizer but bos_token_id in config.json (Qwen2), EOS
+# appended by the tokenizer's post-processor
+TOKENIZER_CASES = {
+    "named-chat-templates": lambda p: edit_json(p, "tokenizer_config.json", chat_template=[
+        {"name": "default", "template": "{{ messages }}"}, {"name": "tool_use", "template": "{{ tools }}"}]),
+    "unmarked-control-token": lambda p: unmark_special(p, "<repo_name>", "<|repo_name|>"),
+    "bos-only-in-config": lambda p: edit_json(p, "tokenizer_config.json", bos_token=None),
+    "eos-appended": lambda p: edit_json(p, "tokenizer.json", post_processor={
+        "type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}},
+                                                 {"SpecialToken": {"id": "<|im_end|>", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|im_end|>": {"id": "<|im_end|>", "ids": [2], "tokens": ["<|im_end|>"]}}}),
+}
+
+
+@pytest.mark.parametrize("case", TOKENIZER_CASES)
+def test_tokenizer_metadata_equals_llama_cpps_converter(models, tmp_path, case):
+    """The tokenizer's key-values are the converter's for the tokenizer setups real models have."""
+    from . import llamacpp
+
+    d = tmp_path / "m"
+    shutil.copytree(models["llama-llama3"], d)
+    TOKENIZER_CASES[case](d)
+    ours, theirs = tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
+    quantkit.api.export_gguf(quantkit.load(d), ours, "F32", progress=False)
+    llamacpp.convert(d, theirs, pre="smollm")  # an appended EOS changes the tokens it knows SmolLM2's by
+    a, b = fields(ours), fields(theirs)
+    if "tokenizer.ggml.add_bos_token" not in b:
+        del a["tokenizer.ggml.add_bos_token"]
+    assert {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == {}
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_file_reads_back_as_the_checkpoint(models, tmp_path, case):
     """Loaded from our GGUF (rope scaling from its keys, Llama 3's from its factors tensor, q/k rows

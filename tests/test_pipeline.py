@@ -310,3 +310,16 @@ def test_a_partial_output_torn_by_a_power_cut_is_not_resumed(tiny_dir, tmp_path,
     assert "the partial output it describes is gone or changed" in capsys.readouterr().err
     whole, out = tmp_path / "whole", tmp_path / name
     assert (out.read_bytes() == whole.read_bytes()) if fmt == "gguf" else files(out) == files(whole)
+
+
+def test_a_fresh_start_clears_a_killed_save_of_another_world_size(tmp_path):
+    """A torchrun job's rank 1 killed (SIGKILL) while saving its progress leaves .q.progress-1.pt.tmp-PID;
+    a run of another world size never loads that path, so its fresh start must clear it."""
+    from quantkit.atomic import Staged
+
+    (tmp_path / ".q.progress-1.pt.tmp-999").write_bytes(b"torn")
+    (tmp_path / ".q.progress-0.pt").write_bytes(b"old")
+    staged = Staged(tmp_path / "q")
+    staged.fresh()
+    staged.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
