@@ -285,7 +285,7 @@ def gpu(batches: list[int]) -> None:
             print(f"| {n}x{k} | {b} | " + " | ".join(cells) + " |", flush=True)
 
 
-GEMV_TILES = [((64, 64), {}), ((32, 128), {}), ((64, 128), {}), ((128, 64), {}), ((128, 128), {"num_warps": 8}),
+GEMV_TILES = [((64, 64), {}), ((32, 128), {}), ((64, 128), {}), ((128, 64), {}), ((128, 128), {"num_warps": 8}), ((128, 128), {}),
               ((32, 64), {"num_warps": 2}), ((16, 128), {"num_warps": 2}), ((128, 32), {}), ((256, 64), {"num_warps": 8}),
               ((16, 128), {}), ((32, 128), {"num_warps": 2}), ((16, 128), {"num_warps": 1}), ((8, 128), {"num_warps": 1})]
 GEMM_TILES = [(64, (64, 32), {}), (64, (128, 32), {}), (128, (128, 32), {"num_warps": 8}), (64, (64, 64), {}),
@@ -319,8 +319,8 @@ def sweep(batches: list[int], layouts: list[str]) -> None:
     DENSE_ROWS)."""
     from quantkit import kernels
 
-    defaults = (dict(kernels.GEMV_TILE), dict(kernels.GEMM_TILE), kernels.GEMM_ROWS, dict(kernels.LAUNCH), kernels.WORDS,
-                dict(kernels.FEW_TILE), kernels.DENSE_ROWS)
+    defaults = (dict(kernels.GEMV_TILE), dict(kernels.GEMM_TILE), kernels.GEMM_ROWS, (dict(kernels.GEMV_LAUNCH),
+                kernels.GEMM_LAUNCH), kernels.WORDS, dict(kernels.FEW_TILE), kernels.DENSE_ROWS)
     kernels.DENSE_ROWS = dict.fromkeys(defaults[6], 1 << 30)
     print("| shape | batch | layout | tile (rows of x, outputs, inputs; launch) | time | / defaults |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -333,23 +333,23 @@ def sweep(batches: list[int], layouts: list[str]) -> None:
             bk = kernels.tile(layer, b)[1]  # matmul rounds a slice to whole tiles: the label says how many it made
             configs += [(f"defaults, K in {kernels.cdiv(k, kernels.cdiv(kernels.cdiv(k, split), bk) * bk)} "
                          "slices", split) for split in SPLITS]
-            configs += [(f"{rows}, {tile[0]}, {tile[1]}; {launch or 'defaults'}", (rows, tile, launch))
+            configs += [(f"{rows}, {tile[0]}, {tile[1]}; {launch or 'Triton defaults'}", (rows, tile, launch))
                         for rows, tile, launch in tiles]
             first = None
             for name, config in configs:
                 kernels.GEMV_TILE, kernels.GEMM_TILE, kernels.FEW_TILE = map(dict, (defaults[0], defaults[1], defaults[5]))
                 kernels.GEMM_ROWS = defaults[2]
-                kernels.LAUNCH.update(defaults[3])
+                kernels.GEMV_LAUNCH, kernels.GEMM_LAUNCH = dict(defaults[3][0]), defaults[3][1]
                 kernels.WORDS = config != "words"
                 if isinstance(config, tuple):
                     rows, tile, launch = config
                     if gemv:
                         kernels.GEMV_TILE = dict.fromkeys(defaults[0], tile)
-                        kernels.LAUNCH["gemv"] = launch
+                        kernels.GEMV_LAUNCH = dict.fromkeys(defaults[3][0], launch)
                     else:
                         kernels.GEMM_TILE = dict.fromkeys(defaults[1], tile)
                         kernels.FEW_TILE = {}
-                        kernels.GEMM_ROWS, kernels.LAUNCH["gemm"] = rows, launch
+                        kernels.GEMM_ROWS, kernels.GEMM_LAUNCH = rows, launch
                 try:
                     split = config if isinstance(config, int) else None
                     err = (kernels.matmul(x, layer, split).float() - ref).norm() / ref.norm()
@@ -361,9 +361,8 @@ def sweep(batches: list[int], layouts: list[str]) -> None:
                 cell = f"{t * 1e6:.1f} us | " + (f"{t / first:.2f}" if first else "-") if t else f"failed ({err}) | -"
                 print(f"| {shape} | {b} | {label} | {name} | {cell} |", flush=True)
     finally:
-        kernels.GEMV_TILE, kernels.GEMM_TILE, kernels.GEMM_ROWS, launch, kernels.WORDS, kernels.FEW_TILE, \
-            kernels.DENSE_ROWS = defaults
-        kernels.LAUNCH.update(launch)
+        kernels.GEMV_TILE, kernels.GEMM_TILE, kernels.GEMM_ROWS, (kernels.GEMV_LAUNCH, kernels.GEMM_LAUNCH), \
+            kernels.WORDS, kernels.FEW_TILE, kernels.DENSE_ROWS = defaults
 
 
 def dense(batches: list[int], layouts: list[str]) -> None:

@@ -2,8 +2,9 @@
 Triton's interpreter (conftest sets TRITON_INTERPRET=1); with one, on it.
 
 Dequantization must be exact. A matmul must equal the float32 product of x and the dequantized W
-(in x's dtype) rounded to x's dtype, within one unit in the last place of that dtype (the kernels
-sum in a different order), plus 1e-5 of the largest output for cancellation in float32 sums.
+rounded to x's dtype, within one unit in the last place of that dtype (the kernels sum in a different
+order), plus 1e-5 of the largest output for cancellation in float32 sums; W in float32 where the
+GEMV runs, in x's dtype where tensor cores or torch's matmul take it (kernels.path).
 """
 import copy
 import dataclasses
@@ -37,7 +38,11 @@ def grid(bits: int, group_size: int, act_order: bool, seed: int = 0, n: int | No
     return qt
 
 
-def assert_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+def assert_product(y: torch.Tensor, x: torch.Tensor, source, layer=None) -> None:
+    """W is source.dequantize(dtype): in float32 where layer's matmul takes the GEMV for x's rows
+    (kernels.path), else in x's dtype."""
+    gemv = layer is not None and kernels.path(layer, x.reshape(-1, x.shape[-1]).shape[0]) == "gemv"
+    w = source.dequantize(torch.float32 if gemv else x.dtype).to(x.device)
     ref = (x.float() @ w.float().T).to(x.dtype).float()
     eps = torch.finfo(x.dtype).eps
     torch.testing.assert_close(y.float(), ref, rtol=eps, atol=1e-5 * ref.abs().max().item())
@@ -70,7 +75,7 @@ def test_gptq_matmul(bits, group_size, act_order):
     g = torch.Generator().manual_seed(2)
     for rows in (1, 3, 21):  # GEMV, GEMV over 3 rows, GEMM with a partial tile
         x = torch.randn(rows, IN, generator=g).half().to(DEVICE)
-        assert_product(kernels.matmul(x, layer), x, qt.dequantize(torch.float16).to(DEVICE))
+        assert_product(kernels.matmul(x, layer), x, qt, layer)
 
 
 @pytest.mark.parametrize("bits", [3, 4])
@@ -84,9 +89,9 @@ def test_gptq_groups_whole_tiles(bits, group_size):
     assert torch.equal(kernels.dequantize(layer, torch.float16).cpu(), qt.dequantize(torch.float16))
     for rows in (1, 21):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).half().to(DEVICE)
-        assert_product(kernels.matmul(x, layer), x, qt.dequantize(torch.float16).to(DEVICE))
+        assert_product(kernels.matmul(x, layer), x, qt, layer)
         if rows == 1:
-            assert_product(kernels.matmul(x, layer, split=4), x, qt.dequantize(torch.float16).to(DEVICE))
+            assert_product(kernels.matmul(x, layer, split=4), x, qt, layer)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -96,16 +101,14 @@ def test_matmul_dtypes_and_split(dtype, rows, act_order):
     """Every activation dtype; K split across programs (float32 partial sums added by the program
     that finishes last), in the GEMV and the GEMM; 9 rows: the GEMM's tile for few rows (FEW_TILE);
     70 rows: two GEMM tiles. In plain order the GEMV
-    takes its own path (jit._gemv_words): float16 arithmetic for float16 activations, float32 for the
-    others. A split call twice gives the same bits: the slices are added in one order (which only a
+    takes its own path (jit._gemv_words: codes into float32 by their bits, the scale after the sum). A split call twice gives the same bits: the slices are added in one order (which only a
     GPU, running programs at once, could upset; the interpreter runs them one by one)."""
     qt = grid(4, 64, act_order, seed=3, n=136, k=416)
     layer = GPTQLinear.from_tensor(qt).to(DEVICE)
     x = torch.randn(rows, 416, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)
-    w = qt.dequantize(dtype).to(DEVICE)
-    assert_product(kernels.matmul(x, layer), x, w)
+    assert_product(kernels.matmul(x, layer), x, qt, layer)
     y = kernels.matmul(x, layer, split=3)
-    assert_product(y, x, w)
+    assert_product(y, x, qt, layer)
     assert torch.equal(kernels.matmul(x, layer, split=3), y)
     assert not kernels.counts(x.device, 1).any()  # left zero for the next call
 
@@ -119,13 +122,12 @@ def test_act_order_read_through_the_order(dtype, bits, group_size, k, monkeypatc
     qt = grid(bits, group_size, True, seed=11, n=96, k=k)
     layer = GPTQLinear.from_tensor(qt).to(DEVICE)
     assert layer.kernel_args(64)[1]["ORDER"]
-    w = qt.dequantize(dtype).to(DEVICE)
     for rows in (1, 3, 9):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype).to(DEVICE)
         for dense_rows in (1 << 30, 1):
             monkeypatch.setattr(kernels, "DENSE_ROWS", dict.fromkeys(kernels.DENSE_ROWS, dense_rows))
-            assert_product(kernels.matmul(x, layer), x, w)
-        assert_product(kernels.matmul(x, layer, split=3), x, w)
+            assert_product(kernels.matmul(x, layer), x, qt, layer)
+        assert_product(kernels.matmul(x, layer, split=3), x, qt, layer)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU a CPU input is refused before, as not a CUDA tensor")
@@ -172,7 +174,7 @@ def test_last_slice_reads_no_group_past_k(words, rows, monkeypatch):
         tail[: t.shape[0]] = t
         setattr(layer, name, tail[: t.shape[0]])
     x = torch.randn(rows, 640, generator=torch.Generator().manual_seed(6)).half().to(DEVICE)
-    assert_product(kernels.matmul(x, layer, split=3), x, qt.dequantize(torch.float16).to(DEVICE))
+    assert_product(kernels.matmul(x, layer, split=3), x, qt, layer)
 
 
 @pytest.mark.parametrize("rows", [1, 9])
@@ -183,7 +185,7 @@ def test_split_sums_over_chunks(rows):
     layer = GPTQLinear.from_tensor(qt).to(DEVICE)
     x = torch.randn(rows, 1152, generator=torch.Generator().manual_seed(12)).half().to(DEVICE)
     assert kernels.tile(layer, rows)[1] == 32
-    assert_product(kernels.matmul(x, layer, split=20), x, qt.dequantize(torch.float16).to(DEVICE))
+    assert_product(kernels.matmul(x, layer, split=20), x, qt, layer)
 
 
 @pytest.mark.parametrize("kind", ["nf4", "fp4"])
@@ -198,7 +200,7 @@ def test_nf4_dequantize_exact_and_matmul(kind, block_size, double_quant, fused):
         assert torch.equal(kernels.dequantize(layer, dtype).cpu(), ref)
     for rows in (1, 19):
         x = torch.randn(rows, 333, generator=torch.Generator().manual_seed(rows)).half().to(DEVICE)
-        assert_product(kernels.matmul(x, layer), x, qt.dequantize(torch.float16).to(DEVICE))
+        assert_product(kernels.matmul(x, layer), x, qt, layer)
 
 
 @pytest.mark.parametrize("kind,block_size,double_quant", [("nf4", 64, True), ("fp4", 128, False), ("nf4", 256, True)])
@@ -217,7 +219,7 @@ def test_nf4_tiles_in_one_block(kind, block_size, double_quant, fused):
         for dtype in (torch.float16, torch.bfloat16):
             x = torch.randn(rows, 512, generator=g).to(dtype).to(DEVICE)
             for split in (None, 3):
-                assert_product(kernels.matmul(x, layer, split), x, qt.dequantize(dtype).to(DEVICE))
+                assert_product(kernels.matmul(x, layer, split), x, qt, layer)
 
 
 @pytest.mark.parametrize("kind", ["gptq", "nf4"])
@@ -233,7 +235,7 @@ def test_dense_rows_dequantize_then_matmul(kind, monkeypatch):
         x = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0])).half().to(DEVICE)
         y = kernels.matmul(x, layer)
         assert y.shape == (*shape[:-1], 40)
-        assert_product(y.reshape(-1, 40), x.reshape(-1, 256), qt.dequantize(torch.float16).to(DEVICE))
+        assert_product(y.reshape(-1, 40), x.reshape(-1, 256), qt, layer)
         assert len(calls) == dense
         calls.clear()
 
@@ -426,8 +428,8 @@ def test_act_order_kernels_read_group_order(bits, monkeypatch):
         for dense_rows in (1 << 30, 1):
             monkeypatch.setattr(kernels, "DENSE_ROWS", dict.fromkeys(kernels.DENSE_ROWS, dense_rows))
             with torch.no_grad():
-                assert_product(layer(x), x, w)
-            assert_product(kernels.matmul(x, layer, split=3), x, w)
+                assert_product(layer(x), x, qt, layer)
+            assert_product(kernels.matmul(x, layer, split=3), x, qt, layer)
     twin = layer.grouped
     assert twin.plain_order and layer.kernel_args(32)[1]["ORDER"] and kernels.layout(layer) == "gptq"
     assert torch.equal(twin.dequantize(), layer.dequantize()[:, layer.order])
@@ -442,7 +444,7 @@ def test_act_order_kernels_read_group_order(bits, monkeypatch):
     assert other.order is None and kernels.layout(other) == "act-order"
     other.backend = "triton"
     with torch.no_grad():
-        assert_product(other(x), x, odd.dequantize(torch.float16).to(DEVICE))
+        assert_product(other(x), x, odd, other)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -506,7 +508,7 @@ def test_weights_past_int32_offsets_are_refused(monkeypatch):
     if torch.cuda.is_available():
         layer.backend = "auto"
         y = layer.cuda()(x.cuda())
-        assert_product(y, x.cuda(), layer.dequantize(torch.float16))
+        assert_product(y, x.cuda(), layer)  # the torch fallback: W in x's dtype
     monkeypatch.setattr(kernels, "OFFSETS", 40 * 160 + 1)
     assert kernels.fits(layer)
 
@@ -683,4 +685,4 @@ def test_kernels_on_the_embedded_models_layers(embedded_w4):
     assert len(inputs) == 7
     for layer, x in inputs.items():
         for rows in (x, x[-1:]):
-            assert_product(kernels.matmul(rows.to(DEVICE), layer.to(DEVICE)), rows.to(DEVICE), layer.dequantize().to(DEVICE))
+            assert_product(kernels.matmul(rows.to(DEVICE), layer.to(DEVICE)), rows.to(DEVICE), layer, layer)

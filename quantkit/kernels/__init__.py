@@ -21,7 +21,8 @@ DEQUANT_TILE = (32, 64)  # outputs, inputs
 # (benchmarks/RESULTS.md, kernel_bench.py --sweep); NF4's GEMM keeps the tile that compiled for it there
 # (by default NF4 goes dense before its GEMM: only a raised DENSE_ROWS or the sweep reaches it).
 # A GPTQ group or NF4 block smaller than a tile's inputs takes tiles of one group (tile()).
-GEMV_TILE = {"gptq": (64, 128), "act-order": (128, 64), "nf4": (64, 128)}
+GEMV_TILE = {"gptq": (32, 128), "act-order": (128, 64), "nf4": (64, 128)}
+GEMV_LAUNCH = {"gptq": {"num_warps": 2}, "act-order": {}, "nf4": {}}  # Triton launch options by layout
 GEMM_TILE = {"gptq": (64, 64), "act-order": (64, 64), "nf4": (64, 32)}
 FEW_ROWS = 16  # GEMMs of up to this many rows of x (one 16-row tile) take FEW_TILE where the layout has one
 FEW_TILE = {"gptq": (128, 64), "act-order": (128, 32)}  # at 16 rows on an H100: 0.57-0.93 and 0.66-1.02 of GEMM_TILE's time
@@ -29,7 +30,7 @@ FEW_TILE = {"gptq": (128, 64), "act-order": (128, 32)}  # at 16 rows on an H100:
 # library beats a fused tile once the weight's reads are shared by enough rows (H100, kernel_bench.py --dense)
 DENSE_ROWS = {"gptq": 256, "act-order": 256, "nf4": 3}
 GEMM_ROWS = 128  # rows of x per GEMM tile at most (16 to this, by M)
-LAUNCH = {"gemv": {}, "gemm": {"num_stages": 4}}  # Triton launch options of each (num_warps, num_stages)
+GEMM_LAUNCH = {"num_stages": 4}
 WORDS = True  # each packed word loaded once (jit._words): GPTQ codes of 2, 4 or 8 bits (either order), NF4 in
 # tiles of one block per output (its absmax read once per tile)
 
@@ -153,23 +154,30 @@ def tile(layer, rows: int) -> tuple[int, int]:
     return bn, bk
 
 
+def path(layer, rows: int) -> str:
+    """Which way matmul multiplies rows of x by the layer's W: "gemv" by W in float32 (the value of
+    dequantize in float32), "gemm" (tensor cores) and "dense" (torch's matmul) by W in x's dtype."""
+    return "dense" if rows >= DENSE_ROWS[layout(layer)] else "gemv" if rows <= GEMV_ROWS else "gemm"
+
+
 def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T in x's dtype. Below DENSE_ROWS rows W is never written out, the sums are
-    float32, and split (slices of K; None: by the device) is summed in a fixed order, so that a call
-    gives the same y every time; from DENSE_ROWS, torch's matmul of x and the dequantized W (under
-    torch's precision settings: TF32, reduced-precision reductions)."""
+    """x [..., K] @ W^T in x's dtype, W as path() says. Below DENSE_ROWS rows W is never written out,
+    the sums are float32, and split (slices of K; None: by the device) is summed in a fixed order, so
+    that a call gives the same y every time; from DENSE_ROWS, torch's matmul of x and the dequantized W
+    (under torch's precision settings: TF32, reduced-precision reductions)."""
     _check(x, layer)
     n, k = layer.out_features, layer.in_features
     if x.shape[-1] != k:
         raise QuantkitError(f"input of {x.shape[-1]} features for a layer of {k}")
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
-    if m >= DENSE_ROWS[layout(layer)]:
+    way = path(layer, m)
+    if way == "dense":
         return dense(x2, layer).view(*x.shape[:-1], n)
     jit = _jit()
     bn, bk = tile(layer, m)
     args, consts = layer.kernel_args(bk)
-    gemv = m <= GEMV_ROWS
+    gemv = way == "gemv"
     order = consts.pop("ORDER")  # the GEMV reads x through it; a GEMM tile of x read so would be BM x BK
     if order and not gemv:  # scattered loads per tile of W: x's columns reordered once instead
         x2 = x2.index_select(1, args[4])
@@ -188,13 +196,13 @@ def matmul(x: torch.Tensor, layer, split: int | None = None) -> torch.Tensor:
     with on(x):
         if gemv:
             jit.gemv_kernel[(grid[0], split, m)](x2, y, part, count, *args, n, k, k_split, **consts, ORDER=order, BN=bn, BK=bk,
-                                                 SPLIT=split > 1, WORDS=words(consts), **LAUNCH["gemv"])
+                                                 SPLIT=split > 1, WORDS=words(consts), **GEMV_LAUNCH[layout(layer)])
         else:
             precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: no tf32 rounding of x
             upcast = not x.is_cuda and x.dtype == torch.bfloat16
             jit.gemm_kernel[(grid[0], grid[1], split)](x2, y, part, count, *args, m, n, k, k_split, **consts, BM=bm,
                                                        BN=bn, BK=bk, PRECISION=precision, UPCAST=upcast, WORDS=words(consts),
-                                                       SPLIT=split > 1, **LAUNCH["gemm"])
+                                                       SPLIT=split > 1, **GEMM_LAUNCH)
     return y.view(*x.shape[:-1], n)
 
 

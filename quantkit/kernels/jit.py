@@ -42,12 +42,6 @@ def _float(q):
 
 
 @triton.jit
-def _half(q):
-    """A code (0 <= q < 1024) as float16 1024 + q, by its bits, as _float does in float32."""
-    return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
 def _words(ptr, k0, n, K, N, RS, NS, BITS: tl.constexpr, BK: tl.constexpr, PER: tl.constexpr, HIGH: tl.constexpr):
     """The codes of columns k0..k0+BK for outputs n [1, BN] as a [BK, BN] tile, from words of PER codes
     of BITS bits at ptr + row * RS + n * NS (row: word k // PER of an output), the first code in the
@@ -168,8 +162,7 @@ def gemv_kernel(x, y, part, count, w0, w1, w2, w3, w4, fparam, i0, i1, N, K, K_S
             mask = (k[:, None] < K) & (n[None, :] < N)
             w = _weight(w0, w1, w2, w3, w4, fparam, i0, i1, k[:, None], n[None, :], K, N, mask, k0,
                         FMT, BITS, NESTED, GROUP, BK, WORDS)
-            # W rounded to x's dtype first, as x @ dequantize(W, x.dtype)^T would see it
-            acc += tl.sum(xk.to(tl.float32)[:, None] * _round(w, xk.dtype).to(tl.float32), axis=0)
+            acc += tl.sum(xk.to(tl.float32)[:, None] * w, axis=0)
     if SPLIT:
         CHUNK: tl.constexpr = 16  # slices added at a time by the last program: [16, BN] loads (as timed on the H100)
         _finish(y, part, count, acc, row * N + n, n < N, row * tl.num_programs(0) + tl.program_id(0),
@@ -200,41 +193,59 @@ def _finish(y, part, count, acc, offs, mask, tile, piece, pieces, size, CHUNK: t
 @triton.jit
 def _gemv_words(x, w0, w1, w2, w4, i0, i1, n, start, K_SPLIT, K, N, BITS: tl.constexpr, GROUP: tl.constexpr,
                 ORDER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """The GEMV's sum over one slice for GPTQ codes in whole words, each tile in one group: the tile
-    of words is taken apart one value position at a time (a [BK / PER, BN] slice of W each, no
-    reshape), products gather in a [BK / PER, BN] float32 sum reduced once at the end, and scales
-    and zeros are read once per tile. Same W, rounded to x's dtype, as _weight gives."""
+    """The GEMV's sum over one slice for GPTQ codes in whole words, each tile in one group: the tile of
+    words taken apart one value position j at a time ([BK / PER, BN] each, no reshape), in three
+    instructions a weight (a logic operation, a subtraction, a multiply-add). A code at bit P of a half
+    word becomes the float 2^(23 - P) + q by its bits: the half word lies in the low mantissa bits
+    under exponent bits that hold each such float's (0x4F000000), and one AND keeps the code's bits
+    and its float's exponent. Less 2^(23 - P) + z, made so from the zero, that is q - z exactly, and
+    each product x (q - z) is exact. The scale multiplies each output's sum over the tile once."""
     PER: tl.constexpr = 32 // BITS
-    HALF: tl.constexpr = (x.dtype.element_ty == tl.float16) & (w2.dtype.element_ty == tl.float16)  # x and scales
+    HALF: tl.constexpr = PER // 2
+    ONES: tl.constexpr = (1 << BITS) - 1
     acc = tl.zeros((BK // PER, BN), dtype=tl.float32)
-    for step in range(0, tl.minimum(K_SPLIT, K - start), BK):  # the last slice ends at K
-        k0 = start + step
+    end = tl.minimum(start + K_SPLIT, K)  # the last slice ends at K
+    words, zq, s = _words_tile(w0, w1, w2, i0, i1, n, start, end, N, BITS, GROUP, BK)
+    for k0 in range(start, end, BK):
         r = k0 // PER + tl.arange(0, BK // PER)  # word rows; K is whole words
-        words = tl.load(w0 + r[:, None] * N + n[None, :], mask=(r[:, None] * PER < K) & (n[None, :] < N), other=0)
-        g = k0 // GROUP
-        zq, s = _zero_scale(w1, w2, g, n, i0, i1, N, BITS, n < N)
-        if HALF:
-            z16, s16 = _half(zq), s.to(tl.float16)
-        else:
-            zf, sf = _float(zq), s.to(tl.float32)
+        # the next tile's loads go out before this one's arithmetic: a program's steps overlap in memory
+        next_words, next_zq, next_s = _words_tile(w0, w1, w2, i0, i1, n, k0 + BK, end, N, BITS, GROUP, BK)
+        lo = (words & 0xFFFF) | 0x4F000000  # 0x4F: the exponent bits of 2^(23 - P) for every P (2, 4 and 8 bits)
+        hi = ((words >> 16) & 0xFFFF) | 0x4F000000
+        zs = (zq * (0xFFFF // ONES)) | 0x4F000000  # the zero code at every position of 16 bits
+        part = tl.zeros((BK // PER, BN), dtype=tl.float32)
         for j in tl.static_range(PER):
-            q = (words >> (j * BITS)) & ((1 << BITS) - 1)
-            # one predicate per word row
-            xk = tl.load(x + _column(w4, r * PER + j, r * PER < K, ORDER), mask=r * PER < K, other=0.0)
-            if HALF:  # (1024 + q) - (1024 + z) is exact in float16, its product with s rounds once: W in float16
-                w = ((_half(q) - z16[None, :]) * s16[None, :]).to(tl.float32)
+            P = (j % HALF) * BITS
+            keep = (ONES << P) | ((150 - P) << 23)  # the code and the exponent of 2^(23 - P)
+            if j < HALF:
+                q = lo & keep
             else:
-                w = _round(sf[None, :] * (_float(q) - zf[None, :]), xk.dtype).to(tl.float32)
-            acc += xk.to(tl.float32)[:, None] * w
+                q = hi & keep
+            zf = (zs & keep).to(tl.float32, bitcast=True)
+            xk = tl.load(x + _column(w4, r * PER + j, r * PER < K, ORDER), mask=r * PER < K, other=0.0)
+            part += xk.to(tl.float32)[:, None] * (q.to(tl.float32, bitcast=True) - zf[None, :])
+        acc += part * s.to(tl.float32)[None, :]
+        words, zq, s = next_words, next_zq, next_s
     return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _words_tile(w0, w1, w2, i0, i1, n, k0, end, N, BITS: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr):
+    """The [BK / PER, BN] words of the tile from column k0 (none from end on), its group's zero codes
+    and scales."""
+    PER: tl.constexpr = 32 // BITS
+    r = k0 // PER + tl.arange(0, BK // PER)
+    words = tl.load(w0 + r[:, None] * N + n[None, :], mask=(r[:, None] * PER < end) & (n[None, :] < N), other=0)
+    zq, s = _zero_scale(w1, w2, k0 // GROUP, n, i0, i1, N, BITS, n < tl.where(k0 < end, N, 0))
+    return words, zq, s
 
 
 @triton.jit
 def _gemv_nf4(x, w0, w1, w2, w3, w4, fparam, i0, i1, n, start, K_SPLIT, K, N, NESTED: tl.constexpr,
               BN: tl.constexpr, BK: tl.constexpr):
     """The GEMV's sum over one slice for NF4/FP4 codes, each tile in one block per output: a [BK / 2, BN]
-    tile of bytes taken apart one nibble at a time (no reshape), the absmax read once per tile. Same W,
-    rounded to x's dtype, as _weight gives."""
+    tile of bytes taken apart one nibble at a time (no reshape); the absmax, read once per tile,
+    multiplies each output's sum over the tile once."""
     acc = tl.zeros((BK // 2, BN), dtype=tl.float32)
     for step in range(0, tl.minimum(K_SPLIT, K - start), BK):  # the last slice ends at K
         k0 = start + step
@@ -242,10 +253,11 @@ def _gemv_nf4(x, w0, w1, w2, w3, w4, fparam, i0, i1, n, start, K_SPLIT, K, N, NE
         b = tl.load(w0 + r[:, None] + n[None, :] * (K // 2), mask=(r[:, None] * 2 < K) & (n[None, :] < N),
                     other=0).to(tl.int32)
         a = _absmax(w1, w3, w4, fparam, (n * K + k0) // i0, i1, NESTED, n < N)
+        part = tl.zeros((BK // 2, BN), dtype=tl.float32)
         for j in tl.static_range(2):  # the high nibble is the first column
             xk = tl.load(x + r * 2 + j, mask=r * 2 < K, other=0.0)
-            w = _round(tl.load(w2 + ((b >> (4 - 4 * j)) & 15)) * a[None, :], xk.dtype).to(tl.float32)
-            acc += xk.to(tl.float32)[:, None] * w
+            part += xk.to(tl.float32)[:, None] * tl.load(w2 + ((b >> (4 - 4 * j)) & 15))
+        acc += part * a[None, :]
     return tl.sum(acc, axis=0)
 
 
