@@ -65,6 +65,7 @@ class CheckpointWriter:
         return {"shards": self.shards.state(), "act_order": self.act_order}
 
     def close(self) -> Path:
+        self.staged.check()  # before the shards take their final names: a resumed run can still use them
         tmp = self.staged.path
         files = self.shards.close()
         size = sum(f.stat().st_size for f in files)

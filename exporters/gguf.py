@@ -320,8 +320,10 @@ class Writer:
             w.write_header_to_file()
             w.write_kv_data_to_file()
             w.write_ti_data_to_file()
-            w.fout[0].flush()
             self.data_start = gguf.GGUFWriter.ggml_pad(w.fout[0].tell(), gguf.GGUF_DEFAULT_ALIGNMENT)
+            # the padding written now: the header's CRC covers it, and a resumed run finds the same bytes
+            w.fout[0].write(bytes(self.data_start - w.fout[0].tell()))
+            w.fout[0].flush()
             w.close()
             self.header = crc(self.staged.path, self.data_start)
         else:
@@ -374,6 +376,7 @@ class Writer:
         missing = [name for name in self.plan if name not in self.done]
         if missing:
             raise QuantkitError(f"{missing[0]} was never written ({len(missing)} tensors missing): the GGUF is incomplete")
+        self.staged.check()  # before the file is cut to its end: a resumed run can still use it
         self.file.truncate(self.data_start + self.end)  # the last tensor's padding, as gguf-py writes it
         self.file.close()
         return self.staged.commit()

@@ -6,7 +6,7 @@ import os
 import re
 import tempfile
 import warnings
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -165,7 +165,10 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
             return {}
 
         # another run measuring into the same file would take or remove this one's progress
-        with locked(path, "--measurement") if path is not None and distributed.rank() == 0 else nullcontext():
+        with ExitStack() as held:
+            with distributed.first_refuses(f"lock {path}"):
+                if path is not None and distributed.rank() == 0:
+                    held.enter_context(locked(path, "--measurement"))
             quantize_layers(m, None, windows, device=dev, writer=recorder, keep=False,
                             progress=progress and distributed.rank() == 0, resume=resume, layer_fn=measure,
                             desc=f"measuring {len(settings)} settings of each "
@@ -320,7 +323,8 @@ def quantize(
         return ggml.quantize(w, types[name], importance.get(key) if importance is not None else None)
 
     writes = out is not None and distributed.rank() == 0  # under torchrun, rank 0 writes
-    writer = exporters.open_writer(m, out, format, config, overwrite, max_shard_size, types) if writes else None
+    with distributed.first_refuses(f"open {out}"):  # its lock: another job may be writing it
+        writer = exporters.open_writer(m, out, format, config, overwrite, max_shard_size, types) if writes else None
     # the space check counts what a killed run of the same command wrote already
     needed = exporters.expected_size(m.module, format, config, types) - size_on_disk(partial_path(out)) if writes else 0
     try:

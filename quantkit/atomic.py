@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, ResumableError
 
 
 def check_out(out: str | os.PathLike, overwrite: bool = False, directory: bool | None = None,
@@ -148,8 +148,20 @@ class Staged:
             self.path.mkdir()
         return self.path
 
+    def check(self) -> None:
+        """Refuse an output that appeared since the start (written by something else). Resumable: a run
+        that saved its progress keeps it, so a writer checks before it finishes its files, while they
+        still match that progress."""
+        try:
+            check_out(self.out, self.overwrite, self.directory)
+        except QuantkitError:
+            if not self.out.exists():
+                raise
+            raise ResumableError(f"{self.out} appeared while this run was writing it: move it away (or pass "
+                                 "--overwrite) and run the same command again") from None
+
     def commit(self) -> Path:
-        check_out(self.out, self.overwrite, self.directory)  # out may have appeared since the start
+        self.check()
         sync(self.path)
         if not self.directory:
             os.replace(self.path, self.out)

@@ -16,7 +16,7 @@ from typing import Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from .errors import ResumableError
+from .errors import QuantkitError, ResumableError
 
 T = TypeVar("T")
 
@@ -53,6 +53,23 @@ def collective(what: str) -> Iterator[None]:
         # gloo's "[.../pair.cc:553] Connection closed by peer ...": its first sentence, without the source path
         reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [type(e).__name__])[0]).split(". ")[0]
         raise stopped(f" while {what} ({reason})") from None
+
+
+@contextmanager
+def first_refuses(what: str) -> Iterator[None]:
+    """Around what rank 0 alone does before the work (open the output, lock a file): an error of input
+    it raises there stops every process at the end of the block, before any layer, the others saying
+    that rank 0 could not do what (they would go on to wait for it, and then report it stopped)."""
+    error = None
+    try:
+        yield
+    except QuantkitError as e:
+        if world() == 1:
+            raise
+        error = e
+    if agree(int(error is None), "min") == 0:
+        raise error or QuantkitError(f"the first process of this torchrun job could not {what} (its error says "
+                                     "why): nothing was done")
 
 
 def stopped(how: str) -> ResumableError:

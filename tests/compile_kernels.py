@@ -9,6 +9,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from quantkit import kernels
 from quantkit.kernels import GPTQ, NF4, jit
 
 LAYOUTS = [  # FMT, BITS, NESTED, GROUP, ORDER, the five weight pointers' types
@@ -18,11 +19,11 @@ LAYOUTS = [  # FMT, BITS, NESTED, GROUP, ORDER, the five weight pointers' types
           for nested in (False, True) for group in (0, 64)]
 
 
-def compile_one(fn, types: dict, consts: dict, capability: int) -> None:
+def compile_one(fn, types: dict, consts: dict, capability: int, warps: int = 4) -> None:
     names = fn.arg_names
     sig = {n: types.get(n, "constexpr") for n in names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-    triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4, "num_stages": 3})
+    triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": warps, "num_stages": 3})
 
 
 def main(capabilities: list[int]) -> None:
@@ -37,6 +38,10 @@ def main(capabilities: list[int]) -> None:
                 io = args | {"x": f"*{dt}", "y": f"*{dt}", "part": "*fp32", "count": "*i32"}
                 for split in (False, True):
                     compile_one(jit.gemv_kernel, io, c | {"BN": 64, "BK": 64, "SPLIT": split, "WORDS": words}, cap)
+                    if fmt == GPTQ and not order:  # the layout's GEMV tile and launch as matmul runs them
+                        bn, bk = kernels.GEMV_TILE["gptq"]
+                        compile_one(jit.gemv_kernel, io, c | {"BN": bn, "BK": bk, "SPLIT": split, "WORDS": words}, cap,
+                                    kernels.GEMV_LAUNCH["gptq"].get("num_warps", 4))
                     tile = {"BM": 16, "BN": 128, "BK": 64} if split else {"BM": 64, "BN": 64, "BK": 32}  # split: few rows
                     if not order:  # the GEMM takes x reordered, and no ORDER
                         gemm = {key: v for key, v in c.items() if key != "ORDER"} | tile

@@ -287,6 +287,50 @@ def test_out_of_disk_space_keeps_what_was_finished_and_resumes(tiny_dir, capsys,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "whole"]
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_an_output_that_appears_during_the_run_keeps_what_was_finished(tiny_dir, capsys, monkeypatch, tmp_path, fmt):
+    """Something else writes --out while the run works: the writer refuses to finish (one line, exit
+    2) before it touches what it wrote, so the finished layers stay resumable; once the other output
+    is moved away the same command resumes after the last layer and writes what an uninterrupted run
+    writes."""
+    from quantkit import atomic
+
+    method = ["--method", "gptq", "--group-size", 32] if fmt == "safetensors" else \
+        ["--method", "rtn", "--imatrix", "--format", "gguf", "--gguf-type", "Q4_0"]
+    args = ["quantize", tiny_dir, *method, "--calib-data", TEST, "--calib-samples", 4, "--calib-seqlen", 48]
+    name = "q" if fmt == "safetensors" else "q.gguf"
+    out = tmp_path / name
+    real = atomic.Staged.check
+
+    def appears(self):
+        if fmt == "gguf":
+            self.out.write_text("theirs")
+        else:
+            self.out.mkdir()
+            (self.out / "theirs").write_text("theirs")
+        return real(self)
+
+    monkeypatch.setattr(atomic.Staged, "check", appears)
+    code, line = run([*args, "--out", out], capsys, monkeypatch)
+    assert code == 2 and line == (f"error: {out} appeared while this run was writing it: move it away (or pass "
+                                  "--overwrite) and run the same command again")
+    assert (out.read_text() if fmt == "gguf" else (out / "theirs").read_text()) == "theirs"
+    assert (tmp_path / f".{name}.partial").exists() and (tmp_path / f".{name}.progress.pt").is_file()
+    monkeypatch.setattr(atomic.Staged, "check", real)
+    atomic.remove(out)
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args), "--out", out])
+    main()
+    assert "resuming after layer 2/2" in capsys.readouterr().err
+    whole = tmp_path / f"whole{out.suffix}"
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args), "--out", whole])
+    main()
+    if fmt == "gguf":
+        assert out.read_bytes() == whole.read_bytes()
+    else:
+        assert {f.name: f.read_bytes() for f in out.iterdir()} == {f.name: f.read_bytes() for f in whole.iterdir()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, whole.name])
+
+
 def test_two_runs_writing_the_same_output(model, capsys, monkeypatch, tmp_path):
     from quantkit.atomic import Staged
 

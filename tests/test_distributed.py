@@ -113,3 +113,29 @@ def test_awq_with_fewer_batches_than_processes_is_refused_before_the_work(tiny_d
                                             "--calib-samples 16 or more"):
         quantkit.quantize(str(tiny_dir), method="awq", group_size=32, calib_data=VALID, calib_samples=4,
                           calib_seqlen=64, out=tmp_path / "q", progress=False)
+
+
+@pytest.mark.parametrize("held", ["q", "m.json"], ids=["output", "measurement"])
+def test_a_job_refused_its_output_stops_every_process_before_the_work(tiny_dir, tmp_path, held):
+    """Another job writes the output (or the measurement file): only rank 0 takes its lock, and every
+    process stops there with an error of input, before any layer (the others went on to wait for
+    rank 0, then reported a stopped process and a resumable run); the other job's progress stays."""
+    from quantkit import atomic
+
+    theirs = tmp_path / ".q.progress-1.pt"
+    theirs.write_bytes(b"the other job's progress")
+    measure = ["--target-bpw", 3.6, "--measurement", tmp_path / held] if held == "m.json" else []
+    _, lock = atomic.lock(tmp_path / held, "--out")
+    try:
+        job = torchrun(tiny_dir, "--method", "gptq", "--group-size", 32, *measure, "--calib-data", VALID,
+                       "--calib-samples", 8, "--calib-seqlen", 64, "--out", tmp_path / "q")
+    finally:
+        lock.close()
+    assert job.returncode != 0
+    errors = [line for line in job.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2, job.stderr[-3000:]
+    assert any(f"{tmp_path / held} is being written by another quantkit process" in e for e in errors), errors
+    assert any(f"the first process of this torchrun job could not {'open' if held == 'q' else 'lock'} "
+               f"{tmp_path / held}" in e for e in errors), errors
+    assert theirs.read_bytes() == b"the other job's progress"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([theirs.name, f".{held}.lock"])

@@ -30,9 +30,12 @@ OUTPUTS = {2: 48, 3: 96, 4: 40, 8: 44}  # out_features: whole words of zeros, no
 IN = 160  # in_features: a multiple of 32 (the layout), not of the 64-input tiles nor of groups of 64 or 128
 
 
-def grid(bits: int, group_size: int, act_order: bool, seed: int = 0, n: int | None = None, k: int = IN):
+def grid(bits: int, group_size: int, act_order: bool, seed: int = 0, n: int | None = None, k: int = IN,
+         sym: bool | None = None):
+    """sym: symmetric codes (one zero point for all); default: for even widths."""
     g = torch.Generator().manual_seed(seed)
-    qt = rtn.quantize(torch.randn(n or OUTPUTS[bits], k, generator=g), bits, group_size, sym=bits % 2 == 0)
+    sym = bits % 2 == 0 if sym is None else sym
+    qt = rtn.quantize(torch.randn(n or OUTPUTS[bits], k, generator=g), bits, group_size, sym=sym)
     if act_order:
         qt.g_idx = qt.g_idx[torch.randperm(k, generator=g)].contiguous()
     return qt
@@ -78,20 +81,22 @@ def test_gptq_matmul(bits, group_size, act_order):
         assert_product(kernels.matmul(x, layer), x, qt, layer)
 
 
-@pytest.mark.parametrize("bits", [3, 4])
-@pytest.mark.parametrize("group_size", [-1, 32, 64, 128])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group_size", [-1, 32, 128, 256])
 def test_gptq_groups_whole_tiles(bits, group_size):
     """No act-order and groups that hold whole tiles: scales and zeros read once per tile (the GROUP
-    path of the kernels); K=256 so that every group size divides it."""
-    qt = grid(bits, group_size, False, seed=5, k=256)
-    layer = GPTQLinear.from_tensor(qt).to(DEVICE)
-    assert layer.plain_order
-    assert torch.equal(kernels.dequantize(layer, torch.float16).cpu(), qt.dequantize(torch.float16))
-    for rows in (1, 21):
-        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).half().to(DEVICE)
-        assert_product(kernels.matmul(x, layer), x, qt, layer)
-        if rows == 1:
-            assert_product(kernels.matmul(x, layer, split=4), x, qt, layer)
+    path of the kernels; the GEMV's jit._gemv_words for 2, 4 and 8 bits, K in 3 slices), with a zero point
+    per output and group (asymmetric codes) and one for all (symmetric); K=512 so that every group size
+    divides it, and groups of 256 span two of the GEMV's tiles."""
+    for sym in (False, True):
+        qt = grid(bits, group_size, False, seed=5, k=512, sym=sym)
+        layer = GPTQLinear.from_tensor(qt).to(DEVICE)
+        assert layer.plain_order
+        assert torch.equal(kernels.dequantize(layer, torch.float16).cpu(), qt.dequantize(torch.float16))
+        cases = [(1, torch.float16), (21, torch.float16)] + [(1, torch.bfloat16), (1, torch.float32)] * (not sym)
+        for rows, dtype in cases:
+            x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype).to(DEVICE)
+            assert_product(kernels.matmul(x, layer, split=3 if rows == 1 else None), x, qt, layer)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

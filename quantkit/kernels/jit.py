@@ -198,8 +198,9 @@ def _gemv_words(x, w0, w1, w2, w4, i0, i1, n, start, K_SPLIT, K, N, BITS: tl.con
     instructions a weight (a logic operation, a subtraction, a multiply-add). A code at bit P of a half
     word becomes the float 2^(23 - P) + q by its bits: the half word lies in the low mantissa bits
     under exponent bits that hold each such float's (0x4F000000), and one AND keeps the code's bits
-    and its float's exponent. Less 2^(23 - P) + z, made so from the zero, that is q - z exactly, and
-    each product x (q - z) is exact. The scale multiplies each output's sum over the tile once."""
+    and its float's exponent. Less 2^(23 - P) + z, made so from the zero, that is q - z exactly (each
+    product x (q - z) exact for float16 and bfloat16 x). The scale multiplies each output's sum over the
+    tile once."""
     PER: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = PER // 2
     ONES: tl.constexpr = (1 << BITS) - 1
