@@ -178,6 +178,9 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
             distributed.agree(0, "min")  # every process keeps its progress until the file is saved
             if resume is not None:
                 resume[0].unlink(missing_ok=True)
+                if distributed.rank() == 0:  # a killed job's of another world size too (and killed saves'), now stale
+                    for stale in path.parent.glob(f".{path.name}.progress-measurement*.pt*"):
+                        stale.unlink(missing_ok=True)
         errors = recorder.errors
     grouped = measurement.grouped(shapes, units)
     chosen = measurement.allocate({unit: list(linears.values()) for unit, linears in grouped.items()}, errors, target,
@@ -291,6 +294,10 @@ def quantize(
                                 f"{distributed.world()} processes, and --calib-samples {calib_samples} gives {batches}: "
                                 f"pass --calib-samples {BATCH * distributed.world()} or more")
     if config.target_bpw is not None:  # from here on, a rule per group of linears, or a GGUF type per linear
+        if out is not None:  # refused now, not after the measurement, where another job writes out
+            with distributed.first_refuses(f"open {out}"):
+                with locked(Path(out), "--out") if distributed.rank() == 0 else nullcontext():
+                    pass
         shapes = shapes_by_name(m.module)
         config = spent(config, measured(m, config, windows, dev, progress, candidates, importance), shapes)
         if types is not None:

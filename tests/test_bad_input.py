@@ -335,9 +335,13 @@ def test_two_runs_writing_the_same_output(model, capsys, monkeypatch, tmp_path):
     from quantkit.atomic import Staged
 
     holder = Staged(tmp_path / "out")  # another process's run, mid-way: it holds the lock
+    # with --target-bpw, before the measurement pass (minutes), not when the output is opened after it
+    monkeypatch.setattr("quantkit.api.measured", lambda *a, **kw: pytest.fail("measured"))
     try:
-        code, line = run(["quantize", model, "--out", tmp_path / "out"], capsys, monkeypatch)
-        assert code == 2 and "is being written by another quantkit process" in line
+        for options in ([], ["--method", "gptq", "--target-bpw", 3.6, "--calib-data", TEST, "--calib-samples", 4,
+                             "--calib-seqlen", 48]):
+            code, line = run(["quantize", model, *options, "--out", tmp_path / "out"], capsys, monkeypatch)
+            assert code == 2 and "is being written by another quantkit process" in line
     finally:
         holder.abort()
     assert not (tmp_path / "out").exists()

@@ -185,7 +185,8 @@ def test_bits_go_where_they_save_most_error():
 
 def test_a_killed_measurement_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
     """Interrupted in layer 1 of 2: the same command goes on measuring from layer 1, and the
-    measurement and export equal an uninterrupted run's."""
+    measurement and export equal an uninterrupted run's; the progress a killed torchrun job left is
+    cleared once the measurement is saved."""
     kw = dict(method="gptq", format="exl2", exl2=4.0, **CALIB, progress=False)
     quantkit.quantize(str(tiny_dir), out=tmp_path / "whole", measurement=str(tmp_path / "whole.json"), **kw)
     real, calls, killed = measurement.measure_layer, [], []
@@ -201,6 +202,8 @@ def test_a_killed_measurement_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
     with pytest.raises(KeyboardInterrupt):
         quantkit.quantize(str(tiny_dir), out=tmp_path / "q", measurement=str(tmp_path / "q.json"), **kw)
     assert (tmp_path / ".q.json.progress-measurement.pt").is_file() and not (tmp_path / "q.json").exists()
+    for stale in (".q.json.progress-measurement-1.pt", ".q.json.progress-measurement-0.pt.tmp-123"):  # a torchrun job's
+        (tmp_path / stale).write_bytes(b"killed")
     calls.clear()
     capsys.readouterr()
     quantkit.quantize(str(tiny_dir), out=tmp_path / "q", measurement=str(tmp_path / "q.json"), **kw)
