@@ -6,8 +6,8 @@ they show what a change to the arithmetic does before a GPU is lent.
     python benchmarks/gemv_sass.py [--kernels DIR] [--tiles 32x128,64x128] [--warps 2]
 
 Cases: 4-bit GPTQ in groups of 128 and NF4 in blocks of 64 with double quantization, float16 x, K
-split (as kernel_bench.py's shapes run), tiles' inputs cut to one group or block as kernels.tile cuts them, integer arguments and pointers taken as multiples of 16 (as
-Triton specializes them at run time). --kernels DIR: another version of quantkit/kernels/jit.py, the
+split (as kernel_bench.py's shapes run), tiles' inputs cut to one group or block as kernels.tile cuts
+them, integer arguments and pointers taken as multiples of 16 (as Triton specializes them at run time). --kernels DIR: another version of quantkit/kernels/jit.py, the
 anchor; each row gives its count and this checkout's as a ratio.
 """
 from __future__ import annotations

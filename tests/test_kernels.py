@@ -105,9 +105,10 @@ def test_gptq_groups_whole_tiles(bits, group_size):
 def test_matmul_dtypes_and_split(dtype, rows, act_order):
     """Every activation dtype; K split across programs (float32 partial sums added by the program
     that finishes last), in the GEMV and the GEMM; 9 rows: the GEMM's tile for few rows (FEW_TILE);
-    70 rows: two GEMM tiles. In plain order the GEMV
-    takes its own path (jit._gemv_words: codes into float32 by their bits, the scale after the sum). A split call twice gives the same bits: the slices are added in one order (which only a
-    GPU, running programs at once, could upset; the interpreter runs them one by one)."""
+    70 rows: two GEMM tiles. In plain order the GEMV takes its own path (jit._gemv_words: codes into
+    float32 by their bits, the scale after the sum). A split call twice gives the same bits: the slices
+    are added in one order (which only a GPU, running programs at once, could upset; the interpreter
+    runs them one by one)."""
     qt = grid(4, 64, act_order, seed=3, n=136, k=416)
     layer = GPTQLinear.from_tensor(qt).to(DEVICE)
     x = torch.randn(rows, 416, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)
