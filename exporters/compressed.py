@@ -21,7 +21,7 @@ from transformers import AutoConfig
 
 from quantkit.config import CODEBOOK_METHODS, QuantConfig
 from quantkit.errors import QuantkitError
-from quantkit.layers import linear_shapes
+from quantkit.layers import fused, linear_shapes
 from quantkit.modelio import Model
 from quantkit.packing import pack as pack_stream, unpack as unpack_stream
 from quantkit.qlinear import GPTQLinear
@@ -29,7 +29,6 @@ from quantkit.qtensor import QuantizedTensor, group_index
 from quantkit.rules import Rule
 
 from . import checkpoint
-from .gptq import fused_units
 from .shards import DEFAULT_MAX_SIZE
 
 BITS = (4, 8)  # vLLM's WNA16 kernels; other widths changed layout between compressed-tensors releases
@@ -125,7 +124,7 @@ def with_fused(names: list[str]) -> list[str]:
     one pattern that also matches the fused name. vLLM looks that name up, then the class name, where
     "Linear" (contained in QKVParallelLinear) would give it the run's settings, not its parts'."""
     out = list(names)
-    for name, parts in fused_units(names).items():
+    for name, parts in fused(names).items():
         if set(parts) <= set(out):
             out = [n for n in out if n not in parts]
             out.append(f"re:^(?:{'|'.join(re.escape(n) for n in [*parts, name])})$")

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from quantkit import __version__, measurement
+from quantkit import __version__
 from quantkit.config import METHODS, QuantConfig
 from quantkit.errors import QuantkitError
 from quantkit.modelio import Model
-from quantkit.layers import linear_shapes
+from quantkit.layers import fused, linear_shapes
 from quantkit.qlinear import GPTQLinear
 from quantkit.qtensor import QuantizedTensor
 from quantkit.rules import parse
@@ -56,18 +56,6 @@ def quantization_config(qconfig: QuantConfig, act_order: bool, names: list[str] 
     }
 
 
-def fused_units(names: list[str]) -> dict[str, list[str]]:
-    """The linears vLLM loads as one (q/k/v as qkv_proj, gate/up as gate_up_proj): their parts by the fused name."""
-    units = {}
-    for unit, fused in measurement.FUSED.items():
-        parts = measurement.GROUP_UNITS[unit]
-        for name in names:
-            if name.endswith(f".{parts[0]}"):
-                prefix = name.removesuffix(parts[0])
-                units[prefix + fused] = [prefix + p for p in parts]
-    return units
-
-
 def setting(c: QuantConfig | None) -> tuple[int, int] | None:
     return None if c is None else (c.bits, c.group_size)
 
@@ -77,13 +65,13 @@ def dynamic(qconfig: QuantConfig, names: list[str] = ()) -> dict[str, dict]:
     module name wins; "-:" leaves the module unquantized, "+:" overrides the settings. vLLM matches
     the name of a fused linear, which the rules that decide its parts need not match (`gate_proj|up_proj`):
     where it would get other settings than its parts share, it comes first by exact name."""
-    fused = {}
-    for name, parts in fused_units(names).items():
+    exact = {}
+    for name, parts in fused(names).items():
         mine = {setting(qconfig.for_linear(p)) for p in parts}
         if len(mine) == 1 and (s := mine.pop()) != setting(qconfig.for_linear(name)):
-            fused[f"{'-' if s is None else '+'}:{re.escape(name)}$"] = {} if s is None else \
+            exact[f"{'-' if s is None else '+'}:{re.escape(name)}$"] = {} if s is None else \
                 {"bits": s[0], "group_size": s[1]}
-    return fused | {f"{'-' if r.skip else '+'}:.*(?:{r.match})":
+    return exact | {f"{'-' if r.skip else '+'}:.*(?:{r.match})":
                     {} if r.skip else {k: v for k, v in (("bits", r.bits), ("group_size", r.group_size)) if v is not None}
                     for r in qconfig.rules}
 

@@ -19,7 +19,7 @@ from . import consumers, distributed, measurement
 from . import rules as layer_rules
 from .config import QuantConfig
 from .errors import QuantkitError, ResumableError, space_for
-from .layers import GROUPS, LINEARS, linear_shapes, shapes_by_name
+from .layers import GROUPS, LINEARS, fused, linear_shapes, shapes_by_name
 from .modelio import Model, check_context, fingerprint, linear_types, load
 from .pipeline import BATCH, Hessian, gather_hessians, quantize_layers
 from .qtensor import QuantizedTensor
@@ -197,12 +197,11 @@ def spent(config: QuantConfig, settings: dict, shapes: dict[str, tuple[int, int]
                           for name, t in settings.items())
         return replace(config, target_bpw=None, measurement=None, tensor_type=overrides)
     rules = []
-    for unit, linears in measurement.grouped(shapes, measurement.GROUP_UNITS).items():
-        key = unit.split(".", 3)[3]  # model.layers.3.self_attn.qkv -> self_attn.qkv
-        fused = [unit.removesuffix(key) + measurement.FUSED[key]] if key in measurement.FUSED else []
+    one = {frozenset(parts): name for name, parts in fused(shapes).items()}
+    for linears in measurement.grouped(shapes, measurement.GROUP_UNITS).values():
+        names = [*linears, *([one[frozenset(linears)]] if frozenset(linears) in one else [])]
         g = settings[next(iter(linears))]
-        rules.append(layer_rules.Rule(f"^(?:{'|'.join(re.escape(n) for n in [*linears, *fused])})$", g.bits,
-                                      g.group_size))
+        rules.append(layer_rules.Rule(f"^(?:{'|'.join(re.escape(n) for n in names)})$", g.bits, g.group_size))
     return replace(config, target_bpw=None, measurement=None, rules=tuple(rules))
 
 

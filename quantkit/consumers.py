@@ -12,7 +12,7 @@ import torch
 
 from .config import CODEBOOK_METHODS, QuantConfig
 from .errors import QuantkitError
-from .layers import linear_shapes
+from .layers import fused, linear_shapes
 
 TARGETS = ("vllm", "exllama", "transformers", "llama.cpp")
 
@@ -49,14 +49,8 @@ class Export:
         for name, n, k in linears:
             if settings[name] is not None:
                 by_setting.setdefault(key[name], (settings[name], []))[1].append((n, k))
-        fused = [[f"{prefix}{m}" for m in members] for prefix, members in FUSED]
-        split = next((" / ".join(n.format(i) for n in group) for i in range(len(module.model.layers))
-                      for group in fused if len({key[n.format(i)] for n in group}) > 1), "")
+        split = next((" / ".join(parts) for parts in fused(key).values() if len({key[p] for p in parts}) > 1), "")
         return replace(whole, parts=tuple(one(c, shapes) for c, shapes in by_setting.values()), split=split)
-
-
-# the linears vLLM loads as one (qkv_proj, gate_up_proj): they must share their settings
-FUSED = (("model.layers.{}.self_attn.", ("q_proj", "k_proj", "v_proj")), ("model.layers.{}.mlp.", ("gate_proj", "up_proj")))
 
 
 def one_setting(e: Export) -> str | None:

@@ -2,7 +2,7 @@
 input they share, and the hooks that read those inputs."""
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -14,6 +14,8 @@ GROUPS = (
     ("mlp.down_proj",),
 )
 LINEARS = tuple(name for group in GROUPS for name in group)
+# the groups vLLM loads as one linear, by that linear's name: they must share their settings
+FUSED = {"self_attn.qkv_proj": GROUPS[0], "mlp.gate_up_proj": GROUPS[2]}
 
 
 def linear_shapes(module: torch.nn.Module) -> Iterator[tuple[str, int, int]]:
@@ -27,6 +29,18 @@ def linear_shapes(module: torch.nn.Module) -> Iterator[tuple[str, int, int]]:
 def shapes_by_name(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """linear_shapes as a mapping: each decoder linear's (outputs, inputs) by name."""
     return {name: (n, k) for name, n, k in linear_shapes(module)}
+
+
+def fused(names: Iterable[str]) -> dict[str, list[str]]:
+    """The groups among the linears names (full names) that vLLM loads as one linear: each one's full
+    name and its parts', in the order of names."""
+    out = {}
+    for name in names:
+        for one, parts in FUSED.items():
+            if name.endswith(f".{parts[0]}"):
+                prefix = name.removesuffix(parts[0])
+                out[prefix + one] = [prefix + p for p in parts]
+    return out
 
 
 def on_device(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,6 @@ BLOCKS = {"self_attn": GROUPS[0] + GROUPS[1], "mlp": GROUPS[2] + GROUPS[3]}
 BLOCK_UNITS = BLOCKS
 GROUP_UNITS = {"self_attn.qkv": GROUPS[0], "self_attn.o": GROUPS[1], "mlp.gate_up": GROUPS[2], "mlp.down": GROUPS[3]}
 LINEAR_UNITS = {name: (name,) for name in LINEARS}
-FUSED = {"self_attn.qkv": "self_attn.qkv_proj", "mlp.gate_up": "mlp.gate_up_proj"}  # the one linear vLLM makes of them
 FISHER_WINDOWS = 8  # calibration windows the loss's gradients are taken on; each layer's inputs are kept
 
 
