@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.evals import adds_bos
 
 from . import records
 
@@ -50,7 +51,9 @@ def hub_text(split: str) -> str:
 
 
 def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0) -> torch.Tensor:
-    """n non-overlapping windows of seqlen tokens at seeded random places: LongTensor [n, seqlen]."""
+    """n non-overlapping windows of seqlen tokens at seeded random places: LongTensor [n, seqlen]. When
+    the tokenizer puts BOS in front of a text, each window's first token is BOS, as in llama-imatrix's
+    chunks and the evaluation's windows: the model is calibrated on what it runs on."""
     if n < 1 or seqlen < 2:
         raise QuantkitError(f"{n} windows of {seqlen} tokens asked for: ask for at least 1 window (--calib-samples) "
                             "of at least 2 tokens (--calib-seqlen)")
@@ -62,4 +65,7 @@ def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0) -> 
             f"({n * seqlen} tokens): use a longer text, fewer samples (--calib-samples) or shorter windows (--calib-seqlen)"
         )
     picks = sorted(random.Random(seed).sample(range(slots), n))
-    return torch.stack([ids[i * seqlen : (i + 1) * seqlen] for i in picks])
+    windows = torch.stack([ids[i * seqlen : (i + 1) * seqlen] for i in picks])
+    if adds_bos(tokenizer):
+        windows[:, 0] = tokenizer.bos_token_id
+    return windows

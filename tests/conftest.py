@@ -31,6 +31,18 @@ def tiny_tokenizer(path: Path, vocab_size: int = 512):
     return fast
 
 
+def tokenizer_adding_bos(path):
+    """A fresh copy of the tiny tokenizer that puts BOS (<|endoftext|>, id 0) in front of a text."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.bos_token = "<|endoftext|>"
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", tok.bos_token_id)])
+    return tok
+
+
 def make_tiny(path: Path, hidden: int = 64, intermediate: int = 128, layers: int = 2, seed: int = 0, **cfg) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -8,7 +8,7 @@ from quantkit import QuantkitError
 from quantkit.calibration import load_text, sample_windows
 from quantkit.modelio import load_tokenizer
 
-from .conftest import DATA, VALID
+from .conftest import DATA, VALID, tokenizer_adding_bos
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +29,15 @@ def test_windows_are_seeded_and_disjoint(tok):
         assert hits
         starts.append(hits[0])
     assert len(set(starts)) == 8
+
+
+def test_windows_start_with_bos_where_the_tokenizer_adds_it(tok, tiny_dir):
+    """As llama-imatrix's chunks and the evaluation's windows: the same slices, the first token BOS."""
+    text = load_text(VALID)[:100_000]
+    with_bos = tokenizer_adding_bos(tiny_dir)
+    plain, first = sample_windows(tok, text, 8, 64, seed=3), sample_windows(with_bos, text, 8, 64, seed=3)
+    assert (first[:, 0] == with_bos.bos_token_id).all() and (plain[:, 0] != with_bos.bos_token_id).any()
+    assert torch.equal(first[:, 1:], plain[:, 1:])
 
 
 def test_too_little_text_is_an_error(tok, tmp_path):

@@ -7,7 +7,7 @@ from quantkit import QuantkitError
 from quantkit.evals import perplexity
 from quantkit.evals.perplexity import adds_bos
 
-from .conftest import TEST, loaded
+from .conftest import TEST, loaded, tokenizer_adding_bos
 
 
 @pytest.fixture(scope="module")
@@ -37,18 +37,6 @@ def test_llamacpp_protocol_scores_the_second_half(tiny, text):
         logp = torch.log_softmax(tiny.module(ids).logits.double(), -1)
     nll = -logp[:, 64:127].gather(-1, ids[:, 65:, None]).mean()
     assert r.perplexity == pytest.approx(math.exp(nll.item()), rel=1e-6)
-
-
-def tokenizer_adding_bos(path):
-    """A fresh copy of the tiny tokenizer that puts BOS (<|endoftext|>, id 0) in front of a text."""
-    from tokenizers import processors
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.bos_token = "<|endoftext|>"
-    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", tok.bos_token_id)])
-    return tok
 
 
 def test_bos_replaces_the_first_token_only_when_the_tokenizer_adds_it(tiny, tiny_dir, text):
