@@ -197,10 +197,11 @@ def spent(config: QuantConfig, settings: dict, shapes: dict[str, tuple[int, int]
                           for name, t in settings.items())
         return replace(config, target_bpw=None, measurement=None, tensor_type=overrides)
     rules = []
-    one = {frozenset(parts): name for name, parts in fused(shapes).items()}
+    one = {part: name for name, parts in fused(shapes).items() for part in parts}  # the fused linear of each part
     for linears in measurement.grouped(shapes, measurement.GROUP_UNITS).values():
-        names = [*linears, *([one[frozenset(linears)]] if frozenset(linears) in one else [])]
-        g = settings[next(iter(linears))]
+        first = next(iter(linears))
+        names = [*linears, *([one[first]] if first in one else [])]
+        g = settings[first]
         rules.append(layer_rules.Rule(f"^(?:{'|'.join(re.escape(n) for n in names)})$", g.bits, g.group_size))
     return replace(config, target_bpw=None, measurement=None, rules=tuple(rules))
 
