@@ -116,7 +116,7 @@ def run(a) -> dict:
             else:
                 extra = dict(sym=False, duo_scaling=a.duo) | (dict(act_order=True, mse=True) if a.method == "gptq" else {})
             quantkit.quantize(m, method=a.method, bits=a.bits, group_size=a.group_size, calib_data=VALID,
-                              calib_samples=a.samples, calib_seqlen=512, seed=0, progress=False, **extra)
+                              calib_samples=a.samples, calib_seqlen=512, seed=a.seed, progress=False, **extra)
     seconds = time.perf_counter() - start
     if a.base:  # perplexity and KLD against the float model's saved log-probabilities
         base = a.method == "base"
@@ -236,6 +236,7 @@ def main() -> None:
     p.add_argument("--base", default="", help="run: the float model's log-probabilities (saved by method base)")
     p.add_argument("--defaults", type=flag, default=False, help="run: each method's own defaults (sym, clipping)")
     p.add_argument("--samples", type=int)
+    p.add_argument("--seed", type=int, default=0, help="run: the calibration windows' seed (whole-model runs)")
     p.add_argument("--windows", type=int, default=40)
     p.add_argument("--layers", type=int, default=30, help="speed: quantize only the first N decoder layers")
     p.add_argument("--every", type=int, default=3, help="descent: search every N-th layer")
