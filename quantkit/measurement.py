@@ -287,8 +287,9 @@ def read(path: str | os.PathLike, key: str, shapes: dict[str, tuple[int, int]], 
                                 "version): measure again into a new --measurement path")
         if body.get("key") != key:
             raise QuantkitError(f"{path} is the measurement of another model, calibration or quantizer settings "
-                                f"({body.get('model')}): measure this one into a new --measurement path, or "
-                                "calibrate and quantize as that run did")
+                                f"({body.get('model')}), or of calibration windows an older quantkit made otherwise: "
+                                "measure this one into a new --measurement path, or calibrate and quantize as that "
+                                "run did")
         entries = body["units"]
         errors = {}
         for unit, linears in grouped(shapes, units).items():
