@@ -31,8 +31,9 @@ def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
         raise QuantkitError("--format exl2 takes a target bits per weight (--bits 4.125) and only it does: "
                             "pass a whole --bits for the other formats")
     if qconfig.rules and fmt not in ("safetensors", "compressed-tensors"):
-        raise QuantkitError("--rules mixes settings per linear in the safetensors (GPTQ) and compressed-tensors "
-                            f"formats; the {fmt} layout holds one: use one of those formats")
+        raise QuantkitError("--rules (or a checkpoint read with settings per linear) mixes settings per linear in the "
+                            f"safetensors (GPTQ) and compressed-tensors formats; the {fmt} layout holds one: use one "
+                            "of those formats")
     if qconfig.target_bpw is not None and fmt not in ("safetensors", "compressed-tensors", "gguf"):
         raise QuantkitError("--target-bpw mixes settings per linear in the safetensors (GPTQ), compressed-tensors "
                             f"and GGUF formats; the {fmt} layout holds one: use one of those formats")

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from quantkit.config import QuantConfig
 from quantkit.errors import QuantkitError
@@ -81,9 +80,7 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
 def read(path: Path, packed: bool = False) -> Model:
     """Load an AWQ GEMM checkpoint (ours or AutoAWQ's): with dequantized float weights, or packed, its
     grids repacked into GPTQLinear layers (the kernels read the GPTQ layout)."""
-    cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
-    qc = cfg.quantization_config
-    del cfg.quantization_config
+    cfg, qc = checkpoint.config(path)
     bits, group_size = qc.get("bits", qc.get("w_bit", 4)), qc.get("group_size", qc.get("q_group_size", 128))
     if bits != 4 or str(qc.get("version", "gemm")).lower() != "gemm":
         raise QuantkitError(f"{path}: AWQ {bits}-bit {qc.get('version')}: quantkit reads the 4-bit GEMM layout")
@@ -102,4 +99,8 @@ def read(path: Path, packed: bool = False) -> Model:
                                 f"do not fit {k} inputs in groups of {group_size}: the checkpoint is corrupt")
         qt = QuantizedTensor(codes, scales.T.contiguous().half(), zeros, group_index(k, group_size), 4, group_size, False)
         layers[name] = GPTQLinear.from_tensor(qt, state.pop(f"{name}.bias", None), name=f"{path}: {name}")
-    return checkpoint.model(path, cfg, state, layers, QuantConfig("awq", 4, group_size, sym=False), packed)
+    rules = checkpoint.rules_read(layers, state, 4, group_size)  # modules_to_not_convert, held in float
+    # rules go with RTN and GPTQ grids (AWQ's search takes one setting): a mixed checkpoint reads as the
+    # grids its tensors are
+    qconfig = QuantConfig("gptq" if rules else "awq", 4, group_size, sym=False, rules=rules)
+    return checkpoint.model(path, cfg, state, layers, qconfig, packed)

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, BitsAndBytesConfig
+from transformers import BitsAndBytesConfig
 
 from quantkit.config import QuantConfig
 from quantkit.errors import QuantkitError
@@ -62,12 +62,16 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
                                        lambda act_order: quantization_config(qconfig, dtype), (), max_shard_size)
 
 
+def stored_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """The packed codes as bytes [M, 1]: bnb_4bit_quant_storage (FSDP-QLoRA's bfloat16, say) stores
+    them viewed as another dtype."""
+    return packed if packed.dtype == torch.uint8 else packed.contiguous().view(-1).view(torch.uint8)[:, None]
+
+
 def read(path: Path, packed: bool = False) -> Model:
     """Load a bitsandbytes 4-bit checkpoint (ours or transformers'): with dequantized float weights,
     or packed, its linears NF4Linear layers that hold the file's tensors as they are."""
-    cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
-    qc = cfg.quantization_config
-    del cfg.quantization_config
+    cfg, qc = checkpoint.config(path)
     if not qc.get("load_in_4bit"):
         raise QuantkitError(f"{path}: an 8-bit bitsandbytes checkpoint: quantkit reads the 4-bit ones")
     state = checkpoint.read_tensors(path)
@@ -79,7 +83,7 @@ def read(path: Path, packed: bool = False) -> Model:
         try:
             nested = f"{p}.nested_absmax" in state
             layers[name] = NF4Linear(
-                state.pop(p), state.pop(f"{p}.absmax"), state.pop(f"{p}.quant_map"), tuple(meta["shape"]),
+                stored_bytes(state.pop(p)), state.pop(f"{p}.absmax"), state.pop(f"{p}.quant_map"), tuple(meta["shape"]),
                 meta["blocksize"], state.pop(f"{p}.nested_absmax") if nested else None,
                 state.pop(f"{p}.nested_quant_map") if nested else None, meta.get("nested_blocksize", nf4.NESTED_BLOCK),
                 meta.get("nested_offset", 0.0), bias=state.pop(f"{name}.bias", None), name=f"{path}: {name}")

@@ -4,19 +4,22 @@ back to a model."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from quantkit.errors import QuantkitError
 from quantkit.config import QuantConfig
+from quantkit.layers import LINEARS
 from quantkit.modelio import Model, check_config, finite, load_tokenizer, reading, shard_files
-from quantkit.qlinear import QuantLinear
+from quantkit.qlinear import GPTQLinear, QuantLinear
 from quantkit.qtensor import QuantizedTensor
+from quantkit.rules import Rule
 
 from quantkit.atomic import Staged
 from .shards import DEFAULT_MAX_SIZE, ShardWriter, state_intact
@@ -89,6 +92,54 @@ class CheckpointWriter:
         self.staged.abort(keep)
 
 
+# where older AutoGPTQ and AutoAWQ checkpoints keep their quantization config, config.json having none
+SIDE_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
+
+def side_config(path: Path) -> dict | None:
+    """The quantization config of an older AutoGPTQ or AutoAWQ checkpoint, from its own file beside
+    config.json, with its quant_method; None where there is none."""
+    for name, method in SIDE_CONFIGS.items():
+        if (path / name).is_file():
+            qc = json.loads((path / name).read_text())
+            if not isinstance(qc, dict):
+                raise ValueError(f"{name} is not an object")
+            return {"quant_method": method, **qc}
+    return None
+
+
+def config(path: Path) -> tuple[object, dict]:
+    """A quantized checkpoint's model config, its quantization config taken out (transformers would
+    hand that to the quantizer's own library), and that quantization config (side_config's where
+    config.json has none)."""
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    qc = getattr(cfg, "quantization_config", None)
+    if qc is None:
+        return cfg, side_config(path)
+    del cfg.quantization_config
+    return cfg, qc
+
+
+def rules_read(layers: dict[str, GPTQLinear], state: dict[str, torch.Tensor], bits: int,
+               group_size: int) -> tuple[Rule, ...]:
+    """Rules by exact name under which a model read from a checkpoint exports again as it was read:
+    one per setting other than the run's (bits, group size), for the linears read at it, and one
+    skipping the decoder linears held in float (GPTQModel's dynamic, AutoAWQ's
+    modules_to_not_convert, compressed-tensors' ignore)."""
+    other: dict[tuple[int, int], list[str]] = {}
+    for name, layer in layers.items():
+        if (layer.bits, layer.group_size) != (bits, group_size):
+            other.setdefault((layer.bits, layer.group_size), []).append(name)
+    floats = [k.removesuffix(".weight") for k in state
+              if k.endswith(".weight") and ".layers." in k and k.removesuffix(".weight").endswith(LINEARS)]
+    rules = [Rule(exact(names), b, g) for (b, g), names in other.items()]
+    return tuple(rules + ([Rule(exact(floats), skip=True)] if floats else []))
+
+
+def exact(names: list[str]) -> str:
+    return f"^(?:{'|'.join(re.escape(n) for n in names)})$"
+
+
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint's files (modelio.shard_files); a name found in two files is refused,
     since which one a loader takes is then a matter of file order."""
@@ -123,6 +174,9 @@ def build(path: Path, cfg, state: dict[str, torch.Tensor], layers: dict[str, tor
     """A float32 model from a config (its quantization_config removed), a state dict and the modules
     that replace some linears. Made on the meta device and filled from state, so no weight is
     allocated twice; the buffers checkpoints do not hold (rotary frequencies) are made again."""
+    # older checkpoints hold the rotary frequencies, which are made again here (transformers ignores them)
+    for k in [k for k in state if k.endswith("rotary_emb.inv_freq")]:
+        del state[k]
     shapes = {k: tuple(v.shape) for k, v in state.items()} | \
         {f"{name}.weight": (layer.out_features, layer.in_features) for name, layer in layers.items()}
     check_config(cfg, shapes, path)

@@ -17,7 +17,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig
 
 from quantkit.config import CODEBOOK_METHODS, QuantConfig
 from quantkit.errors import QuantkitError
@@ -26,7 +25,6 @@ from quantkit.modelio import Model
 from quantkit.packing import pack as pack_stream, unpack as unpack_stream
 from quantkit.qlinear import GPTQLinear
 from quantkit.qtensor import QuantizedTensor, group_index
-from quantkit.rules import Rule
 
 from . import checkpoint
 from .shards import DEFAULT_MAX_SIZE
@@ -144,12 +142,22 @@ def scheme(path: Path, group: dict) -> tuple[int, int, bool, bool]:
     config group of a pack-quantized checkpoint."""
     w = group.get("weights") or {}
     if group.get("format", "pack-quantized") != "pack-quantized" or w.get("type", "int") != "int" or \
-            w.get("strategy") not in ("group", "channel") or w.get("actorder") == "group" or \
-            group.get("input_activations") or not isinstance(w.get("num_bits"), int):
+            w.get("strategy") not in ("group", "channel") or group.get("input_activations") or \
+            not isinstance(w.get("num_bits"), int):
         raise QuantkitError(f"{path}: quantkit reads compressed-tensors pack-quantized integer weights in group or "
                             "channel schemes and unquantized activations")
+    order = w.get("actorder")
+    if order in GROUP_ORDER:
+        raise QuantkitError(f"{path}: actorder {order!r} (groups in activation order, a weight_g_idx): quantkit "
+                            "reads compressed-tensors checkpoints without one (actorder null or \"weight\"); "
+                            "quantize the float model with quantkit instead")
     return (w["num_bits"], w["group_size"] if w["strategy"] == "group" else -1, w.get("symmetric", True),
-            w.get("actorder") == "weight")
+            order in WEIGHT_ORDER)
+
+
+# compressed-tensors' ActivationOrdering: "group" (true in older configs, alias "dynamic") stores a
+# weight_g_idx; "weight" (alias "static") permutes at quantization only, with groups in plain order
+GROUP_ORDER, WEIGHT_ORDER = ("group", "dynamic", True), ("weight", "static")
 
 
 def schemes(path: Path, qc: dict) -> Callable[[str], tuple[int, int, bool, bool]]:
@@ -176,9 +184,7 @@ def schemes(path: Path, qc: dict) -> Callable[[str], tuple[int, int, bool, bool]
 def read(path: Path, packed: bool = False) -> Model:
     """Load a pack-quantized checkpoint (ours or llm-compressor's): with dequantized float weights, or
     packed, its grids repacked into GPTQLinear layers (the kernels read the GPTQ layout)."""
-    cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
-    qc = cfg.quantization_config
-    del cfg.quantization_config
+    cfg, qc = checkpoint.config(path)
     scheme_of = schemes(path, qc)
     state = checkpoint.read_tensors(path)
     layers, seen = {}, set()
@@ -203,10 +209,8 @@ def read(path: Path, packed: bool = False) -> Model:
                              group_size, sym)
         layers[name] = GPTQLinear.from_tensor(qt, state.pop(f"{name}.bias", None), name=f"{path}: {name}")
     # the run's settings: those of the group targeting every Linear (or the only one); the others as
-    # rules by exact name, so that the model exports again as it was read
+    # rules (rules_read), so that the model exports again as it was read
     bits, group_size, sym, ordered = next(iter(seen)) if len(seen) == 1 else scheme_of("Linear")
-    rules = [Rule(f"^{re.escape(n)}$", layer.bits, layer.group_size) for n, layer in layers.items()
-             if (layer.bits, layer.group_size) != (bits, group_size)]
-    rules += [Rule(f"^{re.escape(n)}$", skip=True) for n in qc.get("ignore", []) if ".layers." in n]
-    qconfig = QuantConfig("gptq", bits, group_size, sym, act_order=ordered, static_groups=ordered, rules=tuple(rules))
+    qconfig = QuantConfig("gptq", bits, group_size, sym, act_order=ordered, static_groups=ordered,
+                          rules=checkpoint.rules_read(layers, state, bits, group_size))
     return checkpoint.model(path, cfg, state, layers, qconfig, packed)

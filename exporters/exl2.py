@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig
 
 from quantkit import __version__, measurement
 from quantkit.config import QuantConfig
@@ -167,8 +166,7 @@ def unpack_tensor(name: str, parts: dict[str, torch.Tensor], n: int) -> Quantize
 def read(path: Path, packed: bool = False) -> Model:
     """Load an EXL2 checkpoint (ours or ExLlamaV2's converter's) with dequantized float weights (no
     EXL2 kernel runs here, so packed is not used)."""
-    cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
-    del cfg.quantization_config
+    cfg, _ = checkpoint.config(path)
     state = checkpoint.read_tensors(path)
     tensors = {}
     for key in [k for k in state if k.endswith(".q_weight")]:

@@ -133,9 +133,11 @@ def add_tokenizer(w: gguf.GGUFWriter, model: Model, vocab_size: int) -> None:
     and merges, or a sentencepiece model's pieces, scores and types (Llama 2, Mistral)."""
     tokenizer = model.tokenizer
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    if spec["model"]["type"] == "BPE" and spec["model"].get("byte_fallback"):
-        source = Path(model.source)
-        add_sentencepiece(w, (source if source.is_dir() else source.parent) / "tokenizer.model", tokenizer, vocab_size)
+    source = Path(model.source)
+    if spec["model"]["type"] == "BPE" and spec["model"].get("byte_fallback") and source.is_file():
+        add_gguf_vocabulary(w, source)
+    elif spec["model"]["type"] == "BPE" and spec["model"].get("byte_fallback"):
+        add_sentencepiece(w, source / "tokenizer.model", tokenizer, vocab_size)
     elif spec["model"]["type"] == "BPE":
         add_bpe(w, spec, tokenizer, vocab_size)
     else:
@@ -224,6 +226,17 @@ def add_sentencepiece(w: gguf.GGUFWriter, path: Path, tokenizer, vocab_size: int
     w.add_token_list(tokens)
     w.add_token_scores(scores)
     w.add_token_types(kinds)
+
+
+def add_gguf_vocabulary(w: gguf.GGUFWriter, source: Path) -> None:
+    """A sentencepiece vocabulary as the GGUF source holds it (its pieces, scores and types: what
+    add_sentencepiece reads from tokenizer.model, which a GGUF does not come with)."""
+    fields = gguf.GGUFReader(source).fields
+    w.add_tokenizer_model(fields["tokenizer.ggml.model"].contents())
+    w.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in fields else "default")
+    w.add_token_list(fields["tokenizer.ggml.tokens"].contents())
+    w.add_token_scores(fields["tokenizer.ggml.scores"].contents())
+    w.add_token_types(fields["tokenizer.ggml.token_type"].contents())
 
 
 def add_metadata(w: gguf.GGUFWriter, model: Model, mix: str) -> None:

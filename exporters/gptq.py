@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from quantkit import __version__
 from quantkit.config import METHODS, QuantConfig
@@ -18,7 +17,7 @@ from quantkit.errors import QuantkitError
 from quantkit.modelio import Model
 from quantkit.layers import fused, linear_shapes
 from quantkit.qlinear import GPTQLinear
-from quantkit.qtensor import QuantizedTensor
+from quantkit.qtensor import QuantizedTensor, group_index
 from quantkit.rules import parse
 
 from . import checkpoint
@@ -101,27 +100,33 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
 def read(path: Path, packed: bool = False) -> Model:
     """Load a GPTQ checkpoint (ours or another tool's): with dequantized float weights, or packed,
     its linears GPTQLinear layers that hold the file's tensors as they are."""
-    cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
-    qc = cfg.quantization_config
-    del cfg.quantization_config  # transformers would hand it to gptqmodel
+    cfg, qc = checkpoint.config(path)
+    meta = qc.get("meta") or {}  # transformers' GPTQConfig writes null
     bits, group_size, sym = qc["bits"], qc["group_size"], qc.get("sym", True)
     v1 = qc.get("checkpoint_format", qc.get("format", "gptq")) == "gptq"
     state = checkpoint.read_tensors(path)
     layers = {}
     for key in [k for k in state if k.endswith(".qweight")]:
         name = key[: -len(".qweight")]
-        try:
-            tensors = {part: state.pop(f"{name}.{part}") for part in GPTQLinear.PACKED}
-        except KeyError as e:
-            raise QuantkitError(f"{path}: {name} lacks {e.args[0]}: the checkpoint is incomplete; re-export it") from None
         mine = override(qc, name)
         if mine is None:
             raise QuantkitError(f"{path}: {name} is quantized where the config's dynamic says it is not: "
                                 "the checkpoint is inconsistent; re-export it")
+        try:
+            tensors = {part: state.pop(f"{name}.{part}") for part in GPTQLinear.PACKED if part != "g_idx"}
+        except KeyError as e:
+            raise QuantkitError(f"{path}: {name} lacks {e.args[0]}: the checkpoint is incomplete; re-export it") from None
+        # GPTQ-for-LLaMa's checkpoints hold no g_idx: groups in plain order, as AutoGPTQ's default
+        k = tensors["qweight"].shape[0] * 32 // mine["bits"]
+        tensors["g_idx"] = state.pop(f"{name}.g_idx", None)
+        if tensors["g_idx"] is None:
+            tensors["g_idx"] = group_index(k, mine["group_size"]).int()
         layers[name] = GPTQLinear(**tensors, bits=mine["bits"], group_size=mine["group_size"], v1=v1,
                                   sym=mine.get("sym", sym), bias=state.pop(f"{name}.bias", None), name=f"{path}: {name}")
-    method = qc.get("meta", {}).get("method")
+    method = meta.get("method")
+    # ours name the rules they were made with; another tool's dynamic becomes rules by exact name
+    rules = parse(r, f"{path}: meta.rules") if (r := meta.get("rules")) else \
+        checkpoint.rules_read(layers, state, bits, group_size)
     qconfig = QuantConfig(method if method in METHODS else "gptq", bits, group_size, sym,
-                          act_order=bool(qc.get("desc_act")), static_groups=bool(qc.get("static_groups")),
-                          rules=parse(r, f"{path}: meta.rules") if (r := qc.get("meta", {}).get("rules")) else ())
+                          act_order=bool(qc.get("desc_act")), static_groups=bool(qc.get("static_groups")), rules=rules)
     return checkpoint.model(path, cfg, state, layers, qconfig, packed)

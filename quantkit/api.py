@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from quantkit import calibration, evals, exporters
-from quantkit.atomic import locked, partial_path, progress_files, size_on_disk
+from quantkit.atomic import check_apart, locked, partial_path, progress_files, size_on_disk
 
 from . import consumers, distributed, measurement
 from . import rules as layer_rules
@@ -264,6 +264,8 @@ def quantize(
         exporters.check_out(out, overwrite, directory=format != "gguf")
         exporters.parse_size(max_shard_size)
     m = model if isinstance(model, Model) else load(model)
+    if out is not None:
+        check_apart(out, [m.source])
     types = None
     if config.gguf_type is not None:
         exporters.gguf.check(m.module, config.gguf_type)

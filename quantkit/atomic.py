@@ -31,6 +31,16 @@ def check_out(out: str | os.PathLike, overwrite: bool = False, directory: bool |
     check_writable(out.parent, option)
 
 
+def check_apart(out: str | os.PathLike, inputs, option: str = "--out") -> None:
+    """Refuse an output that is, or holds, a path the command reads (inputs; None for none): replacing
+    it would delete what is being read (with --overwrite, a model directory and everything beside it)."""
+    o = Path(out).resolve()
+    for p in inputs:
+        if p is not None and (o == Path(p).resolve() or Path(p).resolve().is_relative_to(o)):
+            raise QuantkitError(f"{option} {out} {'is' if o == Path(p).resolve() else 'holds'} {p}, which this command "
+                                f"reads: writing it would delete that; choose another {option}")
+
+
 def check_writable(directory: Path, option: str) -> None:
     """Refuse, before any work, a directory this user cannot create files in (option names the path's option)."""
     if not os.access(directory, os.W_OK | os.X_OK):

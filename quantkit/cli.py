@@ -11,6 +11,7 @@ import click
 
 from quantkit import exporters, trainer
 from quantkit.evals import kld
+from quantkit.atomic import check_apart
 from quantkit.exporters import check_out
 from quantkit.trainer import TrainConfig
 from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECISIONS
@@ -381,8 +382,11 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
         quantize_out = quantize_out or f"{out}-{quantize_method}{'.gguf' if fmt == 'gguf' else ''}"
         check_out(merged, overwrite, directory=True)
         check_out(quantize_out, overwrite, directory=fmt != "gguf")
+        check_apart(merged, [model, data])
+        check_apart(quantize_out, [model, data])
     if not resume:
         check_out(out, overwrite, directory=True)
+    check_apart(out, [model, data])
     result = trainer.train(model, config, data=data, out=out, eval_data=eval_data, resume=resume,
                            overwrite=overwrite, device=device)
     if distributed.rank() != 0:
@@ -411,5 +415,6 @@ def merge(adapter, out, base, onto_nf4, overwrite, max_shard_size) -> None:
     """Merge a LoRA ADAPTER (quantkit's or PEFT's) into its base in float32 and write a model
     directory in the base's dtype, ready for quantkit quantize."""
     check_out(out, overwrite, directory=True)
+    check_apart(out, [adapter, base])
     trainer.merge(adapter, out, base, onto_nf4=onto_nf4, overwrite=overwrite, max_shard_size=max_shard_size)
     click.echo(f"merged into {out}")

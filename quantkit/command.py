@@ -21,9 +21,10 @@ def export(model, out, gguf_type, overwrite) -> None:
     """Write MODEL as GGUF: a quantkit checkpoint whose grids are GGUF blocks (4-bit or 8-bit, groups
     of 32, no act-order) keeps its codes exactly; a float model is rounded to --gguf-type; a GGUF file
     is requantized into that mix tensor by tensor, its metadata kept, as llama-quantize does."""
-    from .atomic import check_out
+    from .atomic import check_apart, check_out
 
     check_out(out, overwrite, directory=False)
+    check_apart(out, [model])
     if model is not None and model.endswith(".gguf") and os.path.isfile(model):
         from .requant import requantize
 

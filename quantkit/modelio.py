@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -134,6 +135,9 @@ class Checkpoint:
         for f in shard_files(path):
             with reading(f), safe_open(str(f), "pt") as sf:
                 for key in sf.keys():
+                    if key in self.where:  # no index to say which file holds it: the choice would be file order's
+                        raise QuantkitError(f"{path}: {key} is in both {self.where[key].name} and {f.name}: remove the "
+                                            "file that is not the model's")
                     info = sf.get_slice(key)
                     self.where[key], self.dtypes[key], self.shapes[key] = f, info.get_dtype(), tuple(info.get_shape())
 
@@ -141,6 +145,9 @@ class Checkpoint:
     def dtype(self) -> torch.dtype:
         """The weights' dtype (the most common float one); a quantized checkpoint is refused, naming its quantizer."""
         floats = [FLOAT_DTYPES[k] for k in self.dtypes.values() if k in FLOAT_DTYPES]
+        if "F64" in self.dtypes.values():
+            raise QuantkitError(f"{self.path}: float64 weights: quantkit reads float32, float16 and bfloat16 "
+                                "checkpoints; save it in one of those (model.to(torch.float32).save_pretrained)")
         marked = [n for n in self.where if n.endswith(tuple(QUANTIZED_MARKS))]
         if marked or not floats:
             kinds = ", ".join(sorted(set(self.dtypes.values())))
@@ -283,6 +290,8 @@ def load(path: str | os.PathLike | None = None, packed: bool = False) -> Model:
         raise QuantkitError(
             f"{p}: no such file or directory: pass a model directory (config.json + *.safetensors) or a .gguf file"
         )
+    if p.is_file() and p.suffix != ".gguf" and (p.parent / "config.json").is_file():  # a file of a model directory
+        raise QuantkitError(f"{p} is a file of the model directory {p.parent}: pass the directory")
     if p.is_file():
         return load_gguf(p)
     return load_dir(p, packed)
@@ -291,11 +300,21 @@ def load(path: str | os.PathLike | None = None, packed: bool = False) -> Model:
 def load_dir(path: Path, packed: bool = False) -> Model:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
-        raise QuantkitError(f"{path}: no config.json, so not a model directory: pass a directory saved by save_pretrained")
+        snapshots = sorted((path / "snapshots").glob("*/config.json"))  # a hub cache's folder of the model
+        hint = f" (this hub cache folder holds its files in {snapshots[-1].parent})" if snapshots else ""
+        raise QuantkitError(f"{path}: no config.json, so not a model directory: pass a directory saved by "
+                            f"save_pretrained{hint}")
     with untrusted(cfg_path, "not valid JSON", "restore the model's config.json"):
         cfg = json.loads(cfg_path.read_text())
-        model_type = cfg.get("model_type", "?")
+        model_type = cfg.get("model_type")
+    if model_type in (None, ""):
+        raise QuantkitError(f"{cfg_path}: no model_type, so no architecture: restore the model's config.json")
     check_architecture(model_type, str(path))
+    heads = cfg.get("architectures")
+    heads = [a for a in heads if isinstance(a, str)] if isinstance(heads, list) else []  # the rest: transformers' to judge
+    if heads and not any(a.endswith("ForCausalLM") for a in heads):  # a classifier or reward model: no lm_head
+        raise QuantkitError(f"{path}: a {heads[0]}, not a causal language model: quantkit quantizes *ForCausalLM "
+                            "checkpoints")
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         hint = " (pytorch .bin checkpoints are not read: convert them to safetensors)" if any(path.glob("*.bin")) else ""
@@ -304,6 +323,12 @@ def load_dir(path: Path, packed: bool = False) -> Model:
     if qc is not None and not isinstance(qc, dict):
         raise QuantkitError(f"{cfg_path}: quantization_config is {type(qc).__name__}, not an object: restore the "
                             "checkpoint's config.json")
+    if qc is None:
+        from quantkit.exporters import checkpoint
+
+        with untrusted(path, "an unreadable quantization config", "restore the checkpoint's quantize_config.json "
+                       "or quant_config.json"):
+            qc = checkpoint.side_config(path)
     if qc is not None:
         from quantkit.exporters import awq, bnb, compressed, exl2, gptq
 
@@ -393,6 +418,9 @@ def load_gguf(path: Path) -> Model:
         arch = metadata["general.architecture"]
     if arch not in GGUF_ARCHS:
         raise QuantkitError(f"{path}: GGUF architecture {arch!r} is not supported: quantkit reads {', '.join(GGUF_ARCHS)}")
+    if metadata.get("split.count") not in (None, 0, 1):
+        raise QuantkitError(f"{path} is one of {metadata['split.count']} parts of a split GGUF: merge them first "
+                            "(llama-gguf-split --merge)")
     cfg = gguf_config(metadata, names, path)
     # llama.cpp's converter interleaves llama's q/k rope halves; qwen2's and qwen3's ropes take them as they are
     heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
@@ -464,8 +492,10 @@ def gguf_tokenizer(path: Path, metadata: dict):
     """The tokenizer of a GGUF file, pre-tokenizing as llama.cpp does."""
     from transformers import TokenizersBackend
 
-    with untrusted(path, "no usable tokenizer in the GGUF", "re-export it"):
-        tokenizer = TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)
+    # from a directory holding the GGUF alone: transformers reads any tokenizer files beside it first
+    with untrusted(path, "no usable tokenizer in the GGUF", "re-export it"), tempfile.TemporaryDirectory() as alone:
+        (Path(alone) / path.name).symlink_to(path.resolve())
+        tokenizer = TokenizersBackend.from_pretrained(alone, gguf_file=path.name)
     if metadata.get("tokenizer.ggml.pre") in DIGIT_SPLIT_PRE:
         # transformers' GGUF converter ignores tokenizer.ggml.pre; llama.cpp splits every digit first
         from tokenizers import Regex, pre_tokenizers

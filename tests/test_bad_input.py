@@ -41,6 +41,14 @@ def test_directory_without_a_model(capsys, monkeypatch, tmp_path):
     quantize_fails([tmp_path / "empty"], capsys, monkeypatch, tmp_path, "no config.json")
 
 
+def test_a_hub_cache_folder_names_its_snapshot(model, capsys, monkeypatch, tmp_path):
+    """The hub's cache keeps a model's files under snapshots/<revision>/, where users look last."""
+    repo = tmp_path / "models--org--tiny"
+    (repo / "snapshots").mkdir(parents=True)
+    shutil.move(model, repo / "snapshots" / "abc123")
+    quantize_fails([repo], capsys, monkeypatch, tmp_path, f"this hub cache folder holds its files in {repo / 'snapshots' / 'abc123'}")
+
+
 def test_directory_without_weights(model, capsys, monkeypatch, tmp_path):
     (model / "model.safetensors").unlink()
     quantize_fails([model], capsys, monkeypatch, tmp_path, "no *.safetensors weights")
@@ -61,6 +69,8 @@ def test_unsupported_architecture(model, capsys, monkeypatch, tmp_path):
     cfg = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**cfg, "model_type": "bloom"}))
     quantize_fails([model], capsys, monkeypatch, tmp_path, "'bloom' is not supported: quantkit handles llama, mistral, qwen2, qwen3")
+    (model / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "model_type"}))
+    quantize_fails([model], capsys, monkeypatch, tmp_path, "config.json: no model_type, so no architecture")
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf"])
@@ -198,6 +208,7 @@ def test_quantized_checkpoint_whose_config_does_not_say_so(tiny_dir, capsys, mon
     cfg = json.loads((tmp_path / "gptq" / "config.json").read_text())
     del cfg["quantization_config"]
     (tmp_path / "gptq" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "gptq" / "quantize_config.json").unlink()  # else it reads as older AutoGPTQ's checkpoints do
     quantize_fails([tmp_path / "gptq"], capsys, monkeypatch, tmp_path, "already quantized by GPTQ or AWQ")
 
 
@@ -352,3 +363,48 @@ def test_report_widths_that_are_not_numbers(option, capsys, monkeypatch, tmp_pat
     code, line = run(["report", "--out", tmp_path / "r", "--data", TEST, option, "4,x"], capsys, monkeypatch)
     assert code == 2 and line.startswith(f"error: {option} '4,x': give comma-separated numbers"), line
     assert not (tmp_path / "r").exists()
+
+
+def test_an_out_that_is_or_holds_the_model_is_refused(model, capsys, monkeypatch, tmp_path):
+    """With --overwrite, writing --out replaced the directory it names: the model read, and with a
+    parent directory as --out, everything beside the model too."""
+    before = sorted(p.name for p in model.iterdir())
+    (tmp_path / "notes.txt").write_text("keep")
+    for out, match in ((tmp_path, f"--out {tmp_path} holds {model}"), (model, f"--out {model} is {model}")):
+        code, line = run(["quantize", model, "--out", out, "--overwrite"], capsys, monkeypatch)
+        assert code == 2 and line.startswith("error: ") and match in line, line
+    assert sorted(p.name for p in model.iterdir()) == before and (tmp_path / "notes.txt").read_text() == "keep"
+
+
+def test_a_stray_safetensors_beside_the_model_is_refused(model, capsys, monkeypatch, tmp_path):
+    """Without an index every *.safetensors is read, and a stale copy beside model.safetensors silently
+    replaced the model's tensors (those of the file sorting last): a tensor in two files is refused."""
+    import torch
+
+    state = load_file(model / "model.safetensors")
+    save_file({k: torch.randn_like(v) for k, v in state.items()}, model / "old.safetensors")
+    quantize_fails([model], capsys, monkeypatch, tmp_path, "is in both model.safetensors and old.safetensors")
+
+
+def test_checkpoints_that_are_not_float_causal_models_say_what_they_are(model, capsys, monkeypatch, tmp_path):
+    """A weights file passed for its directory was called a damaged GGUF; a float64 checkpoint already
+    quantized; a classifier (tied, so no head was missing) was quantized as a causal model, its head
+    dropped."""
+    import torch
+
+    quantize_fails([model / "model.safetensors"], capsys, monkeypatch, tmp_path, "is a file of the model directory")
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(cfg | {"architectures": ["LlamaForSequenceClassification"]}))
+    quantize_fails([model], capsys, monkeypatch, tmp_path, "a LlamaForSequenceClassification, not a causal language")
+    (model / "config.json").write_text(json.dumps(cfg))
+    state = load_file(model / "model.safetensors")
+    save_file({k: v.to(torch.float64) for k, v in state.items()}, model / "model.safetensors")
+    quantize_fails([model], capsys, monkeypatch, tmp_path, "float64 weights")
+
+
+def test_one_part_of_a_split_gguf_is_refused(capsys, monkeypatch, tmp_path):
+    """Its layer count disagreed with its tensors ("from different models"); export said it right."""
+    from .test_gguf import small_gguf
+
+    quantize_fails([small_gguf(tmp_path / "s.gguf", **{"split.count": 2})], capsys, monkeypatch, tmp_path,
+                   "is one of 2 parts of a split GGUF: merge them first")

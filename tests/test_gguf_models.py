@@ -214,6 +214,23 @@ def test_sentencepiece_without_its_model_file_is_refused(models, tmp_path):
     assert not (tmp_path / "m.gguf").exists()
 
 
+def test_a_sentencepiece_gguf_writes_its_own_vocabulary_into_gguf(models, tmp_path):
+    """A GGUF carries its pieces, scores and types: quantized again into GGUF it writes them (it asked
+    for a tokenizer.model beside it, and read any that was there, whichever model it came from). Tokenizer
+    files of another model beside it change nothing: its tokenizer is the GGUF's own."""
+    src = tmp_path / "src" / "m.gguf"
+    src.parent.mkdir()
+    quantkit.api.export_gguf(quantkit.load(models["llama-sentencepiece"]), src, "F32", progress=False)
+    alone = quantkit.load(src).tokenizer("Hello world 12")["input_ids"]
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # a byte-level BPE's, beside it
+        shutil.copy(models["llama-llama3"] / f, src.parent)
+    assert quantkit.load(src).tokenizer("Hello world 12")["input_ids"] == alone
+    out = tmp_path / "q.gguf"
+    quantkit.quantize(str(src), method="rtn", format="gguf", gguf_type="Q8_0", out=out, progress=False)
+    want = {k: v for k, v in fields(src).items() if k.startswith("tokenizer.")}
+    assert {k: v for k, v in fields(out).items() if k.startswith("tokenizer.")} == want
+
+
 # ---- judged by llama.cpp (slow: llama.cpp built once into the cache) ----
 
 @pytest.mark.slow

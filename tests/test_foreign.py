@@ -1,0 +1,165 @@
+"""Quantized checkpoints as other tools write them, read back: transformers' GPTQConfig (meta null),
+GPTQModel's `dynamic` without our meta, older AutoGPTQ's quantize_config.json alone, GPTQ-for-LLaMa's
+missing g_idx, AutoAWQ's modules_to_not_convert, bitsandbytes' quant_storage, compressed-tensors'
+actorder spellings. Each reads as the format defines, and what was mixed per linear exports again
+as it was read."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import quantkit
+from quantkit.errors import QuantkitError
+from quantkit.layers import linear_shapes
+
+from .conftest import loaded
+from .test_rules import RULES, settings, vllm_dynamic
+
+
+def copy(src, dst, edit=None):
+    """A copy of the checkpoint src at dst, edit(quantization_config) applied to its config.json."""
+    shutil.copytree(src, dst)
+    if edit is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit(cfg["quantization_config"])
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def edit_tensors(path, edit):
+    state = load_file(path / "model.safetensors")
+    edit(state)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_dir, tmp_path_factory):
+    """A GPTQ checkpoint mixed per linear (8 bits, another group size, one linear in float)."""
+    rules = tmp_path_factory.mktemp("rules") / "rules.json"
+    rules.write_text(json.dumps(RULES))
+    out = tmp_path_factory.mktemp("mixed") / "q"
+    return quantkit.quantize(str(tiny_dir), method="rtn", bits=4, group_size=64, rules=str(rules), out=out, keep=True,
+                             progress=False), out
+
+
+def same_model(back, m):
+    """back holds m's quantized tensors, and its other linears in float as m has them."""
+    assert back.tensors.keys() == m.tensors.keys()
+    for n, qt in m.tensors.items():
+        assert torch.equal(back.tensors[n].dequantize(), qt.dequantize()), n
+    names = [n for n, _, _ in linear_shapes(m.module)]
+    assert settings(back.qconfig, names) == settings(m.qconfig, names)
+
+
+def test_dynamic_without_our_meta_exports_again_as_read(mixed, tmp_path):
+    """transformers' GPTQConfig writes meta null, which dropped our rules and broke the read; another
+    tool's dynamic then holds the mix alone: read, it exports to GPTQ and compressed-tensors with
+    each linear's settings (dynamic was dropped, and the exports read back as corrupt)."""
+    m, out = mixed
+    foreign = copy(out, tmp_path / "g", lambda qc: qc.update(meta=None))
+    back = loaded(foreign)
+    same_model(back, m)
+    skipped = "model.layers.1.self_attn.o_proj"
+    for fmt in ("safetensors", "compressed-tensors"):
+        again = quantkit.export(back, tmp_path / fmt, fmt)
+        same_model(loaded(again), m)
+        assert torch.equal(loaded(again).module.get_submodule(skipped).weight,
+                           m.module.get_submodule(skipped).weight.half().float())
+    qc = json.loads((tmp_path / "safetensors" / "config.json").read_text())["quantization_config"]
+    assert vllm_dynamic(qc["dynamic"], skipped) is False
+    assert vllm_dynamic(qc["dynamic"], "model.layers.0.mlp.down_proj") == {"bits": 8, "group_size": 32}
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("plain") / "q"
+    return quantkit.quantize(str(tiny_dir), method="rtn", bits=4, group_size=32, out=out, keep=True, progress=False), out
+
+
+def test_quantize_config_json_alone_reads(plain, tmp_path):
+    """Older AutoGPTQ checkpoints keep their settings in quantize_config.json only (it was called
+    already quantized, "pass the original model")."""
+    m, out = plain
+    foreign = copy(out, tmp_path / "g")
+    cfg = json.loads((foreign / "config.json").read_text())
+    del cfg["quantization_config"]
+    (foreign / "config.json").write_text(json.dumps(cfg))
+    assert (foreign / "quantize_config.json").is_file()
+    same_model(loaded(foreign), m)
+
+
+def test_gptq_without_g_idx_takes_plain_groups(plain, tmp_path):
+    """GPTQ-for-LLaMa's checkpoints hold no g_idx: groups in order, AutoGPTQ's default (was refused)."""
+    m, out = plain
+    foreign = copy(out, tmp_path / "g")
+    edit_tensors(foreign, lambda state: [state.pop(k) for k in list(state) if k.endswith(".g_idx")])
+    same_model(loaded(foreign), m)
+
+
+def test_awq_modules_not_converted_export_as_float(tiny_dir, tmp_path):
+    """AutoAWQ leaves modules_to_not_convert in float: read, they stay float in a GPTQ export, whose
+    dynamic says so (it was written as a 4-bit linear's missing qweight)."""
+    m = quantkit.quantize(str(tiny_dir), method="rtn", bits=4, group_size=32, sym=False, format="awq",
+                          out=tmp_path / "a", keep=True, progress=False)
+    name = "model.layers.0.mlp.down_proj"
+    float_weight = m.tensors[name].dequantize().half()
+
+    def to_float(state):
+        for part in ("qweight", "qzeros", "scales"):
+            state.pop(f"{name}.{part}")
+        state[f"{name}.weight"] = float_weight
+    foreign = copy(tmp_path / "a", tmp_path / "aa", lambda qc: qc.update(modules_to_not_convert=[name]))
+    edit_tensors(foreign, to_float)
+    back = loaded(foreign)
+    assert name not in back.tensors and back.qconfig.for_linear(name) is None
+    out = quantkit.export(back, tmp_path / "g", "safetensors")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert vllm_dynamic(qc["dynamic"], name) is False
+    assert all(vllm_dynamic(qc["dynamic"], n) == {} for n in m.tensors if n != name)
+    again = loaded(out)
+    assert torch.equal(again.module.get_submodule(name).weight, float_weight.float())
+    for n, qt in m.tensors.items():
+        if n != name:
+            assert torch.equal(again.tensors[n].dequantize(), qt.dequantize()), n
+
+
+def test_bitsandbytes_quant_storage_reads_as_bytes(tiny_dir, tmp_path):
+    """bnb_4bit_quant_storage (bfloat16 for FSDP-QLoRA) stores the packed codes viewed as that dtype
+    (it was called corrupt)."""
+    m = quantkit.quantize(str(tiny_dir), method="nf4", out=tmp_path / "n", keep=True, progress=False)
+    foreign = copy(tmp_path / "n", tmp_path / "b", lambda qc: qc.update(bnb_4bit_quant_storage="bfloat16"))
+
+    def as_bf16(state):
+        for k in [k for k in state if k.endswith(".weight") and state[k].dtype == torch.uint8]:
+            state[k] = state[k].reshape(-1).view(torch.bfloat16)[:, None].clone()
+    edit_tensors(foreign, as_bf16)
+    back = loaded(foreign)
+    for n, qt in m.tensors.items():
+        assert torch.equal(back.tensors[n].dequantize(), qt.dequantize()), n
+
+
+@pytest.mark.parametrize("order", [True, "dynamic", "group"])
+def test_compressed_tensors_group_actorder_spellings_are_refused_alike(plain, tmp_path, order):
+    """true (older configs) and "dynamic" are compressed-tensors' aliases of "group" (a weight_g_idx):
+    the same refusal (they read as plain groups and failed on unexpected tensors)."""
+    m, _ = plain
+    out = quantkit.export(m, tmp_path / "c", "compressed-tensors")
+    foreign = copy(out, tmp_path / "cc", lambda qc: [g["weights"].update(actorder=order)
+                                                     for g in qc["config_groups"].values()])
+    with pytest.raises(QuantkitError, match=f"actorder {order!r}"):
+        quantkit.load(foreign)
+
+
+def test_rotary_frequencies_in_a_quantized_checkpoint_are_made_again(plain, tmp_path):
+    """Older GPTQ and AWQ checkpoints hold rotary_emb.inv_freq, which transformers ignores (they were
+    refused as unexpected tensors, "re-export the checkpoint")."""
+    m, out = plain
+    foreign = copy(out, tmp_path / "g")
+    inv = loaded(out).module.model.rotary_emb.inv_freq
+    edit_tensors(foreign, lambda state: state.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": inv.clone()
+                                                      for i in range(2)}))
+    back = loaded(foreign)
+    same_model(back, m)
+    assert torch.equal(back.module.model.rotary_emb.inv_freq, inv)
