@@ -8,7 +8,7 @@ from quantkit.config import CODEBOOK_METHODS, QuantConfig
 from quantkit.errors import QuantkitError, space_for
 
 from . import gguf
-from quantkit.atomic import check_out, progress_path
+from quantkit.atomic import check_apart, check_out, progress_path
 from .shards import DEFAULT_MAX_SIZE, parse_size
 
 # safetensors: the GPTQ checkpoint layout for integer grids, bitsandbytes' 4-bit layout for NF4/FP4;
@@ -32,8 +32,8 @@ def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
                             "pass a whole --bits for the other formats")
     if qconfig.rules and fmt not in ("safetensors", "compressed-tensors"):
         raise QuantkitError("--rules (or a checkpoint read with settings per linear) mixes settings per linear in the "
-                            f"safetensors (GPTQ) and compressed-tensors formats; the {fmt} layout holds one: use one "
-                            "of those formats")
+                            f"safetensors (GPTQ) and compressed-tensors formats; quantkit writes one in the {fmt} "
+                            "layout: use one of those formats")
     if qconfig.target_bpw is not None and fmt not in ("safetensors", "compressed-tensors", "gguf"):
         raise QuantkitError("--target-bpw mixes settings per linear in the safetensors (GPTQ), compressed-tensors "
                             f"and GGUF formats; the {fmt} layout holds one: use one of those formats")
@@ -112,6 +112,7 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
     max_shard_size bytes of tensor data ("5GB", "500MiB", or an int)."""
     if model.qconfig is None or not model.tensors:
         raise QuantkitError("the model is not quantized: quantize it before exporting")
+    check_apart(out, [model.source])
     types = {name: qt.ggml for name, qt in model.tensors.items()} if fmt == "gguf" else None
     writer = open_writer(model, out, fmt, model.qconfig, overwrite, max_shard_size, types)
     try:

@@ -123,12 +123,12 @@ def config(path: Path) -> tuple[object, dict]:
 def rules_read(layers: dict[str, GPTQLinear], state: dict[str, torch.Tensor], bits: int,
                group_size: int) -> tuple[Rule, ...]:
     """Rules by exact name under which a model read from a checkpoint exports again as it was read:
-    one per setting other than the run's (bits, group size), for the linears read at it, and one
-    skipping the decoder linears held in float (GPTQModel's dynamic, AutoAWQ's
+    one per setting other than the run's (bits, group size), for the decoder linears read at it, and
+    one skipping the decoder linears held in float (GPTQModel's dynamic, AutoAWQ's
     modules_to_not_convert, compressed-tensors' ignore)."""
     other: dict[tuple[int, int], list[str]] = {}
     for name, layer in layers.items():
-        if (layer.bits, layer.group_size) != (bits, group_size):
+        if ".layers." in name and (layer.bits, layer.group_size) != (bits, group_size):
             other.setdefault((layer.bits, layer.group_size), []).append(name)
     floats = [k.removesuffix(".weight") for k in state
               if k.endswith(".weight") and ".layers." in k and k.removesuffix(".weight").endswith(LINEARS)]

@@ -127,6 +127,8 @@ def read(path: Path, packed: bool = False) -> Model:
     # ours name the rules they were made with; another tool's dynamic becomes rules by exact name
     rules = parse(r, f"{path}: meta.rules") if (r := meta.get("rules")) else \
         checkpoint.rules_read(layers, state, bits, group_size)
-    qconfig = QuantConfig(method if method in METHODS else "gptq", bits, group_size, sym,
+    # rules go with RTN and GPTQ grids: another method's mixed checkpoint reads as the grids it holds
+    method = method if method in METHODS and (not rules or method in ("rtn", "gptq")) else "gptq"
+    qconfig = QuantConfig(method, bits, group_size, sym,
                           act_order=bool(qc.get("desc_act")), static_groups=bool(qc.get("static_groups")), rules=rules)
     return checkpoint.model(path, cfg, state, layers, qconfig, packed)

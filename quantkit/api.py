@@ -265,7 +265,7 @@ def quantize(
         exporters.parse_size(max_shard_size)
     m = model if isinstance(model, Model) else load(model)
     if out is not None:
-        check_apart(out, [m.source])
+        check_apart(out, [m.source, calib_data])
     types = None
     if config.gguf_type is not None:
         exporters.gguf.check(m.module, config.gguf_type)

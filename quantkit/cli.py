@@ -147,7 +147,8 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     check_out(out, overwrite, directory=fmt != "gguf")
     exporters.parse_size(max_shard_size)
     m = load(model)
-    consumers.check_targets(consumers.Export.of(fmt, config, m.module), targets)  # before the "before" evaluation
+    check_apart(out, [m.source, calib_data, eval_data])  # before the "before" evaluation
+    consumers.check_targets(consumers.Export.of(fmt, config, m.module), targets)
     if eval_data and int(os.environ.get("RANK", "0")) == 0:
         show("before", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))
     m = api.quantize(m, config, calib_data=calib_data, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
@@ -382,11 +383,13 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
         quantize_out = quantize_out or f"{out}-{quantize_method}{'.gguf' if fmt == 'gguf' else ''}"
         check_out(merged, overwrite, directory=True)
         check_out(quantize_out, overwrite, directory=fmt != "gguf")
-        check_apart(merged, [model, data])
-        check_apart(quantize_out, [model, data])
     if not resume:
         check_out(out, overwrite, directory=True)
-    check_apart(out, [model, data])
+    inputs = [model, data, eval_data, calib_data]
+    check_apart(out, inputs)
+    if quantize_method:
+        check_apart(merged, [*inputs, out])  # OUT-merged: another --out moves it
+        check_apart(quantize_out, [*inputs, out, merged], "--quantize-out")
     result = trainer.train(model, config, data=data, out=out, eval_data=eval_data, resume=resume,
                            overwrite=overwrite, device=device)
     if distributed.rank() != 0:
@@ -415,6 +418,5 @@ def merge(adapter, out, base, onto_nf4, overwrite, max_shard_size) -> None:
     """Merge a LoRA ADAPTER (quantkit's or PEFT's) into its base in float32 and write a model
     directory in the base's dtype, ready for quantkit quantize."""
     check_out(out, overwrite, directory=True)
-    check_apart(out, [adapter, base])
     trainer.merge(adapter, out, base, onto_nf4=onto_nf4, overwrite=overwrite, max_shard_size=max_shard_size)
     click.echo(f"merged into {out}")

@@ -132,10 +132,11 @@ class Checkpoint:
         self.where: dict[str, Path] = {}
         self.dtypes: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        indexed = (path / "model.safetensors.index.json").is_file()
         for f in shard_files(path):
             with reading(f), safe_open(str(f), "pt") as sf:
                 for key in sf.keys():
-                    if key in self.where:  # no index to say which file holds it: the choice would be file order's
+                    if key in self.where and not indexed:  # which file holds it would be a matter of file order
                         raise QuantkitError(f"{path}: {key} is in both {self.where[key].name} and {f.name}: remove the "
                                             "file that is not the model's")
                     info = sf.get_slice(key)
@@ -329,6 +330,8 @@ def load_dir(path: Path, packed: bool = False) -> Model:
         with untrusted(path, "an unreadable quantization config", "restore the checkpoint's quantize_config.json "
                        "or quant_config.json"):
             qc = checkpoint.side_config(path)
+        if qc is not None and not any(k.endswith(".qweight") for k in Checkpoint(path).where):
+            qc = None  # beside a float model (a leftover): its weights decide
     if qc is not None:
         from quantkit.exporters import awq, bnb, compressed, exl2, gptq
 
@@ -496,6 +499,7 @@ def gguf_tokenizer(path: Path, metadata: dict):
     with untrusted(path, "no usable tokenizer in the GGUF", "re-export it"), tempfile.TemporaryDirectory() as alone:
         (Path(alone) / path.name).symlink_to(path.resolve())
         tokenizer = TokenizersBackend.from_pretrained(alone, gguf_file=path.name)
+        tokenizer.name_or_path = str(path.parent)
     if metadata.get("tokenizer.ggml.pre") in DIGIT_SPLIT_PRE:
         # transformers' GGUF converter ignores tokenizer.ggml.pre; llama.cpp splits every digit first
         from tokenizers import Regex, pre_tokenizers

@@ -164,6 +164,8 @@ CATALOGUE = {
     "train: resume without a run": Bad("train {model} --data {text} --out {tmp}/a --resume", "nothing to resume"),
     "train: resume a finished run": Bad("train {model} --data {text} --out {tmp} --resume", "no checkpoint of a run"),
     "train: out is the model": Bad("train {model} --data {text} --out {model} --overwrite", "which this command reads"),
+    "train: quantize-out holds the adapter": Bad("train {model} --data {text} --out {tmp}/a --quantize rtn --quantize-out "
+                                                 "{tmp} --overwrite", "--quantize-out"),
     "train: quantize unknown format": Bad("train {model} --data {text} --out {tmp}/a --quantize rtn --format onnx",
                                           "onnx"),
     "train: chat template escaping jinja's sandbox": Bad(

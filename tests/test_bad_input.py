@@ -408,3 +408,37 @@ def test_one_part_of_a_split_gguf_is_refused(capsys, monkeypatch, tmp_path):
 
     quantize_fails([small_gguf(tmp_path / "s.gguf", **{"split.count": 2})], capsys, monkeypatch, tmp_path,
                    "is one of 2 parts of a split GGUF: merge them first")
+
+
+def test_exports_over_what_they_read_are_refused(model, capsys, monkeypatch, tmp_path):
+    """quantkit export of a GGUF onto itself, and quantkit.export of a checkpoint into the directory
+    that holds it, replaced what they read."""
+    import quantkit
+    from quantkit.errors import QuantkitError
+
+    src = tmp_path / "m.gguf"
+    quantkit.quantize(str(model), method="rtn", format="gguf", gguf_type="F16", out=src, progress=False)
+    before = src.read_bytes()
+    code, line = run(["export", src, "--out", src, "--gguf-type", "Q8_0", "--overwrite"], capsys, monkeypatch)
+    assert code == 2 and line.startswith("error: ") and "which this command reads" in line, line
+    assert src.read_bytes() == before
+    (tmp_path / "q").mkdir()
+    q = quantkit.quantize(str(model), method="rtn", bits=4, group_size=32, out=tmp_path / "q" / "ck", keep=True,
+                          progress=False)
+    with pytest.raises(QuantkitError, match="holds .*ck, which this command reads"):
+        quantkit.export(quantkit.load(tmp_path / "q" / "ck"), tmp_path / "q", overwrite=True)
+    assert q.tensors and (tmp_path / "q" / "ck" / "config.json").is_file()
+
+
+def test_merge_over_the_base_its_adapter_names_is_refused(model, capsys, monkeypatch, tmp_path):
+    """The base comes from the adapter's config when --base is not given: an --out holding it replaced
+    the base model (and everything beside it)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    get_peft_model(AutoModelForCausalLM.from_pretrained(model), LoraConfig(r=2, target_modules=["q_proj"])) \
+        .save_pretrained(tmp_path / "adapter")
+    before = sorted(p.name for p in model.iterdir())
+    code, line = run(["merge", tmp_path / "adapter", "--out", model, "--overwrite"], capsys, monkeypatch)
+    assert code == 2 and line.startswith("error: ") and f"is {model}, which this command reads" in line, line
+    assert sorted(p.name for p in model.iterdir()) == before

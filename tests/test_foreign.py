@@ -163,3 +163,57 @@ def test_rotary_frequencies_in_a_quantized_checkpoint_are_made_again(plain, tmp_
     back = loaded(foreign)
     same_model(back, m)
     assert torch.equal(back.module.model.rotary_emb.inv_freq, inv)
+
+
+def test_another_methods_mixed_checkpoint_reads_as_its_grids(mixed, tmp_path):
+    """quantkit's own earlier re-export of an AutoAWQ checkpoint with a float linear: meta.method "awq"
+    and no meta.rules. Its mix read as rules made a QuantConfig AWQ cannot have (refused on load)."""
+    m, out = mixed
+    foreign = copy(out, tmp_path / "g", lambda qc: qc["meta"].update(method="awq", rules=[]))
+    back = loaded(foreign)
+    assert back.qconfig.method == "gptq"
+    same_model(back, m)
+
+
+def test_autoawq_quant_config_json_alone_reads(tiny_dir, tmp_path):
+    """Older AutoAWQ checkpoints keep w_bit, q_group_size, zero_point and version in quant_config.json."""
+    m = quantkit.quantize(str(tiny_dir), method="rtn", bits=4, group_size=32, sym=False, format="awq",
+                          out=tmp_path / "a", keep=True, progress=False)
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    del cfg["quantization_config"]
+    (tmp_path / "a" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "a" / "quant_config.json").write_text(json.dumps({"zero_point": True, "q_group_size": 32, "w_bit": 4,
+                                                                  "version": "GEMM"}))
+    back = loaded(tmp_path / "a")
+    for n, qt in m.tensors.items():
+        assert torch.equal(back.tensors[n].dequantize(), qt.dequantize()), n
+
+
+def test_a_side_config_beside_a_float_model_is_not_read(tiny_dir, tmp_path):
+    """A leftover quantize_config.json beside float weights: the weights decide (it read as a GPTQ
+    checkpoint with every linear skipped); a malformed one beside packed weights is named."""
+    model = shutil.copytree(tiny_dir, tmp_path / "m")
+    (model / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 32}))
+    assert not quantkit.load(model).tensors and quantkit.load(model).checkpoint is not None
+
+
+def test_a_malformed_side_config_is_named(plain, tmp_path):
+    m, out = plain
+    foreign = copy(out, tmp_path / "g")
+    cfg = json.loads((foreign / "config.json").read_text())
+    del cfg["quantization_config"]
+    (foreign / "config.json").write_text(json.dumps(cfg))
+    (foreign / "quantize_config.json").write_text("[4, 32]")
+    with pytest.raises(QuantkitError, match="an unreadable quantization config .*restore the checkpoint's quantize_config"):
+        quantkit.load(foreign)
+
+
+def test_compressed_tensors_static_actorder_reads_as_weight(plain, tmp_path):
+    """"static" is compressed-tensors' alias of "weight" (columns ordered at quantization, groups in order)."""
+    m, _ = plain
+    out = quantkit.export(m, tmp_path / "c", "compressed-tensors")
+    foreign = copy(out, tmp_path / "cc", lambda qc: [g["weights"].update(actorder="static")
+                                                     for g in qc["config_groups"].values()])
+    back = loaded(foreign)
+    assert back.qconfig.act_order and back.qconfig.static_groups
+    same_model(back, m)

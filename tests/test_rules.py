@@ -168,7 +168,7 @@ def test_consumers_see_every_setting(tiny_dir):
 
 @pytest.mark.parametrize("args,rules,match", [
     (["--format", "gguf"], RULES, "for GGUF use --tensor-type"),
-    (["--format", "awq", "--method", "rtn"], RULES, "the awq layout holds one"),
+    (["--format", "awq", "--method", "rtn"], RULES, "quantkit writes one in the awq layout"),
     (["--method", "nf4"], RULES, "RTN and GPTQ grids"),
     ([], [{"match": "layers\\.7\\.", "bits": 8}], "rule 1 ('layers\\\\.7\\\\.') matches no linear"),
     (["--format", "compressed-tensors", "--group-size", "32"], [{"match": "down_proj", "bits": 3}], "4 or 8 bits, not 3"),

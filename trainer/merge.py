@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from quantkit.errors import QuantkitError, untrusted
-from quantkit.atomic import Staged
+from quantkit.atomic import Staged, check_apart
 from quantkit.exporters.shards import DEFAULT_MAX_SIZE, INDEX, ShardWriter
 from quantkit.modelio import Model, load
 from quantkit.pipeline import write_other
@@ -98,6 +98,7 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
     config and tokenizer files). base: the adapter config's base_model_name_or_path by default."""
     config, cfg, tensors = read(adapter)
     m = base_of(cfg, base, adapter)
+    check_apart(out, [adapter, m.source])
     by_linear = fitted(m, config, tensors, adapter)
     if "lm_head" in by_linear and m.module.config.tie_word_embeddings:  # merged, it would change the embedding too
         raise QuantkitError(f"{adapter}: the adapter changes lm_head, which this model ties to its embedding, so it "
