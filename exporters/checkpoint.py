@@ -4,7 +4,6 @@ back to a model."""
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Callable
@@ -19,7 +18,7 @@ from quantkit.layers import LINEARS
 from quantkit.modelio import Model, check_config, finite, load_tokenizer, reading, shard_files
 from quantkit.qlinear import GPTQLinear, QuantLinear
 from quantkit.qtensor import QuantizedTensor
-from quantkit.rules import Rule
+from quantkit.rules import Rule, exact
 
 from quantkit.atomic import Staged
 from .shards import DEFAULT_MAX_SIZE, ShardWriter, state_intact
@@ -134,10 +133,6 @@ def rules_read(layers: dict[str, GPTQLinear], state: dict[str, torch.Tensor], bi
               if k.endswith(".weight") and ".layers." in k and k.removesuffix(".weight").endswith(LINEARS)]
     rules = [Rule(exact(names), b, g) for (b, g), names in other.items()]
     return tuple(rules + ([Rule(exact(floats), skip=True)] if floats else []))
-
-
-def exact(names: list[str]) -> str:
-    return f"^(?:{'|'.join(re.escape(n) for n in names)})$"
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ from quantkit.modelio import Model
 from quantkit.packing import pack as pack_stream, unpack as unpack_stream
 from quantkit.qlinear import GPTQLinear
 from quantkit.qtensor import QuantizedTensor, group_index
+from quantkit.rules import exact
 
 from . import checkpoint
 from .shards import DEFAULT_MAX_SIZE
@@ -125,7 +126,7 @@ def with_fused(names: list[str]) -> list[str]:
     for name, parts in fused(names).items():
         if set(parts) <= set(out):
             out = [n for n in out if n not in parts]
-            out.append(f"re:^(?:{'|'.join(re.escape(n) for n in [*parts, name])})$")
+            out.append(f"re:{exact([*parts, name])}")
     return out
 
 

@@ -134,10 +134,11 @@ def add_tokenizer(w: gguf.GGUFWriter, model: Model, vocab_size: int) -> None:
     tokenizer = model.tokenizer
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     source = Path(model.source)
-    if spec["model"]["type"] == "BPE" and spec["model"].get("byte_fallback") and source.is_file():
-        add_gguf_vocabulary(w, source)
-    elif spec["model"]["type"] == "BPE" and spec["model"].get("byte_fallback"):
-        add_sentencepiece(w, source / "tokenizer.model", tokenizer, vocab_size)
+    if spec["model"]["type"] == "BPE" and spec["model"].get("byte_fallback"):
+        if source.is_file():  # a GGUF holds its pieces, scores and types
+            add_gguf_vocabulary(w, source)
+        else:
+            add_sentencepiece(w, source / "tokenizer.model", tokenizer, vocab_size)
     elif spec["model"]["type"] == "BPE":
         add_bpe(w, spec, tokenizer, vocab_size)
     else:

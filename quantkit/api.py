@@ -202,7 +202,7 @@ def spent(config: QuantConfig, settings: dict, shapes: dict[str, tuple[int, int]
         first = next(iter(linears))
         names = [*linears, *([one[first]] if first in one else [])]
         g = settings[first]
-        rules.append(layer_rules.Rule(f"^(?:{'|'.join(re.escape(n) for n in names)})$", g.bits, g.group_size))
+        rules.append(layer_rules.Rule(layer_rules.exact(names), g.bits, g.group_size))
     return replace(config, target_bpw=None, measurement=None, rules=tuple(rules))
 
 

@@ -324,14 +324,15 @@ def load_dir(path: Path, packed: bool = False) -> Model:
     if qc is not None and not isinstance(qc, dict):
         raise QuantkitError(f"{cfg_path}: quantization_config is {type(qc).__name__}, not an object: restore the "
                             "checkpoint's config.json")
+    checkpoint = None
     if qc is None:
-        from quantkit.exporters import checkpoint
+        checkpoint = Checkpoint(path)
+        if any(k.endswith(".qweight") for k in checkpoint.where):  # packed (a side config beside float weights is a leftover)
+            from quantkit.exporters.checkpoint import side_config
 
-        with untrusted(path, "an unreadable quantization config", "restore the checkpoint's quantize_config.json "
-                       "or quant_config.json"):
-            qc = checkpoint.side_config(path)
-        if qc is not None and not any(k.endswith(".qweight") for k in Checkpoint(path).where):
-            qc = None  # beside a float model (a leftover): its weights decide
+            with untrusted(path, "an unreadable quantization config", "restore the checkpoint's quantize_config.json "
+                           "or quant_config.json"):
+                qc = side_config(path)
     if qc is not None:
         from quantkit.exporters import awq, bnb, compressed, exl2, gptq
 
@@ -343,10 +344,9 @@ def load_dir(path: Path, packed: bool = False) -> Model:
                 f"{path}: already quantized with {method!r}: quantkit reads full-precision "
                 "checkpoints and GPTQ, AWQ (GEMM), bitsandbytes 4-bit, compressed-tensors pack-quantized and EXL2 ones"
             )
-        Checkpoint(path)  # every shard there, every header readable: a damaged file fails here, by name
+        checkpoint or Checkpoint(path)  # every shard there, every header readable: a damaged file fails here, by name
         with untrusted(path, f"not a readable {method} checkpoint", "re-export it"):
             return readers[method](path, packed)
-    checkpoint = Checkpoint(path)
     with untrusted(cfg_path, "not a model configuration transformers accepts", "restore the model's config.json"):
         cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
     return Model(skeleton(cfg, checkpoint, path), load_tokenizer(path), str(path), checkpoint=checkpoint)

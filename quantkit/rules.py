@@ -32,6 +32,11 @@ class Rule:
         return re.search(self.match, name) is not None
 
 
+def exact(names) -> str:
+    """A pattern matching the names given and nothing else."""
+    return f"^(?:{'|'.join(re.escape(n) for n in names)})$"
+
+
 def parse(entries: object, source: str) -> tuple[Rule, ...]:
     """Rules from a list of mappings, each checked; source names them in errors."""
     if not isinstance(entries, list) or not entries:
