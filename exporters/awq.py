@@ -74,7 +74,7 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
            max_shard_size: int | str = DEFAULT_MAX_SIZE) -> checkpoint.CheckpointWriter:
     """Called by exporters.open_writer, which has run check; the other tensors in float16."""
     return checkpoint.CheckpointWriter(model, out, overwrite, torch.float16, pack_tensor,
-                                       lambda act_order: quantization_config(qconfig), (), max_shard_size)
+                                       lambda w: quantization_config(qconfig), (), max_shard_size)
 
 
 def read(path: Path, packed: bool = False) -> Model:

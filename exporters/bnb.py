@@ -59,7 +59,7 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
     in memory: its own), which is also the dtype the weights dequantize to."""
     dtype = model.checkpoint.dtype if model.checkpoint is not None else model.module.dtype
     return checkpoint.CheckpointWriter(model, out, overwrite, dtype, lambda name, qt: pack(name, qt, dtype),
-                                       lambda act_order: quantization_config(qconfig, dtype), (), max_shard_size)
+                                       lambda w: quantization_config(qconfig, dtype), (), max_shard_size)
 
 
 def stored_bytes(packed: torch.Tensor) -> torch.Tensor:

@@ -28,17 +28,21 @@ class CheckpointWriter:
     """A safetensors checkpoint written as results arrive (exporters.Writer): shards of at most
     max_shard_size (with their index when there are several); at close, config.json (with the
     quantization_config), the tokenizer, the generation config and extra JSON files. pack turns
-    one quantized linear into its tensors by suffix; the other tensors are stored in dtype."""
+    one quantized linear into its tensors by suffix; the other tensors are stored in dtype.
+    quantization_config makes the config from the writer once every tensor is in (act_order, head).
+    A quantized lm_head (read from a checkpoint that has one) is packed where the layout's consumers
+    load one (packs_head), and written dequantized where they take lm_head in float."""
 
     def __init__(self, model: Model, out: str | Path, overwrite: bool, dtype: torch.dtype,
                  pack: Callable[[str, QuantizedTensor], dict[str, torch.Tensor]],
-                 quantization_config: Callable[[bool], dict], extra: tuple[str, ...] = (),
-                 max_shard_size: int | str = DEFAULT_MAX_SIZE):
+                 quantization_config: Callable[[CheckpointWriter], dict], extra: tuple[str, ...] = (),
+                 max_shard_size: int | str = DEFAULT_MAX_SIZE, packs_head: bool = False):
         self.staged = Staged(out, overwrite)
         self.model, self.dtype, self.pack, self.config, self.extra = model, dtype, pack, quantization_config, extra
-        self.max_shard_size = max_shard_size
+        self.max_shard_size, self.packs_head = max_shard_size, packs_head
         self.shards: ShardWriter | None = None
         self.act_order = False
+        self.head: tuple[int, int] | None = None  # the packed lm_head's bits and group size
 
     @property
     def written(self) -> int:
@@ -51,6 +55,7 @@ class CheckpointWriter:
         if state is not None:
             self.shards.resume(state["shards"])
             self.act_order = state["act_order"]
+            self.head = tuple(state["head"]) if state.get("head") else None
 
     def resumable(self, state: dict) -> bool:
         return self.staged.path.is_dir() and state_intact(self.staged.path, state["shards"])
@@ -59,12 +64,17 @@ class CheckpointWriter:
         self.shards.add(key, tensor.to(self.dtype) if tensor.is_floating_point() else tensor)
 
     def add_quantized(self, name: str, qt: QuantizedTensor) -> None:
+        if name == "lm_head" and not self.packs_head:
+            self.add("lm_head.weight", qt.dequantize())
+            return
+        if name == "lm_head":
+            self.head = (qt.bits, qt.group_size)
         self.act_order |= qt.act_order
         for suffix, t in self.pack(name, qt).items():
             self.shards.add(f"{name}.{suffix}", t)
 
     def state(self) -> dict:
-        return {"shards": self.shards.state(), "act_order": self.act_order}
+        return {"shards": self.shards.state(), "act_order": self.act_order, "head": self.head}
 
     def close(self) -> Path:
         self.staged.check()  # before the shards take their final names: a resumed run can still use them
@@ -72,7 +82,7 @@ class CheckpointWriter:
         files = self.shards.close()
         size = sum(f.stat().st_size for f in files)
         print(f"wrote {len(self.shards.names)} tensors in {len(files)} file(s), {size / 2**20:.1f} MiB", file=sys.stderr)
-        qcfg = self.config(self.act_order)
+        qcfg = self.config(self)
         cfg = self.model.module.config.to_dict()
         # a config saved without a model lacks it, and ExLlamaV2's loader (among others) needs it
         cfg["architectures"] = cfg.get("architectures") or [type(self.model.module).__name__]

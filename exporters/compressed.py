@@ -91,12 +91,15 @@ def weights_scheme(c: QuantConfig) -> dict:
             "actorder": "weight" if c.act_order else None}
 
 
-def quantization_config(qconfig: QuantConfig, names: list[str]) -> dict:
+def quantization_config(qconfig: QuantConfig, names: list[str], head: tuple[int, int] | None = None) -> dict:
     """One config group for the run's settings, targeting every Linear; with rules, one more per other
     setting before it, targeting its linears by exact name (compressed-tensors prefers an exact name to
-    a class; the parts vLLM fuses by a pattern, with_fused), and the linears the rules skip ignored."""
+    a class; the parts vLLM fuses by a pattern, with_fused), and the linears the rules skip ignored.
+    lm_head is ignored unless packed (head: its bits and group size), then targeted by name."""
     targets: dict[tuple, list[str]] = {}
-    ignore = ["lm_head"]
+    ignore = [] if head else ["lm_head"]
+    if head:
+        targets[head] = ["lm_head"]
     for name in names:
         c = qconfig.for_linear(name)
         if c is None:
@@ -135,7 +138,8 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
     """Called by exporters.open_writer, which has run check; the other tensors in float16."""
     names = [name for name, _, _ in linear_shapes(model.module)]
     return checkpoint.CheckpointWriter(model, out, overwrite, torch.float16, pack_tensor,
-                                       lambda act_order: quantization_config(qconfig, names), (), max_shard_size)
+                                       lambda w: quantization_config(qconfig, names, w.head), (), max_shard_size,
+                                       packs_head=True)
 
 
 def scheme(path: Path, group: dict) -> tuple[int, int, bool, bool]:
@@ -189,8 +193,12 @@ def read(path: Path, packed: bool = False) -> Model:
     scheme_of = schemes(path, qc)
     state = checkpoint.read_tensors(path)
     layers, seen = {}, set()
+    ignore = qc.get("ignore") or []
     for key in [k for k in state if k.endswith(".weight_packed")]:
         name = key.removesuffix(".weight_packed")
+        if any(name == t or t.startswith("re:") and re.match(t[3:], name) for t in ignore):
+            raise QuantkitError(f"{path}: {name} is packed where the config ignores it: the checkpoint is "
+                                "inconsistent (its consumers would not load it); re-export it")
         bits, group_size, sym, ordered = scheme_of(name)
         seen.add((bits, group_size, sym, ordered))
         try:

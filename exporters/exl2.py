@@ -105,10 +105,10 @@ class Writer(checkpoint.CheckpointWriter):
 
     def __init__(self, model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool, max_shard_size):
         super().__init__(model, out, overwrite, torch.float16, self.pack_counted,
-                         lambda act_order: quantization_config(qconfig, self.counts["bits"] / max(self.counts["weights"], 1),
-                                                               self.counts["head_bits"] / self.counts["head_weights"]
-                                                               if self.counts["head_weights"] else 16),
-                         (), max_shard_size)
+                         lambda w: quantization_config(qconfig, self.counts["bits"] / max(self.counts["weights"], 1),
+                                                       self.counts["head_bits"] / self.counts["head_weights"]
+                                                       if self.counts["head_weights"] else 16),
+                         (), max_shard_size, packs_head=True)
         self.counts = dict.fromkeys(("bits", "weights", "head_bits", "head_weights"), 0)
 
     def pack_counted(self, name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:

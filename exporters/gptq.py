@@ -35,8 +35,11 @@ def check_shapes(module: torch.nn.Module, qconfig: QuantConfig) -> None:
             )
 
 
-def quantization_config(qconfig: QuantConfig, act_order: bool, names: list[str] = ()) -> dict:
+def quantization_config(qconfig: QuantConfig, act_order: bool, names: list[str] = (),
+                        head: tuple[int, int] | None = None) -> dict:
+    """head: a packed lm_head's bits and group size (GPTQModel's and vLLM's "lm_head": true)."""
     fmt = "gptq" if qconfig.sym else "gptq_v2"
+    rules = dynamic(qconfig, names, head)
     return {
         "quant_method": "gptq",
         "bits": qconfig.bits,
@@ -46,12 +49,12 @@ def quantization_config(qconfig: QuantConfig, act_order: bool, names: list[str] 
         "true_sequential": qconfig.true_sequential,
         "damp_percent": qconfig.damp,
         "sym": qconfig.sym,
-        "lm_head": False,
+        "lm_head": head is not None,
         "checkpoint_format": fmt,
         "format": fmt,
         "pack_dtype": "int32",
         "meta": {"quantizer": [f"quantkit:{__version__}"], **qconfig.to_dict()},
-        **({"dynamic": dynamic(qconfig, names)} if qconfig.rules else {}),
+        **({"dynamic": rules} if rules else {}),
     }
 
 
@@ -59,12 +62,16 @@ def setting(c: QuantConfig | None) -> tuple[int, int] | None:
     return None if c is None else (c.bits, c.group_size)
 
 
-def dynamic(qconfig: QuantConfig, names: list[str] = ()) -> dict[str, dict]:
+def dynamic(qconfig: QuantConfig, names: list[str] = (), head: tuple[int, int] | None = None) -> dict[str, dict]:
     """The rules as GPTQModel's and vLLM's `dynamic`: in order, the first pattern that re.match-es a
     module name wins; "-:" leaves the module unquantized, "+:" overrides the settings. vLLM matches
     the name of a fused linear, which the rules that decide its parts need not match (`gate_proj|up_proj`):
-    where it would get other settings than its parts share, it comes first by exact name."""
+    where it would get other settings than its parts share, it comes first by exact name. A packed
+    lm_head comes first by exact name too where it has settings of its own or a rule's pattern could
+    take it (quantkit's rules decide the decoder linears alone)."""
     exact = {}
+    if head is not None and (head != (qconfig.bits, qconfig.group_size) or qconfig.rules):
+        exact["+:lm_head$"] = {"bits": head[0], "group_size": head[1]}
     for name, parts in fused(names).items():
         mine = {setting(qconfig.for_linear(p)) for p in parts}
         if len(mine) == 1 and (s := mine.pop()) != setting(qconfig.for_linear(name)):
@@ -93,8 +100,8 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
     """Called by exporters.open_writer, which has checked the shapes; the other tensors in float16."""
     names = [name for name, _, _ in linear_shapes(model.module)]
     return checkpoint.CheckpointWriter(model, out, overwrite, torch.float16, pack,
-                                       lambda act_order: quantization_config(qconfig, act_order, names),
-                                       ("quantize_config.json",), max_shard_size)
+                                       lambda w: quantization_config(qconfig, w.act_order, names, w.head),
+                                       ("quantize_config.json",), max_shard_size, packs_head=True)
 
 
 def read(path: Path, packed: bool = False) -> Model:
@@ -109,9 +116,10 @@ def read(path: Path, packed: bool = False) -> Model:
     for key in [k for k in state if k.endswith(".qweight")]:
         name = key[: -len(".qweight")]
         mine = override(qc, name)
-        if mine is None:
-            raise QuantkitError(f"{path}: {name} is quantized where the config's dynamic says it is not: "
-                                "the checkpoint is inconsistent; re-export it")
+        if mine is None or (name == "lm_head" and not qc.get("lm_head")):
+            said = "lm_head is false" if mine else "dynamic says it is not"
+            raise QuantkitError(f"{path}: {name} is quantized where the config's {said}: the checkpoint is "
+                                "inconsistent (its consumers would not load it); re-export it")
         try:
             tensors = {part: state.pop(f"{name}.{part}") for part in GPTQLinear.PACKED if part != "g_idx"}
         except KeyError as e:

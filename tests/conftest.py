@@ -49,7 +49,7 @@ def make_tiny(path: Path, hidden: int = 64, intermediate: int = 128, layers: int
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, **cfg)
+                         **{"tie_word_embeddings": True, **cfg})
     LlamaForCausalLM(config).save_pretrained(path)
     tiny_tokenizer(path)
     return path

@@ -13,8 +13,10 @@ from safetensors.torch import load_file, save_file
 import quantkit
 from quantkit.errors import QuantkitError
 from quantkit.layers import linear_shapes
+from quantkit.qlinear import GPTQLinear
+from quantkit.quantizers import rtn
 
-from .conftest import loaded
+from .conftest import loaded, make_tiny
 from .test_rules import RULES, settings, vllm_dynamic
 
 
@@ -217,3 +219,72 @@ def test_compressed_tensors_static_actorder_reads_as_weight(plain, tmp_path):
     back = loaded(foreign)
     assert back.qconfig.act_order and back.qconfig.static_groups
     same_model(back, m)
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    """A GPTQ checkpoint of an untied model (4 bits, groups of 32) whose lm_head is not quantized yet."""
+    root = tmp_path_factory.mktemp("untied")
+    src = make_tiny(root / "model", tie_word_embeddings=False)
+    quantkit.quantize(str(src), method="rtn", bits=4, group_size=32, out=root / "q", progress=False)
+    return root / "q"
+
+
+def with_head(src, dst, bits, group_size, flag=True):
+    """GPTQModel's checkpoint with a quantized lm_head ("lm_head": true; another setting by dynamic);
+    the head's dequantized weight."""
+    head = {}
+
+    def pack_head(state):
+        head["qt"] = rtn.quantize(state.pop("lm_head.weight").float(), bits=bits, group_size=group_size)
+        state.update({f"lm_head.{k}": t for k, t in GPTQLinear.from_tensor(head["qt"]).packed().items()})
+
+    def flag_head(qc):
+        qc["lm_head"] = flag
+        if (bits, group_size) != (4, 32):
+            qc["dynamic"] = {"+:lm_head$": {"bits": bits, "group_size": group_size}}
+    edit_tensors(copy(src, dst, flag_head), pack_head)
+    return head["qt"].dequantize()
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 64)])
+def test_a_quantized_lm_head_exports_again_as_read(untied, tmp_path, bits, group_size):
+    """A quantized lm_head read from GPTQModel's checkpoint was packed again under "lm_head": false
+    (GPTQ) or an ignored lm_head (compressed-tensors), which transformers loaded as a random head.
+    Now the GPTQ and compressed-tensors exports say it is quantized, with its own setting, and
+    transformers loads the compressed one's head; AutoAWQ's layout, whose consumers take lm_head in
+    float, gets it dequantized."""
+    from transformers import AutoModelForCausalLM
+
+    ref = with_head(untied, tmp_path / "g", bits, group_size)
+    back = loaded(tmp_path / "g")
+    assert torch.equal(back.module.lm_head.weight, ref)
+    for fmt in ("safetensors", "compressed-tensors"):
+        out = quantkit.export(back, tmp_path / fmt, fmt)
+        again = loaded(out)
+        assert again.tensors.keys() == back.tensors.keys()
+        assert torch.equal(again.module.lm_head.weight, ref), fmt
+    qc = json.loads((tmp_path / "safetensors" / "config.json").read_text())["quantization_config"]
+    assert qc["lm_head"] is True
+    assert {**qc, **vllm_dynamic(qc.get("dynamic", {}), "lm_head")}["bits"] == bits
+    # the package's forward: its dequantize-at-load path takes one setting per file (consumers.one_setting)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "compressed-tensors", dtype=torch.float32)
+    ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, back.module(ids).logits, rtol=0, atol=2e-3)
+    if bits == 4:
+        out = quantkit.export(back, tmp_path / "awq", "awq")
+        assert torch.equal(load_file(out / "model.safetensors")["lm_head.weight"], ref.half())
+        assert torch.equal(loaded(out).module.lm_head.weight, ref.half().float())
+
+
+def test_a_packed_lm_head_the_config_does_not_quantize_is_refused(untied, tmp_path):
+    """Consumers go by the config and would load a random lm_head; quantkit's older exports wrote such."""
+    with_head(untied, tmp_path / "g", 4, 32, flag=False)
+    with pytest.raises(QuantkitError, match="lm_head is quantized where the config's lm_head is false"):
+        quantkit.load(tmp_path / "g")
+    with_head(untied, tmp_path / "h", 4, 32)
+    quantkit.export(loaded(tmp_path / "h"), tmp_path / "c", "compressed-tensors")
+    foreign = copy(tmp_path / "c", tmp_path / "cc", lambda qc: qc.update(ignore=["re:.*head$"]))
+    with pytest.raises(QuantkitError, match="lm_head is packed where the config ignores it"):
+        quantkit.load(foreign)
