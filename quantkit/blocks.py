@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from functools import cache
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from .errors import QuantkitError
 from .gguf_constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -65,6 +68,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                              ctypes.c_void_p]
     lib.quantize.restype = ctypes.c_int
+    lib.first_nonfinite.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    lib.first_nonfinite.restype = ctypes.c_int64
+    lib.first_bad_block.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+    lib.first_bad_block.restype = ctypes.c_int64
     lib.absmax_codes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_void_p, ctypes.c_void_p]
     lib.absmax_codes.restype = None
@@ -121,10 +128,48 @@ def quantize_at(x: int, half: bool, n: int, k: int, t: str) -> bytearray | None:
     return out
 
 
+class Invalid(QuantkitError):
+    """Values llama-quantize refuses (ggml_validate_row_data): NaN or infinity in the source, or a block
+    whose values are too large for its float16 scale. The caller names the tensor."""
+
+
+def invalid(x: int, t: str, count: int) -> bool:
+    """Whether count values of type t at the address x fail llama.cpp's ggml_validate_row_data: a NaN
+    or infinite value, or (a block type) a NaN or infinite float16 scale. False without the library."""
+    lib = library()
+    if lib is None:
+        return False
+    if t in FLOAT_TYPES:
+        return lib.first_nonfinite(x, FLOAT_TYPES.index(t), count) >= 0
+    return lib.first_bad_block(int(GGMLQuantizationType[t]), x, count // sizes(t)[0]) >= 0
+
+
 def run(lib: ctypes.CDLL, t: str, x: int, half: bool, n: int, k: int, out: int) -> None:
-    """The compiled quantizer on n rows at the address x into out."""
+    """The compiled quantizer on n rows at the address x into out, both checked as llama-quantize does."""
+    if invalid(x, "F16" if half else "F32", n * k):
+        raise Invalid("holds NaN or infinite values")
     if lib.quantize(int(GGMLQuantizationType[t]), x, half, n, k, out):
         raise QuantkitError(f"the compiled quantizer has no {t}")
+    if invalid(out, t, n * k):
+        raise Invalid(f"holds values too large for {t}'s float16 scales")
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held back while the block runs, then raised as they came: Python runs its
+    handlers in the main thread, between any two steps, so only there are they held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came = []
+    held = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in held.items():
+            signal.signal(s, handler)
+        for s in came:
+            signal.raise_signal(s)
 
 
 def split(n: int, work: Callable[[int, int], None]) -> None:
@@ -132,8 +177,10 @@ def split(n: int, work: Callable[[int, int], None]) -> None:
     has ended when this returns or raises (an error or Ctrl-C in one): none is left writing to a
     buffer, or reading a map, that its caller then frees."""
     step = max(1, -(-n // threads()))
-    shares = [pool().submit(work, r0, min(n, r0 + step)) for r0 in range(step, n, step)]
+    shares = []
     try:
+        with signals_held():  # a Ctrl-C between a submit and its list would leave a share unwaited for
+            shares = [pool().submit(work, r0, min(n, r0 + step)) for r0 in range(step, n, step)]
         if n > 0:  # the first share on this thread: one hand-over fewer
             work(0, min(n, step))
         for share in shares:

@@ -15,7 +15,8 @@ from .errors import QuantkitError
 @click.command()
 @click.argument("model", required=False)
 @click.option("--out", required=True, type=click.Path(), help="the .gguf file to write")
-@click.option("--gguf-type", help="for a float model: the mix to round to nearest (F16, Q8_0, Q4_K_M, ...) [F16]")
+@click.option("--gguf-type", help="the mix (F16, Q8_0, Q4_K_M, ...) a float model is rounded to, or a GGUF file "
+                                   "requantized into [F16]; a quantkit checkpoint keeps its own grids")
 @click.option("--overwrite", is_flag=True, help="replace --out if it exists")
 def export(model, out, gguf_type, overwrite) -> None:
     """Write MODEL as GGUF: a quantkit checkpoint whose grids are GGUF blocks (4-bit or 8-bit, groups
@@ -25,7 +26,7 @@ def export(model, out, gguf_type, overwrite) -> None:
 
     check_out(out, overwrite, directory=False)
     check_apart(out, [model])
-    if model is not None and model.endswith(".gguf") and os.path.isfile(model):
+    if model is not None and os.path.isfile(model) and (model.lower().endswith(".gguf") or gguf_magic(model)):
         from .requant import requantize
 
         requantize(model, out, gguf_type or "F16", overwrite)
@@ -37,6 +38,14 @@ def export(model, out, gguf_type, overwrite) -> None:
         quiet()
         api.export_gguf(load(model), out, gguf_type, overwrite)
     click.echo(f"wrote {out}")
+
+
+def gguf_magic(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:  # load() names the problem
+        return False
 
 
 def terminated(signum, frame) -> None:

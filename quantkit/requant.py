@@ -212,6 +212,9 @@ class Header:
         if self.buf[:4] != b"GGUF":
             raise ValueError("magic")
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", self.buf, 4)
+        if version >> 24 in (2, 3) and not version & 0xffffff:
+            raise QuantkitError(f"{self.path}: a big-endian GGUF: quantkit and llama.cpp on this machine read "
+                                "little-endian files; convert the model again without --bigendian")
         if version not in (2, 3):
             raise QuantkitError(f"{self.path}: GGUF version {version}: quantkit reads versions 2 and 3 "
                                 "(convert it again with a current llama.cpp)")
@@ -299,7 +302,9 @@ def header_bytes(h: Header, types: dict[str, str], mix: str) -> tuple[bytes, dic
     """The new header as llama-quantize writes it: every key-value of the source as it is, then the
     quantization version and file type; the same tensors in its order, of their new types. And each
     tensor's offset."""
-    kv = [h.buf[start:end] for key, (start, end, _) in h.kv.items() if key not in (FILE_TYPE, QUANT_VERSION)]
+    # a split's keys go (a one-part split is the only one read): llama-quantize writes one file
+    kv = [h.buf[start:end] for key, (start, end, _) in h.kv.items()
+          if key not in (FILE_TYPE, QUANT_VERSION) and not key.startswith("split.")]
     kv += [u32_kv(QUANT_VERSION, GGML_QUANT_VERSION), u32_kv(FILE_TYPE, int(MIXES[mix][0]))]  # last, as there
     out = [b"GGUF", struct.pack("<IQQ", 3, len(h.tensors), len(kv)), *kv]
     offsets, offset = {}, 0
@@ -325,11 +330,16 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
     check_mix(mix)
     h = Header(Path(src))
     arch = h.get("general.architecture")
+    if arch is None:
+        raise QuantkitError(f"{src} has no general.architecture: the file is damaged; convert the model again")
     if arch not in ARCHS:
         raise QuantkitError(f"{src}: a {arch!r} GGUF: quantkit requantizes {', '.join(ARCHS)} files; use llama-quantize")
     if h.get("split.count") not in (None, 0, 1):
         raise QuantkitError(f"{src} is one of {h.get('split.count')} parts of a split GGUF: merge them first "
                             "(llama-gguf-split --merge)")
+    if h.get(f"{arch}.expert_count") or any(len(t.dims) > 2 for t in h.tensors):
+        raise QuantkitError(f"{src}: a mixture-of-experts GGUF ({h.get(f'{arch}.expert_count')} experts): quantkit "
+                            "requantizes dense models, not llama-quantize's rules for experts; use llama-quantize")
     # typed in llama-quantize's order: its layer rules count the tensors they decide in that order
     weights = [(t.name, t.dims[0]) for t in order(h.tensors) if len(t.dims) == 2 and t.name.endswith(".weight")]
     layers, heads = h.get(f"{arch}.block_count"), h.get(f"{arch}.attention.head_count")
@@ -339,14 +349,18 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
                             "positive numbers: the file is damaged; convert it again")
     gqa = heads // kv_heads
     types = choose(weights, mix, layers, gqa)
+    again = sorted({t.type for t in h.tensors if t.type not in blocks.FLOAT_TYPES and types.get(t.name, t.type) != t.type})
+    if again:  # llama-quantize asks for --allow-requantize
+        print(f"note: {src} holds weights already quantized ({', '.join(again)}): requantized, they keep that "
+              "rounding error and add the new type's; requantize from an F16 or F32 file where you have one",
+              file=sys.stderr)
     head, offsets = header_bytes(h, types, mix)
     total = len(head) + sum(pad(nbytes(t.dims, types.get(t.name, t.type)), h.alignment) for t in h.tensors)
     staged = Staged(out, overwrite, directory=False)
-    bar = tqdm(total=total, desc=f"requantizing to {mix}", unit="B", unit_scale=True, disable=not progress,
-               file=sys.stderr)
     try:
         with space_for(out, total, "the GGUF", "run it again"), open(staged.fresh(), "wb") as f, \
-                mapped(src) as base, bar:
+                mapped(src) as base, tqdm(total=total, desc=f"requantizing to {mix}", unit="B", unit_scale=True,
+                                          disable=not progress, file=sys.stderr) as bar:
             f.write(head)
             bar.update(len(head))
             for t in order(h.tensors):
@@ -355,16 +369,23 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
                 kind = types.get(t.name)
                 k, n = t.dims[0], math.prod(t.dims[1:])
                 step = max(1, CHUNK // k)
-                if kind is None or kind == t.type:  # norms, biases and what keeps its type: as they are
-                    f.write(h.buf[h.data + t.offset:h.data + t.offset + nbytes(t.dims, t.type)])
-                elif base is not None and t.type in ("F32", "F16") and kind not in blocks.FLOAT_TYPES and blocks.library():
-                    for r in range(0, n, step):
-                        f.write(blocks.quantize_at(base + h.data + t.offset + nbytes((k, r), t.type),
-                                                   t.type == "F16", min(step, n - r), k, kind))
-                else:  # to a float type, from a quantized one, or without the compiled quantizer
-                    x = h.array(t)
-                    for r in range(0, n, step):
-                        f.write(quantize_rows(x[r:r + step], kind))
+                try:
+                    if kind is None or kind == t.type:  # norms, biases and what keeps its type: as they are
+                        check_source(h, t, base)
+                        f.write(h.buf[h.data + t.offset:h.data + t.offset + nbytes(t.dims, t.type)])
+                    elif base is not None and t.type in ("F32", "F16") and kind not in blocks.FLOAT_TYPES and \
+                            blocks.library():  # checked as quantized
+                        for r in range(0, n, step):
+                            f.write(blocks.quantize_at(base + h.data + t.offset + nbytes((k, r), t.type),
+                                                       t.type == "F16", min(step, n - r), k, kind))
+                    else:  # to a float type, from a quantized one, or without the compiled quantizer
+                        check_source(h, t, base)
+                        x = h.array(t)
+                        for r in range(0, n, step):
+                            f.write(quantize_rows(x[r:r + step], kind))
+                except blocks.Invalid as e:  # llama-quantize refuses these too
+                    raise QuantkitError(f"{src}: tensor {t.name} {e}: the file is damaged, or the model "
+                                        "diverged; convert it again from a sound checkpoint") from None
                 write_behind(f, start)
                 bar.update(pad(nbytes(t.dims, kind or t.type), h.alignment))
             f.truncate(total)
@@ -402,12 +423,30 @@ def mapped(path: str | os.PathLike) -> Iterator[int | None]:
         libc.munmap(base, size)
 
 
+def check_source(h: Header, t: Tensor, base: int | None) -> None:
+    """Refuse a source tensor as llama-quantize's loader does: a float one holding NaN or infinity, a
+    quantized one with such a scale."""
+    if base is not None and blocks.library():
+        bad = blocks.invalid(base + h.data + t.offset, t.type, math.prod(t.dims))
+    else:  # numpy's view of the file; a quantized tensor's scales show in its values
+        import numpy as np
+
+        bad = not np.isfinite(h.array(t)).all()
+    if bad:
+        raise blocks.Invalid("holds NaN or infinite values" if t.type in blocks.FLOAT_TYPES else
+                             "holds a block whose float16 scale is NaN or infinite")
+
+
 def quantize_rows(x: np.ndarray, kind: str) -> np.ndarray:
     import gguf
     import numpy as np
 
     if kind in blocks.FLOAT_TYPES:
-        return gguf.quants.quantize(np.ascontiguousarray(x, dtype=np.float32), gguf.GGMLQuantizationType[kind])
+        with np.errstate(over="ignore"):  # refused below
+            q = gguf.quants.quantize(np.ascontiguousarray(x, dtype=np.float32), gguf.GGMLQuantizationType[kind])
+        if kind == "F16" and not np.isfinite(q).all():  # the source is finite (check_source)
+            raise blocks.Invalid("holds values too large for F16 (above 65504)")
+        return q
     q = blocks.quantize(x, kind)
     if q is None:  # not compiled at install: the same bytes from the torch searches, slower
         import torch

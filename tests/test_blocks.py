@@ -161,3 +161,33 @@ def test_without_the_compiled_quantizer_the_bytes_are_the_same(monkeypatch):
     monkeypatch.setattr(blocks, "library", lambda: None)
     for kind, codes in compiled.items():
         assert torch.equal(ggml.quantize(w, kind).codes, codes), kind
+
+
+def test_ctrl_c_while_shares_are_handed_out_waits_for_them(monkeypatch):
+    """A SIGINT between a share's submit and its list left that share running after split raised:
+    `quantkit export X.gguf` then unmapped the file the share read (a segfault, 4 in ~90 Ctrl-C)."""
+    import os
+    import signal
+    import time
+
+    running = set()
+
+    def work(r0, r1):
+        running.add(r0)
+        time.sleep(0.3)
+        running.discard(r0)
+
+    submit = blocks.pool().submit
+
+    def interrupted(*a, **k):
+        share = submit(*a, **k)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # Python runs the handler here, at the next step, unless it is held
+        return share
+
+    monkeypatch.setattr(blocks.pool(), "submit", interrupted)
+    monkeypatch.setattr(blocks, "threads", lambda: 4)
+    with pytest.raises(KeyboardInterrupt):
+        blocks.split(8, work)
+    assert not running
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

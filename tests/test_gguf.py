@@ -1,6 +1,8 @@
 """GGUF blocks, mixes and files: the fast part runs on random weights and a tiny Llama; the slow
 part is judged by llama.cpp itself (llama-quantize's bytes, llama-perplexity's scores)."""
 
+import re
+
 import gguf
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from quantkit.errors import QuantkitError
 from quantkit.exporters import gguf as G
 from quantkit.quantizers import ggml, rtn
 
-from .conftest import TEST, VALID, cli, loaded, make_tiny
+from .conftest import TEST, VALID, cli, loaded, make_tiny, refused
 
 QUANTIZED = ggml.LEGACY_TYPES + ggml.K_TYPES
 
@@ -262,9 +264,10 @@ def test_requantized_f16_file_is_llama_quantizes(embedded, tmp_path, capsys, mon
     assert (tmp_path / "ours.gguf").read_bytes() == (tmp_path / "theirs.gguf").read_bytes()
 
 
-def small_gguf(path, arch="llama", **keys):
-    """A GGUF file of one layer's q weight (random) and norm, with these key-values."""
-    w = gguf.GGUFWriter(path, arch)
+def small_gguf(path, arch="llama", extra=(), endian=gguf.GGUFEndian.LITTLE, **keys):
+    """A GGUF file of one layer's q weight (random) and norm, with these key-values and extra (name,
+    array) tensors."""
+    w = gguf.GGUFWriter(path, arch, endianess=endian)
     w.add_block_count(1)
     w.add_head_count(2)
     w.add_head_count_kv(1)
@@ -272,6 +275,8 @@ def small_gguf(path, arch="llama", **keys):
         w.add_uint32(key, value)
     w.add_tensor("blk.0.attn_q.weight", np.random.default_rng(0).standard_normal((64, 96), dtype=np.float32))
     w.add_tensor("blk.0.attn_norm.weight", np.ones(96, dtype=np.float32))
+    for name, t in extra:
+        w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -289,14 +294,111 @@ def test_requantize_refuses_what_it_cannot_write(tmp_path):
         "a 'gemma' GGUF: quantkit requantizes llama, qwen2, qwen3": small_gguf(tmp_path / "g.gguf", "gemma"),
         "one of 2 parts of a split GGUF": small_gguf(tmp_path / "s.gguf", **{"split.count": 2}),
         "not all positive numbers": small_gguf(tmp_path / "b.gguf", **{"llama.block_count": 0}),
+        "a mixture-of-experts GGUF (4 experts)": small_gguf(tmp_path / "e.gguf", **{"llama.expert_count": 4}),
+        "a mixture-of-experts GGUF (None experts)": small_gguf(
+            tmp_path / "e3.gguf", extra=[("blk.0.ffn_up_exps.weight", np.ones((4, 32, 96), dtype=np.float32))]),
+        "a big-endian GGUF": small_gguf(tmp_path / "be.gguf", endian=gguf.GGUFEndian.BIG),
     }
+    key = b"general.architecture"
+    (tmp_path / "a.gguf").write_bytes((tmp_path / "ok.gguf").read_bytes().replace(key, key[:-1] + b"X", 1))
+    refusals["has no general.architecture: the file is damaged"] = tmp_path / "a.gguf"
     data = (tmp_path / "ok.gguf").read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[:len(data) - 64])
     refusals["runs past the end of the file"] = tmp_path / "cut.gguf"
     for match, path in refusals.items():
-        with pytest.raises(QuantkitError, match=match):
+        with pytest.raises(QuantkitError, match=re.escape(match)):
             requantize(path, tmp_path / "out.gguf", "Q8_0", progress=False)
         assert not (tmp_path / "out.gguf").exists() and not list(tmp_path.glob(".out.gguf*"))
+
+
+def damaged(f32, f16, tmp_path) -> dict[tuple[str, str], object]:
+    """Copies of a model's F32 and F16 GGUF that llama-quantize refuses, by the mix and what our refusal
+    names: NaN or infinity in a weight that is quantized, in one that keeps its type (a norm), in an
+    F16 source; a value F16 cannot hold."""
+    def patched(src, name, tensor, index, value):
+        dst = tmp_path / name
+        dst.write_bytes(src.read_bytes())
+        r = gguf.GGUFReader(dst, "r+")
+        next(t for t in r.tensors if t.name == tensor).data.reshape(-1)[index] = value
+        r.data.flush()
+        return dst
+
+    q, norm = "blk.0.attn_q.weight", "blk.0.attn_norm.weight"
+    return {
+        ("Q8_0", f"{q} holds NaN or infinite values"): patched(f32, "nan.gguf", q, 1000, np.nan),
+        ("Q4_0", f"{norm} holds NaN or infinite values"): patched(f32, "inf.gguf", norm, 7, np.inf),
+        ("Q4_0", f"{q} holds NaN or infinite values"): patched(f16, "nan16.gguf", q, 5, np.nan),
+        ("F16", f"{q} holds values too large for F16"): patched(f32, "big.gguf", q, 12, 1e6),
+    }
+
+
+@pytest.fixture(scope="module")
+def float_ggufs(tiny256, tmp_path_factory):
+    """tiny256 as F32 and F16 GGUF files, which llama-quantize reads."""
+    d = tmp_path_factory.mktemp("floats")
+    quantkit.api.export_gguf(quantkit.load(tiny256), d / "f32.gguf", "F32", progress=False)
+    quantkit.api.export_gguf(quantkit.load(tiny256), d / "f16.gguf", "F16", progress=False)
+    return d / "f32.gguf", d / "f16.gguf"
+
+
+def test_requantize_refuses_values_llama_quantize_refuses(float_ggufs, tmp_path, capsys, monkeypatch):
+    """NaN or infinity in the source, or a value the target's float16 cannot hold: llama-quantize
+    refuses them (tensor has invalid data / quantized data validation failed); they were written,
+    a NaN as a finite code and an infinity as a block of NaN. A value of 1e6 fits Q8_0's scale."""
+    from quantkit.requant import requantize
+
+    for (mix, match), src in damaged(*float_ggufs, tmp_path).items():
+        refused(["export", src, "--out", tmp_path / "out.gguf", "--gguf-type", mix], capsys, monkeypatch, match)
+        assert not (tmp_path / "out.gguf").exists() and not list(tmp_path.glob(".out.gguf*"))
+    requantize(tmp_path / "big.gguf", tmp_path / "q8.gguf", "Q8_0", progress=False)
+    t = next(t for t in gguf.GGUFReader(tmp_path / "q8.gguf").tensors if t.name == "blk.0.attn_q.weight")
+    assert t.tensor_type.name == "Q8_0" and np.isfinite(gguf.quants.dequantize(t.data, t.tensor_type)).all()
+    # requantized as llama-quantize --allow-requantize does, with a word on what that costs
+    code, _, err = cli(["export", tmp_path / "q8.gguf", "--out", tmp_path / "q4.gguf", "--gguf-type", "Q4_0"], capsys,
+                       monkeypatch)
+    assert code == 0 and [line for line in err if line.startswith("note: ")][0].find("already quantized (Q8_0)") > 0
+
+
+def test_too_little_space_is_the_last_line(tmp_path, capsys, monkeypatch):
+    """The refusal came glued to a progress bar drawn before the check, and the bar again after it."""
+    from quantkit import errors
+
+    monkeypatch.setattr(errors, "free_space", lambda path: 1000)
+    refused(["export", small_gguf(tmp_path / "m.gguf"), "--out", tmp_path / "q.gguf", "--gguf-type", "Q8_0"], capsys,
+            monkeypatch, "free some space")
+    assert not capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_llama_quantize_refuses_the_same_values(float_ggufs, tmp_path):
+    from . import llamacpp
+
+    for (mix, _), src in damaged(*float_ggufs, tmp_path).items():
+        with pytest.raises(RuntimeError, match="invalid data|validation failed"):
+            llamacpp.quantize(src, tmp_path / "theirs.gguf", mix)
+
+
+@pytest.mark.slow
+def test_one_part_split_and_any_file_name_requantize_as_llama_quantize_does(float_ggufs, tmp_path, capsys,
+                                                                            monkeypatch):
+    """llama-gguf-split writes a model that fits in one part with split.* keys; llama-quantize drops
+    them (they were copied). A GGUF named otherwise than *.gguf is requantized too (it went through
+    the float path, which writes the metadata anew)."""
+    from . import llamacpp
+
+    def split_keys(w):
+        w.add_uint16("split.no", 0)
+        w.add_uint16("split.count", 1)
+        w.add_int32("split.tensors.count", len(gguf.GGUFReader(float_ggufs[0]).tensors))
+    src = by_name(float_ggufs[0], tmp_path / "m.gguf", split_keys)
+    llamacpp.quantize(src, tmp_path / "theirs.gguf", "Q8_0")
+    assert "split.count" not in gguf.GGUFReader(tmp_path / "theirs.gguf").fields
+    for name in ("m.gguf", "M.GGUF", "model"):
+        if name != "m.gguf":
+            (tmp_path / name).write_bytes(src.read_bytes())
+        assert cli(["export", tmp_path / name, "--out", tmp_path / "ours.gguf", "--gguf-type", "Q8_0", "--overwrite"],
+                   capsys, monkeypatch)[0] == 0
+        assert (tmp_path / "ours.gguf").read_bytes() == (tmp_path / "theirs.gguf").read_bytes(), name
 
 
 def test_requantizing_a_gguf_file_starts_without_torch(tmp_path):
@@ -342,14 +444,15 @@ def test_requantizing_through_numpy_writes_the_same_bytes(tmp_path, monkeypatch)
         assert not calls and through.read_bytes() == mapped
 
 
-def by_name(src, dst):
+def by_name(src, dst, keys=lambda w: None):
     """src rewritten with its tensors in name order (blk.0, blk.1, blk.10, ..., blk.2), as a converter
-    that sorts a checkpoint's keys writes them."""
+    that sorts a checkpoint's keys writes them; keys(writer) adds key-values."""
     r = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
     for name, f in r.fields.items():
         if not name.startswith("GGUF.") and name != "general.architecture":
             w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    keys(w)
     for t in sorted(r.tensors, key=lambda t: t.name):
         w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     w.write_header_to_file()

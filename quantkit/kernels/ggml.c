@@ -592,3 +592,46 @@ int quantize(int type, const void *x, int half, int64_t rows, int64_t k, uint8_t
     }
     return 0;
 }
+
+/* The index of the first of count values at x that is NaN or infinite (kind 0: float32, 1: float16,
+ * 2: bfloat16), -1 where none: llama-quantize refuses a source that holds one. All exponent bits set
+ * is NaN or infinity in each of the three. */
+int64_t first_nonfinite(const void *x, int kind, int64_t count) {
+    if (kind == 0) {
+        const uint32_t *v = x;
+        for (int64_t i = 0; i < count; i++)
+            if ((v[i] & 0x7f800000u) == 0x7f800000u) return i;
+    } else {
+        const uint16_t *v = x;
+        uint16_t mask = kind == 1 ? 0x7c00 : 0x7f80;
+        for (int64_t i = 0; i < count; i++)
+            if ((v[i] & mask) == mask) return i;
+    }
+    return -1;
+}
+
+/* The first of n blocks of type at y whose float16 scale (d, and the minimum's dmin or m where the
+ * type has one) is NaN or infinite, -1 where none: the blocks llama.cpp's ggml_validate_row_data
+ * refuses (values too large for the scale). */
+int64_t first_bad_block(int type, const uint8_t *y, int64_t n) {
+    int size, d, m = -1;  /* bytes per block; the byte offsets of d and of the minimum's scale */
+    switch (type) {
+        case Q8_0: size = 34; d = 0; break;
+        case Q4_0: size = 18; d = 0; break;
+        case Q4_1: size = 20; d = 0; m = 2; break;
+        case Q5_0: size = 22; d = 0; break;
+        case Q5_1: size = 24; d = 0; m = 2; break;
+        case Q2_K: size = 84; d = 80; m = 82; break;
+        case Q3_K: size = 110; d = 108; break;
+        case Q4_K: size = 144; d = 0; m = 2; break;
+        case Q5_K: size = 176; d = 0; m = 2; break;
+        case Q6_K: size = 210; d = 208; break;
+        default: return -1;
+    }
+    for (int64_t b = 0; b < n; b++) {
+        const uint8_t *p = y + b * size;
+        if (((p[d] | p[d + 1] << 8) & 0x7c00) == 0x7c00) return b;
+        if (m >= 0 && ((p[m] | p[m + 1] << 8) & 0x7c00) == 0x7c00) return b;
+    }
+    return -1;
+}
