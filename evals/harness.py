@@ -8,6 +8,7 @@ import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -72,10 +73,13 @@ def run(tasks: Tasks, module: torch.nn.Module, tokenizer, limit: int | float | N
     if max_length is not None:  # lm-eval would run windows past the trained positions without a word
         check_context(module.config, max_length, "--max-length")
     lm = HFLM(pretrained=module, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
-    results = evaluator.simple_evaluate(model=lm, tasks=tasks.names, num_fewshot=num_fewshot, limit=limit,
-                                        task_manager=tasks.manager, log_samples=False, bootstrap_iters=1000,
-                                        random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                        fewshot_random_seed=seed)
+    # lm-eval asks git for the working directory's commit, which prints "fatal: not a git repository"
+    # outside one; the results here do not hold it
+    with mock.patch.object(evaluator, "get_git_commit_hash", lambda: None):
+        results = evaluator.simple_evaluate(model=lm, tasks=tasks.names, num_fewshot=num_fewshot, limit=limit,
+                                            task_manager=tasks.manager, log_samples=False, bootstrap_iters=1000,
+                                            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                            fewshot_random_seed=seed)
     return {task: metrics(values) for task, values in results["results"].items()}
 
 

@@ -68,8 +68,11 @@ def is_saved_base(path: str | os.PathLike) -> bool:
     path = Path(path)
     if not path.is_file():
         return False
-    with open(path, "rb") as f:
-        return f.read(len(MAGIC)) == MAGIC
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:  # unreadable: the reader of a model names why
+        return False
 
 
 def check_save_path(path: str | os.PathLike) -> None:

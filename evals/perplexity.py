@@ -62,6 +62,8 @@ def windows(tokenizer, text: str, protocol: str = "llamacpp", ctx: int = 512,
         raise QuantkitError(f"unknown perplexity protocol {protocol!r}: use one of {', '.join(PROTOCOLS)}")
     if ctx < 2 or (protocol == "llamacpp" and ctx < 4):
         raise QuantkitError(f"context {ctx} is too short: use --ctx 512 or another length of at least 4")
+    if max_windows is not None and max_windows < 1:
+        raise QuantkitError(f"max_windows {max_windows} scores nothing: pass 1 or more, or None for every window")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if adds_bos(tokenizer):  # one BOS for the whole text, as tokenizer(text) and llama-perplexity give it
         ids = [tokenizer.bos_token_id] + ids

@@ -390,6 +390,8 @@ def ready(model: Model | PathLike | None, packed: bool = True, device: str | Non
     GEMV up to qlinear.GEMV_ROWS rows; evaluation windows take the sliced fallback)."""
     if dtype is not None and dtype not in DTYPES:
         raise QuantkitError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    if device is not None:
+        device_of(device)  # before loading: a device torch cannot use is named, not a traceback
     m = model if isinstance(model, Model) else load(model, packed=packed)
     m.materialize()
     if m.gguf_types and dtype not in (None, "float32"):
@@ -426,8 +428,8 @@ def evaluate(
     quantkit.qlinear (Triton on CUDA, torch on the CPU); packed=False evaluates a dequantized copy.
     device, dtype: where and in what a model loaded from a path runs (default: CUDA, in float16, when
     there is a GPU; else float32); a Model passed in is moved only when one is given."""
+    text = calibration.load_text(data, split="test")  # before the model loads
     m = ready(model, packed, device, dtype)
-    text = calibration.load_text(data, split="test")
     with scoring(m, protocol):  # a GGUF's blocks, scored with llama.cpp's arithmetic
         return evals.perplexity(m.module, m.tokenizer, text, protocol, ctx, max_windows, progress=progress)
 
@@ -451,6 +453,8 @@ def compare(
     time: the base's log-probabilities go to disk (save_base, or a temporary file) first. dtype: both
     models run in it (as in evaluate)."""
     text = calibration.load_text(data, split="test")
+    if device is not None:
+        device_of(device)
     saved = base is not None and not isinstance(base, Model) and evals.kld.is_saved_base(base)
     if saved and save_base is not None:
         raise QuantkitError(f"{base} is a saved base already: --save-base needs --base to be a model")

@@ -149,8 +149,8 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     m = load(model)
     check_apart(out, [m.source, calib_data, eval_data])  # before the "before" evaluation
     consumers.check_targets(consumers.Export.of(fmt, config, m.module), targets)
-    if eval_data and int(os.environ.get("RANK", "0")) == 0:
-        show("before", api.evaluate(m, eval_data, "llamacpp", ctx, eval_windows))
+    if eval_data and int(os.environ.get("RANK", "0")) == 0:  # from the path, as "after": the same device and dtype
+        show("before", api.evaluate(m.source, eval_data, "llamacpp", ctx, eval_windows))
     m = api.quantize(m, config, calib_data=calib_data, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
                      seed=seed, out=out, format=fmt, overwrite=overwrite, max_shard_size=max_shard_size, device=device,
                      targets=targets)
@@ -313,6 +313,8 @@ def report(model, out, data, methods, bits, gguf_types, exl2_bits, exl2_measured
     failed = [p["name"] for p in r["points"] if p["status"] != "ok"]
     click.echo(f"report in {out}: report.md, report.json, perplexity.png, kld.png"
                + (f"; failed: {', '.join(failed)}" if failed else ""))
+    if failed:  # as a failed gate: a script running the sweep sees it
+        sys.exit(1)
 
 
 T = TrainConfig()  # the defaults shown in --help

@@ -294,6 +294,10 @@ def load(path: str | os.PathLike | None = None, packed: bool = False) -> Model:
     if p.is_file() and p.suffix != ".gguf" and (p.parent / "config.json").is_file():  # a file of a model directory
         raise QuantkitError(f"{p} is a file of the model directory {p.parent}: pass the directory")
     if p.is_file():
+        from quantkit.evals.kld import is_saved_base
+
+        if is_saved_base(p):
+            raise QuantkitError(f"{p} is a saved base (log-probabilities, not a model): pass it as --base")
         return load_gguf(p)
     return load_dir(p, packed)
 

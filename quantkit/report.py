@@ -172,20 +172,46 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
     from .requant import check_mix
 
     if not todo:
-        raise QuantkitError("the sweep has no points: name some of " + ", ".join(FAMILIES) + " in --methods")
+        raise QuantkitError("the sweep has no points: name some of " + ", ".join(FAMILIES) + " in --methods, "
+                            "with widths in --bits, --gguf-types or --exl2-bits for them")
+    calibrates = False
     for p in todo:
-        QuantConfig(group_size=settings.group_size, **p.config())  # widths and group size
+        calibrates |= QuantConfig(group_size=settings.group_size, **p.config()).needs_calibration  # widths, group size
         if p.gguf_type is not None:
             check_mix(p.gguf_type, "--gguf-types")
+    if calibrates and settings.calib_data and not os.path.isfile(settings.calib_data):
+        raise QuantkitError(f"{settings.calib_data}: no such file: pass --calib-data with the calibration text")
+    if settings.lm_eval_limit is not None and settings.lm_eval_limit <= 0:
+        raise QuantkitError(f"--lm-eval-limit {settings.lm_eval_limit} scores no document: pass a count (or a "
+                            "fraction of each task) above 0")
+    if settings.tasks:
+        from quantkit.evals import harness
+
+        harness.prepare(settings.tasks)  # a wrong name or missing data: before the base is scored
+    if out.is_dir() and any(out.iterdir()) and not (out / "settings.json").is_file():
+        raise QuantkitError(f"{out} holds other files, not a quantkit report: choose another --out")
     if out.exists() and not out.is_dir():
         raise QuantkitError(f"{out} is a file: --out names the report's directory; choose another")
     atomic.check_writable(next(d for d in [out, *out.parents] if d.exists()), "--out")  # where mkdir starts
 
 
-def write_json(path: Path, value) -> None:
+def write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=1))
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_json(path: Path, value) -> None:
+    write_text(path, json.dumps(value, indent=1))
+
+
+def read_json(path: Path):
+    """One of the report's own files; a damaged one named (it was a traceback)."""
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise QuantkitError(f"{path} is damaged, not what quantkit report wrote: remove it (a point's file: the "
+                            "point runs again) or choose another --out") from None
 
 
 @dataclass
@@ -223,7 +249,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     except BlockingIOError:
         raise QuantkitError(f"{out} is being written by another quantkit report: wait for it or choose another --out") from None
     saved = out / "settings.json"
-    if saved.exists() and json.loads(saved.read_text()) != asdict(settings):
+    if saved.exists() and read_json(saved) != asdict(settings):
         raise QuantkitError(f"{out} holds a report of other settings ({saved}): choose another --out, or remove it")
     write_json(saved, asdict(settings))
     for sub in ("points", "logs", "exports"):
@@ -241,13 +267,16 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
             raise
         params, linear = parameter_counts(m.module)
         source = Path(m.source)
-        write_json(out / "base.json", {"perplexity": evals.BaseFile(base).perplexity(), "params": params,
+        scored = evals.BaseFile(base)
+        if scored.n < windows:
+            echo(f"base: the text gives {scored.n} windows of {ctx}, fewer than --windows {windows}")
+        write_json(out / "base.json", {"perplexity": scored.perplexity(), "windows": scored.n, "params": params,
                                        "linear_params": linear, "bytes": sum(f.stat().st_size for f in source.glob(
                                            "*.safetensors")) if source.is_dir() else source.stat().st_size})
         del m
     for i, p in enumerate(todo, 1):
         done = out / "points" / f"{p.name}.json"
-        if done.exists() and json.loads(done.read_text()).get("status") == "ok":
+        if done.exists() and read_json(done).get("status") == "ok":
             continue
         echo(f"[{i}/{len(todo)}] {p.name}")
         spec = {"point": asdict(p), "settings": asdict(settings), "out": str(out), "keep_exports": sweep.keep_exports}
@@ -259,13 +288,21 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
             error = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "")
             write_json(done, {**asdict(p), "status": "failed", "error": error[:500], "returncode": r.returncode})
             echo(f"    failed: {error[:200]} (log: {log})")
-    result = {"settings": asdict(settings), "base": json.loads((out / "base.json").read_text()),
-              "points": [json.loads((out / "points" / f"{p.name}.json").read_text()) for p in todo]}
+    result = {"settings": asdict(settings), "base": read_json(out / "base.json"),
+              "points": [read_json(out / "points" / f"{p.name}.json") for p in todo]}
     write_json(out / "report.json", result)
-    (out / "report.md").write_text(table(result))
+    write_text(out / "report.md", table(result))
     plot(result, out)
     lock.close()
     return result
+
+
+KLD_FLOOR = 1e-6  # the KLD plot's log axis holds no zero
+
+
+def scored_windows(r: dict) -> int:
+    """The windows every point was scored on: the base's (a short text gives fewer than --windows)."""
+    return r["base"].get("windows", r["settings"]["windows"])
 
 
 def table(r: dict) -> str:
@@ -274,7 +311,7 @@ def table(r: dict) -> str:
     head = ["point", "MiB", "bpw", "bpw linears", "PPL", "PPL/base", "KLD mean", "KLD p99", "same top",
             *tasks, "quantize s", "peak RSS GiB"]
     s = r["settings"]
-    lines = [f"Model {s['model'] or 'embedded SmolLM2-135M-Instruct'}; {s['windows']} windows of {s['ctx']} of "
+    lines = [f"Model {s['model'] or 'embedded SmolLM2-135M-Instruct'}; {scored_windows(r)} windows of {s['ctx']} of "
              f"{Path(s['data']).name}; base perplexity {r['base']['perplexity']:.4f}; group size {s['group_size']}, "
              f"{s['calib_samples']} calibration windows.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -301,8 +338,9 @@ def plot(r: dict, out: Path) -> None:
     families = sorted({p["name"].split("-")[0] for p in ok})
     for key, label, name in (("perplexity", "perplexity", "perplexity.png"), ("kld_mean", "mean KL divergence from the base", "kld.png")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for fam in families:
-            pts = sorted((p["bpw_linear"], p[key], p["name"]) for p in ok if p["name"].split("-")[0] == fam)
+        for fam in families:  # a KLD of 0 or below (a lossless point, rounding in the base's rows) at the floor
+            pts = sorted((p["bpw_linear"], max(p[key], KLD_FLOOR) if key == "kld_mean" else p[key], p["name"])
+                         for p in ok if p["name"].split("-")[0] == fam)
             ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], "o-", label=fam)
             for x, y, n in pts:
                 ax.annotate(n.split("-", 1)[-1], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
@@ -315,9 +353,13 @@ def plot(r: dict, out: Path) -> None:
                 ax.set_ylim(min(p[key] for p in ok) * 0.9, 20 * base)
                 names = ", ".join(f"{p['name']} ({p[key]:.4g})" for p in off)
                 ax.text(0.01, 0.98, f"above the chart: {names}", transform=ax.transAxes, fontsize=8, va="top")
+        floor = [p["name"] for p in ok if key == "kld_mean" and p[key] < KLD_FLOOR]
+        if floor:
+            ax.text(0.01, 0.02, f"at {KLD_FLOOR:g} (the floor) with a KLD below it: {', '.join(floor)}",
+                    transform=ax.transAxes, fontsize=8)
         ax.set_xlabel("bits per weight (decoder linears)")
         ax.set_ylabel(label)
-        fig.suptitle(f"{label} against size, {r['settings']['windows']} windows of {r['settings']['ctx']}")
+        fig.suptitle(f"{label} against size, {scored_windows(r)} windows of {r['settings']['ctx']}")
         ax.grid(True, which="both", alpha=0.3)
         if not ok:
             ax.text(0.5, 0.5, "no point came through: see report.md", transform=ax.transAxes, ha="center")

@@ -16,10 +16,14 @@ def run(args, monkeypatch):
 
 def test_quantize_then_eval_the_export(tiny_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "q"
+    scored = []  # "before" took the loaded model, which stays on the CPU in float32 where "after" (a path)
+    evaluate = quantkit.api.evaluate  # goes to the GPU in float16 when there is one: both from a path now
+    monkeypatch.setattr(quantkit.api, "evaluate", lambda model, *a, **kw: scored.append(model) or evaluate(model, *a, **kw))
     run(["quantize", tiny_dir, "--bits", 3, "--group-size", 32, "--asym", "--out", out,
          "--eval-data", TEST, "--eval-windows", 2, "--ctx", 128], monkeypatch)
     printed = capsys.readouterr().out
     assert "before: perplexity" in printed and "after: perplexity" in printed
+    assert [str(m) for m in scored] == [str(tiny_dir), str(out)]
     assert json.loads((out / "config.json").read_text())["quantization_config"]["checkpoint_format"] == "gptq_v2"
     run(["eval", out, "--data", TEST, "--ctx", 128, "--max-windows", 3, "--json"], monkeypatch)
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -35,3 +35,44 @@ def test_a_base_being_saved_by_another_process_names_its_option(tiny_dir, tmp_pa
             capsys, monkeypatch, "being written by another quantkit process: wait for it to finish or choose another "
             "--save-base")
     held.lock.close()
+
+
+NOT_LOADED = ("quantkit.api.load", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("loaded")))
+
+
+@pytest.mark.parametrize("command,value,match", [
+    ("eval", "foo", "unknown device 'foo': use cpu or cuda"),
+    ("eval", "mps", "device 'mps' is not supported"),
+    ("compare", "foo", "unknown device 'foo': use cpu or cuda"),
+    ("lm-eval", "foo", "unknown device 'foo': use cpu or cuda"),
+])
+def test_a_device_torch_cannot_use_is_named_before_the_model_loads(tiny_dir, capsys, monkeypatch, command, value, match):
+    """eval, eval --base and lm-eval moved the model there and failed with a traceback (exit 1)."""
+    monkeypatch.setattr(*NOT_LOADED)
+    monkeypatch.setattr("quantkit.modelio.load", NOT_LOADED[1])
+    args = {"eval": ["eval", tiny_dir, "--data", TEST], "compare": ["eval", tiny_dir, "--base", tiny_dir, "--data", TEST],
+            "lm-eval": ["lm-eval", tiny_dir, "--tasks", "dolly_mc"]}[command]
+    refused([*args, "--device", value], capsys, monkeypatch, match)
+
+
+def test_missing_data_is_named_before_the_model_loads(tiny_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("quantkit.api.load", NOT_LOADED[1])
+    refused(["eval", tiny_dir, "--data", tmp_path / "none.txt"], capsys, monkeypatch, "none.txt")
+
+
+def test_a_saved_base_passed_as_the_model_is_named(tiny_dir, tmp_path, capsys, monkeypatch):
+    """It was called a damaged GGUF file, to download again."""
+    import quantkit
+
+    saved = tmp_path / "base.logits"
+    quantkit.api.write_base(quantkit.load(tiny_dir), saved, TEST.read_text()[:20000], 64, 1, progress=False)
+    refused(["eval", saved, "--base", tiny_dir, "--data", TEST], capsys, monkeypatch,
+            "is a saved base (log-probabilities, not a model): pass it as --base")
+
+
+def test_max_windows_below_one_is_named(tiny_dir):
+    import quantkit
+    from quantkit.errors import QuantkitError
+
+    with pytest.raises(QuantkitError, match="max_windows 0 scores nothing"):
+        quantkit.evaluate(tiny_dir, TEST, max_windows=0, progress=False)

@@ -103,3 +103,12 @@ def test_wikitext_word_perplexity_against_our_evaluator():
     assert result["word_perplexity"] == pytest.approx(math.exp(nll / words), rel=2e-3)
     lm_eval_per_token = math.exp(math.log(result["word_perplexity"]) * words / tokens)
     assert abs(math.exp(ours_nll / ours_tokens) / lm_eval_per_token - 1) < 0.03
+
+
+def test_no_git_message_outside_a_checkout(tiny_dir, tmp_path, capfd, monkeypatch):
+    """lm-eval asked git for the working directory's commit: "fatal: not a git repository" on stderr."""
+    import quantkit
+
+    monkeypatch.chdir(tmp_path)
+    quantkit.api.lm_eval(tiny_dir, ["dolly_mc"], limit=1, max_length=128)
+    assert "not a git repository" not in capfd.readouterr().err

@@ -17,7 +17,7 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
     code, printed, _ = cli(args, capsys, monkeypatch)
     r = json.loads((out / "report.json").read_text())
     by_name = {p["name"]: p for p in r["points"]}
-    assert code == 0 and list(by_name) == ["rtn-w4", "nf4", "gguf-Q8_0", "exl2-4", "exl2-9"]
+    assert code == 1 and list(by_name) == ["rtn-w4", "nf4", "gguf-Q8_0", "exl2-4", "exl2-9"]
     # a point that fails on the model (EXL2 reaches 8.19 bits on these linears), not on the options
     assert by_name["exl2-9"]["status"] == "failed" and "outside what EXL2 reaches" in by_name["exl2-9"]["error"]
     assert "failed: exl2-9" in printed
@@ -37,7 +37,7 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
 
     stamps = {p: (out / "points" / f"{p}.json").stat().st_mtime_ns for p in by_name}
     code, printed, _ = cli(args, capsys, monkeypatch)  # again: only the failed point runs
-    assert code == 0 and "[5/5] exl2-9" in printed and "rtn-w4" not in printed
+    assert code == 1 and "[5/5] exl2-9" in printed and "rtn-w4" not in printed
     assert all((out / "points" / f"{p}.json").stat().st_mtime_ns == stamps[p] for p in ("rtn-w4", "nf4", "gguf-Q8_0", "exl2-4"))
 
     code, _, err = cli([*common, "--windows", 2], capsys, monkeypatch)
@@ -62,7 +62,7 @@ def test_a_report_whose_every_point_failed_still_draws_its_charts(tiny_dir, tmp_
     out = tmp_path / "report"
     code, printed, _ = cli(["report", tiny_dir, "--out", out, "--data", TEST, "--methods", "exl2", "--exl2-bits", "9",
                             "--windows", 1, "--ctx", 64], capsys, monkeypatch)
-    assert code == 0 and "failed: exl2-9" in printed
+    assert code == 1 and "failed: exl2-9" in printed
     assert (out / "kld.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not [w for w in recwarn if "No artists" in str(w.message)]
 
@@ -72,6 +72,11 @@ def test_a_report_whose_every_point_failed_still_draws_its_charts(tiny_dir, tmp_
     (["--methods", "gguf", "--gguf-types", "Q9"], "unknown GGUF type 'Q9' in --gguf-types"),
     (["--methods", ""], "the sweep has no points"),
     (["--methods", "rtn", "--ctx", 1], "context 1 is too short"),
+    (["--methods", "rtn", "--bits", ""], "with widths in --bits"),
+    # these failed every point after the base was scored, and the corrected command was then refused
+    (["--methods", "rtn", "--bits", "4", "--tasks", "bogus_task"], "lm-eval knows no task 'bogus_task'"),
+    (["--methods", "rtn", "--bits", "4", "--tasks", "dolly_mc", "--lm-eval-limit", "-1"], "scores no document"),
+    (["--methods", "gptq", "--bits", "4", "--calib-data", "none.txt"], "none.txt: no such file: pass --calib-data"),
 ])
 def test_bad_settings_are_refused_before_the_report_is_made(tiny_dir, tmp_path, capsys, monkeypatch, args, match):
     """Settings that every point, or the base, would fail on: one error line, and no report directory
@@ -97,3 +102,29 @@ def test_exl2_points_share_one_measurement(tiny_dir, tmp_path, capsys, monkeypat
     # written during the first point, not again
     assert (out / "exl2-measurement.json").stat().st_mtime_ns < (out / "points" / "exl2-3.json").stat().st_mtime_ns
     assert points[0]["kld_mean"] > points[1]["kld_mean"]
+
+
+def test_a_directory_that_is_not_a_report_is_not_written_into(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Its report.md was replaced without --overwrite; a damaged settings.json was a traceback."""
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "report.md").write_text("mine")
+    args = ["report", tiny_dir, "--out", out, "--data", TEST, "--methods", "rtn", "--bits", "4", "--windows", 1,
+            "--ctx", 64]
+    code, _, err = cli(args, capsys, monkeypatch)
+    assert code == 2 and "holds other files, not a quantkit report" in err[-1] and (out / "report.md").read_text() == "mine"
+    (out / "settings.json").write_text("{")
+    code, _, err = cli(args, capsys, monkeypatch)
+    assert code == 2 and err[-1].startswith(f"error: {out / 'settings.json'} is damaged")
+
+
+def test_the_windows_shown_are_the_ones_scored(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A text shorter than --windows: the report said 40 windows where it scored what the text gave."""
+    short = tmp_path / "short.txt"
+    short.write_text(TEST.read_text()[:1500])
+    out = tmp_path / "report"
+    code, printed, _ = cli(["report", tiny_dir, "--out", out, "--data", short, "--methods", "rtn", "--bits", "4",
+                            "--group-size", 32, "--windows", 40, "--ctx", 64], capsys, monkeypatch)
+    n = json.loads((out / "base.json").read_text())["windows"]
+    assert code == 0 and 1 <= n < 40 and f"the text gives {n} windows of 64" in printed
+    assert f"; {n} windows of 64 of short.txt" in (out / "report.md").read_text()
