@@ -54,6 +54,8 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend not in BACKENDS:
             raise QuantkitError(f"unknown kernel backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
+        if x.device.type == "cpu" and x.dtype == torch.float32 and torch.is_autocast_enabled("cpu"):
+            x = x.to(torch.get_autocast_dtype("cpu"))  # as autocast casts a linear's input: the fused paths take it
         triton = self.backend == "triton" or (self.backend == "auto" and x.is_cuda and kernels.fits(self))
         if triton and not (torch.is_grad_enabled() and x.requires_grad):
             y = kernels.matmul(x, self)
@@ -95,10 +97,10 @@ class QuantLinear(torch.nn.Module):
 
     def gemv_ready(self, x: torch.Tensor) -> bool:
         """Whether the compiled GEMV takes x: on the CPU with the layer, a float dtype it rounds from
-        float32 without loss of what was asked (not float64), no autocast, up to GEMV_ROWS rows, a
-        layout it reads, and the library built."""
+        float32 without loss of what was asked (not float64), up to GEMV_ROWS rows, a layout it reads,
+        and the library built."""
         return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                and x.numel() // max(self.in_features, 1) <= GEMV_ROWS and not torch.is_autocast_enabled("cpu")
+                and x.numel() // max(self.in_features, 1) <= GEMV_ROWS
                 and all(t.device.type == "cpu" for t in self._buffers.values() if t is not None)
                 and self.gemv_fits() and blocks.library() is not None)
 
@@ -255,7 +257,8 @@ class GPTQLinear(QuantLinear):
         else:
             idx = self.g_idx.long()
             w = (q - z[idx]).float().mul_(s[idx])
-        return w.to(dtype).T
+        # torch's CPU float16 matmul takes a transposed weight some 20x slower than a contiguous one
+        return w.to(dtype).T.contiguous() if dtype == torch.float16 else w.to(dtype).T
 
     def fused(self, x: torch.Tensor) -> torch.Tensor | None:
         """4-bit weights in plain group order (or act-order with whole groups, x's columns in `order`),

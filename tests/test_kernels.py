@@ -262,6 +262,9 @@ def test_torch_fallback_slices_rows(monkeypatch):
     l4 = NF4Linear.from_tensor(q4)
     assert torch.equal(torch.cat([l4.dequantize(torch.float32, r, min(r + 7, 45)) for r in range(0, 45, 7)]),
                        q4.dequantize())
+    # torch's CPU float16 matmul takes a transposed weight ~20x slower: the GPTQ layout's slices come contiguous
+    assert layer.dequantize(torch.float16, 0, 32).is_contiguous()
+    assert torch.equal(layer.dequantize(torch.float16, 0, 32), qt.dequantize()[:32].half())
 
 
 @pytest.mark.parametrize("group_size", [-1, 32, 64, 128])
@@ -357,8 +360,10 @@ def test_cpu_gemv(name, monkeypatch):
         assert torch.equal(layer.gemv(x3.bfloat16()), layer.gemv(x3.bfloat16().float()).bfloat16())
         assert layer.gemv(torch.zeros(qlinear.GEMV_ROWS + 1, k)) is None
         assert layer.gemv(x.double()) is None  # float64: the fallback's float64 product
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert layer.gemv(x) is None
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # x cast as autocast casts a linear's: the fused paths
+            y = layer(x)  # take it (before, the fallback dequantized the whole weight per call)
+            assert layer.gemv(x.bfloat16()) is not None
+        assert y.dtype == torch.bfloat16 and torch.equal(y, layer(x.bfloat16()))
         assert layer.gemv(x.to("meta")) is None and copy.deepcopy(layer).to("meta").gemv(x) is None  # off the CPU
         assert ("-act" in name) == (layer.__dict__.get("grouped") is not None)  # the twin was made and used
     x = torch.randn(2, k, generator=g, requires_grad=True)
