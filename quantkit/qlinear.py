@@ -453,8 +453,8 @@ class NF4Linear(QuantLinear):
             w = values * self.scales(first, last).repeat_interleave(b)[lo - first * b: hi - first * b]
         return w.view(stop - start, self.in_features).to(dtype)
 
-    def gemv_fits(self) -> bool:  # blocks whole within rows, 16 codes at a time
-        return self.in_features % self.blocksize == 0 and self.blocksize % 16 == 0
+    def gemv_fits(self) -> bool:  # 16 codes at a time, each run within one block
+        return self.in_features % 16 == 0 and self.blocksize % 16 == 0
 
     def gemv_share(self, lib, x: torch.Tensor, y: torch.Tensor, start: int, stop: int) -> None:
         nested = self.nested_absmax is not None

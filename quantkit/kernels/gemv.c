@@ -9,7 +9,7 @@
  * +1 applied); n, j0 and j1 multiples of 8. y [m, n] (zeros) gets output columns j0:j1.
  *
  * nf4_gemv(x, m, k, packed, table, block, absmax, codes, nested, nested_map, nested_block, offset, r0,
- * r1, n, y): bitsandbytes' layout with blocks whole within rows (k a multiple of block, block a multiple of 16);
+ * r1, n, y): bitsandbytes' layout, blocks running over the whole weight (k and block multiples of 16);
  * each block's absmax float32 in absmax, or with double quantization (absmax NULL) codes[b]'s
  * nested_map entry times nested[b / nested_block], plus offset. y [m, n] gets output rows r0:r1. */
 #include <stdint.h>
@@ -113,19 +113,22 @@ INLINE void nf4_rows(const int m, const float *x, int64_t k, const uint8_t *pack
                      const float *absmax, const uint8_t *codes, const float *nested, const float *nested_map,
                      int64_t nested_block, float offset, int64_t r0, int64_t r1, int64_t n, float *y) {
     for (int64_t r = r0; r < r1; r++) {
-        v8 even[ROWS], odd[ROWS];
+        v8 even[ROWS], odd[ROWS], lo_a = lo, hi_a = hi;
         for (int i = 0; i < m; i++) even[i] = odd[i] = splat(0);
         const uint8_t *q = packed + r * k / 2;
         const float *xr = x;
-        for (int64_t b = r * (k / block); b < (r + 1) * (k / block); b++) {
-            v8 a = splat(absmax ? absmax[b] : nested_map[codes[b]] * nested[b / nested_block] + offset);
-            v8 lo_a = lo * a, hi_a = hi * a;  /* table[code] * a for every code, once per block */
-            for (int64_t c = 0; c < block; c += 16, q += 8, xr += 16) {
-                v8 w0 = decode(q, lo_a, hi_a), w1 = decode(q + 4, lo_a, hi_a);
-                for (int i = 0; i < m; i++) {
-                    even[i] += ld(xr + i * k) * w0;
-                    odd[i] += ld(xr + i * k + 8) * w1;
-                }
+        int64_t edge = r * k;  /* where the next block starts, counted over the whole weight */
+        for (int64_t c = 0; c < k; c += 16, q += 8, xr += 16) {
+            if (r * k + c >= edge) {  /* a block may start in one row and end in the next */
+                int64_t b = (r * k + c) / block;
+                v8 a = splat(absmax ? absmax[b] : nested_map[codes[b]] * nested[b / nested_block] + offset);
+                lo_a = lo * a, hi_a = hi * a;  /* table[code] * a for every code, once per block */
+                edge = (b + 1) * block;
+            }
+            v8 w0 = decode(q, lo_a, hi_a), w1 = decode(q + 4, lo_a, hi_a);
+            for (int i = 0; i < m; i++) {
+                even[i] += ld(xr + i * k) * w0;
+                odd[i] += ld(xr + i * k + 8) * w1;
             }
         }
         for (int i = 0; i < m; i++) y[i * n + r] = total(even[i] + odd[i]);
