@@ -216,6 +216,8 @@ def device_of(device: str | torch.device | None) -> torch.device:
         raise QuantkitError(f"unknown device {device!r}: use cpu or cuda") from None
     if dev.type not in ("cpu", "cuda"):
         raise QuantkitError(f"device {device!r} is not supported: use cpu or cuda")
+    if dev.type == "cpu":  # cpu:0 is the CPU (safetensors' reader takes no index)
+        return torch.device("cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise QuantkitError("--device cuda, but torch sees no CUDA GPU: use --device cpu, or install a CUDA build "
                             "of torch and check the driver and CUDA_VISIBLE_DEVICES")

@@ -106,7 +106,7 @@ def quiet() -> None:
 @click.option("--calib-data", type=click.Path(), help="text file to calibrate on (default: WikiText-2 train from the hub)")
 @click.option("--calib-samples", type=int, default=128, show_default=True)
 @click.option("--calib-seqlen", type=int, default=512, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
 @click.option("--eval-data", type=click.Path(), help="also print perplexity before and after on this text file")
 @click.option("--eval-windows", type=click.IntRange(1), default=40, show_default=True)
 @click.option("--ctx", type=int, default=512, show_default=True, help="context of the --eval-data perplexity")
@@ -116,7 +116,7 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     """Quantize MODEL (a directory, a .gguf file, or by default the embedded SmolLM2-135M-Instruct).
     Layers stream from disk to --out: memory holds one layer at a time."""
     # options and output path first: a mistake there should not cost a model load
-    unused(options["method"], fmt)
+    unused(options["method"], fmt, options["target_bpw"] is not None)
     if fmt == "gguf" and options["gguf_type"] is None:
         options["gguf_type"] = exporters.gguf.DEFAULT_MIX
     options["tensor_type"] = tuple(options["tensor_type"])
@@ -175,10 +175,16 @@ def given_options() -> dict[str, str]:
             if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE}
 
 
-def unused(method: str, fmt: str) -> None:
+def unused(method: str, fmt: str, target_bpw: bool = False) -> None:
     """Refuse an option given on the command line that the method or format does not read: it would be
     ignored, and the export would not be what was asked for (--bits 8 with --format gguf writes the mix)."""
     for name, flag in given_options().items():
+        if fmt == "exl2" and name in ("group_size", "sym", "mse", "act_order", "static_groups", "group_aware"):
+            raise QuantkitError(f"{flag} does not apply to --format exl2, whose measured mix of group sizes and bits "
+                                "per linear sets the grids: drop it")
+        if target_bpw and name in ("bits", "group_size") and fmt != "exl2":
+            raise QuantkitError(f"{flag} does not apply with --target-bpw, which chooses each linear's bits and "
+                                "group size: drop it")
         if fmt == "gguf" and name in ("bits", "group_size", "sym", "mse", "act_order", "static_groups", "group_aware",
                                       "block_size", "max_shard_size"):
             raise QuantkitError(f"{flag} does not apply to --format gguf, whose --gguf-type mix sets the blocks: drop it, "
@@ -249,7 +255,7 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_i
 @click.option("--batch-size", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--max-length", type=click.IntRange(2), help="tokens per window [the model's context]")
 @click.option("--data-dir", type=click.Path(), help="where the local tasks read [$QUANTKIT_DATA, else ../shared/data]")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="end with one JSON line: the results by task")
 @click.option("--dequantized", is_flag=True, help="a quantized export: evaluate a dequantized copy, not the packed model")
 @click.option("--device", help="cpu or cuda [cuda, in float16, when there is a GPU]")

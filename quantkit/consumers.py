@@ -110,13 +110,15 @@ class Consumer:
 
 CONSUMERS = (
     Consumer("vLLM gptq_marlin", "vllm", "safetensors", (bits_in(4, 8), symmetric, marlin), whole=(unfused,)),
-    Consumer("vLLM gptq", "vllm", "safetensors", (bits_in(2, 3, 4, 8),), "slow kernel, float16 only", (unfused,)),
+    # vLLM's gptq and awq create_weights: "The input size is not aligned with the quantized weight shape"
+    Consumer("vLLM gptq", "vllm", "safetensors", (bits_in(2, 3, 4, 8), k_divisible), "slow kernel, float16 only",
+             (unfused,)),
     Consumer("transformers + GPTQModel (torch kernel)", "transformers", "safetensors", (bits_in(2, 3, 4, 8),),
              "backend=\"torch\"; float16/bfloat16"),
     Consumer("GPTQModel default CPU kernel", "transformers", "safetensors", (bits_in(4), k_divisible)),
     Consumer("ExLlamaV2", "exllama", "safetensors", (bits_in(4), power_of_two_groups)),
     Consumer("vLLM awq_marlin", "vllm", "awq", (marlin,)),
-    Consumer("vLLM awq", "vllm", "awq", (), "float16"),
+    Consumer("vLLM awq", "vllm", "awq", (k_divisible,), "float16"),
     Consumer("transformers + GPTQModel (AWQ)", "transformers", "awq"),
     Consumer("vLLM compressed-tensors (Marlin)", "vllm", "compressed-tensors",
              (bits_in(4, 8), lambda e: None if e.sym or e.bits == 4 else "asymmetric 8-bit weights", marlin, no_g_idx),

@@ -43,3 +43,10 @@ def test_quantize_shows_progress(tiny_dir, tmp_path, monkeypatch, capsys):
     run(["quantize", tiny_dir, "--out", tmp_path / "q"], monkeypatch)
     err = capsys.readouterr().err
     assert "quantizing layers" in err and "2/2" in err and "MiB written" in err and "peak RSS" in err
+
+
+def test_device_cpu_with_an_index_is_the_cpu(tiny_dir, tmp_path, monkeypatch, capsys):
+    """--device cpu:0 was called a damaged model file ("re-download it"): safetensors' reader takes no index."""
+    run(["quantize", tiny_dir, "--method", "rtn", "--group-size", 32, "--device", "cpu:0", "--out", tmp_path / "q"],
+        monkeypatch)
+    assert (tmp_path / "q" / "config.json").is_file()

@@ -17,13 +17,15 @@ def verdict(e: Export) -> dict[str, str | None]:
 
 
 def test_the_issue_s_gptq_export_of_smollm2():
-    """4-bit g128 GPTQ of SmolLM2: GPTQModel's torch kernel reads it, its fused CPU kernel and vLLM's
-    Marlin do not (K = 576), vLLM's slow gptq kernel does."""
+    """4-bit g128 GPTQ of SmolLM2: GPTQModel's torch kernel reads it; its fused CPU kernel, vLLM's
+    Marlin and vLLM's slow gptq kernel do not (K = 576: groups of 128 do not divide it; the slow
+    kernel was listed as reading it)."""
     v = verdict(Export("safetensors", "gptq", 4, 128, True, False, SMOLLM2))
     assert v["transformers + GPTQModel (torch kernel)"] is None
     assert "576 inputs in groups of 128" in v["GPTQModel default CPU kernel"]
     assert "576 inputs" in v["vLLM gptq_marlin"]
-    assert v["vLLM gptq"] is None and v["ExLlamaV2"] is None
+    assert "576 inputs in groups of 128" in v["vLLM gptq"] and v["ExLlamaV2"] is None
+    assert "576 inputs in groups of 128" in verdict(Export("awq", "awq", 4, 128, False, False, SMOLLM2))["vLLM awq"]
 
 
 def test_a_7b_shape_fits_marlin_and_what_breaks_it():

@@ -353,10 +353,13 @@ def test_requantize_refuses_values_llama_quantize_refuses(float_ggufs, tmp_path,
     requantize(tmp_path / "big.gguf", tmp_path / "q8.gguf", "Q8_0", progress=False)
     t = next(t for t in gguf.GGUFReader(tmp_path / "q8.gguf").tensors if t.name == "blk.0.attn_q.weight")
     assert t.tensor_type.name == "Q8_0" and np.isfinite(gguf.quants.dequantize(t.data, t.tensor_type)).all()
-    # requantized as llama-quantize --allow-requantize does, with a word on what that costs
-    code, _, err = cli(["export", tmp_path / "q8.gguf", "--out", tmp_path / "q4.gguf", "--gguf-type", "Q4_0"], capsys,
-                       monkeypatch)
-    assert code == 0 and [line for line in err if line.startswith("note: ")][0].find("already quantized (Q8_0)") > 0
+    # requantized as llama-quantize --allow-requantize does, with a word on what that costs (the 1e6 above
+    # would overflow Q4_0's scales, and is refused there)
+    requantize(float_ggufs[0], tmp_path / "clean-q8.gguf", "Q8_0", progress=False)
+    code, _, err = cli(["export", tmp_path / "clean-q8.gguf", "--out", tmp_path / "q4.gguf", "--gguf-type", "Q4_0"],
+                       capsys, monkeypatch)
+    assert code == 0, err
+    assert [line for line in err if line.startswith("note: ")][0].find("already quantized (Q8_0)") > 0
 
 
 def test_too_little_space_is_the_last_line(tmp_path, capsys, monkeypatch):

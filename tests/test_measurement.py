@@ -296,6 +296,13 @@ def test_gguf_types_are_counted_as_the_rows_take_them(tiny_dir, tmp_path):
      "outside the range of the compressed-tensors format's grids"),
     (["--method", "gptq", "--target-bpw", "3.6", "--for", "exllama"],
      "outside the range of the safetensors format's grids that exllama loads"),
+    # accepted and ignored before (each linear gets the measured grid), yet written as the config's
+    (["--method", "rtn", "--target-bpw", "4.5", "--bits", "8"], "--bits does not apply with --target-bpw"),
+    (["--method", "rtn", "--target-bpw", "4.5", "--group-size", "32"], "--group-size does not apply with --target-bpw"),
+    (["--method", "gptq", "--format", "exl2", "--bits", "4.125", "--group-size", "64"],
+     "--group-size does not apply to --format exl2"),
+    (["--method", "gptq", "--format", "exl2", "--bits", "4.125", "--act-order"], "does not apply to --format exl2"),
+    (["--seed", "-1"], "-1 is not in the range x>=0"),  # Python's random seeds -1 as 1
 ])
 def test_bad_target_input(tiny_dir, tmp_path, capsys, monkeypatch, args, match):
     refused(["quantize", str(tiny_dir), "--out", str(tmp_path / "q"), *args], capsys, monkeypatch, match)
