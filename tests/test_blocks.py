@@ -187,7 +187,12 @@ def test_ctrl_c_while_shares_are_handed_out_waits_for_them(monkeypatch):
 
     monkeypatch.setattr(blocks.pool(), "submit", interrupted)
     monkeypatch.setattr(blocks, "threads", lambda: 4)
-    with pytest.raises(KeyboardInterrupt):
-        blocks.split(8, work)
-    assert not running
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Python's own Ctrl-C handler, as in a terminal (a shell's background job starts with SIGINT ignored)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            blocks.split(8, work)
+        assert not running
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
