@@ -127,7 +127,7 @@ def test_a_job_refused_its_output_stops_every_process_before_the_work(tiny_dir, 
     measure = ["--target-bpw", 3.6, "--measurement", tmp_path / held] if held == "m.json" else []
     _, lock = atomic.lock(tmp_path / held, "--out")
     try:
-        job = torchrun(tiny_dir, "--method", "gptq", "--group-size", 32, *measure, "--calib-data", VALID,
+        job = torchrun(tiny_dir, "--method", "gptq", *(measure or ["--group-size", 32]), "--calib-data", VALID,
                        "--calib-samples", 8, "--calib-seqlen", 64, "--out", tmp_path / "q")
     finally:
         lock.close()

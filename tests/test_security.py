@@ -222,7 +222,7 @@ G32 = ["--group-size", 32]
 EXPORTS = {"gptq-layout": G32, "gguf": ["--format", "gguf", "--gguf-type", "Q4_0"], "awq": ["--format", "awq", *G32],
            "compressed-tensors": ["--format", "compressed-tensors", *G32],
            "exl2": ["--format", "exl2", "--bits", "4.0", "--method", "gptq", "--calib-data", VALID,
-                    "--calib-samples", 2, "--calib-seqlen", 32, *G32]}
+                    "--calib-samples", 2, "--calib-seqlen", 32]}
 
 
 @pytest.mark.parametrize("args", EXPORTS.values(), ids=EXPORTS.keys())
