@@ -3,7 +3,7 @@
 # (benchmarks/RESULTS.md, "The first GPU runs"). Two steps:
 #
 #   bash benchmarks/gpu.sh prepare              # here: the wheels the GPU machine lacks into .whl/, the data into .gpu/
-#   bash benchmarks/gpu.sh run [S] [STEPS]      # there, from the repo root, carry [".whl", ".gpu"]
+#   bash benchmarks/gpu.sh run [S] [STEPS]      # there, from the repo root, carry [".whl", ".gpu", ".gq"]
 #
 # S: seconds for the whole run (default 480; each step's timeout is cut to what is left). STEPS: a
 # comma list of those to run (default exllama,tests,kernels; `none`: the setup alone, before commands of
@@ -16,6 +16,7 @@
 #            random model of SmolLM2-135M's shapes: benchmarks/exl2_consumer.py with its matmul
 #            attention, then its SDPA one on one file and 2 windows
 #   gptq7b   GPTQ of the 7b shape, stopped when its share is spent
+#   gptqmodel  GPTQ of the 7b shape's first 8 layers against GPTQModel's (benchmarks/scale.py), 32 windows
 #   devices  benchmarks/devices.py
 # Each step's log goes to $OUT (or .gpu/out), its exit status and end time to times.log. The GPU
 # machine has no network: what it lacks travels as wheels.
@@ -29,9 +30,21 @@ prepare)
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform any -d .whl "gguf==$(v gguf)" "platformdirs==$(v platformdirs)" "bitsandbytes==$(v bitsandbytes)" \
     exllamav2==0.3.2
+  # GPTQModel 5.8.0 (its newest release that takes the GPU machine's torch 2.11) for scale.py's gptqmodel run:
+  # its source into .gq/, what it needs that the machine lacks into .whl/ (wheels built here where only
+  # sources are published); pypcre builds for this machine's Python alone, so the standard re stands in for it
+  python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform any \
+    -d .whl datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+  src=$(mktemp -d)
+  python -m pip download -q --no-deps --no-build-isolation --no-binary=:all: -d "$src" gptqmodel==5.8.0 device-smi==0.5.7 logbar==0.4.15 \
+    tokenicer==0.0.14 defuser==0.0.28
+  python -m pip wheel -q --no-deps -w .whl "$src"/device_smi-* "$src"/logbar-* "$src"/tokenicer-* "$src"/defuser-*
+  rm -rf .gq && mkdir -p .gq/pcre && tar xzf "$src"/gptqmodel-5.8.0.tar.gz -C "$src" && cp -r "$src"/gptqmodel-5.8.0/gptqmodel .gq/
+  echo "from re import *  # noqa: F401,F403 (pypcre's stand-in)" > .gq/pcre/__init__.py
+  rm -rf "$src"
   mkdir -p .gpu && cp -r ../shared/data .gpu/
-  for d in /.gpu/ /.whl/; do grep -qx "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
-  du -sh .whl .gpu
+  for d in /.gpu/ /.whl/ /.gq/; do grep -qx "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
+  du -sh .whl .gpu .gq
   ;;
 run)
   export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -107,6 +120,10 @@ run)
     stop=$(($(left) - 60)); [ $stop -gt 300 ] && stop=300; [ $stop -lt 30 ] && stop=30
     timeout $((stop + 30)) python3 benchmarks/scale.py --shape 7b --runs gptq --device cuda --gptq-samples 32 \
       --stop-after $stop >> "$out/scale.log" 2>&1; mark gptq7b $?
+  fi
+  if has gptqmodel; then
+    PYTHONPATH=$PWD/.gq:/tmp/site timeout "$(upto 360)" python3 benchmarks/scale.py --shape 7b-8l --device cuda \
+      --runs gptq,gptq-no-mse,gptqmodel --gptq-samples 32 > "$out/gptqmodel.log" 2>&1; mark gptqmodel $?
   fi
   if has devices; then
     t=$(($(left) - 20)); [ $t -gt 130 ] && t=130; [ $t -lt 5 ] && t=5

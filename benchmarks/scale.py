@@ -1,10 +1,12 @@
 """Real-size runs: time and peak memory of `quantkit quantize` on random Llamas of real shapes,
-against llama-quantize (F16 GGUF to Q4_K_M) on the same model in the same run.
+against llama-quantize (F16 GGUF to Q4_K_M) on the same model in the same run, and GPTQ against
+GPTQModel's.
 
-    python benchmarks/scale.py [--shape 7b|1b|135m] [--runs llama,rtn,gguf,gptq] [--gptq-samples 4]
-                               [--device cpu|cuda] [--stop-after S] [--before DIR] [--keep]
+    python benchmarks/scale.py [--shape 7b|7b-8l|1b|135m] [--runs llama,rtn,gguf,gptq,gptq-no-mse,gptqmodel]
+                               [--gptq-samples 4] [--device cpu|cuda] [--stop-after S] [--before DIR] [--keep]
 
-The model (7b: Llama-2-7B's shapes; 1b: TinyLlama-1.1B's; 135m: SmolLM2-135M's) is written once,
+The model (7b: Llama-2-7B's shapes; 7b-8l: its first 8 layers, for runs that cannot stop partway;
+1b: TinyLlama-1.1B's; 135m: SmolLM2-135M's) is written once,
 tensor by tensor, as bf16 shards into the user cache (7b: 13.5 GB; drawn on the GPU when there is
 one, so a GPU machine's model is another random draw). Each run is its own process: its peak RSS is the
 process's maximum resident set (getrusage of the child), shown against the model's size on disk.
@@ -17,8 +19,10 @@ RTN again with quantkit imported from DIR first (an older version installed with
 `pip install --no-deps --target DIR <checkout>`). --stop-after S stops the GGUF and GPTQ runs after S seconds (on
 2 cores they need an hour or more for the 7B shape) and reports the layers they finished: memory is
 per layer, so the peak over the first layers is the run's, except that a stopped GGUF run has not
-yet quantized the output matrix (bounded by the same chunking as every other tensor). Outputs go to a temporary directory, removed at the end
-unless --keep.
+yet quantized the output matrix (bounded by the same chunking as every other tensor). The gptqmodel run
+(GPTQModel importable; benchmarks/gpu.sh carries it to a GPU machine) quantizes on the same calibration
+windows at its own defaults for 4-bit g128, and is then the anchor of the ratios. Outputs go to a
+temporary directory, removed at the end unless --keep.
 """
 from __future__ import annotations
 
@@ -43,6 +47,8 @@ SHAPES = {
                num_key_value_heads=32, vocab_size=32000),
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                num_key_value_heads=4, vocab_size=32000),
+    "7b-8l": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=8, num_attention_heads=32,
+                  num_key_value_heads=32, vocab_size=32000),
     "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                  num_key_value_heads=3, vocab_size=49152),
 }
@@ -95,6 +101,34 @@ def bound(shape: str, samples: int, seqlen: int = 512) -> int:
     hessians = 3 * h * h + i * i
     activations = 2 * samples * seqlen * h
     return 2 * 4 * (weights + hessians + activations)
+
+
+def gptqmodel_child(model: str, out: str, samples: int, device: str) -> None:
+    """GPTQModel's GPTQ 4-bit g128 at its other defaults, on the windows quantkit's run takes, in a process
+    of its own (measure()): its stderr ends with its peak GPU memory, as quantkit's progress bar shows ours."""
+    import torch
+    from gptqmodel import GPTQModel, QuantizeConfig
+    from transformers import AutoTokenizer
+
+    from quantkit import calibration
+
+    os.chdir(Path(out).parent)  # where it offloads to disk by default
+    tok = AutoTokenizer.from_pretrained(model)
+    windows = calibration.sample_windows(tok, calibration.load_text(VALID, tokenizer=tok), samples, 512)
+    if device == "cuda":  # its peak so far every 10 s: a run stopped partway still tells it
+        def peak() -> None:
+            while True:
+                print(f"GPU {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB at {time.monotonic() - start:.0f} s",
+                      file=sys.stderr, flush=True)
+                time.sleep(10)
+
+        start = time.monotonic()
+        threading.Thread(target=peak, daemon=True).start()
+    m = GPTQModel.load(model, QuantizeConfig(bits=4, group_size=128), device=device)
+    m.quantize([{"input_ids": w[None], "attention_mask": torch.ones_like(w)[None]} for w in windows], batch_size=1)
+    m.save(out)
+    if device == "cuda":
+        print(f"GPU {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", file=sys.stderr)
 
 
 def measure(label: str, cmd: list[str], env: dict | None = None, seconds: float | None = None) -> dict:
@@ -170,22 +204,30 @@ def main() -> None:
             results.append(measure("RTN -> GGUF Q4_K_M", [*qk, "quantize", model, "--format", "gguf", "--gguf-type",
                                                           "Q4_K_M", "--out", out / "q4km.gguf", *common],
                                    seconds=a.stop_after))
-        if "gptq" in runs:
-            results.append(measure(f"GPTQ 4-bit g128, {a.gptq_samples} x 512 tokens -> safetensors",
-                                   [*qk, "quantize", model, "--method", "gptq", "--calib-data", VALID,
-                                    "--calib-samples", str(a.gptq_samples), "--calib-seqlen", "512",
-                                    "--out", out / "gptq", *common], seconds=a.stop_after))
+        for run, extra in (("gptq", []), ("gptq-no-mse", ["--no-mse"])):  # no-mse: without the search GPTQModel skips
+            if run in runs:
+                results.append(measure(f"GPTQ 4-bit g128{' ' if extra else ''}{' '.join(extra)}, {a.gptq_samples} x 512 "
+                                       "tokens -> safetensors",
+                                       [*qk, "quantize", model, "--method", "gptq", "--calib-data", VALID,
+                                        "--calib-samples", str(a.gptq_samples), "--calib-seqlen", "512",
+                                        "--out", out / run, *extra, *common], seconds=a.stop_after))
+        if "gptqmodel" in runs:
+            child = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import scale; "
+                     f"scale.gptqmodel_child({str(model)!r}, {str(out / 'gptqmodel')!r}, {a.gptq_samples}, "
+                     f"{a.device or 'cuda'!r})")
+            results.append(measure(f"GPTQModel: GPTQ 4-bit g128, {a.gptq_samples} x 512 tokens -> safetensors",
+                                   [sys.executable, "-c", child]))
     finally:
         if not a.keep:
             shutil.rmtree(out, ignore_errors=True)
-    anchor = next((r for r in results if r["run"].startswith("llama-quantize")), None)
+    anchor = next((r for r in results if r["run"].startswith(("llama-quantize", "GPTQModel"))), None)
     on_gpu = any("peak_gpu" in r for r in results)
     print(f"\n{a.shape}-shaped Llama, {disk / 1e9:.2f} GB of bf16 safetensors on disk\n")
     if on_gpu:
         print(f"GPTQ's GPU memory bound: {bound(a.shape, a.gptq_samples) / 2**30:.2f} GiB (2 x (a layer's float32 "
               "weights + its Hessians + its calibration inputs and outputs))\n")
     print("| run | time (s) | peak RSS (GiB) | peak RSS / model on disk |" + (" peak GPU (GiB) |" if on_gpu else "")
-          + (" time / llama-quantize | RSS / llama-quantize |" if anchor else ""))
+          + (f" time / {anchor['run'].split()[0].rstrip(':')} | RSS / it |" if anchor else ""))
     print("|---|---|---|---|" + ("---|" if on_gpu else "") + ("---|---|" if anchor else ""))
     for r in results:
         run = r["run"] + (f" (stopped after {r['layers']} layers)" if "layers" in r else "")
