@@ -61,7 +61,8 @@ def _absmax(w1, w3, w4, fparam, j, i1, NESTED: tl.constexpr, mask):
     the nested block's absmax, plus the offset."""
     if NESTED:
         code = tl.load(w1 + j, mask=mask, other=0).to(tl.int32)
-        a = tl.load(w4 + code, mask=mask, other=0.0) * tl.load(w3 + j // i1, mask=mask, other=0.0) + fparam
+        nested = j.to(tl.uint32) // i1.to(tl.uint32)  # unsigned: fewer instructions than a signed division
+        a = tl.load(w4 + code, mask=mask, other=0.0) * tl.load(w3 + nested, mask=mask, other=0.0) + fparam
     else:
         a = tl.load(w1 + j, mask=mask, other=0.0)
     return a
@@ -152,7 +153,7 @@ def gemv_kernel(x, y, part, count, w0, w1, w2, w3, w4, fparam, i0, i1, N, K, K_S
     if FMT == 0 and WORDS and GROUP > 0:
         acc = _gemv_words(x + row * K, w0, w1, w2, w4, i0, i1, n, start, K_SPLIT, K, N, BITS, GROUP, ORDER, BN, BK)
     elif FMT == 1 and WORDS:
-        acc = _gemv_nf4(x + row * K, w0, w1, w2, w3, w4, fparam, i0, i1, n, start, K_SPLIT, K, N, NESTED, BN, BK)
+        acc = _gemv_nf4(x + row * K, w0, w1, w2, w3, w4, fparam, i1, n, start, K_SPLIT, K, N, NESTED, GROUP, BN, BK)
     else:
         acc = tl.zeros((BN,), dtype=tl.float32)
         for step in range(0, tl.minimum(K_SPLIT, K - start), BK):  # the last slice ends at K
@@ -242,24 +243,34 @@ def _words_tile(w0, w1, w2, i0, i1, n, k0, end, N, BITS: tl.constexpr, GROUP: tl
 
 
 @triton.jit
-def _gemv_nf4(x, w0, w1, w2, w3, w4, fparam, i0, i1, n, start, K_SPLIT, K, N, NESTED: tl.constexpr,
+def _gemv_nf4(x, w0, w1, w2, w3, w4, fparam, i1, n, start, K_SPLIT, K, N, NESTED: tl.constexpr, GROUP: tl.constexpr,
               BN: tl.constexpr, BK: tl.constexpr):
-    """The GEMV's sum over one slice for NF4/FP4 codes, each tile in one block per output: a [BK / 2, BN]
-    tile of bytes taken apart one nibble at a time (no reshape); the absmax, read once per tile,
-    multiplies each output's sum over the tile once."""
-    acc = tl.zeros((BK // 2, BN), dtype=tl.float32)
-    for step in range(0, tl.minimum(K_SPLIT, K - start), BK):  # the last slice ends at K
+    """The GEMV's sum over one slice for NF4/FP4 codes, each tile in one block (GROUP) per output: a
+    [BN, BK / 2] tile of bytes, outputs by bytes, so that a thread loads consecutive bytes of an output
+    as one vector and needs few values of x (one contiguous load, split into the two nibbles' columns).
+    Each nibble's value comes from the 16-entry table held by the program (_lookup). The absmax, read
+    once per tile, multiplies each output's sum over the tile once."""
+    table = tl.load(w2 + tl.arange(0, 16))
+    acc = tl.zeros((BN, BK // 2), dtype=tl.float32)
+    for step in range(0, tl.minimum(K_SPLIT, K - start), BK):  # the last slice ends at K; K is whole tiles
         k0 = start + step
-        r = k0 // 2 + tl.arange(0, BK // 2)  # bytes of a row; K is whole blocks
-        b = tl.load(w0 + r[:, None] + n[None, :] * (K // 2), mask=(r[:, None] * 2 < K) & (n[None, :] < N),
-                    other=0).to(tl.int32)
-        a = _absmax(w1, w3, w4, fparam, (n * K + k0) // i0, i1, NESTED, n < N)
-        part = tl.zeros((BK // 2, BN), dtype=tl.float32)
-        for j in tl.static_range(2):  # the high nibble is the first column
-            xk = tl.load(x + r * 2 + j, mask=r * 2 < K, other=0.0)
-            part += xk.to(tl.float32)[:, None] * tl.load(w2 + ((b >> (4 - 4 * j)) & 15))
-        acc += part * a[None, :]
-    return tl.sum(acc, axis=0)
+        r = k0 // 2 + tl.arange(0, BK // 2)  # bytes of a row
+        b = tl.load(w0 + n[:, None] * (K // 2) + r[None, :], mask=n[:, None] < N, other=0).to(tl.int32)
+        a = _absmax(w1, w3, w4, fparam, n * (K // GROUP) + k0 // GROUP, i1, NESTED, n < N)
+        x0, x1 = tl.split(tl.reshape(tl.load(x + k0 + tl.arange(0, BK)).to(tl.float32), (BK // 2, 2)))
+        # the high nibble is the first column
+        acc += (x0[None, :] * _lookup(table, b >> 4) + x1[None, :] * _lookup(table, b & 15)) * a[:, None]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _lookup(table, q):
+    """table[q] for codes q (2D) by tl.gather from the program's copy of the table (in shared memory, where
+    16 float32 entries lie in 16 banks and a warp's lookups never conflict), not a load from global
+    memory per weight (an L1 gather and its 64-bit address each): 0.88-0.90 of the GEMV's time at the
+    same tile on an H200. A 256-entry table of both nibbles' values, one lookup per byte, took fewer
+    instructions but more time (benchmarks/RESULTS.md, the eighth GPU run)."""
+    return tl.reshape(tl.gather(table, tl.reshape(q, (q.numel,)), 0), q.shape)
 
 
 @triton.jit
