@@ -7,7 +7,7 @@ import re
 import tempfile
 import warnings
 from contextlib import ExitStack, nullcontext
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -17,7 +17,7 @@ from quantkit.atomic import check_apart, locked, partial_path, progress_files, s
 
 from . import consumers, distributed, measurement
 from . import rules as layer_rules
-from .config import QuantConfig
+from .config import QuantConfig, refuse_unused
 from .errors import QuantkitError, ResumableError, space_for
 from .layers import GROUPS, LINEARS, fused, linear_shapes, shapes_by_name
 from .modelio import Model, check_context, fingerprint, linear_types, load
@@ -256,6 +256,10 @@ def quantize(
     work starts."""
     if config is not None and options:
         raise TypeError("pass a QuantConfig or its fields as keywords, not both")
+    if config is None:  # a field set to other than its default that the method or format would ignore
+        defaults = {f.name: f.default for f in fields(QuantConfig)}
+        refuse_unused({k: k for k, v in options.items() if k in defaults and v != defaults[k]},
+                      options.get("method", "rtn"), format, options.get("target_bpw") is not None)
     config = config or QuantConfig(**options)
     if format == "gguf" and config.gguf_type is None:
         config = replace(config, gguf_type=exporters.gguf.DEFAULT_MIX)

@@ -19,7 +19,7 @@ from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECIS
 from . import api, consumers, distributed
 from . import report as report_
 from .command import export
-from .config import AWQ_LOSSES, METHODS, QuantConfig
+from .config import AWQ_LOSSES, METHODS, QuantConfig, refuse_unused
 from .errors import QuantkitError
 from .modelio import load
 
@@ -116,7 +116,7 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     """Quantize MODEL (a directory, a .gguf file, or by default the embedded SmolLM2-135M-Instruct).
     Layers stream from disk to --out: memory holds one layer at a time."""
     # options and output path first: a mistake there should not cost a model load
-    unused(options["method"], fmt, options["target_bpw"] is not None)
+    refuse_unused(given_options(), options["method"], fmt, options["target_bpw"] is not None)
     if fmt == "gguf" and options["gguf_type"] is None:
         options["gguf_type"] = exporters.gguf.DEFAULT_MIX
     options["tensor_type"] = tuple(options["tensor_type"])
@@ -165,35 +165,11 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
 
 cli.add_command(export)
 
-GPTQ_ONLY = ("damp", "act_order", "static_groups", "true_sequential", "group_aware")
-
-
 def given_options() -> dict[str, str]:
     """The current command's options given on the command line (not defaults): their flags by name."""
     ctx = click.get_current_context()
     return {p.name: "/".join(p.opts + p.secondary_opts) for p in ctx.command.params  # --sym/--asym as one
             if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE}
-
-
-def unused(method: str, fmt: str, target_bpw: bool = False) -> None:
-    """Refuse an option given on the command line that the method or format does not read: it would be
-    ignored, and the export would not be what was asked for (--bits 8 with --format gguf writes the mix)."""
-    for name, flag in given_options().items():
-        if fmt == "exl2" and name in ("group_size", "sym", "mse", "act_order", "static_groups", "group_aware"):
-            raise QuantkitError(f"{flag} does not apply to --format exl2, whose measured mix of group sizes and bits "
-                                "per linear sets the grids: drop it")
-        if target_bpw and name in ("bits", "group_size") and fmt != "exl2":
-            raise QuantkitError(f"{flag} does not apply with --target-bpw, which chooses each linear's bits and "
-                                "group size: drop it")
-        if fmt == "gguf" and name in ("bits", "group_size", "sym", "mse", "act_order", "static_groups", "group_aware",
-                                      "block_size", "max_shard_size"):
-            raise QuantkitError(f"{flag} does not apply to --format gguf, whose --gguf-type mix sets the blocks: drop it, "
-                                "or choose the types with --gguf-type and --tensor-type")
-        if name in GPTQ_ONLY and method != "gptq" or name == "mse" and method not in ("rtn", "gptq") or \
-                name == "block_size" and method not in ("gptq", "nf4", "fp4") or \
-                name in ("group_size", "sym") and method in ("nf4", "fp4"):
-            raise QuantkitError(f"{flag} is not an option of --method {method}: drop it, or use a method it belongs to "
-                                "(see quantkit quantize --help)")
 
 
 @cli.command("eval")
@@ -388,6 +364,9 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
         if fmt == "gguf" and gguf_type is None:
             gguf_type = exporters.gguf.DEFAULT_MIX
         qconfig = QuantConfig(method=quantize_method, bits=bits, group_size=group_size, gguf_type=gguf_type)
+        if calib_data is not None and not qconfig.needs_calibration:
+            raise QuantkitError(f"--calib-data calibrates --quantize, and --quantize {quantize_method} quantizes without "
+                                "one: drop it (gptq and awq calibrate)")
         quantize_out = quantize_out or f"{out}-{quantize_method}{'.gguf' if fmt == 'gguf' else ''}"
         check_out(merged, overwrite, directory=True)
         check_out(quantize_out, overwrite, directory=fmt != "gguf")

@@ -15,6 +15,33 @@ CODEBOOK_METHODS = ("nf4", "fp4")  # 4-bit code tables in flat blocks, bitsandby
 AWQ_LOSSES = ("block", "descent", "output")  # what judges AWQ's scale candidates (QuantConfig.awq_loss)
 
 
+GPTQ_ONLY = ("damp", "act_order", "static_groups", "true_sequential", "group_aware")
+GRID_OPTIONS = ("group_size", "sym", "mse", "act_order", "static_groups", "group_aware")  # what shapes a GPTQ/RTN grid
+
+
+def refuse_unused(given: dict[str, str], method: str, fmt: str, target_bpw: bool = False) -> None:
+    """Refuse an option given that the method or format does not read: it would be ignored, and the
+    export would not be what was asked for (--bits 8 with --format gguf writes the mix). given: the
+    options' names, each as the user wrote it (the CLI's flags, the API's keywords)."""
+    for name, flag in given.items():
+        cli = flag.startswith("--")
+        as_method, as_format = (f"--method {method}", f"--format {fmt}") if cli else (f"method={method!r}", f"format={fmt!r}")
+        if fmt == "exl2" and name in GRID_OPTIONS:
+            raise QuantkitError(f"{flag} does not apply to {as_format}, whose measured mix of group sizes and bits "
+                                "per linear sets the grids: drop it")
+        if target_bpw and name in ("bits", "group_size") and fmt != "exl2":
+            raise QuantkitError(f"{flag} does not apply with {'--target-bpw' if cli else 'target_bpw'}, which chooses "
+                                "each linear's bits and group size: drop it")
+        if fmt == "gguf" and name in ("bits", "block_size", "max_shard_size", *GRID_OPTIONS):
+            raise QuantkitError(f"{flag} does not apply to {as_format}, whose --gguf-type mix sets the blocks: drop it, "
+                                "or choose the types with --gguf-type and --tensor-type")
+        if name in GPTQ_ONLY and method != "gptq" or name == "mse" and method not in ("rtn", "gptq") or \
+                name == "block_size" and method not in ("gptq", *CODEBOOK_METHODS) or \
+                name in ("group_size", "sym") and method in CODEBOOK_METHODS:
+            raise QuantkitError(f"{flag} is not an option of {as_method}: drop it, or use a method it belongs to "
+                                "(see quantkit quantize --help)")
+
+
 @dataclass
 class QuantConfig:
     method: str = "rtn"

@@ -296,7 +296,7 @@ def test_gemm_packing_equals_autoawq():
     (dict(bits=3), "4-bit weights only"),
     (dict(group_size=-1), "one group size"),
     (dict(group_size=48), "group size to divide"),
-    (dict(method="nf4"), "integer grids"),
+    (dict(method="nf4", group_size=128), "integer grids"),  # its default group size: nf4 reads none
 ])
 def test_awq_layout_refuses(tiny_dir, tmp_path, args, match):
     kw = dict(method="awq", bits=4, group_size=32, calib_data=VALID, calib_samples=4, calib_seqlen=32) | args

@@ -1,5 +1,6 @@
 """Every bad input is one line naming the problem and the fix, exit status 2, nothing written."""
 import json
+import re
 import shutil
 import sys
 
@@ -99,6 +100,26 @@ def test_nan_or_inf_weights(model, capsys, monkeypatch, tmp_path, bad):
                                          "--eval-data turns on")])
 def test_bad_options(model, capsys, monkeypatch, tmp_path, args, match):
     quantize_fails([model, *args], capsys, monkeypatch, tmp_path, match)
+
+
+@pytest.mark.parametrize("options,match", [(dict(method="rtn", act_order=True), "act_order is not an option of method='rtn'"),
+                                           (dict(method="rtn", damp=0.05), "damp is not an option of method='rtn'"),
+                                           (dict(method="nf4", group_size=32), "group_size is not an option of method='nf4'"),
+                                           (dict(method="awq", mse=True), "mse is not an option of method='awq'"),
+                                           (dict(method="rtn", format="gguf", bits=8), "bits does not apply to format='gguf'"),
+                                           (dict(method="rtn", target_bpw=4.5, group_size=32),
+                                            "group_size does not apply with target_bpw")])
+def test_api_refuses_what_the_method_would_ignore(tiny_dir, tmp_path, options, match):
+    """The API took these and ignored them (RTN's damp and static_groups were even written into the GPTQ
+    config); as on the command line, a value other than the field's default that the method or format does
+    not read is refused, before any work."""
+    import quantkit
+
+    with pytest.raises(quantkit.QuantkitError, match=re.escape(match)):
+        quantkit.quantize(str(tiny_dir), out=tmp_path / "q", progress=False, **options)
+    assert not (tmp_path / "q").exists()
+    # the defaults, given: harmless, and what a loop over methods passes
+    quantkit.quantize(str(tiny_dir), method="rtn", act_order=False, damp=0.01, group_size=32, progress=False)
 
 
 @pytest.mark.parametrize("out,args,match", [
@@ -254,8 +275,8 @@ def test_quantization_settings_that_are_not_whole_or_finite(tiny_dir, capsys, mo
     import quantkit
 
     out = tmp_path / "q"
-    quantkit.quantize(str(tiny_dir), method=method, bits=4, group_size=32, double_quant=method == "nf4", out=out,
-                      progress=False)
+    quantkit.quantize(str(tiny_dir), method=method, bits=4, out=out, progress=False,
+                      **({"double_quant": True} if method == "nf4" else {"group_size": 32}))
     (edit_bnb_state if method == "nf4" else edit_quantization_config)(out, change)
     code, line = run(["eval", out, "--data", TEST, "--max-windows", 1], capsys, monkeypatch)
     assert code == 2 and line.startswith("error: ") and match in line, line

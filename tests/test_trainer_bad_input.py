@@ -136,7 +136,10 @@ def test_bad_rank(tiny_dir, text, capsys, monkeypatch, tmp_path, rank, match):
     (["--weight-decay", -0.1], "--weight-decay -0.1 is invalid: use 0 or"),  # torch's ValueError: a traceback
     (["--alpha", 0], "--alpha 0.0 is invalid: use a positive number"),  # scale 0: B never moved
     (["--patience", 0], "--patience 0 is invalid: use a number of evaluations"),  # stopped at the first one
-    (["--patience", 2], "--patience stops on the held-out loss, and there is no held-out data")])  # FAST: none
+    (["--patience", 2], "--patience stops on the held-out loss, and there is no held-out data"),  # FAST: none
+    # taken and ignored, after the training: RTN reads no calibration
+    (["--quantize", "rtn", "--calib-data", VALID], "--calib-data calibrates --quantize, and --quantize rtn quantizes "
+     "without one")])
 def test_bad_training_settings(tiny_dir, text, capsys, monkeypatch, tmp_path, args, match):
     train_fails(tiny_dir, text, capsys, monkeypatch, tmp_path, match, *args)
 
