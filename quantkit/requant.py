@@ -126,7 +126,9 @@ def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure
     tied = OUTPUT not in dict(weights)
     decided = dict.fromkeys(ROLES, 0)  # per role, the tensors the mix's rules have typed
     types = {}
+    unmatched = {pattern.pattern for pattern, _ in manual}
     for name, k in weights:
+        unmatched -= {pattern.pattern for pattern, _ in manual if pattern.search(name)}
         t = next((kind for pattern, kind in manual if pattern.search(name)), None)
         role = (block_of(name) or (None, None))[1]
         if t is not None or default in blocks.FLOAT_TYPES or pure:
@@ -139,6 +141,9 @@ def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure
         else:
             t = default
         types[name] = fit_row(t, k)
+    if unmatched:  # a misspelt name would leave the mix's type silently
+        raise QuantkitError(f"--tensor-type pattern {sorted(unmatched)[0]!r} matches no quantized tensor of this model "
+                            f"(its names run from {weights[0][0]} to {weights[-1][0]}): fix the pattern")
     return types
 
 

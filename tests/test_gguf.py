@@ -629,7 +629,8 @@ def test_tensor_type_overrides_take_the_first_match_and_shift_the_mix_count(tiny
     assert shifted["model.layers.1.mlp.down_proj"] == "Q4_K"
     assert G.tensor_types(module, "Q4_K_M", pure=True, overrides=("attn_v=Q8_0",))["model.layers.1.self_attn.v_proj"] \
         == "Q8_0"
-    for bad, match in [("attn_v", "not PATTERN=TYPE"), ("attn_v=Q9_K", "unknown GGUF type"), ("(=Q8_0", "not a regular")]:
+    for bad, match in [("attn_v", "not PATTERN=TYPE"), ("attn_v=Q9_K", "unknown GGUF type"), ("(=Q8_0", "not a regular"),
+                       ("attn_vv=Q8_0", "pattern 'attn_vv' matches no quantized tensor")]:  # was accepted, and did nothing
         with pytest.raises(QuantkitError, match=match):
             G.tensor_types(module, "Q4_K_M", overrides=(bad,))
     with pytest.raises(QuantkitError, match="quantized GGUF mix"):
