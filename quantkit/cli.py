@@ -292,7 +292,8 @@ def report(model, out, data, methods, bits, gguf_types, exl2_bits, exl2_measured
     sweep = report_.Sweep(methods=listed(methods), bits=listed(bits, int, "--bits"), gguf_types=listed(gguf_types),
                           exl2_targets=listed(exl2_bits, float, "--exl2-bits"), keep_exports=keep_exports)
     r = report_.report(out, settings, sweep, echo=click.echo)
-    failed = [p["name"] for p in r["points"] if p["status"] != "ok"]
+    failed = [p["name"] + " (lm-eval)" * ("lm_eval_error" in p) for p in r["points"] if p["status"] != "ok" or
+              "lm_eval_error" in p]
     click.echo(f"report in {out}: report.md, report.json, perplexity.png, kld.png"
                + (f"; failed: {', '.join(failed)}" if failed else ""))
     if failed:  # as a failed gate: a script running the sweep sees it

@@ -148,7 +148,10 @@ def run_point(spec: dict) -> dict:
               "kld_p99": d.kld_percentiles[99.0], "same_top": d.same_top, "delta_p_rms": d.delta_p_rms,
               "quantize_s": seconds, "peak_rss": peak}
     if s.tasks:
-        result["lm_eval"] = api.lm_eval(m, s.tasks, limit=s.lm_eval_limit)
+        try:
+            result["lm_eval"] = api.lm_eval(m, s.tasks, limit=s.lm_eval_limit)
+        except Exception as e:  # the point's measurements stand; the sweep names the scores missing, and runs it again
+            result["lm_eval_error"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:500]
     if not spec.get("keep_exports"):
         atomic.remove(export)
     return result
@@ -276,7 +279,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         del m
     for i, p in enumerate(todo, 1):
         done = out / "points" / f"{p.name}.json"
-        if done.exists() and read_json(done).get("status") == "ok":
+        if done.exists() and (kept := read_json(done)).get("status") == "ok" and "lm_eval_error" not in kept:
             continue
         echo(f"[{i}/{len(todo)}] {p.name}")
         spec = {"point": asdict(p), "settings": asdict(settings), "out": str(out), "keep_exports": sweep.keep_exports}
@@ -288,6 +291,8 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
             error = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "")
             write_json(done, {**asdict(p), "status": "failed", "error": error[:500], "returncode": r.returncode})
             echo(f"    failed: {error[:200]} (log: {log})")
+        elif "lm_eval_error" in (point := read_json(done)):
+            echo(f"    lm-eval failed: {point['lm_eval_error'][:200]}")
     result = {"settings": asdict(settings), "base": read_json(out / "base.json"),
               "points": [read_json(out / "points" / f"{p.name}.json") for p in todo]}
     write_json(out / "report.json", result)
@@ -325,6 +330,8 @@ def table(r: dict) -> str:
             f"{p['perplexity']:.4f}", f"{p['ppl_ratio']:.4f}", f"{p['kld_mean']:.5f}", f"{p['kld_p99']:.4f}",
             f"{100 * p['same_top']:.2f}%", *("" if v is None else f"{v:.4f}" for v in scores),
             f"{p['quantize_s']:.1f}", "n/a" if p["peak_rss"] is None else f"{p['peak_rss'] / 2**30:.2f}"]) + " |")
+    lines += [f"\n{p['name']}: lm-eval failed ({p['lm_eval_error']}); its scores are missing, the same command runs "
+              "it again" for p in r["points"] if "lm_eval_error" in p]
     return "\n".join(lines) + "\n"
 
 

@@ -1,5 +1,6 @@
 """quantkit report: the sweep's table, JSON and plots, a failed point recorded, and a resumed run."""
 import json
+import os
 import shutil
 
 import pytest
@@ -42,6 +43,32 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
 
     code, _, err = cli([*common, "--windows", 2], capsys, monkeypatch)
     assert code == 2 and err[-1].startswith(f"error: {out} holds a report of other settings")
+
+
+def test_a_point_whose_lm_eval_fails_keeps_its_figures(tiny_dir, tmp_path, capsys, monkeypatch):
+    """lm-eval failing in a point took the point's size, perplexity and divergence with it (recorded as failed,
+    measured for nothing); now they stand, the table and the exit status name the missing scores, and the same
+    command runs the point again. The fault is planted in the point's own process by a sitecustomize."""
+    planted = tmp_path / "site"
+    planted.mkdir()
+    (planted / "sitecustomize.py").write_text(
+        "import quantkit.api\n"
+        "def broken(*args, **kwargs):\n"
+        "    raise RuntimeError('the harness broke\\nits traceback')\n"
+        "quantkit.api.lm_eval = broken\n")
+    out = tmp_path / "report"
+    args = ["report", tiny_dir, "--out", out, "--data", TEST, "--methods", "rtn", "--bits", "4", "--group-size", 32,
+            "--windows", 1, "--ctx", 64, "--tasks", "dolly_mc", "--lm-eval-limit", 2]
+    with monkeypatch.context() as planting:
+        planting.setenv("PYTHONPATH", os.pathsep.join([str(planted), os.environ.get("PYTHONPATH", "")]))
+        code, printed, _ = cli(args, capsys, monkeypatch)
+    point = json.loads((out / "points" / "rtn-w4.json").read_text())
+    assert code == 1 and "lm-eval failed: the harness broke" in printed and "failed: rtn-w4 (lm-eval)" in printed
+    assert point["status"] == "ok" and point["perplexity"] > 0 and point["lm_eval_error"] == "the harness broke"
+    assert "rtn-w4: lm-eval failed (the harness broke)" in (out / "report.md").read_text()
+    code, printed, _ = cli(args, capsys, monkeypatch)
+    point = json.loads((out / "points" / "rtn-w4.json").read_text())
+    assert code == 0 and "[1/1] rtn-w4" in printed and "lm_eval_error" not in point and point["lm_eval"]["dolly_mc"]
 
 
 def test_a_model_rewritten_at_its_path_is_not_reported_on_with_the_old_points(tiny_dir, tmp_path, capsys, monkeypatch):
