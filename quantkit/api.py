@@ -175,7 +175,8 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
                                  f"{'block' if exl2_run else 'linear' if gguf_run else 'group of linears'}")
             if path is not None and distributed.rank() == 0:
                 measurement.save(path, key, m.source, shapes, units, recorder.errors, settings)
-            distributed.agree(0, "min")  # every process keeps its progress until the file is saved
+            # every process keeps its progress until the file is saved
+            distributed.agree(0, "min", "saving the measurement")
             if resume is not None:
                 resume[0].unlink(missing_ok=True)
                 if distributed.rank() == 0:  # a killed job's of another world size too (and killed saves'), now stale
@@ -343,8 +344,10 @@ def quantize(
     # the space check counts what a killed run of the same command wrote already
     needed = exporters.expected_size(m.module, format, config, types) - size_on_disk(partial_path(out)) if writes else 0
     try:
-        with space_for(out, needed, "the export", "run the same command again: it resumes after the last finished "
-                       "layer") if writes else nullcontext():
+        # under torchrun the other processes write only their progress, beside out
+        with space_for(out, needed if writes else None, "the export" if writes else "this process's progress",
+                       "run the same command again: it resumes after the last finished layer") if out is not None \
+                else nullcontext():
             if config.exl2 is not None and config.measurement is not None:
                 settings = measured(m, config, windows, dev, progress, exl2.CANDIDATES)
             # RTN's --target-bpw calibrated its measurement only
@@ -356,7 +359,7 @@ def quantize(
                                         layer_fn=awq_layer if config.method == "awq" else None)
             if writer is not None:
                 writer.close()
-            distributed.agree(0, "min")  # every process keeps its progress until the output is complete
+            distributed.agree(0, "min", "writing the output")  # every process keeps its progress until it is complete
     except BaseException as e:
         # what a resumed run needs stays, unless the input is at fault: running again would fail the same way
         resumable = resume is not None and bool(progress_files(Path(out))) and not (

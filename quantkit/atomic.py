@@ -111,7 +111,11 @@ def lock(path: Path, option: str) -> tuple[Path, BinaryIO]:
     quantkit process is writing it. The lock's path and its open file."""
     lock_path = path.with_name(f".{path.name}.lock")
     while True:  # the lock file is removed when done: hold it only if it is still the one at lock_path
-        f = open(lock_path, "a+")
+        try:
+            f = open(lock_path, "a+")
+        except OSError as e:  # /proc passes os.access as root, and takes no file
+            raise QuantkitError(f"{path.parent}: cannot create files there ({e.strerror}): choose another "
+                                f"{option}") from None
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

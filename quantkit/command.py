@@ -58,9 +58,16 @@ def terminated(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+ONE_PROCESS = ("export", "eval", "lm-eval", "report", "merge")  # under torchrun each process would run it whole
+
+
 def main() -> None:
     signal.signal(signal.SIGTERM, terminated)
     try:
+        if sys.argv[1:2] and sys.argv[1] in ONE_PROCESS and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise QuantkitError(f"quantkit {sys.argv[1]} runs in one process, and under torchrun every process would run "
+                                "it whole and write the same output: run it without torchrun (quantize and train share "
+                                "their work across processes)")
         if sys.argv[1:2] == ["export"]:
             export.main(sys.argv[2:], prog_name="quantkit export", standalone_mode=False)
         else:

@@ -67,7 +67,7 @@ def first_refuses(what: str) -> Iterator[None]:
         if world() == 1:
             raise
         error = e
-    if agree(int(error is None), "min") == 0:
+    if agree(int(error is None), "min", f"waiting for the first process to {what}") == 0:
         raise error or QuantkitError(f"the first process of this torchrun job could not {what} (its error says "
                                      "why): nothing was done")
 
@@ -112,12 +112,12 @@ def collective_device() -> str:
     return "cuda" if world() > 1 and dist.get_backend() == "nccl" else "cpu"
 
 
-def agree(value: int, op: str) -> int:
-    """The min or max of an integer over the processes."""
+def agree(value: int, op: str, what: str = "agreeing where to start") -> int:
+    """The min or max of an integer over the processes (what: the step, for the error if one stops)."""
     if world() == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=collective_device())
-    with collective("agreeing where to start"):
+    with collective(what):
         dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
     return int(t.item())
 

@@ -139,3 +139,39 @@ def test_a_job_refused_its_output_stops_every_process_before_the_work(tiny_dir, 
                f"{tmp_path / held}" in e for e in errors), errors
     assert theirs.read_bytes() == b"the other job's progress"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([theirs.name, f".{held}.lock"])
+
+
+def test_a_full_disk_in_a_process_that_does_not_write_the_output_is_one_line(tiny_dir, tmp_path, monkeypatch):
+    """Under torchrun the other processes save only their progress, beside the output: a full disk there gave
+    their raw OSError traceback where rank 0 gave one line. Rank 1 is played here in one process."""
+    import errno
+
+    import quantkit
+    from quantkit import distributed, pipeline
+    from quantkit.errors import ResumableError
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(distributed, "rank", lambda: 1)
+    monkeypatch.setattr(pipeline, "save_progress", full)
+    with pytest.raises(ResumableError, match=f"out of disk space writing {tmp_path / 'q'}: this process's progress did "
+                                             "not fit, .* free some space and run the same command again"):
+        quantkit.quantize(str(tiny_dir), method="gptq", group_size=32, calib_data=VALID, calib_samples=4,
+                          calib_seqlen=64, out=tmp_path / "q", progress=False)
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("command,args", [("export", ["M", "--out", "OUT"]), ("eval", ["M", "--max-windows", 1]),
+                                          ("merge", ["M", "--out", "OUT"]), ("lm-eval", ["M", "--tasks", "dolly_mc"]),
+                                          ("report", ["M", "--out", "OUT", "--data", VALID])])
+def test_commands_of_one_process_are_refused_under_torchrun(tiny_dir, tmp_path, command, args):
+    """Every process ran the whole command: two exports raced for one file and called it a stopped job to resume,
+    lm-eval's second process died in a traceback, eval printed each result twice."""
+    args = [tiny_dir if a == "M" else tmp_path / "out" if a == "OUT" else a for a in args]
+    job = torchrun(*args, command=command)
+    errors = [line for line in job.stderr.splitlines() if line.startswith("error: ")]
+    workers = job.stderr.split("failed (exitcode")[0]  # then torchrun's own traceback, which it always prints
+    assert job.returncode != 0 and "Traceback" not in workers, workers[-3000:]
+    assert len(errors) == 2 and all(f"quantkit {command} runs in one process" in e for e in errors), job.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []

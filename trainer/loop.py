@@ -456,7 +456,7 @@ def run(m: Model, config: TrainConfig, names: list[str], train_set: list[dataset
             last = step + 1 == total
             if (step + 1) % config.eval_every == 0 or last:
                 stop = evaluate(step + 1)
-                if result.evals and result.evals[-1]["step"] == step + 1:
+                if result.evals and result.evals[-1]["step"] == step + 1 and rank == 0:  # once, not per process
                     bar.write(f"step {step + 1}: held-out loss {result.evals[-1]['eval_loss']:.4f}")
             if (step + 1) % config.save_every == 0 or last or stop:
                 adapter, opt_state = lora.adapter_state(layers), optimizer_state(opt)  # every process: FSDP gathers
@@ -471,8 +471,9 @@ def run(m: Model, config: TrainConfig, names: list[str], train_set: list[dataset
             if callback is not None:
                 callback(record)
             if stop:
-                bar.write(f"early stop at step {step + 1}: no better held-out loss in {config.patience} evaluations; "
-                          f"the adapter of step {result.best_step} is kept")
+                if rank == 0:
+                    bar.write(f"early stop at step {step + 1}: no better held-out loss in {config.patience} evaluations; "
+                              f"the adapter of step {result.best_step} is kept")
                 break
     finally:  # an error is printed after the bar, not on its line
         bar.close()

@@ -83,7 +83,7 @@ def search_scale(x_mean: torch.Tensor, loss: Callable[[torch.Tensor], float], n_
         ranked = functools.cache(lambda i: start(candidate(x_mean, w_mean, i / n_grid)))
         # under torchrun every process must descend alike (each runs the block loss's collectives): one
         # start, in case the processes' arithmetic differs (GPUs of two kinds)
-        best = distributed.agree(least(ranked, n_grid, smooth), "min")
+        best = distributed.agree(least(ranked, n_grid, smooth), "min", "searching AWQ's scales")
         while True:
             # two neighbours each side: the block loss has shallow local minima a step wide
             step = min((j for j in range(best - 2, best + 3) if 0 <= j < n_grid), key=judged)
