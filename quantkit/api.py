@@ -148,8 +148,9 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
             cores = [quantizer(replace(config, bits=g.bits, group_size=g.group_size, target_bpw=None, measurement=None),
                                {}) for g in settings]
         rank = f"-{distributed.rank()}" if distributed.world() > 1 else ""
-        resume = (path.with_name(f".{path.name}.progress-measurement{rank}.pt"), f"{key}|{distributed.world()}") \
-            if path is not None else None
+        # the candidates (by format and --for) are in the key: a pass of other ones starts afresh, not mixed in
+        resume = (path.with_name(f".{path.name}.progress-measurement{rank}.pt"),
+                  f"{key}|{settings}|{distributed.world()}") if path is not None else None
         recorder = measurement.Recorder()
 
         def measure(i: int, layer: torch.nn.Module, batches: list) -> dict[str, QuantizedTensor]:
@@ -303,12 +304,12 @@ def quantize(
                                 f"{distributed.world()} processes, and --calib-samples {calib_samples} gives {batches}: "
                                 f"pass --calib-samples {BATCH * distributed.world()} or more")
     if config.target_bpw is not None:  # from here on, a rule per group of linears, or a GGUF type per linear
-        if out is not None:  # refused now, not after the measurement, where another job writes out
-            with distributed.first_refuses(f"open {out}"):
-                with locked(Path(out), "--out") if distributed.rank() == 0 else nullcontext():
-                    pass
         shapes = shapes_by_name(m.module)
-        config = spent(config, measured(m, config, windows, dev, progress, candidates, importance), shapes)
+        with ExitStack() as held:  # out's lock through the measurement: another job writing out is refused now
+            with distributed.first_refuses(f"open {out}"):
+                if out is not None and distributed.rank() == 0:
+                    held.enter_context(locked(Path(out), "--out"))
+            config = spent(config, measured(m, config, windows, dev, progress, candidates, importance), shapes)
         if types is not None:
             types = exporters.gguf.tensor_types(m.module, config.gguf_type, config.pure, config.weighted,
                                                 config.tensor_type)

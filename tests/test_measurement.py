@@ -307,3 +307,47 @@ def test_gguf_types_are_counted_as_the_rows_take_them(tiny_dir, tmp_path):
 def test_bad_target_input(tiny_dir, tmp_path, capsys, monkeypatch, args, match):
     refused(["quantize", str(tiny_dir), "--out", str(tmp_path / "q"), *args], capsys, monkeypatch, match)
     assert not (tmp_path / "q").exists()
+
+
+def test_a_killed_measurement_run_again_with_other_candidates_starts_afresh(tiny_dir, tmp_path, monkeypatch, capsys):
+    """--for exllama takes fewer grids: a measurement killed with them and run again without resumed into a
+    mix of both lists (a traceback, and a saved file of mismatched lists that every later run refused)."""
+    real, killed = measurement.measure_layer, []
+
+    def dies_in_layer_1(*args, **kwargs):
+        if kwargs["prefix"] == "model.layers.1." and not killed:
+            killed.append(kwargs["prefix"])
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(measurement, "measure_layer", dies_in_layer_1)
+    kw = dict(method="rtn", target_bpw=4.9, measurement=str(tmp_path / "m.json"), out=tmp_path / "q", **CALIB,
+              progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_dir), targets=("exllama",), **kw)
+    capsys.readouterr()
+    quantkit.quantize(str(tiny_dir), **kw)
+    assert "resuming" not in capsys.readouterr().err
+    saved = json.loads((tmp_path / "m.json").read_text())
+    assert len(saved["candidates"]) > 3 and all(len(u["errors"]) == len(saved["candidates"])
+                                                for u in saved["units"].values())
+
+
+def test_the_output_is_locked_through_the_measurement(tiny_dir, tmp_path, monkeypatch):
+    """--out's lock was taken and let go before the measurement: a second run to the same --out measured for as long
+    as the first (hours on a real model) and was refused only when it came to write."""
+    from quantkit import atomic
+
+    real, seen = measurement.measure_layer, []
+
+    def tries_the_lock(*args, **kwargs):
+        try:
+            atomic.lock(tmp_path / "q", "--out")[1].close()
+            seen.append("free")
+        except QuantkitError:
+            seen.append("held")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(measurement, "measure_layer", tries_the_lock)
+    quantkit.quantize(str(tiny_dir), method="rtn", target_bpw=4.3, out=tmp_path / "q", **CALIB, progress=False)
+    assert seen and set(seen) == {"held"}
