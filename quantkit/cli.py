@@ -340,7 +340,8 @@ T = TrainConfig()  # the defaults shown in --help
 @click.option("--eval-every", type=int, default=T.eval_every, show_default=True)
 @click.option("--patience", type=int, help="stop after N evaluations without a better held-out loss; keep the best adapter")
 @click.option("--save-every", type=int, default=T.save_every, show_default=True, help="steps between checkpoints")
-@click.option("--resume", is_flag=True, help="go on from the checkpoint a stopped run of this command left")
+@click.option("--resume", is_flag=True, help="go on from the checkpoint a stopped run of this command left (with "
+                                              "--quantize: or from its merge or quantization)")
 @click.option("--overwrite", is_flag=True, help="replace --out if it exists")
 @click.option("--device", help="cuda or cpu [cuda when there is a GPU]")
 @click.option("--quantize", "quantize_method", type=click.Choice(METHODS),
@@ -369,8 +370,12 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
             raise QuantkitError(f"--calib-data calibrates --quantize, and --quantize {quantize_method} quantizes without "
                                 "one: drop it (gptq and awq calibrate)")
         quantize_out = quantize_out or f"{out}-{quantize_method}{'.gguf' if fmt == 'gguf' else ''}"
-        check_out(merged, overwrite, directory=True)
         check_out(quantize_out, overwrite, directory=fmt != "gguf")
+    # --resume after a kill in the merge or the quantization: the finished adapter (and merge) are taken as they are
+    trained = bool(resume and quantize_method and os.path.isdir(out))
+    merged_done = trained and os.path.isdir(merged)
+    if quantize_method and not merged_done:
+        check_out(merged, overwrite, directory=True)
     if not resume:
         check_out(out, overwrite, directory=True)
     inputs = [model, data, eval_data, calib_data]
@@ -378,18 +383,22 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
     if quantize_method:
         check_apart(merged, [*inputs, out])  # OUT-merged: another --out moves it
         check_apart(quantize_out, [*inputs, out, merged], "--quantize-out")
-    result = trainer.train(model, config, data=data, out=out, eval_data=eval_data, resume=resume,
-                           overwrite=overwrite, device=device)
-    if distributed.rank() != 0:
-        return
-    last = result.log[-1]
-    held = (f", held-out loss {result.evals[0]['eval_loss']:.4f} -> {result.evals[-1]['eval_loss']:.4f}"
-            f" (best at step {result.best_step})") if result.evals else ""
-    click.echo(f"adapter written to {out}: {result.steps} steps, loss {last['loss']:.4f}{held}, "
-               f"{result.tokens_per_s:.0f} tokens/s, {result.peak_memory}")
+    if trained:
+        click.echo(f"{out} is a finished adapter: going on to {'quantize' if merged_done else 'merge and quantize'} it")
+    else:
+        result = trainer.train(model, config, data=data, out=out, eval_data=eval_data, resume=resume,
+                               overwrite=overwrite, device=device)
+        if distributed.rank() != 0:
+            return
+        last = result.log[-1]
+        held = (f", held-out loss {result.evals[0]['eval_loss']:.4f} -> {result.evals[-1]['eval_loss']:.4f}"
+                f" (best at step {result.best_step})") if result.evals else ""
+        click.echo(f"adapter written to {out}: {result.steps} steps, loss {last['loss']:.4f}{held}, "
+                   f"{result.tokens_per_s:.0f} tokens/s, {result.peak_memory}")
     if qconfig is not None:
-        trainer.merge(out, merged, overwrite=overwrite)
-        click.echo(f"merged into {merged}")
+        if not merged_done:
+            trainer.merge(out, merged, overwrite=overwrite)
+            click.echo(f"merged into {merged}")
         api.quantize(load(merged), qconfig, calib_data=calib_data, out=quantize_out, format=fmt, overwrite=overwrite,
                      device=device)
         click.echo(f"exported to {quantize_out}")
