@@ -9,10 +9,12 @@ DIR/points/NAME.json when it succeeds: run the same command again and it goes on
 still missing. A failed point is recorded with its error and the sweep goes on."""
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import os
 import resource
+import signal
 import struct
 import subprocess
 import sys
@@ -282,7 +284,8 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         if done.exists() and (kept := read_json(done)).get("status") == "ok" and "lm_eval_error" not in kept:
             continue
         echo(f"[{i}/{len(todo)}] {p.name}")
-        spec = {"point": asdict(p), "settings": asdict(settings), "out": str(out), "keep_exports": sweep.keep_exports}
+        spec = {"point": asdict(p), "settings": asdict(settings), "out": str(out), "keep_exports": sweep.keep_exports,
+                "parent": os.getpid()}
         log = out / "logs" / f"{p.name}.log"
         with open(log, "w") as f:
             r = subprocess.run([sys.executable, "-m", "quantkit.report", json.dumps(spec)], stdout=f, stderr=f)
@@ -379,12 +382,21 @@ def plot(r: dict, out: Path) -> None:
         os.replace(tmp, out / name)
 
 
+def bound_to(parent: int) -> None:
+    """End this process with the report that started it: a report killed with SIGKILL cannot stop its point,
+    which went on writing while a run of the same command made the point again."""
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before that
+        sys.exit(1)
+
+
 def main(argv: list[str]) -> None:
     """A child process: one point, its result written as DIR/points/NAME.json."""
+    spec = json.loads(argv[0])
+    bound_to(spec["parent"])
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.set_verbosity_error()
-    spec = json.loads(argv[0])
     try:
         result = run_point(spec)
     except QuantkitError as e:

@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -69,6 +70,33 @@ def test_a_point_whose_lm_eval_fails_keeps_its_figures(tiny_dir, tmp_path, capsy
     code, printed, _ = cli(args, capsys, monkeypatch)
     point = json.loads((out / "points" / "rtn-w4.json").read_text())
     assert code == 0 and "[1/1] rtn-w4" in printed and "lm_eval_error" not in point and point["lm_eval"]["dolly_mc"]
+
+
+def test_a_point_ends_with_the_report_killed_under_it(tiny_dir, tmp_path):
+    """A report killed with SIGKILL left its point's process running: it went on writing the point's export, and a
+    run of the same command meanwhile recorded that point as failed ("being written by another process")."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = ["report", tiny_dir, "--out", tmp_path / "r", "--data", TEST, "--methods", "gptq", "--bits", 4,
+            "--group-size", 32, "--calib-data", VALID, "--calib-samples", 64, "--windows", 200, "--ctx", 64]
+    report = subprocess.Popen([sys.executable, "-m", "quantkit", *map(str, args)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    children = Path(f"/proc/{report.pid}/task/{report.pid}/children")
+    deadline = time.monotonic() + 120
+    while not children.read_text().split() and time.monotonic() < deadline:  # the point's process started
+        time.sleep(0.2)
+    point = int(children.read_text().split()[0])
+    time.sleep(1)  # into its work, which takes longer than the wait below
+    report.send_signal(signal.SIGKILL)
+    report.wait()
+    deadline = time.monotonic() + 3
+    while Path(f"/proc/{point}").exists() and Path(f"/proc/{point}/stat").read_text().split()[2] != "Z" and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{point}").exists() or Path(f"/proc/{point}/stat").read_text().split()[2] == "Z"
 
 
 def test_a_model_rewritten_at_its_path_is_not_reported_on_with_the_old_points(tiny_dir, tmp_path, capsys, monkeypatch):
