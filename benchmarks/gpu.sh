@@ -30,7 +30,7 @@ prepare)
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform any -d .whl "gguf==$(v gguf)" "platformdirs==$(v platformdirs)" "bitsandbytes==$(v bitsandbytes)" \
     exllamav2==0.3.2
-  # GPTQModel 5.8.0 (its newest release that takes the GPU machine's torch 2.11) for scale.py's gptqmodel run:
+  # GPTQModel 5.8.0 (its requirements take the GPU machine's torch 2.11; 7.7.0 asks for 2.14.1) for scale.py's gptqmodel run:
   # its source into .gq/, what it needs that the machine lacks into .whl/ (wheels built here where only
   # sources are published); pypcre builds for this machine's Python alone, so the standard re stands in for it
   python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform any \
