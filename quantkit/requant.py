@@ -128,8 +128,9 @@ def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure
     types = {}
     unmatched = {pattern.pattern for pattern, _ in manual}
     for name, k in weights:
-        unmatched -= {pattern.pattern for pattern, _ in manual if pattern.search(name)}
-        t = next((kind for pattern, kind in manual if pattern.search(name)), None)
+        hits = [(pattern.pattern, kind) for pattern, kind in manual if pattern.search(name)]
+        unmatched -= {pattern for pattern, _ in hits}
+        t = hits[0][1] if hits else None  # the first match wins
         role = (block_of(name) or (None, None))[1]
         if t is not None or default in blocks.FLOAT_TYPES or pure:
             t = t or default
