@@ -84,6 +84,8 @@ def model_dir(shape: str) -> Path:
         print(f"\rwriting {target.name}: {i + 1}/{len(state)} tensors, {writer.total / 2**30:.1f} GiB, "
               f"{time.monotonic() - start:.0f} s", end="", file=sys.stderr)
     writer.close()
+    for f in writer.scratch():
+        f.unlink()
     print(file=sys.stderr)
     config.save_pretrained(tmp)
     tiny_tokenizer(tmp, vocab_size=SHAPES[shape]["vocab_size"])

@@ -77,7 +77,7 @@ class CheckpointWriter:
         return {"shards": self.shards.state(), "act_order": self.act_order, "head": self.head}
 
     def close(self) -> Path:
-        self.staged.check()  # before the shards take their final names: a resumed run can still use them
+        self.staged.check()  # before the last shard is written: a resumed run can still use the spill
         tmp = self.staged.path
         files = self.shards.close()
         size = sum(f.stat().st_size for f in files)
@@ -95,7 +95,7 @@ class CheckpointWriter:
         if self.model.module.generation_config is not None:
             self.model.module.generation_config.save_pretrained(tmp)
         self.model.tokenizer.save_pretrained(tmp)
-        return self.staged.commit()
+        return self.staged.commit(self.shards.scratch())
 
     def abort(self, keep: bool = False) -> None:
         self.staged.abort(keep)

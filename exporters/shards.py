@@ -4,8 +4,9 @@ Each tensor's bytes are appended to a spill file as it arrives; when the next te
 shard past max_size, the shard is written (8-byte header length, JSON header, the spilled data) and a
 new one begins. state() and resume(state) let a killed run go on where the state was taken; the state
 holds the CRC of the spilled bytes instead of forcing them to the disk after every layer, so a spill
-torn by a power cut is found and the run starts afresh. close() names the shards as transformers does: `model.safetensors` when there is one,
-else `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json` mapping tensors to files.
+torn by a power cut is found and the run starts afresh. close() names the shards as transformers does:
+`model.safetensors` when there is one, else `model-0000k-of-0000n.safetensors` and
+`model.safetensors.index.json` mapping tensors to files.
 """
 from __future__ import annotations
 
@@ -152,15 +153,20 @@ class ShardWriter:
         self.entries, self.spill, self.used, self.crc = {}, None, 0, 0
 
     def close(self) -> list[Path]:
-        """Write the last shard, give the shards their final names and write the index; the files."""
+        """Write the last shard, give the shards their final names and write the index; the files.
+        The final names are hard links: the temporary names and the spills a saved state refers to stay
+        until the commit (scratch), so a run killed before it resumes instead of starting afresh."""
         if self.entries or not self.shards:
             self.flush()
-        for spill in self.dir.glob(".spill-*"):
-            spill.unlink()
+        for done in [*self.dir.glob("model*.safetensors"), self.dir / INDEX]:  # a killed close's
+            done.unlink(missing_ok=True)
         n = len(self.shards)
         names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
         for (path, _), name in zip(self.shards, names):
-            path.rename(self.dir / name)
+            try:
+                os.link(path, self.dir / name)
+            except OSError:  # a file system without hard links: a kill from here on starts the run afresh
+                path.rename(self.dir / name)
         files = [self.dir / name for name in names]
         if n > 1:
             weight_map = {t: name for (_, tensors), name in zip(self.shards, names) for t in tensors}
@@ -168,3 +174,7 @@ class ShardWriter:
             (self.dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
             files.append(self.dir / INDEX)
         return files
+
+    def scratch(self) -> list[Path]:
+        """The files only a resumed run needs: the commit removes them."""
+        return [*self.dir.glob(".spill-*"), *self.dir.glob(".shard-*.safetensors")]

@@ -92,11 +92,12 @@ def write_behind(f: BinaryIO, start: int) -> None:
             pass
 
 
-def sync(path: Path) -> None:
-    """Flush a file, or every file under a directory and the directory itself, to the disk: a rename
-    that says an output is complete must not reach the disk before its contents (a power cut)."""
+def sync(path: Path, skip: set[Path] = frozenset()) -> None:
+    """Flush a file, or every file under a directory but skip and the directory itself, to the disk: a
+    rename that says an output is complete must not reach the disk before its contents (a power cut)."""
     for f in [path] if path.is_file() else [*path.rglob("*"), path]:
-        fsync(f)
+        if f not in skip:
+            fsync(f)
 
 
 def remove(path: Path) -> None:
@@ -174,18 +175,25 @@ class Staged:
             raise ResumableError(f"{self.out} appeared while this run was writing it: move it away (or pass "
                                  "--overwrite) and run the same command again") from None
 
-    def commit(self) -> Path:
+    def commit(self, scratch: list[Path] = ()) -> Path:
+        """Put the output in place; scratch: files under it that only a resumed run needs, removed once the
+        rest is on the disk, so that a kill until then leaves a run that resumes."""
         self.check()
-        sync(self.path)
+        sync(self.path, set(scratch))
+        for f in scratch:
+            f.unlink()
+        if scratch:
+            fsync(self.path)
         if not self.directory:
             os.replace(self.path, self.out)
         elif self.out.exists():
             old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
             self.out.rename(old)
             self.path.rename(self.out)
-            remove(old)
         else:
             self.path.rename(self.out)
+        for old in self.out.parent.glob(f".{self.out.name}.old-*"):  # also one a commit killed here left
+            remove(old)
         fsync(self.out.parent)  # the rename itself
         self.unlock()
         return self.out

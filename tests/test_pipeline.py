@@ -129,6 +129,34 @@ def test_an_interrupted_export_resumes_after_the_last_finished_layer(tiny_dir, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "whole"]  # no progress, partial or lock left
 
 
+def test_a_run_killed_in_its_commit_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
+    """Killed once its files are complete but before the output is in place, the same command resumes
+    instead of starting afresh; killed between the renames of an --overwrite, it leaves no copy of the
+    previous output behind."""
+    from quantkit.atomic import Staged
+
+    kw = dict(method="rtn", max_shard_size="30kB", progress=False)
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "whole", **kw)
+    real = Staged.commit
+
+    def killed(self, scratch=()):
+        raise KeyboardInterrupt
+
+    for overwrite in (False, True):
+        monkeypatch.setattr(Staged, "commit", killed)
+        with pytest.raises(KeyboardInterrupt):
+            quantkit.quantize(str(tiny_dir), out=tmp_path / "q", overwrite=overwrite, **kw)
+        partial = tmp_path / ".q.partial"
+        assert (partial / "config.json").is_file() and len(list(partial.glob("model-*-of-*.safetensors"))) > 1
+        if overwrite:  # as a kill after commit's first rename leaves it
+            (tmp_path / "q").rename(tmp_path / ".q.old-4242")
+        monkeypatch.setattr(Staged, "commit", real)
+        quantkit.quantize(str(tiny_dir), out=tmp_path / "q", overwrite=overwrite, **kw)
+        assert "resuming after layer 2/2" in capsys.readouterr().err
+        assert files(tmp_path / "q") == files(tmp_path / "whole")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "whole"]
+
+
 def test_a_model_rewritten_at_the_same_path_is_not_resumed_from(tmp_path, monkeypatch, capsys):
     """Killed in layer 1, then the checkpoint at that path replaced by another model: the same command
     starts afresh (its progress was of other weights) and writes what a run on the new model writes."""

@@ -120,7 +120,7 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
         for f in Path(m.source).iterdir():
             if f.is_file() and f.suffix in SIDE_FILES and f.name != INDEX:
                 shutil.copy2(f, directory / f.name)
-        return staged.commit()
+        return staged.commit(writer.scratch())
     except BaseException:
         staged.abort()
         raise
