@@ -128,7 +128,7 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
         + ((config.damp, config.block_size, config.act_order, config.static_groups, config.group_aware) if hessian else ())
     data = windows.numpy().tobytes() + b"".join(name.encode() + v.numpy().tobytes()
                                                 for name, v in sorted((importance or {}).items()))
-    key = hashlib.sha256(f"{m.source}|{fingerprint(m.source)}|{quantizer_settings}".encode() + data).hexdigest()
+    key = hashlib.sha256(f"{fingerprint(m.source)}|{quantizer_settings}".encode() + data).hexdigest()
     path = Path(config.measurement) if config.measurement is not None else None
     if path is not None and path.exists():
         errors = measurement.read(path, key, shapes, units, settings)
@@ -321,7 +321,7 @@ def quantize(
         data = windows.numpy().tobytes() if windows is not None else b""
         if importance is not None:  # the file's contents, not only its name
             data += b"".join(name.encode() + v.numpy().tobytes() for name, v in sorted(importance.items()))
-        run = f"{m.source}|{fingerprint(m.source)}|{config}|{format}|{max_shard_size}|{dev.type}|{distributed.world()}"
+        run = f"{fingerprint(m.source)}|{config}|{format}|{max_shard_size}|{dev.type}|{distributed.world()}"
         key = hashlib.sha256(run.encode() + data).hexdigest()
         resume = (exporters.progress_path(out, distributed.rank() if distributed.world() > 1 else None), key)
     m.losses = {}

@@ -93,12 +93,13 @@ def reading(f: Path) -> Iterator[None]:
 
 
 def fingerprint(source: str | os.PathLike) -> str:
-    """The files a model's weights are read from, by name, size and time of change: a run resumed (or a
-    report gone on with) from the same path is of the same model only while these are unchanged."""
-    p = Path(source)
+    """A model by its path (resolved: another spelling of it is the same model) and the files its weights
+    are read from, by name, size and time of change: a run resumed (or a report gone on with) from the
+    same path is of the same model only while these are unchanged."""
+    p = Path(source).resolve()
     files = [p] if p.is_file() else [f for f in (p / "config.json", p / "model.safetensors.index.json",
                                                   *p.glob("*.safetensors")) if f.is_file()]
-    return ";".join(f"{f.name}:{st.st_size}:{st.st_mtime_ns}" for f in sorted(set(files)) for st in [f.stat()])
+    return f"{p}|" + ";".join(f"{f.name}:{st.st_size}:{st.st_mtime_ns}" for f in sorted(set(files)) for st in [f.stat()])
 
 
 def shard_files(path: Path) -> list[Path]:

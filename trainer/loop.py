@@ -308,7 +308,7 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
     per_step = config.batch_size * config.grad_accum
     total = config.steps or max(1, math.ceil((config.epochs or 1) * len(train_set) / per_step))
     key = hashlib.sha256(json.dumps({
-        "model": m.source, "weights": fingerprint(m.source), "data": digest(data_file), "eval": digest(eval_file),
+        "weights": fingerprint(m.source), "data": digest(data_file), "eval": digest(eval_file),
         "config": {k: v for k, v in config.to_dict().items() if k not in SAME_RUN}}, sort_keys=True).encode()).hexdigest()
 
     partial = partial_path(out)  # every process reads the checkpoint; only rank 0 holds the lock
