@@ -1,5 +1,6 @@
-"""Chat and instruction records in JSON: what the trainer trains on and what calibration can be
-rendered from, read one way. A .jsonl file holds an object per line; a .json file a list of them."""
+"""Chat and instruction records in JSON: what the trainer trains on and what calibration and
+evaluation text can be rendered from, read one way. A .jsonl (.ndjson) file holds an object per
+line; a .json file a list of them (or an object per line)."""
 from __future__ import annotations
 
 import json
@@ -9,17 +10,29 @@ import jinja2
 
 from quantkit.errors import QuantkitError, one_line
 
-SUFFIXES = (".jsonl", ".json")
+SUFFIXES = (".jsonl", ".ndjson", ".json")
+
+
+def is_records(p: Path) -> bool:
+    return p.suffix.lower() in SUFFIXES
 
 
 def parse(p: Path, text: str) -> list[tuple[str, dict]]:
     """Each record with where it is (for messages): the file's lines, or the items of a JSON list."""
-    lines = text.splitlines()
-    if p.suffix == ".json" and text.lstrip().startswith("["):
+    text = text.removeprefix("\ufeff")  # a byte-order mark, as Windows editors write
+    lines = text.split("\n")  # not splitlines(): JSON strings may hold U+2028 and the like unescaped
+    if p.suffix.lower() == ".json" and text.lstrip().startswith(("[", "{")):
         try:
-            lines = [json.dumps(r) for r in json.loads(text)]
+            whole = json.loads(text)
         except json.JSONDecodeError as e:
-            raise QuantkitError(f"{p}: not valid JSON ({e}): pass a JSON list or JSON lines") from None
+            if text.lstrip().startswith("["):
+                raise QuantkitError(f"{p}: not valid JSON ({e}): pass a JSON list or JSON lines") from None
+            whole = None  # an object per line
+        if isinstance(whole, dict):
+            raise QuantkitError(f"{p}: holds one JSON object (keys: {', '.join(sorted(whole)[:5]) or 'none'}), and a .json "
+                                "file holds a list of records: put the records in a list, or one per line in a .jsonl file")
+        if whole is not None:
+            lines = [json.dumps(r) for r in whole]
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -32,17 +45,22 @@ def parse(p: Path, text: str) -> list[tuple[str, dict]]:
         if not isinstance(record, dict):
             raise QuantkitError(f"{where}: a JSON object per line is needed, not {type(record).__name__}")
         out.append((where, record))
+    if not out:
+        raise QuantkitError(f"{p}: holds no records: write one JSON object per line (a .json file: a list of them)")
     return out
 
 
-def messages_of(record: dict, where: str) -> list[dict]:
+def messages_of(record: dict, where: str, reply: bool = True) -> list[dict]:
     """A record's chat: `messages` (role/content), or instruction [+ context or input] + response or
-    output (Dolly, Alpaca), or prompt + completion."""
+    output (Dolly, Alpaca), or prompt + completion. reply: whether it must have an assistant turn (the
+    trainer's: something to learn)."""
     if "messages" in record:
         msgs = record["messages"]
-        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
-            raise QuantkitError(f"{where}: messages must be a list of {{\"role\", \"content\"}} objects")
-        if not any(m["role"] == "assistant" for m in msgs):
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
+            raise QuantkitError(f"{where}: messages must be a list of {{\"role\", \"content\"}} objects, each with "
+                                "text in both (content as a string, not a list of parts)")
+        if reply and not any(m["role"] == "assistant" for m in msgs):
             raise QuantkitError(f"{where}: the chat has no assistant turn, so nothing to learn: add the reply "
                                 "as {\"role\": \"assistant\", \"content\": ...}")
         return msgs
@@ -52,6 +70,8 @@ def messages_of(record: dict, where: str) -> list[dict]:
         raise QuantkitError(f"{where}: a record needs messages, instruction and response (or output), or prompt "
                             f"and completion; this one has {', '.join(sorted(record)) or 'no fields'}")
     context = record.get("context") or record.get("input") or ""
+    if not isinstance(context, str):
+        raise QuantkitError(f"{where}: the record's context (or input) is {type(context).__name__}, where text belongs")
     user = f"{prompt}\n\n{context}" if context else prompt
     return [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
 
@@ -75,4 +95,4 @@ def rendered(p: Path, text: str, tokenizer) -> str:
     """Every record of the file as its chat template writes it, one after another: text to calibrate on
     that looks like what the model will be given, not like JSON."""
     check_template(p, tokenizer)
-    return "".join(chat_text(messages_of(record, where), tokenizer, where) for where, record in parse(p, text))
+    return "".join(chat_text(messages_of(record, where, reply=False), tokenizer, where) for where, record in parse(p, text))

@@ -6,13 +6,25 @@ from pathlib import Path
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit import hub
+from quantkit.errors import QuantkitError, one_line
 from quantkit.evals import adds_bos
 
 from . import records
 
 HUB_DATASET = ("wikitext", "wikitext-2-raw-v1")
 PURPOSE = {"train": "calibrate on", "test": "evaluate on"}  # what each split's text is for
+
+
+# files that are not text, by their first bytes: what to do with each
+PACKED = {b"\x1f\x8b": "gzip-compressed: decompress it (gunzip) and pass the text",
+          b"BZh": "bzip2-compressed: decompress it (bunzip2) and pass the text",
+          b"\xfd7zXZ\x00": "xz-compressed: decompress it (unxz) and pass the text",
+          b"\x28\xb5\x2f\xfd": "zstd-compressed: decompress it (unzstd) and pass the text",
+          b"PK\x03\x04": "a zip archive: extract the text file from it and pass that",
+          b"PAR1": "a Parquet table: write its text column as a text file, or its rows as JSON lines (.jsonl)"}
+TABLES = (".csv", ".tsv")
+OPTION = {"train": "--calib-data", "test": "--data or --eval-data"}  # where each split's text is given
 
 
 def load_text(source: str | os.PathLike | None = None, split: str = "train", tokenizer=None) -> str:
@@ -22,18 +34,36 @@ def load_text(source: str | os.PathLike | None = None, split: str = "train", tok
     if source is None:
         return hub_text(split)
     p = Path(source)
+    if p.is_dir():
+        raise QuantkitError(f"{p} is a directory: pass a text file (or JSON lines of chats) to {PURPOSE.get(split, 'use')}")
     if not p.is_file():
         raise QuantkitError(f"{p}: no such file: pass an existing text file")
+    if p.suffix.lower() in TABLES:
+        raise QuantkitError(f"{p}: a table, which would be read as text with its commas and quotes: write its text "
+                            "column as a text file, or its rows as JSON lines (.jsonl)")
     try:
+        with open(p, "rb") as f:
+            head = f.read(8)
+        kind = next((what for magic, what in PACKED.items() if head.startswith(magic)), None)
+        if kind is not None:
+            raise QuantkitError(f"{p}: {kind}")
         with open(p, encoding="utf-8", newline="") as f:  # keep "\r\n": llama.cpp reads the bytes as they are
             text = f.read()
     except UnicodeDecodeError as e:
         raise QuantkitError(f"{p}: not UTF-8 text ({e}): pass a plain text file") from None
+    except OSError as e:
+        raise QuantkitError(f"{p}: cannot read it ({e.strerror}): make it readable, or pass another file") from None
     if not text.strip():
         raise QuantkitError(f"{p}: the file is empty: pass a file with text to {PURPOSE.get(split, 'use')}")
-    if tokenizer is not None and p.suffix in records.SUFFIXES:
-        return records.rendered(p, text, tokenizer)
-    return text
+    return chats(p, text, tokenizer) if tokenizer is not None else text
+
+
+def chats(source: str | os.PathLike | None, text: str, tokenizer) -> str:
+    """text read from source, as the model sees it: a file of chat or instruction records rendered
+    by the tokenizer's chat template; other text as it is."""
+    if source is None or not records.is_records(Path(source)):
+        return text
+    return records.rendered(Path(source), text, tokenizer)
 
 
 def hub_text(split: str) -> str:
@@ -41,11 +71,13 @@ def hub_text(split: str) -> str:
     try:
         import datasets
 
-        rows = datasets.load_dataset(name, config, split=split)["text"]
+        with hub.reached():
+            rows = datasets.load_dataset(name, config, split=split)["text"]
     except Exception as e:  # no network, no `datasets`, a hub error: all mean "use a local file"
         raise QuantkitError(
-            f"could not load the default text to {PURPOSE.get(split, 'use')}, {name}/{config} {split}, from the hub ({type(e).__name__}: {e}): "
-            "pass a local text file (--calib-data or --data), or install `datasets` and allow network access"
+            f"could not load the default text to {PURPOSE.get(split, 'use')}, {name}/{config} {split}, from the hub "
+            f"({type(e).__name__}: {one_line(e)}): pass a local text file ({OPTION.get(split, '--data')}), or install "
+            "`datasets` and allow network access"
         ) from None
     return "\n\n".join(rows)  # how the GPTQ reference joins the rows
 

@@ -12,6 +12,7 @@ from unittest import mock
 
 import torch
 
+from quantkit import hub
 from quantkit.errors import QuantkitError
 from quantkit.modelio import check_context
 
@@ -54,7 +55,10 @@ def prepare(names: list[str], data_dir: str | os.PathLike | None = None) -> Task
         raise QuantkitError(f"{data_dir}: no such directory, where the local tasks read their data: pass --data-dir "
                             "or set QUANTKIT_DATA")
     try:  # read here first (run() reads again, from datasets' cache): a hub task without the network fails here
-        manager.load(names)
+        with hub.reached():
+            manager.load(names)
+    except QuantkitError:  # a local task's own
+        raise
     except Exception as e:
         raise QuantkitError(f"lm-eval could not load the data of {', '.join(names)} ({type(e).__name__}: "
                             f"{str(e)[:300]}): hub tasks need the network; the local tasks ({', '.join(LOCAL)}) "

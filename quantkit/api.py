@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import re
 import tempfile
@@ -17,7 +18,7 @@ from quantkit.atomic import check_apart, locked, partial_path, progress_files, s
 
 from . import consumers, distributed, measurement
 from . import rules as layer_rules
-from .config import QuantConfig, refuse_unused
+from .config import QuantConfig, refuse_uncalibrated, refuse_unused
 from .errors import QuantkitError, ResumableError, space_for
 from .layers import GROUPS, LINEARS, fused, linear_shapes, shapes_by_name
 from .modelio import Model, check_context, fingerprint, linear_types, load
@@ -263,6 +264,9 @@ def quantize(
         refuse_unused({k: k for k, v in options.items() if k in defaults and v != defaults[k]},
                       options.get("method", "rtn"), format, options.get("target_bpw") is not None)
     config = config or QuantConfig(**options)
+    calibrating = dict(calib_data=calib_data, calib_samples=calib_samples, calib_seqlen=calib_seqlen, seed=seed)
+    defaults = inspect.signature(quantize).parameters
+    refuse_uncalibrated({k: k for k, v in calibrating.items() if v != defaults[k].default}, config)
     if format == "gguf" and config.gguf_type is None:
         config = replace(config, gguf_type=exporters.gguf.DEFAULT_MIX)
     dev = device_of(device)
@@ -440,6 +444,7 @@ def evaluate(
     there is a GPU; else float32); a Model passed in is moved only when one is given."""
     text = calibration.load_text(data, split="test")  # before the model loads
     m = ready(model, packed, device, dtype)
+    text = calibration.chats(data, text, m.tokenizer)
     with scoring(m, protocol):  # a GGUF's blocks, scored with llama.cpp's arithmetic
         return evals.perplexity(m.module, m.tokenizer, text, protocol, ctx, max_windows, progress=progress)
 
@@ -471,6 +476,7 @@ def compare(
     if save_base is not None:
         evals.kld.check_save_path(save_base)
     m = model if isinstance(model, Model) else load(model, packed=packed)
+    text = calibration.chats(data, text, m.tokenizer)
     with tempfile.TemporaryDirectory(prefix="quantkit-base-") as tmp:
         if saved:
             base_file = evals.BaseFile(base)

@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from quantkit import exporters, trainer
+from quantkit import calibration, exporters, trainer
 from quantkit.evals import kld
 from quantkit.atomic import check_apart
 from quantkit.exporters import check_out
@@ -19,7 +19,7 @@ from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECIS
 from . import api, consumers, distributed
 from . import report as report_
 from .command import export
-from .config import AWQ_LOSSES, METHODS, QuantConfig, refuse_unused
+from .config import AWQ_LOSSES, METHODS, QuantConfig, refuse_uncalibrated, refuse_unused
 from .errors import QuantkitError
 from .modelio import load
 
@@ -135,10 +135,7 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
         options["bits"] = int(bits)
     config = QuantConfig(**options)
     given = given_options()
-    for name in ("calib_data", "calib_samples", "calib_seqlen", "seed"):
-        if name in given and not config.needs_calibration:
-            raise QuantkitError(f"{given[name]} sets the calibration, and --method {config.method} quantizes without "
-                                "one: drop it (GPTQ, AWQ, --imatrix and --target-bpw calibrate)")
+    refuse_uncalibrated(given, config)
     for name in ("eval_windows", "ctx"):
         if name in given and not eval_data:
             raise QuantkitError(f"{given[name]} sets the perplexity check that --eval-data turns on: add --eval-data "
@@ -148,6 +145,8 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     exporters.parse_size(max_shard_size)
     m = load(model)
     check_apart(out, [m.source, calib_data, eval_data])  # before the "before" evaluation
+    if config.needs_calibration and eval_data:  # the calibration text's faults, before the "before" evaluation
+        calibration.load_text(calib_data, tokenizer=m.tokenizer)
     consumers.check_targets(consumers.Export.of(fmt, config, m.module), targets)
     if eval_data and int(os.environ.get("RANK", "0")) == 0:  # from the path, as "after": the same device and dtype
         show("before", api.evaluate(m.source, eval_data, "llamacpp", ctx, eval_windows))
@@ -329,7 +328,7 @@ T = TrainConfig()  # the defaults shown in --help
 @click.option("--warmup", type=int, default=T.warmup, show_default=True, help="steps of linear warmup before the cosine decay")
 @click.option("--weight-decay", type=float, default=T.weight_decay, show_default=True)
 @click.option("--max-grad-norm", type=float, default=T.max_grad_norm, show_default=True)
-@click.option("--seed", type=int, default=T.seed, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=T.seed, show_default=True)
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default=T.optimizer, show_default=True)
 @click.option("--precision", type=click.Choice(PRECISIONS), default=T.precision, show_default=True,
               help="auto: bf16 autocast where the device has it, else fp16 with a gradient scaler")
@@ -369,6 +368,8 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
         if calib_data is not None and not qconfig.needs_calibration:
             raise QuantkitError(f"--calib-data calibrates --quantize, and --quantize {quantize_method} quantizes without "
                                 "one: drop it (gptq and awq calibrate)")
+        if qconfig.needs_calibration:  # its faults (or no network for the default) before the training, not after it
+            calibration.load_text(calib_data)
         quantize_out = quantize_out or f"{out}-{quantize_method}{'.gguf' if fmt == 'gguf' else ''}"
         check_out(quantize_out, overwrite, directory=fmt != "gguf")
     # --resume after a kill in the merge or the quantization: the finished adapter (and merge) are taken as they are

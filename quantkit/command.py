@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import warnings
 
 import click
 
@@ -61,8 +62,14 @@ def terminated(signum, frame) -> None:
 ONE_PROCESS = ("export", "eval", "lm-eval", "report", "merge")  # under torchrun each process would run it whole
 
 
+def warning_line(message, category, filename, lineno, line=None) -> str:
+    """A warning as the command prints it: one line, without the source line that raised it."""
+    return f"warning: {message}\n"
+
+
 def main() -> None:
     signal.signal(signal.SIGTERM, terminated)
+    warnings.formatwarning = warning_line
     try:
         if sys.argv[1:2] and sys.argv[1] in ONE_PROCESS and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise QuantkitError(f"quantkit {sys.argv[1]} runs in one process, and under torchrun every process would run "

@@ -264,7 +264,8 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         echo(f"base: scoring {windows} windows of {ctx} on the float model")
         try:
             m = load(model)
-            api.write_base(m, base, calibration.load_text(data, split="test"), ctx, windows, progress=False)
+            api.write_base(m, base, calibration.load_text(data, split="test", tokenizer=m.tokenizer), ctx, windows,
+                           progress=False)
         except QuantkitError:  # bad input (the model, the text, ctx): nothing of this run is worth keeping
             if fresh:
                 lock.close()

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from quantkit.command import main
 
-from .conftest import TEST, make_tiny
+from .conftest import TEST, VALID, make_tiny
 
 
 def run(args, capsys, monkeypatch):
@@ -108,7 +108,10 @@ def test_bad_options(model, capsys, monkeypatch, tmp_path, args, match):
                                            (dict(method="awq", mse=True), "mse is not an option of method='awq'"),
                                            (dict(method="rtn", format="gguf", bits=8), "bits does not apply to format='gguf'"),
                                            (dict(method="rtn", target_bpw=4.5, group_size=32),
-                                            "group_size does not apply with target_bpw")])
+                                            "group_size does not apply with target_bpw"),
+                                           (dict(method="rtn", calib_data="missing.txt"),
+                                            "calib_data sets the calibration, and method='rtn' quantizes without one"),
+                                           (dict(method="nf4", calib_samples=-5), "calib_samples sets the calibration")])
 def test_api_refuses_what_the_method_would_ignore(tiny_dir, tmp_path, options, match):
     """The API took these and ignored them (RTN's damp and static_groups were even written into the GPTQ
     config); as on the command line, a value other than the field's default that the method or format does
@@ -120,6 +123,16 @@ def test_api_refuses_what_the_method_would_ignore(tiny_dir, tmp_path, options, m
     assert not (tmp_path / "q").exists()
     # the defaults, given: harmless, and what a loop over methods passes
     quantkit.quantize(str(tiny_dir), method="rtn", act_order=False, damp=0.01, group_size=32, progress=False)
+
+
+def test_the_calibration_text_is_checked_before_the_first_evaluation(model, capsys, monkeypatch, tmp_path):
+    """A fault in --calib-data came out after the "before" perplexity had run (its 40 windows wasted)."""
+    import quantkit.api
+
+    (tmp_path / "calib.bin").write_bytes(bytes(range(256)))
+    monkeypatch.setattr(quantkit.api, "evaluate", lambda *a, **k: pytest.fail("evaluated before the check"))
+    quantize_fails([model, "--method", "gptq", "--calib-data", tmp_path / "calib.bin", "--eval-data", VALID],
+                   capsys, monkeypatch, tmp_path, "calib.bin: not UTF-8 text")
 
 
 @pytest.mark.parametrize("out,args,match", [

@@ -1,4 +1,6 @@
+import gzip
 import json
+import re
 import sys
 
 import pytest
@@ -82,3 +84,88 @@ def test_chat_records_calibrate_as_the_chat_template_writes_them(chat_dir, tmp_p
     with pytest.raises(QuantkitError, match="need the tokenizer's chat template"):
         tok.chat_template = None
         load_text(tmp_path / "d.jsonl", tokenizer=tok)
+
+
+def test_record_files_by_any_spelling_of_their_suffix(chat_dir, tmp_path):
+    """.JSONL and .ndjson are JSON lines too: they were read as plain text, JSON and all."""
+    tok = load_tokenizer(chat_dir)
+    record = json.dumps({"instruction": "Name a colour.", "response": "Blue\u2028and green."}, ensure_ascii=False)
+    texts = []
+    for name in ("d.jsonl", "d.JSONL", "d.ndjson"):  # U+2028 unescaped, as json.dumps writes it: one line still
+        (tmp_path / name).write_text(record + "\n" + record + "\n")
+        texts.append(load_text(tmp_path / name, tokenizer=tok))
+    assert texts[0] == texts[1] == texts[2] and texts[0].count("Blue\u2028and green.") == 2
+    assert "instruction" not in texts[0]
+
+
+@pytest.mark.parametrize("name,content,match", [
+    ("d.jsonl", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}',
+     "line 1: messages must be a list of {\"role\", \"content\"} objects, each with text in both"),
+    ("d.jsonl", '{"messages": [{"role": 1, "content": "hi"}]}', "line 1: messages must be a list"),
+    ("d.jsonl", '{"messages": [{"role": "user", "content": null}]}', "line 1: messages must be a list"),
+    ("d.jsonl", '{"instruction": "a", "context": ["b"], "response": "c"}', "context (or input) is list"),
+    ("d.json", '{"instruction": "a", "response": "b"}', "holds one JSON object (keys: instruction, response)"),
+    ("d.json", '{"data": [{"instruction": "a", "response": "b"}]}', "holds one JSON object (keys: data)"),
+    ("d.json", "[]", "d.json: holds no records")])
+def test_bad_records_are_named(chat_dir, tmp_path, name, content, match):
+    (tmp_path / name).write_text(content + "\n")
+    with pytest.raises(QuantkitError, match=re.escape(match)):
+        load_text(tmp_path / name, tokenizer=load_tokenizer(chat_dir))
+
+
+def test_a_chat_without_a_reply_calibrates(chat_dir, tmp_path):
+    """Calibration takes the text of any chat; only the trainer needs a reply to learn."""
+    (tmp_path / "d.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi there"}]}) + "\n")
+    assert "hi there" in load_text(tmp_path / "d.jsonl", tokenizer=load_tokenizer(chat_dir))
+
+
+@pytest.mark.parametrize("name,content,match", [
+    ("valid.gz", gzip.compress(b"some text"), "gzip-compressed: decompress it (gunzip)"),
+    ("valid.zip", b"PK\x03\x04" + bytes(20), "a zip archive: extract the text file"),
+    ("d.parquet", b"PAR1" + bytes(20), "a Parquet table: write its text column as a text file"),
+    ("d.csv", b"text,label\nhello,1\n", "a table, which would be read as text"),
+    ("d.TSV", b"text\tlabel\nhello\t1\n", "a table, which would be read as text")])
+def test_files_that_are_not_text_are_named(tmp_path, name, content, match):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(QuantkitError, match=re.escape(match)):
+        load_text(tmp_path / name)
+
+
+def test_a_directory_is_named(tmp_path):
+    with pytest.raises(QuantkitError, match="is a directory: pass a text file"):
+        load_text(tmp_path)
+
+
+def test_no_network_is_told_at_once(monkeypatch):
+    """Where the hub's host does not resolve, the hub's client reads its cache only: no retries with
+    sleeps between them (half a minute of warnings) before the error."""
+    import socket
+    import time
+
+    pytest.importorskip("datasets")
+
+    def unresolved(*args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    sleeps = []
+    monkeypatch.setattr(socket, "getaddrinfo", unresolved)
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(QuantkitError, match=r"pass a local text file \(--calib-data\)"):
+        load_text(None)
+    assert sleeps == []
+
+
+def test_records_are_evaluated_as_the_model_sees_them(chat_dir, tmp_path):
+    """A file of chat records given to evaluate is scored as the template writes the chats, as
+    calibration reads it, not as JSON."""
+    import quantkit
+
+    tok = load_tokenizer(chat_dir)
+    lines = (DATA / "dolly" / "dolly-15k-head.jsonl").read_text().splitlines()[:30]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "d.txt").write_text(load_text(tmp_path / "d.jsonl", tokenizer=tok))
+    got, want = (quantkit.evaluate(str(chat_dir), tmp_path / name, ctx=128, max_windows=2, progress=False)
+                 for name in ("d.jsonl", "d.txt"))
+    assert got.perplexity == want.perplexity and got.tokens == want.tokens

@@ -112,3 +112,14 @@ def test_no_git_message_outside_a_checkout(tiny_dir, tmp_path, capfd, monkeypatc
     monkeypatch.chdir(tmp_path)
     quantkit.api.lm_eval(tiny_dir, ["dolly_mc"], limit=1, max_length=128)
     assert "not a git repository" not in capfd.readouterr().err
+
+
+def test_a_dolly_file_too_small_for_four_choices_is_named(tmp_path):
+    """A category with fewer than 4 different responses cannot give a question its choices: lm-eval
+    reported random.sample's "Sample larger than population", with advice about the network."""
+    (tmp_path / "dolly").mkdir()
+    lines = (DATA / "dolly" / "dolly-15k-head.jsonl").read_text().splitlines()[:3]
+    (tmp_path / "dolly" / "dolly-15k-head.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(quantkit.QuantkitError, match="has 1 different responses, and each question takes its 4 "
+                                                      "choices from its category: use a larger Dolly file"):
+        harness.prepare(["dolly_mc"], tmp_path)

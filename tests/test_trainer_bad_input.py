@@ -137,6 +137,10 @@ def test_bad_rank(tiny_dir, text, capsys, monkeypatch, tmp_path, rank, match):
     (["--alpha", 0], "--alpha 0.0 is invalid: use a positive number"),  # scale 0: B never moved
     (["--patience", 0], "--patience 0 is invalid: use a number of evaluations"),  # stopped at the first one
     (["--patience", 2], "--patience stops on the held-out loss, and there is no held-out data"),  # FAST: none
+    (["--seqlen", 1024], "--seqlen 1024 is longer than the model's context of 512 tokens"),  # trained past it
+    (["--seed", 2**32], "Invalid value for '--seed'"),  # overflowed the data order's generator: a traceback
+    # checked before the training, not after it
+    (["--quantize", "gptq", "--calib-data", "missing.txt"], "missing.txt: no such file"),
     # taken and ignored, after the training: RTN reads no calibration
     (["--quantize", "rtn", "--calib-data", VALID], "--calib-data calibrates --quantize, and --quantize rtn quantizes "
      "without one")])
@@ -349,3 +353,17 @@ def test_resume_after_the_base_was_rewritten_at_its_path(text, capsys, monkeypat
     make_tiny(tmp_path / "m", seed=1)
     fails(["train", tmp_path / "m", "--data", text, "--out", tmp_path / "out", *FAST, "--steps", 4, "--save-every", 2,
            "--resume"], capsys, monkeypatch, "is of another run (a different model, data or settings)")
+
+
+def test_replies_cut_at_seqlen_are_told(chat_dir, tmp_path):
+    """A reply cut at --seqlen trains without its end of turn: the records it happens to are counted."""
+    tok = AutoTokenizer.from_pretrained(chat_dir)
+    long = {"messages": [{"role": "user", "content": "Count."},
+                         {"role": "assistant", "content": " ".join(["one two three"] * 40)}]}
+    data = jsonl(tmp_path / "d.JSONL", CHAT, long, long)  # any spelling of the suffix is JSON lines
+    with pytest.warns(UserWarning, match=r"^2 records of .* have their last reply cut at --seqlen 64 tokens"):
+        examples = dataset.read(data, tok, 64)
+    assert len(examples) == 3 and examples[1].scored > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dataset.read(data, tok, 512)  # whole at 512: no warning

@@ -86,6 +86,8 @@ class TrainConfig:
             raise QuantkitError(f"--eval-fraction {self.eval_fraction} is out of range: use a fraction such as 0.05")
         if self.warmup < 0:
             raise QuantkitError(f"--warmup {self.warmup} is invalid: use a number of steps, 0 or more")
+        if not 0 <= self.seed < 2**32:  # the data order's generators take seed * 100003 + epoch in 64 bits
+            raise QuantkitError(f"--seed {self.seed} is out of range: use a number from 0 to {2**32 - 1}")
         if self.fsdp and self.method == "qlora":
             raise QuantkitError("--fsdp shards a float base; QLoRA's NF4 base is not sharded: use --method lora with "
                                 "--fsdp, or QLoRA without it")

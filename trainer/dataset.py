@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.calibration.records import SUFFIXES, chat_text, check_template, messages_of, parse
+from quantkit.calibration.records import chat_text, check_template, is_records, messages_of, parse
 from quantkit.errors import QuantkitError
 
 IGNORE = -100  # label of an unscored token (torch's cross-entropy ignore_index)
@@ -38,7 +38,7 @@ def read(path: str | os.PathLike, tokenizer, seqlen: int) -> list[Example]:
         raise QuantkitError(f"{p}: not UTF-8 text ({e}): pass a text file or JSON lines of chats or instructions") from None
     if not text.strip():
         raise QuantkitError(f"{p} is empty: pass a file with training text or records")
-    if p.suffix in SUFFIXES:
+    if is_records(p):
         return records(p, text, tokenizer, seqlen)
     return windows(p, text, tokenizer, seqlen)
 
@@ -56,23 +56,28 @@ def windows(p: Path, text: str, tokenizer, seqlen: int) -> list[Example]:
 
 def records(p: Path, text: str, tokenizer, seqlen: int) -> list[Example]:
     check_template(p, tokenizer)
-    out, cut = [], 0
+    out, cut, short = [], 0, 0
     for where, record in parse(p, text):
-        example = render(messages_of(record, where), tokenizer, seqlen, where)
+        example, whole = render(messages_of(record, where), tokenizer, seqlen, where)
         if example.scored:
             out.append(example)
+            short += not whole
         else:
             cut += 1
     if not out:
         raise QuantkitError(f"{p}: no record has a reply within --seqlen {seqlen} tokens: raise --seqlen")
     if cut:
         warnings.warn(f"{cut} records of {p} have no reply within --seqlen {seqlen} tokens and were skipped")
+    if short:  # the end of the turn is never learnt from these
+        warnings.warn(f"{short} records of {p} have their last reply cut at --seqlen {seqlen} tokens: raise --seqlen "
+                      "to train on them whole")
     return out
 
 
-def render(msgs: list[dict], tokenizer, seqlen: int, where: str) -> Example:
+def render(msgs: list[dict], tokenizer, seqlen: int, where: str) -> tuple[Example, bool]:
     """The chat as the template writes it, first seqlen tokens; the labels keep each assistant turn's
-    tokens (from the end of the generation prompt before it to the end of the turn)."""
+    tokens (from the end of the generation prompt before it to the end of the turn). Also whether the
+    last assistant turn ends within the seqlen tokens."""
     def chat(turns: list[dict], **kw) -> str:
         return chat_text(turns, tokenizer, where, **kw)
 
@@ -93,7 +98,9 @@ def render(msgs: list[dict], tokenizer, seqlen: int, where: str) -> Example:
     keep = torch.zeros(ids.numel(), dtype=torch.bool)
     for a, b in spans:
         keep |= (starts >= a) & (starts < b)
-    return Example(ids, torch.where(keep, ids, IGNORE))
+    ends = [s for s, _ in enc.offset_mapping]
+    whole = len(ends) <= seqlen or ends[seqlen] >= spans[-1][1]
+    return Example(ids, torch.where(keep, ids, IGNORE)), whole
 
 
 def split(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:

@@ -27,7 +27,7 @@ from quantkit import distributed
 from quantkit.api import device_of
 from quantkit.errors import QuantkitError, ResumableError, free_space, size, space_for, untrusted
 from quantkit.atomic import Staged, fsync, partial_path, remove
-from quantkit.modelio import Model, fingerprint, load
+from quantkit.modelio import Model, check_context, fingerprint, load
 from quantkit.pipeline import free_memory, map_large_blocks, peak_memory, read_progress, save_progress
 
 from . import dataset, lora
@@ -296,6 +296,7 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
         raise QuantkitError(f"{m.source}: train on a float model directory (safetensors), not a GGUF file or a "
                             "quantized export: adapters are merged into the original weights")
     names = lora.check(m.module, config)
+    check_context(m.module.config, config.seqlen, "--seqlen")
     data_file, eval_file = Path(data), Path(eval_data) if eval_data else None
     examples = dataset.read(data_file, m.tokenizer, config.seqlen)
     if eval_file is not None:

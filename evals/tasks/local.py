@@ -10,6 +10,8 @@ import datasets
 from lm_eval.tasks.wikitext.preprocess_wikitext import process_results as wikitext_results
 from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
 
+from quantkit.errors import QuantkitError
+
 __all__ = ["dolly", "dolly_prompt", "wikitext", "wikitext_detokenizer", "wikitext_results"]
 
 TITLE = re.compile(r"^ = [^=].* = $")  # an article's title line; sections are " = = ... = = "
@@ -34,11 +36,16 @@ def clip(text: str) -> str:
 
 def dolly(data_dir: str, **_) -> dict[str, datasets.Dataset]:
     path = Path(data_dir) / "dolly" / "dolly-15k-head.jsonl"
-    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
     clipped = [clip(r["response"]) for r in records]
     by_category: dict[str, set[str]] = {}
     for r, c in zip(records, clipped):
         by_category.setdefault(r["category"], set()).add(c)
+    few = {c: len(answers) for c, answers in by_category.items() if len(answers) < CHOICES}
+    if few:  # a question's wrong choices are other answers of its category
+        category, n = next(iter(few.items()))
+        raise QuantkitError(f"{path}: category {category!r} has {n} different responses, and each question takes its "
+                            f"{CHOICES} choices from its category: use a larger Dolly file")
     docs = []
     for i, (r, answer) in enumerate(zip(records, clipped)):
         rng = random.Random(i)
