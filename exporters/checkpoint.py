@@ -86,6 +86,7 @@ class CheckpointWriter:
         cfg = self.model.module.config.to_dict()
         # a config saved without a model lacks it, and ExLlamaV2's loader (among others) needs it
         cfg["architectures"] = cfg.get("architectures") or [type(self.model.module).__name__]
+        legacy_rope(cfg)
         cfg["quantization_config"] = qcfg
         cfg["dtype"] = str(self.dtype).removeprefix("torch.")
         # top-level keys sorted; nested ones as made: dynamic's rules are read first match first
@@ -99,6 +100,18 @@ class CheckpointWriter:
 
     def abort(self, keep: bool = False) -> None:
         self.staged.abort(keep)
+
+
+def legacy_rope(cfg: dict) -> None:
+    """Add rope_theta (and rope_scaling for a scaled rope) beside transformers 5's rope_parameters:
+    ExLlamaV2 and loaders on transformers 4 read only those, and without them run a base of 10000."""
+    rope = cfg.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_theta" not in rope:  # none, or one per layer type
+        return
+    cfg.setdefault("rope_theta", rope["rope_theta"])
+    if rope.get("rope_type", "default") != "default" and not cfg.get("rope_scaling"):
+        # rope_type alone: ExLlamaV2 refuses a rope_scaling holding both type and rope_type
+        cfg["rope_scaling"] = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
 
 
 # where older AutoGPTQ and AutoAWQ checkpoints keep their quantization config, config.json having none

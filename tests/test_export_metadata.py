@@ -1,5 +1,6 @@
-"""What consumers read beyond the tensors: the generation config a re-export keeps, and the settings
-vLLM finds for the linears it fuses (q/k/v as qkv_proj, gate/up as gate_up_proj) under --rules."""
+"""What consumers read beyond the tensors: the generation config a re-export keeps, the rope where
+loaders before transformers 5 look for it, and the settings vLLM finds for the linears it fuses
+(q/k/v as qkv_proj, gate/up as gate_up_proj) under --rules."""
 import json
 import re
 import shutil
@@ -9,6 +10,7 @@ import pytest
 import quantkit
 from quantkit.layers import linear_shapes
 
+from .conftest import make_tiny
 from .test_rules import settings, vllm_dynamic
 
 # gate and up of layer 1 at 8 bits by a pattern that names each part, not the fused gate_up_proj;
@@ -38,6 +40,26 @@ def test_reexport_keeps_the_generation_config(tiny_dir, tmp_path):
     quantkit.export(back, tmp_path / "ct", format="compressed-tensors")
     saved = json.loads((tmp_path / "ct" / "generation_config.json").read_text())
     assert (saved["do_sample"], saved["temperature"], saved["top_p"], saved["max_new_tokens"]) == (True, 0.2, 0.9, 77)
+
+
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("rope,scaling", [({"rope_type": "default", "rope_theta": 100000.0}, None),
+                                          (LLAMA3, {k: v for k, v in LLAMA3.items() if k != "rope_theta"})])
+def test_the_rope_is_where_older_loaders_read_it(tmp_path, rope, scaling):
+    """transformers 5 writes the rope as rope_parameters only; ExLlamaV2 (config.py) and loaders on
+    transformers 4 read rope_theta and rope_scaling, and without them ran a base of 10000: every
+    SmolLM2, Llama 3 and Qwen export was read with the wrong rope."""
+    from transformers import AutoConfig
+
+    src = make_tiny(tmp_path / "src", rope_parameters=rope)
+    quantkit.quantize(str(src), method="rtn", group_size=32, out=tmp_path / "q", progress=False)
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert cfg["rope_theta"] == rope["rope_theta"] and cfg.get("rope_scaling") == scaling
+    assert "type" not in (cfg.get("rope_scaling") or {})  # ExLlamaV2 refuses both type and rope_type
+    assert AutoConfig.from_pretrained(tmp_path / "q").rope_parameters == AutoConfig.from_pretrained(src).rope_parameters
 
 
 def test_vllm_finds_the_fused_linears_settings_in_dynamic(tiny_dir, tmp_path):
