@@ -195,6 +195,11 @@ def build(path: Path, cfg, state: dict[str, torch.Tensor], layers: dict[str, tor
     # older checkpoints hold the rotary frequencies, which are made again here (transformers ignores them)
     for k in [k for k in state if k.endswith("rotary_emb.inv_freq")]:
         del state[k]
+    head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
+    if cfg.tie_word_embeddings and ("lm_head" in layers or head is not None and (
+            embed is None or head.shape != embed.shape or not torch.equal(head, embed))):
+        # a head of its own (ExLlamaV2's converter quantizes a tied one): run it, as its consumers do, not the embedding
+        cfg.tie_word_embeddings = False
     shapes = {k: tuple(v.shape) for k, v in state.items()} | \
         {f"{name}.weight": (layer.out_features, layer.in_features) for name, layer in layers.items()}
     check_config(cfg, shapes, path)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import inspect
 import os
 import re
 import tempfile
@@ -18,7 +17,7 @@ from quantkit.atomic import check_apart, locked, partial_path, progress_files, s
 
 from . import consumers, distributed, measurement
 from . import rules as layer_rules
-from .config import QuantConfig, refuse_uncalibrated, refuse_unused
+from .config import QuantConfig, refuse_unused
 from .errors import QuantkitError, ResumableError, space_for
 from .layers import GROUPS, LINEARS, fused, linear_shapes, shapes_by_name
 from .modelio import Model, check_context, fingerprint, linear_types, load
@@ -264,9 +263,6 @@ def quantize(
         refuse_unused({k: k for k, v in options.items() if k in defaults and v != defaults[k]},
                       options.get("method", "rtn"), format, options.get("target_bpw") is not None)
     config = config or QuantConfig(**options)
-    calibrating = dict(calib_data=calib_data, calib_samples=calib_samples, calib_seqlen=calib_seqlen, seed=seed)
-    defaults = inspect.signature(quantize).parameters
-    refuse_uncalibrated({k: k for k, v in calibrating.items() if v != defaults[k].default}, config)
     if format == "gguf" and config.gguf_type is None:
         config = replace(config, gguf_type=exporters.gguf.DEFAULT_MIX)
     dev = device_of(device)
@@ -407,15 +403,19 @@ def ready(model: Model | PathLike | None, packed: bool = True, device: str | Non
     if device is not None:
         device_of(device)  # before loading: a device torch cannot use is named, not a traceback
     m = model if isinstance(model, Model) else load(model, packed=packed)
-    m.materialize()
     if m.gguf_types and dtype not in (None, "float32"):
         raise QuantkitError(f"a GGUF file is scored in llama.cpp's float32 arithmetic: drop --dtype {dtype}")
     where = default_device(model, device)
+
+    def runs_in(dev: torch.device) -> torch.dtype:  # float16 on a GPU, except a GGUF scored in llama.cpp's float32
+        return getattr(torch, dtype) if dtype else torch.float16 if dev.type == "cuda" and not m.gguf_types \
+            else torch.float32
+
+    # read onto the device in the dtype it runs in: no float32 copy of the whole model in host memory first
+    m.materialize(**(dict(device=torch.device(where), dtype=runs_in(torch.device(where))) if where is not None else {}))
     if where is not None or dtype is not None:
         dev = torch.device(where) if where is not None else next(m.module.parameters()).device
-        # float16 on a GPU, except a GGUF scored with llama.cpp's float32 arithmetic
-        default = torch.float16 if dev.type == "cuda" and not m.gguf_types else torch.float32
-        m.module.to(dev, getattr(torch, dtype) if dtype else default)
+        m.module.to(dev, runs_in(dev))
     return m
 
 

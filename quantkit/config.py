@@ -42,19 +42,6 @@ def refuse_unused(given: dict[str, str], method: str, fmt: str, target_bpw: bool
                                 "(see quantkit quantize --help)")
 
 
-CALIBRATION = ("calib_data", "calib_samples", "calib_seqlen", "seed")
-
-
-def refuse_uncalibrated(given: dict[str, str], config: QuantConfig) -> None:
-    """Refuse a calibration option given (as refuse_unused's given) to a run that calibrates nothing: it
-    would be ignored."""
-    for name, flag in given.items():
-        if name in CALIBRATION and not config.needs_calibration:
-            method = f"--method {config.method}" if flag.startswith("--") else f"method={config.method!r}"
-            raise QuantkitError(f"{flag} sets the calibration, and {method} quantizes without one: drop it (GPTQ, AWQ, "
-                                "--imatrix and --target-bpw calibrate)")
-
-
 @dataclass
 class QuantConfig:
     method: str = "rtn"

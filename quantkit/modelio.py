@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -70,9 +71,10 @@ class Model:
         if meta and self.streamed_to is not None:
             raise QuantkitError(f"this model's quantized layers were written to {self.streamed_to} and not kept in "
                                 f"memory: load that export, or quantize with keep=True")
+        for name, shape in meta.items():  # one at a time: no second copy of the whole model while converting
+            t = self.checkpoint.read({name: shape}, device)[name]
+            set_module_tensor_to_device(self.module, name, device, t, dtype=dtype or t.dtype)
         if meta:
-            for name, t in self.checkpoint.read(meta, device).items():
-                set_module_tensor_to_device(self.module, name, device, t, dtype=dtype or t.dtype)
             if not prefix:
                 self.module.tie_weights()
         return module.to(device, dtype) if dtype is not None else module.to(device)
@@ -110,7 +112,9 @@ def shard_files(path: Path) -> list[Path]:
     if not index.is_file():
         return sorted(path.glob("*.safetensors"))
     with untrusted(index, "not a valid shard index", "restore it from the model's files"):
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        files = sorted({path / f for f in weight_map(path).values()})
+    if not files:
+        raise QuantkitError(f"{index}: names no tensors: restore it from the model's files")
     outside = [f for f in files if f.parent != path]
     if outside:
         raise QuantkitError(f"{index}: names a shard outside the model directory ({outside[0]}): "
@@ -122,9 +126,19 @@ def shard_files(path: Path) -> list[Path]:
     return files
 
 
+def weight_map(path: Path) -> dict[str, str]:
+    """The shard index's tensor -> file map (the caller reports a damaged index)."""
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    if not isinstance(index, dict) or not all(isinstance(f, str) for f in index.values()):
+        raise ValueError("weight_map is not an object of file names")
+    return index
+
+
 class Checkpoint:
     """A float safetensors checkpoint read tensor by tensor: each read maps its shard (mmap) only
-    for as long as it takes, so what was read is not counted against the process afterwards."""
+    for as long as it takes, so what was read is not counted against the process afterwards.
+    Tensors are known by the names transformers gives them: saved without the `model.` prefix,
+    they are found under their own (key)."""
 
     config = "config.json"  # where the model's shapes come from, for error messages
 
@@ -133,15 +147,44 @@ class Checkpoint:
         self.where: dict[str, Path] = {}
         self.dtypes: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
-        indexed = (path / "model.safetensors.index.json").is_file()
-        for f in shard_files(path):
+        self.keys: dict[str, str] = {}  # name -> the file's own key, where they differ
+        files = shard_files(path)
+        index = weight_map(path) if (path / "model.safetensors.index.json").is_file() else None
+        for f in files:
             with reading(f), safe_open(str(f), "pt") as sf:
                 for key in sf.keys():
-                    if key in self.where and not indexed:  # which file holds it would be a matter of file order
+                    if index is not None and index.get(key) != f.name:  # a stale copy the index does not name
+                        continue
+                    if key in self.where:  # which file holds it would be a matter of file order
                         raise QuantkitError(f"{path}: {key} is in both {self.where[key].name} and {f.name}: remove the "
                                             "file that is not the model's")
                     info = sf.get_slice(key)
                     self.where[key], self.dtypes[key], self.shapes[key] = f, info.get_dtype(), tuple(info.get_shape())
+        absent = sorted(set(index or ()) - set(self.where))
+        if absent:
+            raise QuantkitError(f"{path}: model.safetensors.index.json puts {absent[0]} in {index[absent[0]]}, which does "
+                                "not hold it: download the whole checkpoint again")
+        if self.where and not any(k.startswith("model.") for k in self.where):  # saved from the base model's own class
+            for key in list(self.where):
+                name = key if key.startswith("lm_head.") else f"model.{key}"
+                self.keys[name] = key
+                for table in (self.where, self.dtypes, self.shapes):
+                    table[name] = table.pop(key)
+
+    def same(self, a: str, b: str) -> bool:
+        """Whether tensors a and b hold the same values, compared a slice of rows at a time."""
+        if self.shapes[a] != self.shapes[b]:
+            return False
+        rows = max(1, 2**24 // max(1, math.prod(self.shapes[a][1:])))
+        with reading(self.where[a]), safe_open(str(self.where[a]), "pt") as fa, \
+                reading(self.where[b]), safe_open(str(self.where[b]), "pt") as fb:
+            sa, sb = fa.get_slice(self.keys.get(a, a)), fb.get_slice(self.keys.get(b, b))
+            return all(torch.equal(sa[i:i + rows], sb[i:i + rows]) for i in range(0, self.shapes[a][0], rows))
+
+    def alias(self, name: str, key: str) -> None:
+        """Read the tensor at key for name as well (a tied model that stores only its lm_head)."""
+        self.where[name], self.dtypes[name], self.shapes[name] = self.where[key], self.dtypes[key], self.shapes[key]
+        self.keys[name] = self.keys.get(key, key)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -150,7 +193,7 @@ class Checkpoint:
         if "F64" in self.dtypes.values():
             raise QuantkitError(f"{self.path}: float64 weights: quantkit reads float32, float16 and bfloat16 "
                                 "checkpoints; save it in one of those (model.to(torch.float32).save_pretrained)")
-        marked = [n for n in self.where if n.endswith(tuple(QUANTIZED_MARKS))]
+        marked = [n for n in self.where if n.endswith(tuple(QUANTIZED_MARKS)) or self.dtypes[n].startswith("F8")]
         if marked or not floats:
             kinds = ", ".join(sorted(set(self.dtypes.values())))
             raise QuantkitError(f"{self.path}: {already_quantized(marked)} (its tensors are {kinds}): quantkit "
@@ -180,7 +223,7 @@ class Checkpoint:
     def tensor(self, key: str, device: str | torch.device) -> torch.Tensor:
         try:  # mapped for one tensor at a time: its pages count as the process's memory while mapped
             with safe_open(str(self.where[key]), "pt", device=str(device)) as sf:
-                return sf.get_tensor(key)
+                return sf.get_tensor(self.keys.get(key, key))
         except (SafetensorError, OSError) as e:
             raise QuantkitError(f"{self.where[key]}: cannot be read ({e}): the file is damaged or was changed; "
                                 "re-download it") from None
@@ -245,7 +288,8 @@ class GGUFCheckpoint(Checkpoint):
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # tensor name endings that give away a quantized checkpoint whose config does not say so
 QUANTIZED_MARKS = {".qweight": "GPTQ or AWQ", ".absmax": "bitsandbytes", ".weight_packed": "compressed-tensors",
-                   ".weight_scale": "an FP8 or compressed-tensors quantizer", ".SCB": "bitsandbytes 8-bit"}
+                   ".weight_scale": "an FP8 or compressed-tensors quantizer", ".weight_scale_inv": "an FP8 quantizer",
+                   ".SCB": "bitsandbytes 8-bit"}
 
 
 def finite(t: torch.Tensor) -> bool:
@@ -257,6 +301,8 @@ def already_quantized(marked: list[str]) -> str:
     for mark, tool in QUANTIZED_MARKS.items():
         if marked and marked[0].endswith(mark):
             return f"already quantized by {tool} ({marked[0]})"
+    if marked:
+        return f"already quantized to FP8 ({marked[0]})"
     return "no float weights, so already quantized"
 
 
@@ -287,13 +333,21 @@ def load(path: str | os.PathLike | None = None, packed: bool = False) -> Model:
     """Load a model directory, a .gguf file, or (path None) the embedded default model. packed: a
     quantized checkpoint keeps its packed weights in quantkit.qlinear layers (for running it)
     instead of dequantized float weights (for re-exporting it)."""
+    if path is not None and not isinstance(path, (str, os.PathLike)):  # a transformers model object, say
+        raise QuantkitError(f"a {type(path).__name__} is not a model path: pass a model directory (a transformers model: "
+                            "save_pretrained it first), a .gguf file, or a quantkit Model")
     p = Path(path) if path is not None else default_model_dir()
     if not p.exists():
+        hint = " (models are not fetched from the hub: download it first, e.g. with huggingface-cli download)" \
+            if isinstance(path, str) and path.count("/") == 1 and not path.startswith(".") else ""
         raise QuantkitError(
-            f"{p}: no such file or directory: pass a model directory (config.json + *.safetensors) or a .gguf file"
+            f"{p}: no such file or directory{hint}: pass a model directory (config.json + *.safetensors) or a .gguf file"
         )
     if p.is_file() and p.suffix != ".gguf" and (p.parent / "config.json").is_file():  # a file of a model directory
         raise QuantkitError(f"{p} is a file of the model directory {p.parent}: pass the directory")
+    if p.is_file() and p.suffix.lower() in (".safetensors", ".bin", ".pt", ".pth"):
+        raise QuantkitError(f"{p}: a weights file alone is not a model: pass the directory that holds it with its "
+                            "config.json and tokenizer files (or a .gguf file)")
     if p.is_file():
         from quantkit.evals.kld import is_saved_base
 
@@ -307,7 +361,10 @@ def load_dir(path: Path, packed: bool = False) -> Model:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         snapshots = sorted((path / "snapshots").glob("*/config.json"))  # a hub cache's folder of the model
-        hint = f" (this hub cache folder holds its files in {snapshots[-1].parent})" if snapshots else ""
+        main = path / "refs" / "main"  # the revision the hub's main branch was at when downloaded
+        current = main.is_file() and path / "snapshots" / main.read_text().strip() / "config.json"
+        snapshot = current if current and current in snapshots else snapshots[-1] if snapshots else None
+        hint = f" (this hub cache folder holds its files in {snapshot.parent})" if snapshot else ""
         raise QuantkitError(f"{path}: no config.json, so not a model directory: pass a directory saved by "
                             f"save_pretrained{hint}")
     with untrusted(cfg_path, "not valid JSON", "restore the model's config.json"):
@@ -316,6 +373,9 @@ def load_dir(path: Path, packed: bool = False) -> Model:
     if model_type in (None, ""):
         raise QuantkitError(f"{cfg_path}: no model_type, so no architecture: restore the model's config.json")
     check_architecture(model_type, str(path))
+    if cfg.get("auto_map"):  # remote code is never run: the stock class of model_type is used
+        warnings.warn(f"{cfg_path} names custom code (auto_map), which quantkit does not run: the model is read as a "
+                      f"stock {model_type}, which is right only where its code is the stock one")
     heads = cfg.get("architectures")
     heads = [a for a in heads if isinstance(a, str)] if isinstance(heads, list) else []  # the rest: transformers' to judge
     if heads and not any(a.endswith("ForCausalLM") for a in heads):  # a classifier or reward model: no lm_head
@@ -363,6 +423,8 @@ def skeleton(cfg, checkpoint: Checkpoint, path: Path) -> PreTrainedModel:
     from accelerate import init_empty_weights
 
     dtype = checkpoint.dtype
+    if cfg.tie_word_embeddings:
+        tie(cfg, checkpoint, path)
     check_config(cfg, checkpoint.shapes, path, checkpoint.config)
     with untrusted(path, f"{checkpoint.config} describes no model transformers can build", f"fix {checkpoint.config}"), \
             init_empty_weights(include_buffers=False):
@@ -371,11 +433,41 @@ def skeleton(cfg, checkpoint: Checkpoint, path: Path) -> PreTrainedModel:
         with untrusted(path / "generation_config.json", "not a usable generation config", "fix or remove it"):
             module.generation_config = GenerationConfig.from_pretrained(path)
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    missing = [n for n, _ in module.named_parameters() if n not in checkpoint.where and n not in tied]
+    params = dict(module.named_parameters(remove_duplicate=False))
+    missing = [n for n in params if n not in checkpoint.where and n not in tied]
     if missing:
         raise QuantkitError(f"{path}: the checkpoint lacks {missing[0]} ({len(missing)} missing), which "
                             f"{checkpoint.config} calls for: download the whole checkpoint, or fix {checkpoint.config}")
+    for name, p in params.items():  # every shape now, not when the pipeline reaches the layer hours later
+        key = name if name in checkpoint.where else "model.embed_tokens.weight"
+        if checkpoint.shapes[key] != tuple(p.shape):
+            raise QuantkitError(f"{path}: tensor {name} has shape {checkpoint.shapes[key]} but {checkpoint.config} "
+                                f"implies {tuple(p.shape)}: the config and the weights are from different models")
+    kept = set(params) | {n for n, _ in module.named_buffers()} | tied
+    extra = [k for k in checkpoint.where if k not in kept and not k.endswith(LEFTOVERS)]
+    if extra:
+        raise QuantkitError(f"{path}: the checkpoint holds {extra[0]} ({len(extra)} such), which {checkpoint.config} "
+                            f"does not call for, so it would be dropped: fix {checkpoint.config} (attention_bias, "
+                            "for instance), or pass the model these weights belong to")
     return module.eval()
+
+
+LEFTOVERS = ("rotary_emb.inv_freq",)  # saved by older transformers, computed from the config now
+
+
+def tie(cfg, checkpoint: Checkpoint, path: Path) -> None:
+    """A config that ties lm_head to the embedding, against what the checkpoint stores: a head that
+    differs from the embedding is used untied, as transformers does; a head stored alone gives the
+    embedding too."""
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    if head not in checkpoint.where:
+        return
+    if embed not in checkpoint.where:
+        checkpoint.alias(embed, head)
+    elif not checkpoint.same(head, embed):
+        cfg.tie_word_embeddings = False
+        warnings.warn(f"{path}: {checkpoint.config} ties lm_head to the embedding, but the checkpoint's lm_head.weight "
+                      "differs from it: the stored head is used, untied, as transformers does")
 
 
 def check_config(cfg, shapes: dict[str, tuple[int, ...]], path: Path, source: str = "config.json") -> None:

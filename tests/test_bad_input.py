@@ -108,10 +108,7 @@ def test_bad_options(model, capsys, monkeypatch, tmp_path, args, match):
                                            (dict(method="awq", mse=True), "mse is not an option of method='awq'"),
                                            (dict(method="rtn", format="gguf", bits=8), "bits does not apply to format='gguf'"),
                                            (dict(method="rtn", target_bpw=4.5, group_size=32),
-                                            "group_size does not apply with target_bpw"),
-                                           (dict(method="rtn", calib_data="missing.txt"),
-                                            "calib_data sets the calibration, and method='rtn' quantizes without one"),
-                                           (dict(method="nf4", calib_samples=-5), "calib_samples sets the calibration")])
+                                            "group_size does not apply with target_bpw")])
 def test_api_refuses_what_the_method_would_ignore(tiny_dir, tmp_path, options, match):
     """The API took these and ignored them (RTN's damp and static_groups were even written into the GPTQ
     config); as on the command line, a value other than the field's default that the method or format does
@@ -418,6 +415,120 @@ def test_a_stray_safetensors_beside_the_model_is_refused(model, capsys, monkeypa
     state = load_file(model / "model.safetensors")
     save_file({k: torch.randn_like(v) for k, v in state.items()}, model / "old.safetensors")
     quantize_fails([model], capsys, monkeypatch, tmp_path, "is in both model.safetensors and old.safetensors")
+
+
+def state_of(path):
+    """Every weight of the model at path as quantkit reads it."""
+    import quantkit
+
+    m = quantkit.load(str(path))
+    m.materialize()
+    return m.module.state_dict()
+
+
+def test_a_tied_config_over_a_checkpoint_with_its_own_head(tmp_path):
+    """config.json said tied while the checkpoint stored a different lm_head: the head was dropped for
+    the embedding, silently (transformers uses the stored head, untied). A stored head equal to the
+    embedding stays tied; a head stored alone gives the embedding too."""
+    import torch
+
+    model = make_tiny(tmp_path / "untied", tie_word_embeddings=False)
+    stored = load_file(model / "model.safetensors")
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(cfg | {"tie_word_embeddings": True}))
+    with pytest.warns(UserWarning, match="the stored head is used, untied, as transformers does"):
+        state = state_of(model)
+    assert torch.equal(state["lm_head.weight"], stored["lm_head.weight"])
+    assert torch.equal(state["model.embed_tokens.weight"], stored["model.embed_tokens.weight"])
+    tied = make_tiny(tmp_path / "tied")
+    want = state_of(tied)
+    weights = load_file(tied / "model.safetensors")
+    head = weights.pop("model.embed_tokens.weight")
+    save_file(weights | {"lm_head.weight": head}, tied / "model.safetensors", metadata={"format": "pt"})
+    got = state_of(tied)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_weights_saved_without_the_model_prefix_load(tiny_dir, tmp_path):
+    """Keys saved from the base model's class (layers.0..., embed_tokens.weight) were read as a model of
+    0 layers, "from different models"; transformers loads them."""
+    import torch
+
+    model = shutil.copytree(tiny_dir, tmp_path / "model")
+    weights = load_file(model / "model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in weights.items()}, model / "model.safetensors",
+              metadata={"format": "pt"})
+    got, want = state_of(model), state_of(tiny_dir)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("change,match", [
+    # Qwen2's biases under a Llama config: dropped, the model run without them
+    (lambda w: w | {"model.layers.0.self_attn.q_proj.bias": w["model.layers.0.self_attn.q_proj.weight"][:, 0].clone()},
+     "holds model.layers.0.self_attn.q_proj.bias (1 such), which config.json does not call for"),
+    # a traceback from the NaN check
+    (lambda w: w | {"model.layers.0.mlp.up_proj.weight": w["model.layers.0.mlp.up_proj.weight"].to(__import__(
+        "torch").float8_e4m3fn)}, "already quantized to FP8 (model.layers.0.mlp.up_proj.weight)"),
+    # refused only when the pipeline reached layer 1
+    (lambda w: w | {"model.layers.1.mlp.down_proj.weight": w["model.layers.1.mlp.down_proj.weight"][:, :96].clone()},
+     "tensor model.layers.1.mlp.down_proj.weight has shape (64, 96) but config.json implies (64, 128)")])
+def test_weights_that_disagree_with_the_config_are_refused_at_load(model, tmp_path, change, match):
+    import quantkit
+
+    weights = load_file(model / "model.safetensors")
+    save_file(change(weights), model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(quantkit.QuantkitError, match=re.escape(match)):
+        quantkit.load(str(model))
+
+
+def test_the_index_says_which_shard_holds_a_tensor(model):
+    """With an index, a stale copy of a tensor in another shard was read when its file sorted last."""
+    import quantkit
+    import torch
+
+    weights = load_file(model / "model.safetensors")
+    (model / "model.safetensors").unlink()
+    key, one, two = "model.layers.0.mlp.down_proj.weight", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    first = {k: v for k, v in weights.items() if ".layers.0." in k}
+    save_file(first, model / one, metadata={"format": "pt"})
+    rest = {k: v for k, v in weights.items() if k not in first}
+    save_file(rest | {key: torch.zeros_like(weights[key])}, model / two, metadata={"format": "pt"})  # sorts last
+    index = {k: one if k in first else two for k in weights}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    assert torch.equal(state_of(model)[key], weights[key])
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index | {"model.norm.weight": one}}))
+    with pytest.raises(quantkit.QuantkitError, match=f"puts model.norm.weight in {one}, which does not hold it"):
+        quantkit.load(str(model))
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    with pytest.raises(quantkit.QuantkitError, match="names no tensors: restore it"):
+        quantkit.load(str(model))
+
+
+def test_a_weights_file_alone_and_a_hub_cache_folder_are_named(model, tmp_path):
+    """A safetensors file with no config beside it was called a damaged GGUF; a hub cache folder's hint
+    named the snapshot sorting last, not the one its main branch points to; a hub id, a model object and
+    a config naming custom code are named too."""
+    import quantkit
+
+    (tmp_path / "loose").mkdir()
+    shutil.copy(model / "model.safetensors", tmp_path / "loose" / "model.safetensors")
+    with pytest.raises(quantkit.QuantkitError, match="a weights file alone is not a model: pass the directory"):
+        quantkit.load(str(tmp_path / "loose" / "model.safetensors"))
+    hub = tmp_path / "models--org--tiny"
+    for revision in ("abc123", "fff000"):
+        shutil.copytree(model, hub / "snapshots" / revision)
+    (hub / "refs").mkdir()
+    (hub / "refs" / "main").write_text("abc123")
+    with pytest.raises(quantkit.QuantkitError, match=f"holds its files in {re.escape(str(hub))}/snapshots/abc123"):
+        quantkit.load(str(hub))
+    with pytest.raises(quantkit.QuantkitError, match="models are not fetched from the hub: download it first"):
+        quantkit.load("SomeOrg/some-model")
+    with pytest.raises(quantkit.QuantkitError, match="a dict is not a model path: pass a model directory"):
+        quantkit.quantize({})  # a model object, say: was a TypeError from pathlib
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(cfg | {"auto_map": {"AutoModelForCausalLM": "modeling.MyLlama"}}))
+    with pytest.warns(UserWarning, match="names custom code \\(auto_map\\), which quantkit does not run"):
+        quantkit.load(str(model))
 
 
 def test_checkpoints_that_are_not_float_causal_models_say_what_they_are(model, capsys, monkeypatch, tmp_path):

@@ -284,6 +284,29 @@ def test_head_bits_quantize_an_untied_head(tmp_path):
         pytest.approx(ours, rel=1e-3)
 
 
+def test_a_tied_models_quantized_head_is_read_as_its_own(uniform, tmp_path):
+    """ExLlamaV2's converter quantizes lm_head also where the config ties it (conversion/compile.py), and
+    ExLlamaV2 runs that head; quantkit read the file with lm_head tied to the float16 embedding."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from quantkit.config import QuantConfig
+    from quantkit.exporters import exl2
+
+    _, out = uniform
+    shutil.copytree(out, tmp_path / "q")
+    state = load_file(tmp_path / "q" / "model.safetensors")
+    assert "lm_head.weight" not in state and json.loads((out / "config.json").read_text())["tie_word_embeddings"]
+    head = exl2.quantize_head(state["model.embed_tokens.weight"].float(), QuantConfig("gptq", 4, 32, exl2=4.0,
+                                                                                    head_bits=6.0))
+    state |= {f"lm_head.{k}": v for k, v in exl2.pack_tensor("lm_head", head).items()}
+    save_file(state, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
+    module = quantkit.load(tmp_path / "q").module
+    assert torch.equal(module.lm_head.weight, head.dequantize().float())
+    assert torch.equal(module.model.embed_tokens.weight, state["model.embed_tokens.weight"].float())
+
+
 @pytest.mark.parametrize("args,match", [
     (["--format", "exl2", "--method", "gptq", "--bits", "4.0", "--head-bits", "6"], "ties its output head"),
     (["--head-bits", "6"], "--head-bits quantizes the output head of an EXL2 export"),

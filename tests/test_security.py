@@ -218,34 +218,17 @@ def evil_names(tiny_dir, tmp_path):
     return model
 
 
-G32 = ["--group-size", 32]
-EXPORTS = {"gptq-layout": G32, "gguf": ["--format", "gguf", "--gguf-type", "Q4_0"], "awq": ["--format", "awq", *G32],
-           "compressed-tensors": ["--format", "compressed-tensors", *G32],
-           "exl2": ["--format", "exl2", "--bits", "4.0", "--method", "gptq", "--calib-data", VALID,
-                    "--calib-samples", 2, "--calib-seqlen", 32]}
-
-
-@pytest.mark.parametrize("args", EXPORTS.values(), ids=EXPORTS.keys())
-def test_tensor_names_do_not_become_paths_in_an_export(evil_names, tmp_path, capsys, monkeypatch, args):
-    """Each format writes its files under its own names: the extra tensors are not the model's, so
-    they are left out, and nothing appears or changes outside --out."""
-    out = evil_names.parent / ("out.gguf" if "gguf" in args else "out")
+@pytest.mark.parametrize("args", [["quantize", "--out", "out", "--group-size", 32], ["export", "--out", "out.gguf"]])
+def test_tensor_names_as_paths_are_refused_at_load(evil_names, tmp_path, capsys, monkeypatch, args):
+    """The extra tensors are not the model's: the load refuses them, naming one, before anything is
+    written, so nothing appears or changes outside (or at) --out. Every command that reads a model
+    directory (quantize, export, eval, merge's base) goes through that load."""
+    out = evil_names.parent / args[2]
     before = tree(tmp_path, out)
-    code, _, err = cli(["quantize", evil_names, "--out", out, *args], capsys, monkeypatch)
-    assert code == 0 and not any("Traceback" in line for line in err), err
-    assert out.exists() and tree(tmp_path, out) == before
-
-
-def test_tensor_names_do_not_become_paths_in_a_merge(tiny_dir, evil_names, tmp_path, capsys, monkeypatch):
-    """quantkit merge into a base with such tensors: the same, for the merged model directory."""
-    (tmp_path / "train.txt").write_text(VALID.read_text()[:5000])
-    adapter, out = tmp_path / "adapter", evil_names.parent / "merged"
-    quantkit.train(str(tiny_dir), data=tmp_path / "train.txt", out=adapter, steps=1, seqlen=32, batch_size=2, rank=4,
-                   eval_fraction=0, progress=False)
-    before = tree(tmp_path, out)
-    code, _, err = cli(["merge", adapter, "--base", evil_names, "--out", out], capsys, monkeypatch)
-    assert code == 0, err
-    assert (out / "model.safetensors").is_file() and tree(tmp_path, out) == before
+    code, _, err = cli([args[0], evil_names, "--out", out, *args[3:]], capsys, monkeypatch)
+    assert code == 2 and "which config.json does not call for" in err[-1] and "evil" in err[-1], err
+    assert not any("Traceback" in line for line in err)
+    assert not out.exists() and tree(tmp_path, out) == before
 
 
 def test_progress_shard_names_stay_in_the_output(tiny_dir, tmp_path, monkeypatch):
