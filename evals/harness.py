@@ -5,6 +5,7 @@ dolly_mc: four-way response choice built from the Dolly slice); hub tasks need t
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ def prepare(names: list[str], data_dir: str | os.PathLike | None = None) -> Task
     if not names:
         raise QuantkitError(f"no task given: pass --tasks, e.g. {','.join(LOCAL)}")
     # lm-eval's own index takes some 20 s to build: only when a task is not one of ours
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its notes (our tasks override its own) are not errors
     manager = TaskManager(include_path=str(TASKS), include_defaults=not set(names) <= set(LOCAL),
                           metadata={"data_dir": str(data_dir)})
     known = set(manager.all_tasks)

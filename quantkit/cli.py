@@ -19,7 +19,7 @@ from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECIS
 from . import api, consumers, distributed
 from . import report as report_
 from .command import export
-from .config import AWQ_LOSSES, METHODS, QuantConfig, refuse_uncalibrated, refuse_unused
+from .config import AWQ_LOSSES, METHODS, QuantConfig, refuse_unused
 from .errors import QuantkitError
 from .modelio import load
 
@@ -135,7 +135,10 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
         options["bits"] = int(bits)
     config = QuantConfig(**options)
     given = given_options()
-    refuse_uncalibrated(given, config)
+    for name in ("calib_data", "calib_samples", "calib_seqlen", "seed"):
+        if name in given and not config.needs_calibration:
+            raise QuantkitError(f"{given[name]} sets the calibration, and --method {config.method} quantizes without "
+                                "one: drop it (GPTQ, AWQ, --imatrix and --target-bpw calibrate)")
     for name in ("eval_windows", "ctx"):
         if name in given and not eval_data:
             raise QuantkitError(f"{given[name]} sets the perplexity check that --eval-data turns on: add --eval-data "
@@ -238,9 +241,6 @@ def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, 
             device) -> None:
     """Run EleutherAI's lm-evaluation-harness tasks on MODEL (any model quantkit loads: float, a packed
     export, a .gguf file), through lm-eval's HFLM wrapper around the loaded model."""
-    import logging
-
-    logging.getLogger("lm_eval").setLevel(logging.ERROR)
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if limit is not None and limit >= 1:
         limit = int(limit)
@@ -274,20 +274,28 @@ def listed(value: str, kind=str, option: str = "") -> list:
 @click.option("--group-size", type=int, default=128, show_default=True)
 @click.option("--calib-data", type=click.Path(), help="calibration text (default: WikiText-2 train from the hub)")
 @click.option("--calib-samples", type=int, default=128, show_default=True)
+@click.option("--calib-seqlen", type=int, default=512, show_default=True)
 @click.option("--windows", type=click.IntRange(1), default=40, show_default=True, help="evaluation windows")
 @click.option("--ctx", type=int, default=512, show_default=True)
 @click.option("--tasks", default="", help="also run these lm-eval tasks on each point (comma-separated)")
 @click.option("--lm-eval-limit", type=float, help="documents per lm-eval task")
 @click.option("--keep-exports", is_flag=True, help="keep each point's export under OUT/exports")
 def report(model, out, data, methods, bits, gguf_types, exl2_bits, exl2_measured, group_size, calib_data, calib_samples,
-           windows, ctx, tasks, lm_eval_limit, keep_exports) -> None:
+           calib_seqlen, windows, ctx, tasks, lm_eval_limit, keep_exports) -> None:
     """Sweep methods and sizes over MODEL: for each point the export's size and bits per weight,
     perplexity, divergence from the base, time and peak memory; a markdown table, JSON and plots."""
     if not os.path.isfile(data):
         raise QuantkitError(f"{data}: no such file: pass --data with the evaluation text")
+    given, families = given_options(), set(listed(methods))
+    for name, needs in (("bits", {"rtn", "gptq", "awq"}), ("gguf_types", {"gguf"}), ("exl2_bits", {"exl2"}),
+                        ("exl2_measured", {"exl2"}), ("lm_eval_limit", None)):
+        if name in given and (not families & needs if needs else not tasks):
+            raise QuantkitError(f"{given[name]} sets " + (f"the {', '.join(sorted(needs))} points, and --methods has none: "
+                                                          "add them to --methods, or drop it" if needs else
+                                                          "the lm-eval runs, and there are no --tasks: add some, or drop it"))
     settings = report_.Settings(model=model or "", data=data, calib_data=calib_data, calib_samples=calib_samples,
-                                group_size=group_size, windows=windows, ctx=ctx, tasks=listed(tasks),
-                                lm_eval_limit=lm_eval_limit, exl2_measured=exl2_measured)
+                                calib_seqlen=calib_seqlen, group_size=group_size, windows=windows, ctx=ctx,
+                                tasks=listed(tasks), lm_eval_limit=lm_eval_limit, exl2_measured=exl2_measured)
     sweep = report_.Sweep(methods=listed(methods), bits=listed(bits, int, "--bits"), gguf_types=listed(gguf_types),
                           exl2_targets=listed(exl2_bits, float, "--exl2-bits"), keep_exports=keep_exports)
     r = report_.report(out, settings, sweep, echo=click.echo)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import json
+import math
 import os
 import resource
 import signal
@@ -39,22 +40,23 @@ class Point:
     name: str
     method: str  # rtn, gptq, awq, nf4
     format: str  # safetensors, awq, gguf
-    bits: int = 4
+    bits: int | None = None  # rtn, gptq, awq: the integer width
     gguf_type: str | None = None
     exl2: float | None = None  # the target bits per weight of an EXL2 point
 
     def config(self) -> dict:
-        c = {"method": self.method, "bits": self.bits}
-        if self.gguf_type:
-            c["gguf_type"] = self.gguf_type
-        if self.exl2:
-            c["exl2"] = self.exl2
+        c = {"method": self.method}
+        for key in ("bits", "gguf_type", "exl2"):
+            if getattr(self, key) is not None:
+                c[key] = getattr(self, key)
         return c
 
 
 def points(methods: list[str], bits: list[int], gguf_types: list[str],
            exl2_targets: list[float] = list(EXL2_TARGETS)) -> list[Point]:
+    """The sweep's points, each once, in the order given."""
     out = []
+    methods, bits, gguf_types, exl2_targets = (list(dict.fromkeys(v)) for v in (methods, bits, gguf_types, exl2_targets))
     for family in methods:
         if family not in FAMILIES:
             raise QuantkitError(f"unknown method {family!r} in --methods: use some of {', '.join(FAMILIES)}")
@@ -84,6 +86,7 @@ class Settings:
     tasks: list[str] = field(default_factory=list)
     lm_eval_limit: float | None = None
     exl2_measured: bool = False  # EXL2 points spend the target by one measurement, OUT/exl2-measurement.json
+    calib_seqlen: int = 512
     weights: str = ""  # the model's files as modelio.fingerprint gives them: a report goes on only with the same
 
 
@@ -136,8 +139,8 @@ def run_point(spec: dict) -> dict:
         except QuantkitError:
             fmt = "safetensors"
     start = time.perf_counter()
-    api.quantize(m, config, calib_data=s.calib_data, calib_samples=s.calib_samples, out=export, format=fmt,
-                 overwrite=True, keep=True, progress=False)
+    api.quantize(m, config, calib_data=s.calib_data, calib_samples=s.calib_samples, calib_seqlen=s.calib_seqlen,
+                 out=export, format=fmt, overwrite=True, keep=True, progress=False)
     seconds = time.perf_counter() - start
     peak = peak_rss()
     params, linear = parameter_counts(m.module)
@@ -146,8 +149,10 @@ def run_point(spec: dict) -> dict:
     file_bytes = export.stat().st_size if export.is_file() else sum(f.stat().st_size for f in export.iterdir())
     d = api.compare(m, out / "base.logits", s.data, s.ctx, s.windows, progress=False)
     result = {**asdict(p), "format": fmt, "status": "ok", "bytes": file_bytes, "bpw": bpw, "bpw_linear": bpw_linear,
-              "perplexity": d.perplexity, "ppl_ratio": d.ppl_ratio, "kld_mean": d.kld_mean,
-              "kld_p99": d.kld_percentiles[99.0], "same_top": d.same_top, "delta_p_rms": d.delta_p_rms,
+              "perplexity": d.perplexity, "perplexity_unc": d.perplexity_unc, "ppl_ratio": d.ppl_ratio,
+              "ppl_ratio_unc": d.ppl_ratio_unc, "kld_mean": d.kld_mean, "kld_mean_unc": d.kld_unc,
+              "kld_p99": d.kld_percentiles[99.0], "same_top": d.same_top, "same_top_unc": d.same_top_unc,
+              "delta_p_rms": d.delta_p_rms,
               "quantize_s": seconds, "peak_rss": peak}
     if s.tasks:
         try:
@@ -173,6 +178,8 @@ def peak_rss() -> int:
 
 def check(todo: list[Point], settings: Settings, out: Path) -> None:
     """Refuse, before the report directory is made, what would fail every point or the whole sweep."""
+    from quantkit import calibration
+
     from .config import QuantConfig
     from .requant import check_mix
 
@@ -181,11 +188,17 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
                             "with widths in --bits, --gguf-types or --exl2-bits for them")
     calibrates = False
     for p in todo:
+        if p.exl2 is not None and not (math.isfinite(p.exl2) and p.exl2 > 0):
+            raise QuantkitError(f"--exl2-bits {p.exl2:g} is not a target: give bits per weight, such as 4.125")
         calibrates |= QuantConfig(group_size=settings.group_size, **p.config()).needs_calibration  # widths, group size
         if p.gguf_type is not None:
             check_mix(p.gguf_type, "--gguf-types")
-    if calibrates and settings.calib_data and not os.path.isfile(settings.calib_data):
-        raise QuantkitError(f"{settings.calib_data}: no such file: pass --calib-data with the calibration text")
+    if calibrates and (settings.calib_samples < 1 or settings.calib_seqlen < 2):
+        raise QuantkitError(f"{settings.calib_samples} calibration windows of {settings.calib_seqlen} tokens: pass "
+                            "--calib-samples 1 or more and --calib-seqlen 2 or more")
+    if calibrates or settings.calib_data is not None:  # a setting of the report, even where this sweep does not use it
+        # the file's faults, or the hub's default without the network: once here, not in every point
+        calibration.load_text(settings.calib_data)
     if settings.lm_eval_limit is not None and settings.lm_eval_limit <= 0:
         raise QuantkitError(f"--lm-eval-limit {settings.lm_eval_limit} scores no document: pass a count (or a "
                             "fraction of each task) above 0")
@@ -254,8 +267,11 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     except BlockingIOError:
         raise QuantkitError(f"{out} is being written by another quantkit report: wait for it or choose another --out") from None
     saved = out / "settings.json"
-    if saved.exists() and read_json(saved) != asdict(settings):
-        raise QuantkitError(f"{out} holds a report of other settings ({saved}): choose another --out, or remove it")
+    if saved.exists() and (before := read_json(saved)) != asdict(settings):
+        changed = "; ".join(f"{k}: {v!r} here, {before.get(k)!r} in the report" for k, v in asdict(settings).items()
+                            if before.get(k) != v) or "a setting this version does not have"
+        raise QuantkitError(f"{out} holds a report of other settings ({changed}): run with its settings to go on, or "
+                            "choose another --out")
     write_json(saved, asdict(settings))
     for sub in ("points", "logs", "exports"):
         (out / sub).mkdir(exist_ok=True)
@@ -291,19 +307,33 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         with open(log, "w") as f:
             r = subprocess.run([sys.executable, "-m", "quantkit.report", json.dumps(spec)], stdout=f, stderr=f)
         if not done.exists() or r.returncode != 0:
-            lines = [line for line in log.read_text().splitlines() if line.strip()]
-            error = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "")
+            error = failure(log.read_text(), r.returncode)
             write_json(done, {**asdict(p), "status": "failed", "error": error[:500], "returncode": r.returncode})
             echo(f"    failed: {error[:200]} (log: {log})")
         elif "lm_eval_error" in (point := read_json(done)):
             echo(f"    lm-eval failed: {point['lm_eval_error'][:200]}")
+    names = [p.name for p in todo]
+    # points an earlier run of other --methods, --bits, ... made with these settings stay in the report
+    earlier = sorted(f.stem for f in (out / "points").glob("*.json") if f.stem not in names)
+    if earlier:
+        echo(f"also in the report, from earlier runs into {out}: {', '.join(earlier)}")
     result = {"settings": asdict(settings), "base": read_json(out / "base.json"),
-              "points": [read_json(out / "points" / f"{p.name}.json") for p in todo]}
+              "points": [read_json(out / "points" / f"{n}.json") for n in names + earlier]}
     write_json(out / "report.json", result)
     write_text(out / "report.md", table(result))
     plot(result, out)
     lock.close()
     return result
+
+
+def failure(log: str, returncode: int) -> str:
+    """Why a point's process failed, from its log and exit status: its error line, else the signal
+    that ended it without a word (the out-of-memory killer's SIGKILL, say), else the log's last line."""
+    lines = [line for line in log.splitlines() if line.strip()]
+    error = next((line for line in reversed(lines) if line.startswith("error:")), None)
+    if error is None and returncode < 0:
+        error = f"killed by {signal.Signals(-returncode).name}" + " (out of memory?)" * (returncode == -signal.SIGKILL)
+    return error or (lines[-1] if lines else f"exit status {returncode}")
 
 
 KLD_FLOOR = 1e-6  # the KLD plot's log axis holds no zero
@@ -314,25 +344,37 @@ def scored_windows(r: dict) -> int:
     return r["base"].get("windows", r["settings"]["windows"])
 
 
+def plus_minus(p: dict, key: str, form: str, scale: float = 1) -> str:
+    """A point's figure with its uncertainty where the point has one (points from before it was kept do not)."""
+    unc = p.get(f"{key}_unc")
+    return format(scale * p[key], form) + ("" if unc is None else " ± " + format(scale * unc, form))
+
+
 def table(r: dict) -> str:
     tasks = sorted({f"{t}:{k}" for p in r["points"] for t, v in p.get("lm_eval", {}).items()
                     for k in v if not k.endswith("_stderr") and k != "sample_len"})
-    head = ["point", "MiB", "bpw", "bpw linears", "PPL", "PPL/base", "KLD mean", "KLD p99", "same top",
+    head = ["point", "format", "MiB", "bpw", "bpw linears", "PPL", "PPL/base", "KLD mean", "KLD p99", "same top",
             *tasks, "quantize s", "peak RSS GiB"]
-    s = r["settings"]
-    lines = [f"Model {s['model'] or 'embedded SmolLM2-135M-Instruct'}; {scored_windows(r)} windows of {s['ctx']} of "
-             f"{Path(s['data']).name}; base perplexity {r['base']['perplexity']:.4f}; group size {s['group_size']}, "
-             f"{s['calib_samples']} calibration windows.", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    s, base = r["settings"], r["base"]
+    calibrated = any(p.get("method") in ("gptq", "awq") for p in r["points"])
+    calib = (f" Calibration: {s.get('calib_samples')} windows of {s.get('calib_seqlen', 512)} tokens of "
+             f"{Path(s['calib_data']).name if s.get('calib_data') else 'WikiText-2 train'} (seed 0).") if calibrated else ""
+    lines = [f"Model {s['model'] or 'embedded SmolLM2-135M-Instruct'}: {base['bytes'] / 2**20:.1f} MiB, base perplexity "
+             f"{base['perplexity']:.4f} on {scored_windows(r)} windows of {s['ctx']} tokens of {Path(s['data']).name}; "
+             f"group size {s['group_size']}.{calib} bpw: the file's bits per parameter; bpw linears: the decoder "
+             "linears' tensors over their weights (no embedding, head or norms). KLD in nats; ± one standard error.",
+             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in r["points"]:
         if p["status"] != "ok":
-            lines.append(f"| {p['name']} | failed: {p['error']} |" + " |" * (len(head) - 2))
+            error = p["error"].replace("|", "\\|")  # a | would end the cell
+            lines.append(f"| {p['name']} | failed: {error} |" + " |" * (len(head) - 2))
             continue
         scores = [p.get("lm_eval", {}).get(t.split(":")[0], {}).get(t.split(":")[1]) for t in tasks]
         lines.append("| " + " | ".join([
-            p["name"], f"{p['bytes'] / 2**20:.1f}", f"{p['bpw']:.3f}", f"{p['bpw_linear']:.3f}",
-            f"{p['perplexity']:.4f}", f"{p['ppl_ratio']:.4f}", f"{p['kld_mean']:.5f}", f"{p['kld_p99']:.4f}",
-            f"{100 * p['same_top']:.2f}%", *("" if v is None else f"{v:.4f}" for v in scores),
+            p["name"], p["format"], f"{p['bytes'] / 2**20:.1f}", f"{p['bpw']:.3f}", f"{p['bpw_linear']:.3f}",
+            plus_minus(p, "perplexity", ".4f"), plus_minus(p, "ppl_ratio", ".4f"), plus_minus(p, "kld_mean", ".4g"),
+            f"{p['kld_p99']:.4g}", plus_minus(p, "same_top", ".2f", 100) + "%",
+            *("" if v is None else f"{v:.4f}" for v in scores),
             f"{p['quantize_s']:.1f}", "n/a" if p["peak_rss"] is None else f"{p['peak_rss'] / 2**30:.2f}"]) + " |")
     lines += [f"\n{p['name']}: lm-eval failed ({p['lm_eval_error']}); its scores are missing, the same command runs "
               "it again" for p in r["points"] if "lm_eval_error" in p]
@@ -340,47 +382,87 @@ def table(r: dict) -> str:
 
 
 def plot(r: dict, out: Path) -> None:
+    """Perplexity and KLD against the file's bits per parameter (what is shipped, embedding and head
+    included, as it tells formats apart), each point labelled by its full name, with its standard
+    error; the failed points and those off the chart named on it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ok = [p for p in r["points"] if p["status"] == "ok"]
+    failed = [p["name"] for p in r["points"] if p["status"] != "ok"]
     families = sorted({p["name"].split("-")[0] for p in ok})
-    for key, label, name in (("perplexity", "perplexity", "perplexity.png"), ("kld_mean", "mean KL divergence from the base", "kld.png")):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+    base = r["base"]
+    for key, label, name in (("perplexity", "perplexity", "perplexity.png"),
+                             ("kld_mean", "mean KL divergence from the base (nats)", "kld.png")):
+        fig, ax = plt.subplots(figsize=(10, 5))
+        notes, labels = [], []
         for fam in families:  # a KLD of 0 or below (a lossless point, rounding in the base's rows) at the floor
-            pts = sorted((p["bpw_linear"], max(p[key], KLD_FLOOR) if key == "kld_mean" else p[key], p["name"])
-                         for p in ok if p["name"].split("-")[0] == fam)
-            ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], "o-", label=fam)
-            for x, y, n in pts:
-                ax.annotate(n.split("-", 1)[-1], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            pts = sorted(ok_points([p for p in ok if p["name"].split("-")[0] == fam], key))
+            line = ax.errorbar([x for x, *_ in pts], [y for _, y, _, _ in pts], yerr=[e for *_, e, _ in pts],
+                               fmt="o-", capsize=2, label=fam)
+            labels += [(x, y, n, line[0].get_color()) for x, y, _, n in pts]
         ax.set_yscale("log")
+        values = [max(p[key], KLD_FLOOR) for p in ok]
         if key == "perplexity":
-            base = r["base"]["perplexity"]
-            ax.axhline(base, color="gray", ls="--", label="base (float)")
-            off = [p for p in ok if p[key] > 20 * base]  # a broken point would flatten the rest: named instead
+            ax.axhline(base["perplexity"], color="gray", ls="--", label=f"float model ({base['perplexity']:.4g})")
+            top = 20 * base["perplexity"]  # a broken point would flatten the rest: named instead
+            off = [p for p in ok if p[key] > top]
             if off:
-                ax.set_ylim(min(p[key] for p in ok) * 0.9, 20 * base)
-                names = ", ".join(f"{p['name']} ({p[key]:.4g})" for p in off)
-                ax.text(0.01, 0.98, f"above the chart: {names}", transform=ax.transAxes, fontsize=8, va="top")
+                low = min([base["perplexity"], *values]) * 0.9
+                ax.set_ylim(low, max(top, low * 10))
+                notes.append("above the chart: " + ", ".join(f"{p['name']} ({p[key]:.4g})" for p in off))
         floor = [p["name"] for p in ok if key == "kld_mean" and p[key] < KLD_FLOOR]
         if floor:
-            ax.text(0.01, 0.02, f"at {KLD_FLOOR:g} (the floor) with a KLD below it: {', '.join(floor)}",
-                    transform=ax.transAxes, fontsize=8)
-        ax.set_xlabel("bits per weight (decoder linears)")
+            notes.append(f"at {KLD_FLOOR:g} (the floor) with a KLD below it: {', '.join(floor)}")
+        if failed:
+            notes.append(f"failed (see report.md): {', '.join(failed)}")
+        place_labels(fig, ax, labels)
+        for i, note in enumerate(notes):
+            ax.text(0.01, 0.98 - 0.05 * i, note, transform=ax.transAxes, fontsize=8, va="top")
+        ax.set_xlabel("bits per parameter of the file (size x 8 / parameters)")
         ax.set_ylabel(label)
-        fig.suptitle(f"{label} against size, {scored_windows(r)} windows of {r['settings']['ctx']}")
+        fig.suptitle(f"{label} against file size, {scored_windows(r)} windows of {r['settings']['ctx']} tokens")
         ax.grid(True, which="both", alpha=0.3)
         if not ok:
             ax.text(0.5, 0.5, "no point came through: see report.md", transform=ax.transAxes, ha="center")
         if ax.get_legend_handles_labels()[0]:  # nothing labelled: no legend (matplotlib warns of an empty one)
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: it hid points and labels
         fig.tight_layout()
         tmp = out / f".{name}.tmp.png"
         fig.savefig(tmp, dpi=120)
         plt.close(fig)
         os.replace(tmp, out / name)
+
+
+LABEL_OFFSETS = [(5, 4), (5, -10), (5, 14), (5, -20), (5, 24), (5, -30), (5, 34), (5, -40)]  # points from the dot
+
+
+def place_labels(fig, ax, labels: list[tuple[float, float, str, str]], size: float = 7) -> None:
+    """Each (x, y, text, colour) written beside its point at the first offset where it overlaps no label
+    placed before (points at one size and close values would print over each other)."""
+    fig.canvas.draw()  # the axes' final limits, so that data positions map to where they are drawn
+    placed = []  # (left, bottom, right, top) in points
+    for x, y, text, colour in sorted(labels):
+        px, py = ax.transData.transform((x, y)) * 72 / fig.dpi
+        width, height = 0.6 * size * len(text), size
+        for dx, dy in LABEL_OFFSETS:
+            box = (px + dx, py + dy, px + dx + width, py + dy + height)
+            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
+                break
+        placed.append(box)
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=size, color=colour)
+
+
+def ok_points(pts: list[dict], key: str) -> list[tuple[float, float, float, str]]:
+    """(x, y, y's standard error, name) of each point; a KLD at least KLD_FLOOR (the log axis has no 0)."""
+    out = []
+    for p in pts:
+        y = max(p[key], KLD_FLOOR) if key == "kld_mean" else p[key]
+        unc = p.get(f"{key}_unc") or 0.0
+        out.append((p["bpw"], y, min(unc, 0.99 * y), p["name"]))  # an error bar below 0 has no place on a log axis
+    return out
 
 
 def bound_to(parent: int) -> None:

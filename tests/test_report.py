@@ -43,7 +43,16 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
     assert all((out / "points" / f"{p}.json").stat().st_mtime_ns == stamps[p] for p in ("rtn-w4", "nf4", "gguf-Q8_0", "exl2-4"))
 
     code, _, err = cli([*common, "--windows", 2], capsys, monkeypatch)
-    assert code == 2 and err[-1].startswith(f"error: {out} holds a report of other settings")
+    assert code == 2 and err[-1].startswith(f"error: {out} holds a report of other settings (windows: 2 here, 3 in "
+                                            "the report)")
+
+    # another sweep with the same settings: its points join the report's, none is dropped from it
+    code, printed, _ = cli(["report", tiny_dir, "--out", out, "--data", TEST, "--calib-data", VALID, "--calib-samples",
+                            4, "--methods", "rtn", "--bits", "4,8,8", "--group-size", 32, "--tasks", "dolly_mc",
+                            "--lm-eval-limit", 4, "--ctx", 128, "--windows", 3], capsys, monkeypatch)
+    names = [p["name"] for p in json.loads((out / "report.json").read_text())["points"]]
+    assert names == ["rtn-w4", "rtn-w8", "exl2-4", "exl2-9", "gguf-Q8_0", "nf4"]  # the sweep's, then earlier ones
+    assert "[2/2] rtn-w8" in printed and "also in the report, from earlier runs" in printed
 
 
 def test_a_point_whose_lm_eval_fails_keeps_its_figures(tiny_dir, tmp_path, capsys, monkeypatch):
@@ -116,7 +125,7 @@ def test_a_model_rewritten_at_its_path_is_not_reported_on_with_the_old_points(ti
 def test_a_report_whose_every_point_failed_still_draws_its_charts(tiny_dir, tmp_path, capsys, monkeypatch, recwarn):
     out = tmp_path / "report"
     code, printed, _ = cli(["report", tiny_dir, "--out", out, "--data", TEST, "--methods", "exl2", "--exl2-bits", "9",
-                            "--windows", 1, "--ctx", 64], capsys, monkeypatch)
+                            "--calib-data", VALID, "--windows", 1, "--ctx", 64], capsys, monkeypatch)
     assert code == 1 and "failed: exl2-9" in printed
     assert (out / "kld.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not [w for w in recwarn if "No artists" in str(w.message)]
@@ -131,7 +140,15 @@ def test_a_report_whose_every_point_failed_still_draws_its_charts(tiny_dir, tmp_
     # these failed every point after the base was scored, and the corrected command was then refused
     (["--methods", "rtn", "--bits", "4", "--tasks", "bogus_task"], "lm-eval knows no task 'bogus_task'"),
     (["--methods", "rtn", "--bits", "4", "--tasks", "dolly_mc", "--lm-eval-limit", "-1"], "scores no document"),
-    (["--methods", "gptq", "--bits", "4", "--calib-data", "none.txt"], "none.txt: no such file: pass --calib-data"),
+    (["--methods", "gptq", "--bits", "4", "--calib-data", "none.txt"], "none.txt: no such file: pass an existing text"),
+    (["--methods", "exl2", "--exl2-bits", "0", "--calib-data", VALID], "--exl2-bits 0 is not a target"),
+    (["--methods", "exl2", "--exl2-bits", "nan", "--calib-data", VALID], "--exl2-bits nan is not a target"),
+    (["--methods", "gptq", "--bits", "4", "--calib-data", VALID, "--calib-samples", 0], "0 calibration windows of 512"),
+    (["--methods", "rtn", "--calib-data", "none.txt"], "none.txt: no such file"),  # a setting of the report still
+    # options nothing in the sweep reads: taken and ignored (an invalid --gguf-types too)
+    (["--methods", "rtn", "--gguf-types", "Q9_X"], "--gguf-types sets the gguf points, and --methods has none"),
+    (["--methods", "gguf", "--bits", "4"], "--bits sets the awq, gptq, rtn points, and --methods has none"),
+    (["--methods", "rtn", "--lm-eval-limit", 5], "--lm-eval-limit sets the lm-eval runs, and there are no --tasks"),
 ])
 def test_bad_settings_are_refused_before_the_report_is_made(tiny_dir, tmp_path, capsys, monkeypatch, args, match):
     """Settings that every point, or the base, would fail on: one error line, and no report directory
@@ -182,4 +199,18 @@ def test_the_windows_shown_are_the_ones_scored(tiny_dir, tmp_path, capsys, monke
                             "--group-size", 32, "--windows", 40, "--ctx", 64], capsys, monkeypatch)
     n = json.loads((out / "base.json").read_text())["windows"]
     assert code == 0 and 1 <= n < 40 and f"the text gives {n} windows of 64" in printed
-    assert f"; {n} windows of 64 of short.txt" in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    assert f"on {n} windows of 64 tokens of short.txt" in md
+    assert "| rtn-w4 | safetensors |" in md and " ± " in md  # the figures with their standard errors
+
+
+@pytest.mark.parametrize("log,code,said", [
+    ("loading\nerror: 9.0 bits per weight is outside\n", 2, "error: 9.0 bits per weight is outside"),
+    ("loading\n", -9, "killed by SIGKILL (out of memory?)"),  # the out-of-memory killer leaves no word
+    ("", -15, "killed by SIGTERM"),
+    ("Traceback ...\nValueError: x\n", 1, "ValueError: x")])
+def test_a_failed_points_reason(log, code, said):
+    """A point killed by a signal was recorded as failed with an empty reason."""
+    from quantkit.report import failure
+
+    assert failure(log, code) == said
