@@ -32,16 +32,12 @@ SETTINGS = [  # label, quantize() arguments
 def perplexities(windows: int) -> None:
     import quantkit
 
-    model = quantkit.load()
-    model.materialize()
-    original = {k: v.clone() for k, v in model.module.state_dict().items()}
-    base = quantkit.evaluate(model, TEST, "llamacpp", 512, windows, progress=False).perplexity
+    base = quantkit.evaluate(None, TEST, "llamacpp", 512, windows, progress=False).perplexity
     print(f"base perplexity {base:.3f} (llama.cpp protocol, ctx 512, {windows} windows)")
     print("| setting | bits per weight | perplexity | / base |")
     print("| --- | --- | --- | --- |")
     for label, kw in SETTINGS:
-        model.module.load_state_dict(original)
-        quantkit.quantize(model, progress=False, **kw)
+        model = quantkit.quantize(None, progress=False, **kw)  # from the float weights each time
         bpw = sum(qt.bits_per_weight * qt.codes.numel() for qt in model.tensors.values()) / \
             sum(qt.codes.numel() for qt in model.tensors.values())
         ppl = quantkit.evaluate(model, TEST, "llamacpp", 512, windows, progress=False).perplexity

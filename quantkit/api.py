@@ -1,6 +1,7 @@
 """The pipeline as plain function calls; the CLI is a thin layer over these."""
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import re
@@ -257,20 +258,39 @@ def quantize(
     from their documented limits (quantkit.consumers). Every check that can fail runs before the long
     work starts."""
     if config is not None and options:
-        raise TypeError("pass a QuantConfig or its fields as keywords, not both")
+        raise QuantkitError("pass a QuantConfig or its fields as keywords, not both")
+    if config is not None and not isinstance(config, QuantConfig):
+        raise QuantkitError(f"config is a {type(config).__name__}: pass a QuantConfig, or its fields as keywords")
+    exporters.check_format_name(format)
     if config is None:  # a field set to other than its default that the method or format would ignore
         defaults = {f.name: f.default for f in fields(QuantConfig)}
+        unknown = sorted(set(options) - set(defaults))
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], defaults, n=1)
+            raise QuantkitError(f"quantize takes no option {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close
+                                else "") + ": its options are QuantConfig's fields")
         refuse_unused({k: k for k, v in options.items() if k in defaults and v != defaults[k]},
                       options.get("method", "rtn"), format, options.get("target_bpw") is not None)
+        if format == "gguf":  # before the config checks its GGUF options (pure, tensor_type, imatrix)
+            options.setdefault("gguf_type", exporters.gguf.DEFAULT_MIX)
     config = config or QuantConfig(**options)
     if format == "gguf" and config.gguf_type is None:
         config = replace(config, gguf_type=exporters.gguf.DEFAULT_MIX)
+    if format != "gguf" and config.gguf_type is not None:
+        raise QuantkitError(f"gguf_type={config.gguf_type!r} is a GGUF mix: pass format='gguf' with it")
+    for name, value, least in (("calib_samples", calib_samples, 1), ("calib_seqlen", calib_seqlen, 2), ("seed", seed, 0)):
+        whole(name, value, least)
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
     dev = device_of(device)
     distributed.init(dev)  # under torchrun: this process's part of the job
     keep = out is None if keep is None else keep
+    if not keep and out is None:
+        raise QuantkitError("keep=False writes the quantized layers to out and drops them from memory: pass out")
     if out is not None:
         exporters.check_out(out, overwrite, directory=format != "gguf")
         exporters.parse_size(max_shard_size)
+    if isinstance(model, Model):
+        check_float(model)
     m = model if isinstance(model, Model) else load(model)
     if out is not None:
         check_apart(out, [m.source, calib_data])
@@ -442,6 +462,7 @@ def evaluate(
     quantkit.qlinear (Triton on CUDA, torch on the CPU); packed=False evaluates a dequantized copy.
     device, dtype: where and in what a model loaded from a path runs (default: CUDA, in float16, when
     there is a GPU; else float32); a Model passed in is moved only when one is given."""
+    windows_of(ctx, max_windows)
     text = calibration.load_text(data, split="test")  # before the model loads
     m = ready(model, packed, device, dtype)
     text = calibration.chats(data, text, m.tokenizer)
@@ -467,6 +488,7 @@ def compare(
     llama-perplexity --kl-divergence-base), which skips running the base. One model is in memory at a
     time: the base's log-probabilities go to disk (save_base, or a temporary file) first. dtype: both
     models run in it (as in evaluate)."""
+    windows_of(ctx, max_windows)
     text = calibration.load_text(data, split="test")
     if device is not None:
         device_of(device)
@@ -514,6 +536,12 @@ def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float
     lm-eval's HFLM wrapper around the loaded model. Local tasks (wikitext, dolly_mc) read data_dir."""
     from quantkit.evals import harness
 
+    tasks = [tasks] if isinstance(tasks, str) else list(tasks)
+    whole("batch_size", batch_size, 1)
+    if max_length is not None:
+        whole("max_length", max_length, 2)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
+        raise QuantkitError(f"limit={limit!r}: pass a number of documents per task (or a fraction of each) above 0")
     prepared = harness.prepare(tasks, data_dir)  # a wrong name or missing data fails before the model loads
     m = ready(model, packed, device)
     with scoring(m):
@@ -522,7 +550,43 @@ def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float
 
 def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: bool = False,
            max_shard_size: int | str = exporters.DEFAULT_MAX_SIZE) -> Path:
+    """Write a Model quantized in memory (quantize with keep=True) to out in format; the path written.
+    A model on disk needs no export: quantize it with out, or requantize a GGUF with export_gguf."""
+    if not isinstance(model, Model):
+        raise QuantkitError(f"export writes a Model quantized in memory, not a {type(model).__name__}: quantize the "
+                            "model with out (or keep=True, then export that)")
     return exporters.export(model, out, format, overwrite, max_shard_size)
+
+
+def windows_of(ctx, max_windows) -> None:
+    """Refuse a context or window count that is not a whole number (evaluate, compare)."""
+    whole("ctx", ctx, 2)
+    if max_windows is not None:
+        whole("max_windows", max_windows, 1)
+
+
+def whole(name: str, value, least: int) -> None:
+    """Refuse an API argument that is not a whole number of at least least."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise QuantkitError(f"{name}={value!r}: pass a whole number of at least {least}")
+
+
+def check_float(m: Model) -> None:
+    """Refuse to quantize a Model whose weights in memory are not its checkpoint's: quantized already in
+    this process (kept, or streamed to an export), or converted to another dtype (evaluate converts
+    the Model it is given to the dtype it runs in). A quantized export loaded from disk is requantized,
+    with a warning."""
+    again = "quantize quantkit.load(path) again, which reads the float weights"
+    if m.streamed_to is not None or (m.qconfig is not None and m.checkpoint is not None):
+        raise QuantkitError(f"this Model was quantized already in this process{f' (to {m.streamed_to})' if m.streamed_to else ''}: "
+                            f"{again}")
+    held = {p.dtype for p in m.module.parameters() if not p.is_meta and p.is_floating_point()}
+    if m.checkpoint is not None and held - {torch.float32, m.checkpoint.dtype}:
+        raise QuantkitError(f"this Model's weights were converted to {', '.join(sorted(map(str, held)))} in memory "
+                            f"(evaluate with a device or dtype converts the Model it is given): {again}")
+    if m.qconfig is not None:
+        warnings.warn(f"{m.source} is quantized already: quantizing it again keeps its rounding error; quantize the "
+                      "float model for the best result")
 
 
 def export_gguf(model: Model, out: PathLike, gguf_type: str | None = None, overwrite: bool = False,

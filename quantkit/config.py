@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, replace
+import types
+import typing
+from dataclasses import asdict, dataclass, fields, replace
 
 from . import blocks
 from . import rules as layer_rules
@@ -40,6 +42,35 @@ def refuse_unused(given: dict[str, str], method: str, fmt: str, target_bpw: bool
                 name in ("group_size", "sym") and method in CODEBOOK_METHODS:
             raise QuantkitError(f"{flag} is not an option of {as_method}: drop it, or use a method it belongs to "
                                 "(see quantkit quantize --help)")
+
+
+def check_types(config) -> None:
+    """Refuse a field of a dataclass given a value of another type than it declares (the API passes on
+    what it is given: a string for a number failed deep inside, with a traceback, or was kept)."""
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if not fits(value, hints[f.name]):
+            raise QuantkitError(f"{f.name}={value!r} is a {type(value).__name__}, where {describe(hints[f.name])} "
+                                f"belongs: pass {f.name} as one")
+
+
+def fits(value, hint) -> bool:
+    """Whether value is of the type hint (an int is a float; containers are checked where they are read)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(fits(value, a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint in (bool, str):
+        return isinstance(value, hint)
+    if hint in (int, float):
+        return isinstance(value, (int, float) if hint is float else int) and not isinstance(value, bool)
+    return True
+
+
+def describe(hint) -> str:
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return " or ".join("None" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
 
 
 @dataclass
@@ -85,6 +116,7 @@ class QuantConfig:
     rules: tuple[layer_rules.Rule, ...] = ()
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.method not in METHODS:
             raise QuantkitError(f"unknown method {self.method!r}: use one of {', '.join(METHODS)}")
         check_bits_group(self.bits, self.group_size)

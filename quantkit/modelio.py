@@ -70,7 +70,7 @@ class Model:
         meta = {base + name: tuple(t.shape) for name, t in module.state_dict(keep_vars=True).items() if t.is_meta}
         if meta and self.streamed_to is not None:
             raise QuantkitError(f"this model's quantized layers were written to {self.streamed_to} and not kept in "
-                                f"memory: load that export, or quantize with keep=True")
+                                f"memory: load that export, quantize with keep=True, or load the float model again")
         for name, shape in meta.items():  # one at a time: no second copy of the whole model while converting
             t = self.checkpoint.read({name: shape}, device)[name]
             set_module_tensor_to_device(self.module, name, device, t, dtype=dtype or t.dtype)
@@ -151,6 +151,9 @@ class Checkpoint:
         files = shard_files(path)
         index = weight_map(path) if (path / "model.safetensors.index.json").is_file() else None
         for f in files:
+            if not os.access(f, os.R_OK):  # else "corrupt or truncated" when read
+                raise QuantkitError(f"{f}: not readable by this user: make the model's files readable, or run as a "
+                                    "user who can read them")
             with reading(f), safe_open(str(f), "pt") as sf:
                 for key in sf.keys():
                     if index is not None and index.get(key) != f.name:  # a stale copy the index does not name

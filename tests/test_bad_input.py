@@ -3,6 +3,7 @@ import json
 import re
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -130,6 +131,55 @@ def test_the_calibration_text_is_checked_before_the_first_evaluation(model, caps
     monkeypatch.setattr(quantkit.api, "evaluate", lambda *a, **k: pytest.fail("evaluated before the check"))
     quantize_fails([model, "--method", "gptq", "--calib-data", tmp_path / "calib.bin", "--eval-data", VALID],
                    capsys, monkeypatch, tmp_path, "calib.bin: not UTF-8 text")
+
+
+@pytest.mark.parametrize("call,match", [
+    # wrong types: tracebacks from deep inside (or a string kept as a setting, failing at export)
+    (lambda q, m, t: q.quantize(m, method="gptq", calib_samples="4"), "calib_samples='4': pass a whole number"),
+    (lambda q, m, t: q.quantize(m, method="gptq", seed=None), "seed=None: pass a whole number"),  # unseeded windows
+    (lambda q, m, t: q.quantize(m, method="rtn", sym="no"), "sym='no' is a str, where bool or None belongs"),
+    (lambda q, m, t: q.quantize(m, method="gptq", damp="x"), "damp='x' is a str, where float belongs"),
+    (lambda q, m, t: q.QuantConfig(method="gptq", block_size=64.5), "block_size=64.5 is a float, where int or None"),
+    (lambda q, m, t: q.evaluate(m, t, ctx="64"), "ctx='64': pass a whole number"),
+    (lambda q, m, t: q.evaluate(m, t, max_windows=2.0), "max_windows=2.0: pass a whole number"),
+    (lambda q, m, t: q.lm_eval(m, ["wikitext"], limit="2"), "limit='2': pass a number of documents"),
+    (lambda q, m, t: q.lm_eval(m, ["wikitext"], batch_size=0), "batch_size=0: pass a whole number of at least 1"),
+    (lambda q, m, t: q.train(m, data=t, out="x", steps="1"), "steps='1' is a str, where int or None belongs"),
+    # the ways of passing options
+    (lambda q, m, t: q.quantize(m, method="rtn", bitz=4), "quantize takes no option 'bitz' (did you mean 'bits'?)"),
+    (lambda q, m, t: q.quantize(m, {"method": "rtn"}), "config is a dict: pass a QuantConfig"),
+    (lambda q, m, t: q.quantize(m, q.QuantConfig(), bits=8), "pass a QuantConfig or its fields as keywords, not both"),
+    (lambda q, m, t: q.train(m, data=t, out="x", rnak=4), "train takes no option 'rnak'"),
+    # quantized for nothing, or for another format than asked
+    (lambda q, m, t: q.quantize(m, method="rtn", keep=False), "keep=False writes the quantized layers to out"),
+    (lambda q, m, t: q.quantize(m, method="rtn", format="gptq"), "unknown export format 'gptq'"),
+    (lambda q, m, t: q.quantize(m, method="rtn", gguf_type="Q4_K_M"), "gguf_type='Q4_K_M' is a GGUF mix: pass format"),
+    (lambda q, m, t: q.export(str(m), "x"), "export writes a Model quantized in memory, not a str")])
+def test_api_arguments_are_checked_with_one_error(tiny_dir, call, match):
+    """Each was a TypeError, ValueError or AttributeError from deep inside, or accepted and ignored."""
+    import quantkit
+
+    with pytest.raises(quantkit.QuantkitError, match=re.escape(match)):
+        call(quantkit, str(tiny_dir), TEST)
+
+
+def test_a_model_quantized_or_converted_in_memory_is_not_quantized_again(tiny_dir, tmp_path):
+    """quantize(m) twice rounded the first result again; a Model streamed to an export could not be
+    quantized again, with advice that did not help; after evaluate in bfloat16 the weights quantized
+    were bfloat16's. A GGUF option with format="gguf" was refused as if no GGUF were asked for."""
+    import quantkit
+
+    m = quantkit.load(str(tiny_dir))
+    quantkit.quantize(m, method="rtn", group_size=32, progress=False)
+    with pytest.raises(quantkit.QuantkitError, match="this Model was quantized already in this process: quantize "
+                                                     "quantkit.load\\(path\\) again"):
+        quantkit.quantize(m, method="rtn", bits=8, group_size=32, progress=False)
+    m = quantkit.load(str(tiny_dir))
+    quantkit.evaluate(m, TEST, ctx=64, max_windows=1, dtype="bfloat16", progress=False)
+    with pytest.raises(quantkit.QuantkitError, match="weights were converted to torch.bfloat16 in memory"):
+        quantkit.quantize(m, method="rtn", group_size=32, progress=False)
+    quantkit.quantize(str(tiny_dir), method="rtn", format="gguf", pure=True, out=tmp_path / "q.gguf", progress=False)
+    assert (tmp_path / "q.gguf").is_file()
 
 
 @pytest.mark.parametrize("out,args,match", [
@@ -261,9 +311,9 @@ def edit_quantization_config(path, change: dict) -> None:
     (path / "config.json").write_text(json.dumps(cfg))
 
 
-@pytest.mark.parametrize("fields,match", [({"bits": 4.0}, "unsupported bit width 4.0"),
-                                          ({"bits": True}, "unsupported bit width True"),
-                                          ({"group_size": 32.0}, "group size 32.0 is invalid")])
+@pytest.mark.parametrize("fields,match", [({"bits": 4.0}, "bits=4.0 is a float, where int belongs"),
+                                          ({"bits": True}, "bits=True is a bool, where int belongs"),
+                                          ({"group_size": 32.0}, "group_size=32.0 is a float, where int belongs")])
 def test_settings_through_the_api_that_are_not_whole(fields, match):
     """QuantConfig(bits=4.0) passed `in (2, 3, 4, 8)` and broke the packing with a TypeError."""
     from quantkit import QuantConfig, QuantkitError
@@ -501,6 +551,19 @@ def test_the_index_says_which_shard_holds_a_tensor(model):
         quantkit.load(str(model))
     (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
     with pytest.raises(quantkit.QuantkitError, match="names no tensors: restore it"):
+        quantkit.load(str(model))
+
+
+def test_a_shard_this_user_cannot_read_is_named(model, monkeypatch):
+    """It was called corrupt or truncated (root, who runs the suite, reads any file: os.access stands in)."""
+    import os
+
+    import quantkit
+
+    shard = model / "model.safetensors"
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p) != shard and real(p, mode, **kw))
+    with pytest.raises(quantkit.QuantkitError, match="model.safetensors: not readable by this user"):
         quantkit.load(str(model))
 
 

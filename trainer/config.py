@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from quantkit.config import check_types
 from quantkit.errors import QuantkitError
 from quantkit.quantizers import nf4
 
@@ -45,6 +46,7 @@ class TrainConfig:
     nf4_block: int = 64  # QLoRA base: values per absmax block
 
     def __post_init__(self) -> None:
+        check_types(self)
         # 0 from Python and 0.0 from the command line are one setting (the resume key hashes them)
         for name in ("alpha", "dropout", "lr", "weight_decay", "max_grad_norm", "eval_fraction", "epochs", "lora_plus"):
             if getattr(self, name) is not None:

@@ -14,7 +14,7 @@ import sys
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields as dataclass_fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -280,6 +280,11 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
     and write the adapter to out in PEFT's format, with its log and loss plot. config, or its fields
     by keyword. callback(record) is called after every step. resume: go on from the checkpoint a
     killed run of the same command left."""
+    if config is not None and not isinstance(config, TrainConfig):
+        raise QuantkitError(f"config is a {type(config).__name__}: pass a TrainConfig, or its fields as keywords")
+    unknown = sorted(set(fields) - {f.name for f in dataclass_fields(TrainConfig)})
+    if unknown:
+        raise QuantkitError(f"train takes no option {unknown[0]!r}: its options are TrainConfig's fields")
     config = replace(config, **fields) if config is not None else TrainConfig(**fields)
     dev = device_of(device)
     distributed.init(dev)
