@@ -278,8 +278,8 @@ def quantize(
         config = replace(config, gguf_type=exporters.gguf.DEFAULT_MIX)
     if format != "gguf" and config.gguf_type is not None:
         raise QuantkitError(f"gguf_type={config.gguf_type!r} is a GGUF mix: pass format='gguf' with it")
-    for name, value, least in (("calib_samples", calib_samples, 1), ("calib_seqlen", calib_seqlen, 2), ("seed", seed, 0)):
-        whole(name, value, least)
+    for name, value in (("calib_samples", calib_samples), ("calib_seqlen", calib_seqlen), ("seed", seed)):
+        whole(name, value)  # their ranges: where they are used, in the command line's words
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
     dev = device_of(device)
     distributed.init(dev)  # under torchrun: this process's part of the job
@@ -560,15 +560,16 @@ def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: 
 
 def windows_of(ctx, max_windows) -> None:
     """Refuse a context or window count that is not a whole number (evaluate, compare)."""
-    whole("ctx", ctx, 2)
+    whole("ctx", ctx)
     if max_windows is not None:
-        whole("max_windows", max_windows, 1)
+        whole("max_windows", max_windows)
 
 
-def whole(name: str, value, least: int) -> None:
-    """Refuse an API argument that is not a whole number of at least least."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise QuantkitError(f"{name}={value!r}: pass a whole number of at least {least}")
+def whole(name: str, value, least: int | None = None) -> None:
+    """Refuse an API argument that is not a whole number (of at least least)."""
+    if not isinstance(value, int) or isinstance(value, bool) or least is not None and value < least:
+        raise QuantkitError(f"{name}={value!r}: pass a whole number" + (f" of at least {least}" if least is not None
+                                                                        else ""))
 
 
 def check_float(m: Model) -> None:
