@@ -33,9 +33,16 @@ def load_text(source: str | os.PathLike | None = None, split: str = "train", tok
     instruction records (the trainer's) is the records as the chat template writes them."""
     if source is None:
         return hub_text(split)
+    text = read_file(source, PURPOSE.get(split, "use"))
+    return chats(source, text, tokenizer) if tokenizer is not None else text
+
+
+def read_file(source: str | os.PathLike, purpose: str = "use") -> str:
+    """A local file's text, its bytes as they are ("\\r\\n" kept: llama.cpp reads them so) but for a
+    byte-order mark; a file that is not text is refused, naming what to pass instead."""
     p = Path(source)
     if p.is_dir():
-        raise QuantkitError(f"{p} is a directory: pass a text file (or JSON lines of chats) to {PURPOSE.get(split, 'use')}")
+        raise QuantkitError(f"{p} is a directory: pass a text file (or JSON lines of chats) to {purpose}")
     if not p.is_file():
         raise QuantkitError(f"{p}: no such file: pass an existing text file")
     if p.suffix.lower() in TABLES:
@@ -47,15 +54,15 @@ def load_text(source: str | os.PathLike | None = None, split: str = "train", tok
         kind = next((what for magic, what in PACKED.items() if head.startswith(magic)), None)
         if kind is not None:
             raise QuantkitError(f"{p}: {kind}")
-        with open(p, encoding="utf-8", newline="") as f:  # keep "\r\n": llama.cpp reads the bytes as they are
+        with open(p, encoding="utf-8-sig", newline="") as f:
             text = f.read()
     except UnicodeDecodeError as e:
         raise QuantkitError(f"{p}: not UTF-8 text ({e}): pass a plain text file") from None
     except OSError as e:
         raise QuantkitError(f"{p}: cannot read it ({e.strerror}): make it readable, or pass another file") from None
     if not text.strip():
-        raise QuantkitError(f"{p}: the file is empty: pass a file with text to {PURPOSE.get(split, 'use')}")
-    return chats(p, text, tokenizer) if tokenizer is not None else text
+        raise QuantkitError(f"{p}: the file is empty: pass a file with text to {purpose}")
+    return text
 
 
 def chats(source: str | os.PathLike | None, text: str, tokenizer) -> str:

@@ -96,7 +96,9 @@ def window_logits(module: torch.nn.Module, tokenizer, windows: torch.Tensor, pro
         inputs = batch.clone()
         if bos:
             inputs[:, 0] = tokenizer.bos_token_id
-        logits = module(inputs.to(device), use_cache=False).logits[:, first:-1].float()
+        # the head computes only the scored positions' logits (half the window's under llamacpp)
+        out = module(inputs.to(device), use_cache=False, logits_to_keep=windows.shape[1] - first)
+        logits = out.logits[:, :-1].float()
         yield logits, batch[:, first + 1:].to(logits.device)
 
 
@@ -113,6 +115,7 @@ def perplexity(
     w = windows(tokenizer, text, protocol, ctx, max_windows)
     nll, count = 0.0, 0
     for logits, targets in window_logits(module, tokenizer, w, protocol, batch_size, progress):
-        nll -= torch.log_softmax(logits.double(), dim=-1).gather(-1, targets[..., None]).sum().item()
+        for lg, tg in zip(logits, targets):  # a window at a time: its float64 copy is a quarter of a batch's
+            nll -= torch.log_softmax(lg.double(), dim=-1).gather(-1, tg[:, None]).sum().item()
         count += targets.numel()
     return Perplexity(math.exp(nll / count), count, len(w), protocol, ctx)

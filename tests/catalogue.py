@@ -154,7 +154,7 @@ CATALOGUE = {
     "report: unknown method": Bad("report {model} --out {tmp}/r --data {text} --methods magic", "magic"),
     "report: data missing": Bad("report {model} --out {tmp}/r --data {tmp}/nope.txt", "no such file"),
     # train
-    "train: data missing": Bad("train {model} --data {tmp}/nope.txt --out {tmp}/a", "no such data file"),
+    "train: data missing": Bad("train {model} --data {tmp}/nope.txt --out {tmp}/a", "nope.txt: no such file: pass an existing text file"),
     "train: rank 0": Bad("train {model} --data {text} --out {tmp}/a --rank 0", "rank"),
     "train: target matching nothing": Bad("train {model} --data {text} --out {tmp}/a --target nothing", "nothing"),
     "train: --fsdp in one process": Bad("train {model} --data {text} --out {tmp}/a --fsdp", "torchrun --nproc-per-node"),

@@ -69,6 +69,12 @@ def test_text_is_read_byte_for_byte(tmp_path):
     assert load_text(tmp_path / "crlf.txt") == "one\r\ntwo\r\n"
 
 
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    """A BOM (Windows editors write one) was kept as a character and tokenized; the trainer dropped it."""
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfone\r\ntwo")
+    assert load_text(tmp_path / "bom.txt") == "one\r\ntwo"
+
+
 def test_chat_records_calibrate_as_the_chat_template_writes_them(chat_dir, tmp_path):
     """Dolly's JSON lines, passed as calibration data, are the records as the model's template writes
     them (what the model will be given), not JSON; without a template they are refused."""

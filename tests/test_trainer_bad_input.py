@@ -74,7 +74,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
 
 
 @pytest.mark.parametrize("content,match", [
-    ("", "is empty: pass a file with training text"),
+    ("", "the file is empty: pass a file with text to train on"),
     ("a few words", "not one window of --seqlen 32: pass more text or a smaller --seqlen")])
 def test_data_without_a_window(tiny_dir, capsys, monkeypatch, tmp_path, content, match):
     (tmp_path / "data.txt").write_text(content)
@@ -85,6 +85,15 @@ def test_binary_data(tiny_dir, capsys, monkeypatch, tmp_path):
     """Bytes that are not text were decoded with replacement characters and trained on."""
     (tmp_path / "data.bin").write_bytes(bytes(range(256)) * 64)
     train_fails(tiny_dir, tmp_path / "data.bin", capsys, monkeypatch, tmp_path, "data.bin: not UTF-8 text")
+
+
+def test_compressed_data(tiny_dir, capsys, monkeypatch, tmp_path):
+    """A gzip file was said to be "not UTF-8" only; calibration's reader names what it is."""
+    import gzip
+
+    (tmp_path / "data.txt.gz").write_bytes(gzip.compress(b"some words " * 500))
+    train_fails(tiny_dir, tmp_path / "data.txt.gz", capsys, monkeypatch, tmp_path,
+                "data.txt.gz: gzip-compressed: decompress it (gunzip) and pass the text")
 
 
 @pytest.mark.parametrize("lines,match", [

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from quantkit.calibration import read_file
 from quantkit.calibration.records import chat_text, check_template, is_records, messages_of, parse
 from quantkit.errors import QuantkitError
 
@@ -30,14 +31,7 @@ class Example:
 def read(path: str | os.PathLike, tokenizer, seqlen: int) -> list[Example]:
     """A .jsonl/.json file as chat or instruction records, anything else as plain text."""
     p = Path(path)
-    if not p.is_file():
-        raise QuantkitError(f"{p}: no such data file: pass a text file or JSON lines of chats or instructions")
-    try:
-        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark, as Windows editors write, is not text
-    except UnicodeDecodeError as e:
-        raise QuantkitError(f"{p}: not UTF-8 text ({e}): pass a text file or JSON lines of chats or instructions") from None
-    if not text.strip():
-        raise QuantkitError(f"{p} is empty: pass a file with training text or records")
+    text = read_file(p, "train on")
     if is_records(p):
         return records(p, text, tokenizer, seqlen)
     return windows(p, text, tokenizer, seqlen)
