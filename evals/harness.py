@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 import os
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -31,6 +33,17 @@ class Tasks:
 def default_data_dir() -> Path:
     """$QUANTKIT_DATA, else the shared data beside this checkout."""
     return Path(os.environ.get("QUANTKIT_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
+
+
+def documents(limit: object, said: str) -> int | float | None:
+    """limit as lm-eval reads it (documents per task, or below 1 a fraction of each), refused unless it
+    is one of those; said is how the caller spelled it (--limit 1.5)."""
+    if limit is None:
+        return None
+    if (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0
+            or limit >= 1 and limit != int(limit)):
+        raise QuantkitError(f"{said}: pass a whole number of documents per task, or a fraction of each below 1")
+    return int(limit) if limit >= 1 else limit  # lm-eval reads a float as a fraction
 
 
 def prepare(names: list[str], data_dir: str | os.PathLike | None = None) -> Tasks:
@@ -70,22 +83,33 @@ def prepare(names: list[str], data_dir: str | os.PathLike | None = None) -> Task
 
 def run(tasks: Tasks, module: torch.nn.Module, tokenizer, limit: int | float | None = None,
         num_fewshot: int | None = None, batch_size: int = 4, max_length: int | None = None,
-        seed: int = 0) -> dict[str, dict[str, float]]:
+        seed: int | None = None, chat: bool = False) -> dict[str, dict[str, float]]:
     """lm-eval's results by task ({"wikitext": {"word_perplexity": ..., ...}}), each metric's
-    standard error beside it as METRIC_stderr where lm-eval gives one."""
+    standard error beside it as METRIC_stderr where lm-eval gives one. seed None takes lm-eval's own
+    seeds (its few-shot examples are then those `lm_eval` picks); chat renders each prompt with the
+    tokenizer's chat template (lm-eval's --apply_chat_template)."""
     from lm_eval import evaluator
     from lm_eval.models.huggingface import HFLM
 
     if max_length is not None:  # lm-eval would run windows past the trained positions without a word
         check_context(module.config, max_length, "--max-length")
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise QuantkitError("the model's tokenizer has no chat template: drop --apply-chat-template")
     lm = HFLM(pretrained=module, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    seeds = {} if seed is None else {k: seed for k in ("random_seed", "numpy_random_seed", "torch_random_seed",
+                                                       "fewshot_random_seed")}
     # lm-eval asks git for the working directory's commit, which prints "fatal: not a git repository"
     # outside one; the results here do not hold it
-    with mock.patch.object(evaluator, "get_git_commit_hash", lambda: None):
-        results = evaluator.simple_evaluate(model=lm, tasks=tasks.names, num_fewshot=num_fewshot, limit=limit,
-                                            task_manager=tasks.manager, log_samples=False, bootstrap_iters=1000,
-                                            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                            fewshot_random_seed=seed)
+    try:
+        with mock.patch.object(evaluator, "get_git_commit_hash", lambda: None):
+            results = evaluator.simple_evaluate(model=lm, tasks=tasks.names, num_fewshot=num_fewshot, limit=limit,
+                                                task_manager=tasks.manager, log_samples=False, bootstrap_iters=1000,
+                                                apply_chat_template=chat, **seeds)
+    except AssertionError as e:  # lm-eval's check that an answer fits the window
+        if "max_length" not in (traceback.extract_tb(e.__traceback__)[-1].line or ""):
+            raise
+        raise QuantkitError(f"an answer of {', '.join(tasks.names)} is longer than --max-length {lm.max_length} "
+                            "tokens: raise --max-length") from None
     return {task: metrics(values) for task, values in results["results"].items()}
 
 
@@ -95,5 +119,5 @@ def metrics(values: dict) -> dict[str, float]:
     for key, value in values.items():
         name = key.split(",")[0]
         if isinstance(value, (int, float)) and not isinstance(value, bool) and name != "alias":
-            out[name] = float(value)
+            out[name] = value if name == "sample_len" else float(value)  # a count stays a count
     return out

@@ -1,7 +1,7 @@
 """GGUF for llama.cpp: metadata, tokenizer, tensor names and the q/k row order llama.cpp expects;
 which block type each tensor gets for a named mix (llama-quantize's rules, src/llama-quant.cpp);
-the file itself, its header through gguf-py's writer, its tensors as they are made, under a
-temporary name until complete."""
+the file itself, its header through gguf-py's writer (a GGUF source's key-values copied, as
+quantkit.requant copies them), its tensors as they are made, under a temporary name until complete."""
 from __future__ import annotations
 
 import json
@@ -17,6 +17,7 @@ import torch
 from quantkit.errors import QuantkitError, untrusted
 from quantkit.evals import adds_bos
 from quantkit.modelio import Model
+from quantkit import requant
 from quantkit.qtensor import QuantizedTensor
 from quantkit.requant import DEFAULT_MIX, MIXES, check_mix, choose  # noqa: F401 (DEFAULT_MIX: read as gguf.DEFAULT_MIX)
 from quantkit.quantizers import ggml
@@ -133,12 +134,8 @@ def add_tokenizer(w: gguf.GGUFWriter, model: Model, vocab_size: int) -> None:
     and merges, or a sentencepiece model's pieces, scores and types (Llama 2, Mistral)."""
     tokenizer = model.tokenizer
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    source = Path(model.source)
     if spec["model"]["type"] == "BPE" and spec["model"].get("byte_fallback"):
-        if source.is_file():  # a GGUF holds its pieces, scores and types
-            add_gguf_vocabulary(w, source)
-        else:
-            add_sentencepiece(w, source / "tokenizer.model", tokenizer, vocab_size)
+        add_sentencepiece(w, Path(model.source) / "tokenizer.model", tokenizer, vocab_size)
     elif spec["model"]["type"] == "BPE":
         add_bpe(w, spec, tokenizer, vocab_size)
     else:
@@ -229,24 +226,13 @@ def add_sentencepiece(w: gguf.GGUFWriter, path: Path, tokenizer, vocab_size: int
     w.add_token_types(kinds)
 
 
-def add_gguf_vocabulary(w: gguf.GGUFWriter, source: Path) -> None:
-    """A sentencepiece vocabulary as the GGUF source holds it (its pieces, scores and types: what
-    add_sentencepiece reads from tokenizer.model, which a GGUF does not come with)."""
-    fields = gguf.GGUFReader(source).fields
-    w.add_tokenizer_model(fields["tokenizer.ggml.model"].contents())
-    w.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in fields else "default")
-    w.add_token_list(fields["tokenizer.ggml.tokens"].contents())
-    w.add_token_scores(fields["tokenizer.ggml.scores"].contents())
-    w.add_token_types(fields["tokenizer.ggml.token_type"].contents())
-
-
 def add_metadata(w: gguf.GGUFWriter, model: Model, mix: str) -> None:
-    """The model's hyperparameters and tokenizer under the keys llama.cpp's converter writes."""
+    """The model's hyperparameters and tokenizer under the keys llama.cpp's converter writes (a model
+    directory's: a GGUF's own are copied, Writer.start)."""
     cfg = model.module.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     r = rope(cfg)
-    source = Path(model.source)
-    w.add_name(source.stem if source.suffix.lower() == ".gguf" else source.name)
+    w.add_name(Path(model.source).name)
     w.add_file_type(MIXES[mix][0])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_context_length(cfg.max_position_embeddings)
@@ -326,26 +312,42 @@ class Writer:
     def start(self, state: dict | None = None) -> None:
         if state is None:
             self.staged.fresh()
-            w = gguf.GGUFWriter(self.staged.path, self.arch)
-            add_metadata(w, self.model, self.mix)
-            for name, (shape, kind) in self.plan.items():
-                w.add_tensor_info(name, [shape[0], nbytes(shape, kind) // shape[0]] if len(shape) == 2 else shape,
-                                  np.dtype(np.uint8) if len(shape) == 2 else np.dtype(np.float32),
-                                  nbytes(shape, kind), gguf.GGMLQuantizationType[kind])
-            w.write_header_to_file()
-            w.write_kv_data_to_file()
-            w.write_ti_data_to_file()
-            self.data_start = gguf.GGUFWriter.ggml_pad(w.fout[0].tell(), gguf.GGUF_DEFAULT_ALIGNMENT)
-            # the padding written now: the header's CRC covers it, and a resumed run finds the same bytes
-            w.fout[0].write(bytes(self.data_start - w.fout[0].tell()))
-            w.fout[0].flush()
-            w.close()
+            # a GGUF's metadata is copied as quantkit export (llama-quantize) keeps it; a directory's is made anew
+            self.data_start = self.copied_header() if Path(self.model.source).is_file() else self.new_header()
             self.header = crc(self.staged.path, self.data_start)
         else:
             self.data_start, self.header, self.done = state["data_start"], state["header"], dict(state["done"])
         self.file = open(self.staged.path, "r+b")
         if ROPE_FREQS in self.plan and ROPE_FREQS not in self.done:  # computed, not read: written first
             self.write(ROPE_FREQS, rope_factors(self.model.module.config))
+
+    def new_header(self) -> int:
+        """The header from the model's config and tokenizer (gguf-py's writer); where the data starts."""
+        w = gguf.GGUFWriter(self.staged.path, self.arch)
+        add_metadata(w, self.model, self.mix)
+        for name, (shape, kind) in self.plan.items():
+            w.add_tensor_info(name, [shape[0], nbytes(shape, kind) // shape[0]] if len(shape) == 2 else shape,
+                              np.dtype(np.uint8) if len(shape) == 2 else np.dtype(np.float32),
+                              nbytes(shape, kind), gguf.GGMLQuantizationType[kind])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        start = gguf.GGUFWriter.ggml_pad(w.fout[0].tell(), gguf.GGUF_DEFAULT_ALIGNMENT)
+        # the padding written now: the header's CRC covers it, and a resumed run finds the same bytes
+        w.fout[0].write(bytes(start - w.fout[0].tell()))
+        w.fout[0].flush()
+        w.close()
+        return start
+
+    def copied_header(self) -> int:
+        """The header with the source GGUF's key-values (requant.metadata: all of them but the file type,
+        quantization version and split; the alignment is the default, ours) and this file's tensors."""
+        kv = requant.metadata(requant.Header(Path(self.model.source)), self.mix, (requant.ALIGNMENT,))
+        infos = [requant.tensor_info(name, shape[::-1], kind, self.offsets[name])
+                 for name, (shape, kind) in self.plan.items()]
+        head = requant.header(kv, infos, gguf.GGUF_DEFAULT_ALIGNMENT)
+        self.staged.path.write_bytes(head)
+        return len(head)
 
     def resumable(self, state: dict) -> bool:
         """Whether the partial file is there with the header and every tensor the state says is done."""

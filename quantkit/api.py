@@ -5,6 +5,7 @@ import difflib
 import hashlib
 import os
 import re
+import sys
 import tempfile
 import warnings
 from contextlib import ExitStack, nullcontext
@@ -16,7 +17,7 @@ import torch
 from quantkit import calibration, evals, exporters
 from quantkit.atomic import check_apart, locked, partial_path, progress_files, size_on_disk
 
-from . import consumers, distributed, measurement
+from . import blocks, consumers, distributed, measurement
 from . import rules as layer_rules
 from .config import QuantConfig, refuse_unused
 from .errors import QuantkitError, ResumableError, space_for
@@ -24,6 +25,7 @@ from .layers import GROUPS, LINEARS, fused, linear_shapes, shapes_by_name
 from .modelio import Model, check_context, fingerprint, linear_types, load
 from .pipeline import BATCH, Hessian, gather_hessians, quantize_layers
 from .qtensor import QuantizedTensor
+from .requant import requantized_note
 from .quantizers import awq, exl2, ggml, gptq, nf4, rtn
 
 PathLike = str | os.PathLike
@@ -292,6 +294,9 @@ def quantize(
     if isinstance(model, Model):
         check_float(model)
     m = model if isinstance(model, Model) else load(model)
+    again = sorted(set(m.gguf_types.values()) - set(blocks.FLOAT_TYPES))
+    if again and m.qconfig is None and distributed.rank() == 0:  # a quantized GGUF's blocks, rounded again
+        print(requantized_note(m.source, again), file=sys.stderr)
     if out is not None:
         check_apart(out, [m.source, calib_data])
     types = None
@@ -462,7 +467,7 @@ def evaluate(
     quantkit.qlinear (Triton on CUDA, torch on the CPU); packed=False evaluates a dequantized copy.
     device, dtype: where and in what a model loaded from a path runs (default: CUDA, in float16, when
     there is a GPU; else float32); a Model passed in is moved only when one is given."""
-    windows_of(ctx, max_windows)
+    check_windows(ctx, max_windows)
     text = calibration.load_text(data, split="test")  # before the model loads
     m = ready(model, packed, device, dtype)
     text = calibration.chats(data, text, m.tokenizer)
@@ -488,7 +493,7 @@ def compare(
     llama-perplexity --kl-divergence-base), which skips running the base. One model is in memory at a
     time: the base's log-probabilities go to disk (save_base, or a temporary file) first. dtype: both
     models run in it (as in evaluate)."""
-    windows_of(ctx, max_windows)
+    check_windows(ctx, max_windows)
     text = calibration.load_text(data, split="test")
     if device is not None:
         device_of(device)
@@ -530,22 +535,24 @@ def write_base(base: Model, path: PathLike, text: str, ctx: int = 512, max_windo
 
 def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float | None = None,
             num_fewshot: int | None = None, batch_size: int = 4, max_length: int | None = None,
-            data_dir: PathLike | None = None, seed: int = 0, packed: bool = True,
-            device: str | None = None) -> dict[str, dict[str, float]]:
+            data_dir: PathLike | None = None, seed: int | None = None, packed: bool = True,
+            device: str | None = None, chat: bool = False) -> dict[str, dict[str, float]]:
     """lm-eval's results by task for a model (a Model, a path, or the embedded default), run through
-    lm-eval's HFLM wrapper around the loaded model. Local tasks (wikitext, dolly_mc) read data_dir."""
+    lm-eval's HFLM wrapper around the loaded model. Local tasks (wikitext, dolly_mc) read data_dir.
+    limit: documents per task, or below 1 a fraction of each; seed: every seed lm-eval takes (None:
+    lm-eval's own); chat: prompts in the tokenizer's chat template."""
     from quantkit.evals import harness
 
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     whole("batch_size", batch_size, 1)
-    if max_length is not None:
-        whole("max_length", max_length, 2)
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
-        raise QuantkitError(f"limit={limit!r}: pass a number of documents per task (or a fraction of each) above 0")
+    for name, value, least in (("max_length", max_length, 2), ("num_fewshot", num_fewshot, 0), ("seed", seed, 0)):
+        if value is not None:
+            whole(name, value, least)
+    limit = harness.documents(limit, f"limit={limit!r}")
     prepared = harness.prepare(tasks, data_dir)  # a wrong name or missing data fails before the model loads
     m = ready(model, packed, device)
     with scoring(m):
-        return harness.run(prepared, m.module, m.tokenizer, limit, num_fewshot, batch_size, max_length, seed)
+        return harness.run(prepared, m.module, m.tokenizer, limit, num_fewshot, batch_size, max_length, seed, chat)
 
 
 def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: bool = False,
@@ -558,7 +565,7 @@ def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: 
     return exporters.export(model, out, format, overwrite, max_shard_size)
 
 
-def windows_of(ctx, max_windows) -> None:
+def check_windows(ctx, max_windows) -> None:
     """Refuse a context or window count that is not a whole number (evaluate, compare)."""
     whole("ctx", ctx)
     if max_windows is not None:
@@ -595,7 +602,8 @@ def export_gguf(model: Model, out: PathLike, gguf_type: str | None = None, overw
     """GGUF of a model: a quantized checkpoint whose grids are GGUF blocks keeps its codes (the other
     weights in F16); a float model is rounded to nearest in gguf_type (F16 by default)."""
     if not model.tensors:  # a copy, so that model stays the float model
-        quantize(Model(model.module, model.tokenizer, model.source, checkpoint=model.checkpoint),
+        quantize(Model(model.module, model.tokenizer, model.source, gguf_types=model.gguf_types,
+                       checkpoint=model.checkpoint),
                  method="rtn", gguf_type=gguf_type or "F16", out=out, format="gguf", overwrite=overwrite,
                  progress=progress)
         return Path(out)

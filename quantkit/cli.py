@@ -233,21 +233,27 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_i
 @click.option("--batch-size", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--max-length", type=click.IntRange(2), help="tokens per window [the model's context]")
 @click.option("--data-dir", type=click.Path(), help="where the local tasks read [$QUANTKIT_DATA, else ../shared/data]")
-@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), help="every seed lm-eval takes [lm-eval's own: "
+              "the few-shot examples `lm_eval` picks]")
+@click.option("--apply-chat-template", "chat", is_flag=True,
+              help="each prompt in the tokenizer's chat template (lm-eval's --apply_chat_template) [plain prompts]")
 @click.option("--json", "as_json", is_flag=True, help="end with one JSON line: the results by task")
 @click.option("--dequantized", is_flag=True, help="a quantized export: evaluate a dequantized copy, not the packed model")
 @click.option("--device", help="cpu or cuda [cuda, in float16, when there is a GPU]")
-def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, seed, as_json, dequantized,
+def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, seed, chat, as_json, dequantized,
             device) -> None:
     """Run EleutherAI's lm-evaluation-harness tasks on MODEL (any model quantkit loads: float, a packed
     export, a .gguf file), through lm-eval's HFLM wrapper around the loaded model."""
     names = [t.strip() for t in tasks.split(",") if t.strip()]
-    if limit is not None and limit >= 1:
-        limit = int(limit)
+    from quantkit.evals import harness
+
+    limit = harness.documents(limit, f"--limit {limit}")
     results = api.lm_eval(model, names, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size,
-                          max_length=max_length, data_dir=data_dir, seed=seed, packed=not dequantized, device=device)
+                          max_length=max_length, data_dir=data_dir, seed=seed, chat=chat, packed=not dequantized,
+                          device=device)
     for task, values in results.items():
-        shown = ", ".join(f"{k} {v:.4f}" for k, v in values.items() if not k.endswith("_stderr") and k != "sample_len")
+        shown = ", ".join(f"{k} {v:.4f}" + (f" ± {values[k + '_stderr']:.4f}" if k + "_stderr" in values else "")
+                          for k, v in values.items() if not k.endswith("_stderr") and k != "sample_len")
         click.echo(f"{task}: {shown}")
     if as_json:
         click.echo(json.dumps(results))

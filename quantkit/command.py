@@ -67,6 +67,15 @@ def warning_line(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"
 
 
+def close_bars() -> None:
+    """End the progress bars a library left open when it raised (lm-eval's), so that the error line
+    starts a line of its own."""
+    from tqdm import tqdm
+
+    for bar in list(tqdm._instances):
+        bar.close()
+
+
 def main() -> None:
     signal.signal(signal.SIGTERM, terminated)
     warnings.formatwarning = warning_line
@@ -84,6 +93,7 @@ def main() -> None:
             cli.main(standalone_mode=False)
             distributed.finish()
     except QuantkitError as e:
+        close_bars()
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     except click.exceptions.Abort:

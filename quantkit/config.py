@@ -11,6 +11,7 @@ from . import rules as layer_rules
 from .errors import QuantkitError
 from .qtensor import check_bits_group
 from .quantizers import nf4
+from .requant import check_mix
 
 METHODS = ("rtn", "gptq", "awq", "nf4", "fp4")
 CODEBOOK_METHODS = ("nf4", "fp4")  # 4-bit code tables in flat blocks, bitsandbytes' layout
@@ -146,6 +147,8 @@ class QuantConfig:
             raise QuantkitError(f"damping {self.damp} is out of range: use a fraction such as 0.01")
         if self.act_order and self.group_aware:
             raise QuantkitError("act-order and group-aware ordering exclude each other: choose one")
+        if self.gguf_type is not None:  # the name llama-quantize's mixes go by, whatever case or alias was given
+            self.gguf_type = check_mix(self.gguf_type)
         if self.gguf_type is not None and self.method not in ("rtn", "gptq"):
             raise QuantkitError(f"GGUF types are filled by RTN or GPTQ, not {self.method}: use --method rtn or gptq")
         if (self.imatrix or self.imatrix_file) and (self.gguf_type is None or self.method != "rtn"):

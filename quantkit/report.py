@@ -27,6 +27,7 @@ import torch
 
 from . import atomic
 from .errors import QuantkitError
+from .requant import check_mix
 
 FAMILIES = ("rtn", "gptq", "awq", "nf4", "gguf", "exl2")
 BITS = (3, 4, 8)
@@ -69,7 +70,8 @@ def points(methods: list[str], bits: list[int], gguf_types: list[str],
         elif family == "exl2":
             out += [Point(f"exl2-{t:g}", "gptq", "exl2", exl2=t) for t in exl2_targets]
         else:
-            out += [Point(f"gguf-{t}", "rtn", "gguf", gguf_type=t) for t in gguf_types]
+            named = dict.fromkeys(check_mix(t, "--gguf-types") for t in gguf_types)  # q4_k is Q4_K_M
+            out += [Point(f"gguf-{t}", "rtn", "gguf", gguf_type=t) for t in named]
     return out
 
 
@@ -181,7 +183,6 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
     from quantkit import calibration
 
     from .config import QuantConfig
-    from .requant import check_mix
 
     if not todo:
         raise QuantkitError("the sweep has no points: name some of " + ", ".join(FAMILIES) + " in --methods, "
@@ -191,20 +192,16 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
         if p.exl2 is not None and not (math.isfinite(p.exl2) and p.exl2 > 0):
             raise QuantkitError(f"--exl2-bits {p.exl2:g} is not a target: give bits per weight, such as 4.125")
         calibrates |= QuantConfig(group_size=settings.group_size, **p.config()).needs_calibration  # widths, group size
-        if p.gguf_type is not None:
-            check_mix(p.gguf_type, "--gguf-types")
     if calibrates and (settings.calib_samples < 1 or settings.calib_seqlen < 2):
         raise QuantkitError(f"{settings.calib_samples} calibration windows of {settings.calib_seqlen} tokens: pass "
                             "--calib-samples 1 or more and --calib-seqlen 2 or more")
     if calibrates or settings.calib_data is not None:  # a setting of the report, even where this sweep does not use it
         # the file's faults, or the hub's default without the network: once here, not in every point
         calibration.load_text(settings.calib_data)
-    if settings.lm_eval_limit is not None and settings.lm_eval_limit <= 0:
-        raise QuantkitError(f"--lm-eval-limit {settings.lm_eval_limit} scores no document: pass a count (or a "
-                            "fraction of each task) above 0")
     if settings.tasks:
         from quantkit.evals import harness
 
+        harness.documents(settings.lm_eval_limit, f"--lm-eval-limit {settings.lm_eval_limit}")
         harness.prepare(settings.tasks)  # a wrong name or missing data: before the base is scored
     if out.is_dir() and any(out.iterdir()) and not (out / "settings.json").is_file():
         raise QuantkitError(f"{out} holds other files, not a quantkit report: choose another --out")
@@ -296,6 +293,10 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
                                        "linear_params": linear, "bytes": sum(f.stat().st_size for f in source.glob(
                                            "*.safetensors")) if source.is_dir() else source.stat().st_size})
         del m
+    if settings.tasks and "lm_eval" not in (based := read_json(out / "base.json")):  # the scores' float row
+        echo(f"base: lm-eval {', '.join(settings.tasks)} on the float model")
+        based["lm_eval"] = api.lm_eval(model, settings.tasks, limit=settings.lm_eval_limit)
+        write_json(out / "base.json", based)
     for i, p in enumerate(todo, 1):
         done = out / "points" / f"{p.name}.json"
         if done.exists() and (kept := read_json(done)).get("status") == "ok" and "lm_eval_error" not in kept:
@@ -344,14 +345,25 @@ def scored_windows(r: dict) -> int:
     return r["base"].get("windows", r["settings"]["windows"])
 
 
-def plus_minus(p: dict, key: str, form: str, scale: float = 1) -> str:
-    """A point's figure with its uncertainty where the point has one (points from before it was kept do not)."""
-    unc = p.get(f"{key}_unc")
+def plus_minus(p: dict, key: str, form: str, scale: float = 1, unc: str = "_unc") -> str:
+    """A point's figure with its uncertainty (key + unc) where the point has one (points from before it
+    was kept do not)."""
+    unc = p.get(key + unc)
     return format(scale * p[key], form) + ("" if unc is None else " ± " + format(scale * unc, form))
 
 
+def scores(p: dict, tasks: list[str]) -> list[str]:
+    """A point's lm-eval scores ("task:metric" each), with their standard errors where lm-eval gives them."""
+    cells = []
+    for t in tasks:
+        task, metric = t.split(":")
+        values = p.get("lm_eval", {}).get(task, {})
+        cells.append("" if metric not in values else plus_minus(values, metric, ".4f", unc="_stderr"))
+    return cells
+
+
 def table(r: dict) -> str:
-    tasks = sorted({f"{t}:{k}" for p in r["points"] for t, v in p.get("lm_eval", {}).items()
+    tasks = sorted({f"{t}:{k}" for p in [*r["points"], r["base"]] for t, v in p.get("lm_eval", {}).items()
                     for k in v if not k.endswith("_stderr") and k != "sample_len"})
     head = ["point", "format", "MiB", "bpw", "bpw linears", "PPL", "PPL/base", "KLD mean", "KLD p99", "same top",
             *tasks, "quantize s", "peak RSS GiB"]
@@ -364,17 +376,20 @@ def table(r: dict) -> str:
              f"group size {s['group_size']}.{calib} bpw: the file's bits per parameter; bpw linears: the decoder "
              "linears' tensors over their weights (no embedding, head or norms). KLD in nats; ± one standard error.",
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    if "lm_eval" in base:  # the float model's scores, for the points' to be read against
+        lines.append("| " + " | ".join(["base (float)", "", f"{base['bytes'] / 2**20:.1f}", "", "",
+                                        f"{base['perplexity']:.4f}", "1", "0", "0", "100%",
+                                        *scores(base, tasks), "", ""]) + " |")
     for p in r["points"]:
         if p["status"] != "ok":
             error = p["error"].replace("|", "\\|")  # a | would end the cell
             lines.append(f"| {p['name']} | failed: {error} |" + " |" * (len(head) - 2))
             continue
-        scores = [p.get("lm_eval", {}).get(t.split(":")[0], {}).get(t.split(":")[1]) for t in tasks]
         lines.append("| " + " | ".join([
             p["name"], p["format"], f"{p['bytes'] / 2**20:.1f}", f"{p['bpw']:.3f}", f"{p['bpw_linear']:.3f}",
             plus_minus(p, "perplexity", ".4f"), plus_minus(p, "ppl_ratio", ".4f"), plus_minus(p, "kld_mean", ".4g"),
             f"{p['kld_p99']:.4g}", plus_minus(p, "same_top", ".2f", 100) + "%",
-            *("" if v is None else f"{v:.4f}" for v in scores),
+            *scores(p, tasks),
             f"{p['quantize_s']:.1f}", "n/a" if p["peak_rss"] is None else f"{p['peak_rss'] / 2**30:.2f}"]) + " |")
     lines += [f"\n{p['name']}: lm-eval failed ({p['lm_eval_error']}); its scores are missing, the same command runs "
               "it again" for p in r["points"] if "lm_eval_error" in p]

@@ -38,6 +38,11 @@ MIXES = {
     "Q6_K": (LlamaFileType.MOSTLY_Q6_K, "Q6_K"),
 }
 DEFAULT_MIX = "Q4_K_M"
+ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}  # llama-quantize's short names of its _M mixes
+# llama-quantize's other mixes: known, so not "unknown", but not written here
+OTHER_MIXES = ("Q2_K_S", "Q3_K_S", "Q3_K_L", "Q4_K_S", "Q5_K_S", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+               "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "Q2_0",
+               "MXFP4_MOE", "COPY")
 # a row that does not fill 256-value blocks takes a 32-value type instead
 FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # blk.N.ROLE.weight
@@ -73,7 +78,8 @@ def parse_overrides(overrides: tuple[str, ...] | list[str]) -> list[tuple[re.Pat
         if not sep or not pattern:
             raise QuantkitError(f"--tensor-type {o!r} is not PATTERN=TYPE: write e.g. attn_v=Q8_0")
         if kind not in blocks.TYPES:
-            raise QuantkitError(f"--tensor-type {o!r}: unknown GGUF type {kind!r}: use one of {', '.join(blocks.TYPES)}")
+            raise QuantkitError(f"--tensor-type {o!r}: "
+                                + refusal(kind, kind in GGMLQuantizationType.__members__, blocks.TYPES))
         try:
             out.append((re.compile(pattern.lower()), kind))
         except re.error as e:
@@ -104,11 +110,22 @@ def layer_type(mix: str, role: str, i: int, n: int, gqa: int, imatrix: bool) -> 
     return None
 
 
-def check_mix(mix: str, option: str = "") -> None:
-    """Refuse a mix llama-quantize does not know (option: the option that named it, for the message)."""
-    if mix not in MIXES:
-        raise QuantkitError(f"unknown GGUF type {mix!r}{f' in {option}' if option else ''}: use one of "
-                            f"{', '.join(MIXES)}")
+def check_mix(mix: str, option: str = "") -> str:
+    """The mix's name as MIXES spells it: any case, llama-quantize's aliases (Q4_K for Q4_K_M). Refuses
+    a mix quantkit does not write (option: the option that named it, for the message)."""
+    name = ALIASES.get(mix.upper(), mix.upper())
+    if name not in MIXES:
+        known = name in OTHER_MIXES
+        raise QuantkitError(refusal(name if known else mix, known, tuple(MIXES), f" in {option}" if option else ""))
+    return name
+
+
+def refusal(name: str, known: bool, choices: tuple[str, ...], where: str = "") -> str:
+    """Why a GGUF type or mix is refused: llama.cpp has it (known) and quantkit does not write it, or
+    nothing has it."""
+    if known:
+        return f"quantkit does not write {name}{where}: use one of {', '.join(choices)}, or llama-quantize"
+    return f"unknown GGUF type {name!r}{where}: use one of {', '.join(choices)}"
 
 
 def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure: bool = False,
@@ -120,7 +137,7 @@ def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure
     llama-quantize applies them to a quantized mix: the first match wins over the mix's rules, and the
     layer count those rules read skips the tensors it took (llama.cpp counts the attn_v and ffn_down
     tensors it decides)."""
-    check_mix(mix)
+    mix = check_mix(mix)
     default = MIXES[mix][1]
     manual = parse_overrides(overrides) if default not in blocks.FLOAT_TYPES else []
     tied = OUTPUT not in dict(weights)
@@ -215,15 +232,8 @@ class Header:
 
     def parse(self) -> None:
         self.pos = 0
-        if self.buf[:4] != b"GGUF":
-            raise ValueError("magic")
-        version, n_tensors, n_kv = struct.unpack_from("<IQQ", self.buf, 4)
-        if version >> 24 in (2, 3) and not version & 0xffffff:
-            raise QuantkitError(f"{self.path}: a big-endian GGUF: quantkit and llama.cpp on this machine read "
-                                "little-endian files; convert the model again without --bigendian")
-        if version not in (2, 3):
-            raise QuantkitError(f"{self.path}: GGUF version {version}: quantkit reads versions 2 and 3 "
-                                "(convert it again with a current llama.cpp)")
+        check_version(self.path, self.buf)
+        n_tensors, n_kv = struct.unpack_from("<QQ", self.buf, 8)
         self.pos = 24
         self.kv: dict[str, tuple[int, int, object]] = {}  # key -> (start, end, scalar value or None)
         for _ in range(n_kv):
@@ -240,7 +250,7 @@ class Header:
             dims = struct.unpack_from(f"<{n}Q", self.buf, self.pos)
             self.pos += 8 * n
             kind, offset = self.take("IQ")
-            self.tensors.append(Tensor(name, dims, GGMLQuantizationType(kind).name, offset))
+            self.tensors.append(Tensor(name, dims, type_name(self.path, name, kind), offset))
         self.alignment = self.get(ALIGNMENT, GGUF_DEFAULT_ALIGNMENT)
         if not isinstance(self.alignment, int) or self.alignment <= 0 or self.alignment & (self.alignment - 1):
             raise ValueError("alignment")
@@ -282,6 +292,35 @@ class Header:
                                 "it with llama-quantize --allow-requantize") from None
 
 
+def check_version(path: Path, buf: bytes | mmap.mmap) -> None:
+    """Refuse a file that is not a little-endian GGUF of version 2 or 3, by what it is (buf: its start)."""
+    if buf[:4] != b"GGUF":
+        raise ValueError("it does not start with GGUF")
+    version = struct.unpack_from("<I", buf, 4)[0]
+    if version >> 24 in (2, 3) and not version & 0xffffff:
+        raise QuantkitError(f"{path}: a big-endian GGUF: quantkit and llama.cpp on this machine read "
+                            "little-endian files; convert the model again without --bigendian")
+    if version not in (2, 3):
+        raise QuantkitError(f"{path}: GGUF version {version}: quantkit reads versions 2 and 3 "
+                            "(convert it again with a current llama.cpp)")
+
+
+def type_name(path: Path, tensor: str, kind: int) -> str:
+    """The name of a tensor's ggml type. A type newer than the installed gguf-py is not damage: a
+    llama.cpp that knows it can requantize the file."""
+    try:
+        return GGMLQuantizationType(kind).name
+    except ValueError:
+        raise QuantkitError(f"{path}: tensor {tensor} has GGML type {kind}, which quantkit does not read: requantize "
+                            "the file to Q8_0 or F16 with llama-quantize --allow-requantize first") from None
+
+
+def requantized_note(src: str | os.PathLike, kinds: list[str]) -> str:
+    """What requantizing weights of these quantized types costs (export and quantize say it alike)."""
+    return (f"note: {src} holds weights already quantized ({', '.join(kinds)}): requantized, they keep that "
+            "rounding error and add the new type's; requantize from an F16 or F32 file where you have one")
+
+
 def pad(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
@@ -304,25 +343,39 @@ def order(tensors: list[Tensor]) -> list[Tensor]:
     return sorted(tensors, key=key)
 
 
-def header_bytes(h: Header, types: dict[str, str], mix: str) -> tuple[bytes, dict[str, int]]:
-    """The new header as llama-quantize writes it: every key-value of the source as it is, then the
-    quantization version and file type; the same tensors in its order, of their new types. And each
-    tensor's offset."""
+def metadata(h: Header, mix: str, dropped: tuple[str, ...] = ()) -> list[bytes]:
+    """The key-values of a file of the mix made from h's, as llama-quantize writes them: every one of
+    the source's as it is, then the quantization version and file type. dropped: more keys the new
+    file sets itself."""
     # a split's keys go (a one-part split is the only one read): llama-quantize writes one file
     kv = [h.buf[start:end] for key, (start, end, _) in h.kv.items()
-          if key not in (FILE_TYPE, QUANT_VERSION) and not key.startswith("split.")]
-    kv += [u32_kv(QUANT_VERSION, GGML_QUANT_VERSION), u32_kv(FILE_TYPE, int(MIXES[mix][0]))]  # last, as there
-    out = [b"GGUF", struct.pack("<IQQ", 3, len(h.tensors), len(kv)), *kv]
-    offsets, offset = {}, 0
+          if key not in (FILE_TYPE, QUANT_VERSION, *dropped) and not key.startswith("split.")]
+    return kv + [u32_kv(QUANT_VERSION, GGML_QUANT_VERSION), u32_kv(FILE_TYPE, int(MIXES[mix][0]))]  # last, as there
+
+
+def tensor_info(name: str, dims: tuple[int, ...], kind: str, offset: int) -> bytes:
+    """A tensor's entry in the header (dims in ggml's order; offset from the start of the data)."""
+    b = name.encode()
+    return struct.pack(f"<Q{len(b)}sI{len(dims)}QIQ", len(b), b, len(dims), *dims, int(GGMLQuantizationType[kind]),
+                       offset)
+
+
+def header(kv: list[bytes], infos: list[bytes], alignment: int) -> bytes:
+    """A GGUF v3 header of these key-values and tensor infos, padded to where the data starts."""
+    head = b"".join([b"GGUF", struct.pack("<IQQ", 3, len(infos), len(kv)), *kv, *infos])
+    return head + bytes(pad(len(head), alignment) - len(head))
+
+
+def header_bytes(h: Header, types: dict[str, str], mix: str) -> tuple[bytes, dict[str, int]]:
+    """The new header as llama-quantize writes it: the source's metadata (metadata()); the same tensors
+    in its order, of their new types. And each tensor's offset."""
+    infos, offsets, offset = [], {}, 0
     for t in order(h.tensors):
         kind = types.get(t.name, t.type)
-        name = t.name.encode()
-        out.append(struct.pack(f"<Q{len(name)}sI{len(t.dims)}QIQ", len(name), name, len(t.dims), *t.dims,
-                               int(GGMLQuantizationType[kind]), offset))
+        infos.append(tensor_info(t.name, t.dims, kind, offset))
         offsets[t.name] = offset
         offset += pad(nbytes(t.dims, kind), h.alignment)
-    head = b"".join(out)
-    return head + bytes(pad(len(head), h.alignment) - len(head)), offsets
+    return header(metadata(h, mix), infos, h.alignment), offsets
 
 
 CHUNK = 2**22  # values handed to the quantizer at a time
@@ -333,7 +386,7 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
                progress: bool = True) -> Path:
     """src (a GGUF file) into the mix at out, as llama-quantize would write it: the same tensor bytes,
     the source's metadata with the new file type."""
-    check_mix(mix)
+    mix = check_mix(mix)
     h = Header(Path(src))
     arch = h.get("general.architecture")
     if arch is None:
@@ -357,9 +410,7 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
     types = choose(weights, mix, layers, gqa)
     again = sorted({t.type for t in h.tensors if t.type not in blocks.FLOAT_TYPES and types.get(t.name, t.type) != t.type})
     if again:  # llama-quantize asks for --allow-requantize
-        print(f"note: {src} holds weights already quantized ({', '.join(again)}): requantized, they keep that "
-              "rounding error and add the new type's; requantize from an F16 or F32 file where you have one",
-              file=sys.stderr)
+        print(requantized_note(src, again), file=sys.stderr)
     head, offsets = header_bytes(h, types, mix)
     total = len(head) + sum(pad(nbytes(t.dims, types.get(t.name, t.type)), h.alignment) for t in h.tensors)
     staged = Staged(out, overwrite, directory=False)

@@ -142,7 +142,9 @@ def test_the_calibration_text_is_checked_before_the_first_evaluation(model, caps
     (lambda q, m, t: q.QuantConfig(method="gptq", block_size=64.5), "block_size=64.5 is a float, where int or None"),
     (lambda q, m, t: q.evaluate(m, t, ctx="64"), "ctx='64': pass a whole number"),
     (lambda q, m, t: q.evaluate(m, t, max_windows=2.0), "max_windows=2.0: pass a whole number"),
-    (lambda q, m, t: q.lm_eval(m, ["wikitext"], limit="2"), "limit='2': pass a number of documents"),
+    (lambda q, m, t: q.lm_eval(m, ["wikitext"], limit="2"), "limit='2': pass a whole number of documents"),
+    (lambda q, m, t: q.lm_eval(m, ["wikitext"], limit=float("inf")), "limit=inf: pass a whole number of documents"),
+    (lambda q, m, t: q.lm_eval(m, ["wikitext"], seed=-1), "seed=-1: pass a whole number of at least 0"),
     (lambda q, m, t: q.lm_eval(m, ["wikitext"], batch_size=0), "batch_size=0: pass a whole number of at least 1"),
     (lambda q, m, t: q.train(m, data=t, out="x", steps="1"), "steps='1' is a str, where int or None belongs"),
     # the ways of passing options

@@ -447,13 +447,13 @@ def test_requantizing_through_numpy_writes_the_same_bytes(tmp_path, monkeypatch)
         assert not calls and through.read_bytes() == mapped
 
 
-def by_name(src, dst, keys=lambda w: None):
+def by_name(src, dst, keys=lambda w: None, drop=()):
     """src rewritten with its tensors in name order (blk.0, blk.1, blk.10, ..., blk.2), as a converter
-    that sorts a checkpoint's keys writes them; keys(writer) adds key-values."""
+    that sorts a checkpoint's keys writes them; keys(writer) adds key-values, those named in drop go."""
     r = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
     for name, f in r.fields.items():
-        if not name.startswith("GGUF.") and name != "general.architecture":
+        if not name.startswith("GGUF.") and name != "general.architecture" and name not in drop:
             w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
     keys(w)
     for t in sorted(r.tensors, key=lambda t: t.name):
@@ -655,3 +655,132 @@ def test_tensor_type_bytes_equal_llama_quantize(tiny256, tmp_path, mix, override
     assert [k for k in ours if ours[k] != theirs[k]] == []
     plain = G.tensor_types(quantkit.load(tiny256).module, mix)["model.layers.1.mlp.down_proj"]
     assert ours["blk.1.ffn_down.weight"][0] != plain  # the overrides changed what the mix would give
+
+
+# ---- GGUF files llama.cpp made, given to quantkit (tiny256's F16 file, edited as llama.cpp would write it) ----
+
+def key_values(path) -> dict:
+    return {f.name: f.contents() for f in gguf.GGUFReader(path).fields.values() if not f.name.startswith("GGUF.")}
+
+
+def more_keys(w):
+    """Key-values llama.cpp's converter writes that a model directory's config does not give."""
+    w.add_string("general.name", "Tiny Model")
+    w.add_string("general.license", "apache-2.0")
+    w.add_array("general.tags", ["text-generation"])
+    w.add_uint32("tokenizer.ggml.eot_token_id", 0)
+    w.add_uint32("tokenizer.ggml.fim_pre_token_id", 1)
+    w.add_string("tokenizer.chat_template.tool_use", "{{ tools }}")
+    w.add_bool("tokenizer.ggml.add_space_prefix", False)
+
+
+def test_a_gguf_keeps_its_metadata_through_quantize(float_ggufs, tmp_path, capsys, monkeypatch):
+    """quantize x.gguf --format gguf and export_gguf(load(x.gguf)) write the source's key-values, as
+    quantkit export (llama-quantize) does: its licence, tags, EOT/FIM ids, named chat templates and
+    pre-tokenizer were lost, the metadata made again from the config, and general.name the file's stem."""
+    src = by_name(float_ggufs[1], tmp_path / "src.gguf", more_keys, drop=("general.name",))
+    requantized, quantized = tmp_path / "requantized.gguf", tmp_path / "quantized.gguf"
+    assert cli(["export", src, "--out", requantized, "--gguf-type", "Q8_0"], capsys, monkeypatch)[0] == 0
+    code, _, err = cli(["quantize", src, "--format", "gguf", "--gguf-type", "Q8_0", "--out", quantized], capsys,
+                       monkeypatch)
+    assert code == 0 and not [line for line in err if line.startswith("note: ")], err  # from F16: nothing to say
+    quantkit.api.export_gguf(quantkit.load(src), tmp_path / "api.gguf", "Q8_0", progress=False)
+    want = key_values(requantized)
+    assert want["general.name"] == "Tiny Model" and want["tokenizer.chat_template.tool_use"] == "{{ tools }}"
+    assert {k: v for k, v in want.items() if k not in ("general.file_type", "general.quantization_version")} == \
+        {k: v for k, v in key_values(src).items() if k not in ("general.file_type", "general.quantization_version")}
+    for out in (quantized, tmp_path / "api.gguf"):
+        assert key_values(out) == want, out
+        assert tensors(out) == tensors(requantized), out
+    assert quantkit.load(tmp_path / "api.gguf").tokenizer("Hello 123")["input_ids"] == \
+        quantkit.load(src).tokenizer("Hello 123")["input_ids"]
+
+
+@pytest.mark.parametrize("pre,match", [("deepseek-llm", "pre-tokenizer 'deepseek-llm' (tokenizer.ggml.pre) is not one "
+                                                         "quantkit reproduces (gpt-2, smollm,"),
+                                       (None, "has no tokenizer.ggml.pre, and llama.cpp's 'default' pre-tokenizer")],
+                         ids=["unknown", "missing"])
+def test_a_pre_tokenizer_quantkit_does_not_reproduce_is_refused(float_ggufs, tmp_path, pre, match):
+    """llama.cpp splits a byte-level BPE's text by tokenizer.ggml.pre, without it by its 'default'
+    expressions (punctuation runs, numbers, then GPT-2's), not GPT-2's split alone: such a file was
+    tokenized the GPT-2 way, silently, and scored another perplexity than llama-perplexity's."""
+    def keys(w):
+        if pre is not None:
+            w.add_tokenizer_pre(pre)
+    src = by_name(float_ggufs[1], tmp_path / "m.gguf", keys, drop=("tokenizer.ggml.pre",))
+    with pytest.raises(QuantkitError, match=re.escape(match) + ".*evaluate it with llama-perplexity, or convert"):
+        quantkit.load(src)
+
+
+def test_a_tensor_type_gguf_py_does_not_know_is_named(tmp_path):
+    """A type of a newer llama.cpp than the installed gguf-py (llama-quantize's Q2_0, 42) was called a
+    damaged file, to be downloaded again."""
+    import struct
+
+    from quantkit.requant import requantize
+
+    data = bytearray(small_gguf(tmp_path / "m.gguf").read_bytes())
+    at = data.index(b"blk.0.attn_q.weight") + len("blk.0.attn_q.weight") + 4 + 2 * 8  # past its name and 2 dims
+    data[at:at + 4] = struct.pack("<I", 250)
+    (tmp_path / "m.gguf").write_bytes(data)
+    match = "tensor blk.0.attn_q.weight has GGML type 250, which quantkit does not read: requantize the file to Q8_0"
+    with pytest.raises(QuantkitError, match=match):
+        quantkit.load(tmp_path / "m.gguf")
+    with pytest.raises(QuantkitError, match=match):
+        requantize(tmp_path / "m.gguf", tmp_path / "q.gguf", "Q8_0", progress=False)
+
+
+def test_a_big_endian_gguf_is_named_as_one_by_the_loader(tmp_path):
+    """eval, quantize and load called it corrupt, where quantkit export named it."""
+    with pytest.raises(QuantkitError, match="a big-endian GGUF: .* convert the model again without --bigendian"):
+        quantkit.load(small_gguf(tmp_path / "be.gguf", endian=gguf.GGUFEndian.BIG))
+
+
+@pytest.mark.parametrize("key", ["block_count", "context_length", "embedding_length", "feed_forward_length",
+                                 "attention.head_count", "attention.layer_norm_rms_epsilon"])
+def test_a_missing_hyperparameter_is_named(float_ggufs, tmp_path, key):
+    """llama.cpp refuses a file without these; transformers' default stood in for them, taken silently
+    (a context of 2048, an epsilon of 1e-6) or reported as the metadata's value against the weights'."""
+    src = by_name(float_ggufs[1], tmp_path / "m.gguf", drop=(f"llama.{key}",))
+    with pytest.raises(QuantkitError, match=re.escape(f"m.gguf has no llama.{key}: the file is damaged; convert")):
+        quantkit.load(src)
+
+
+def test_quantizing_a_quantized_gguf_says_so_as_export_does(float_ggufs, tmp_path, capsys, monkeypatch):
+    """quantkit export says that requantized blocks keep their rounding error; quantize said nothing."""
+    from quantkit.requant import requantize, requantized_note
+
+    q8 = requantize(float_ggufs[1], tmp_path / "q8.gguf", "Q8_0", progress=False)
+    code, _, err = cli(["quantize", q8, "--format", "gguf", "--gguf-type", "Q4_0", "--out", tmp_path / "q4.gguf"],
+                       capsys, monkeypatch)
+    assert code == 0 and [line for line in err if line.startswith("note: ")] == [requantized_note(q8, ["Q8_0"])], err
+
+
+def test_mixes_are_named_as_llama_quantize_names_them(float_ggufs, tmp_path, capsys, monkeypatch):
+    """llama-quantize takes any case and Q3_K/Q4_K/Q5_K for the _M mixes; its mixes quantkit does not
+    write were called unknown. The name downstream is the canonical one: the file's type, the config's."""
+    from quantkit.requant import check_mix
+
+    assert [check_mix(m) for m in ("q4_k_m", "Q3_K", "q4_k", "Q5_K", "bf16")] == \
+        ["Q4_K_M", "Q3_K_M", "Q4_K_M", "Q5_K_M", "BF16"]
+    for name in ("Q4_K_S", "iq4_xs", "Q3_K_L", "Q2_K_S", "TQ1_0"):
+        with pytest.raises(QuantkitError, match=f"does not write {name.upper()}: use one of F32, .*, or llama-quantize"):
+            check_mix(name)
+    f16 = float_ggufs[1]
+    refused(["export", f16, "--out", tmp_path / "x.gguf", "--gguf-type", "q4_k_s"], capsys, monkeypatch,
+            "quantkit does not write Q4_K_S")
+    refused(["quantize", f16, "--format", "gguf", "--gguf-type", "IQ4_XS", "--out", tmp_path / "x.gguf"], capsys,
+            monkeypatch, "quantkit does not write IQ4_XS")
+    refused(["quantize", f16, "--format", "gguf", "--tensor-type", "attn_v=iq4_xs", "--out", tmp_path / "x.gguf"],
+            capsys, monkeypatch, "--tensor-type 'attn_v=iq4_xs': quantkit does not write IQ4_XS: use one of F32")
+    refused(["quantize", f16, "--format", "gguf", "--tensor-type", "attn_v=q9_k", "--out", tmp_path / "x.gguf"],
+            capsys, monkeypatch, "unknown GGUF type 'Q9_K'")
+    assert not (tmp_path / "x.gguf").exists()
+    assert cli(["export", f16, "--out", tmp_path / "a.gguf", "--gguf-type", "q4_k"], capsys, monkeypatch)[0] == 0
+    assert cli(["export", f16, "--out", tmp_path / "b.gguf", "--gguf-type", "Q4_K_M"], capsys, monkeypatch)[0] == 0
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+    m = quantkit.quantize(f16, method="rtn", format="gguf", gguf_type="q8_0", out=tmp_path / "c.gguf", keep=True,
+                          progress=False)
+    assert m.qconfig.gguf_type == "Q8_0"
+    assert key_values(tmp_path / "c.gguf")["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
+    assert quantkit.QuantConfig(gguf_type="q5_k").gguf_type == "Q5_K_M"

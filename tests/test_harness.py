@@ -48,7 +48,43 @@ def test_cli_runs_local_tasks_on_the_loaded_model(tiny_dir, capsys, monkeypatch)
     result = json.loads(out.strip().splitlines()[-1])
     assert code == 0 and set(result) == {"wikitext", "dolly_mc"}
     assert result["wikitext"]["word_perplexity"] > 1 and 0 <= result["dolly_mc"]["acc"] <= 1
-    assert result["dolly_mc"]["sample_len"] == 2 and "acc_norm_stderr" in result["dolly_mc"]
+    assert result["dolly_mc"]["sample_len"] == 2 and isinstance(result["dolly_mc"]["sample_len"], int)
+    d = result["dolly_mc"]  # the text line shows the standard errors too
+    assert f"dolly_mc: acc {d['acc']:.4f} ± {d['acc_stderr']:.4f}, acc_norm {d['acc_norm']:.4f} ± " in out
+
+
+def test_chat_template_on_request(chat_dir, tiny_dir, capsys, monkeypatch):
+    """Prompts were always plain; --apply-chat-template renders them with the model's template (lm-eval's
+    --apply_chat_template), and a model without one is refused."""
+    from transformers import PreTrainedTokenizerBase
+
+    rendered = []
+    original = PreTrainedTokenizerBase.apply_chat_template
+
+    def spy(self, *args, **kwargs):
+        rendered.append(args[0] if args else kwargs.get("conversation"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "apply_chat_template", spy)
+    code, _, _ = cli(["lm-eval", chat_dir, "--tasks", "dolly_mc", "--limit", 2, "--max-length", 256], capsys, monkeypatch)
+    assert code == 0 and not rendered
+    code, _, _ = cli(["lm-eval", chat_dir, "--tasks", "dolly_mc", "--limit", 2, "--max-length", 256,
+                      "--apply-chat-template"], capsys, monkeypatch)
+    assert code == 0 and rendered and any("Instruction:" in m["content"] for chat in rendered for m in chat)
+    refused(["lm-eval", tiny_dir, "--tasks", "dolly_mc", "--limit", 2, "--apply-chat-template"], capsys, monkeypatch,
+            "the model's tokenizer has no chat template: drop --apply-chat-template")
+
+
+def test_seeds_are_lm_evals_unless_given(tiny_dir, monkeypatch):
+    """Seed 0 for all was passed by default, so --num-fewshot drew other examples than `lm_eval` does."""
+    from lm_eval import evaluator
+
+    seen = []
+    monkeypatch.setattr(evaluator, "simple_evaluate", lambda **kw: seen.append(kw) or {"results": {}})
+    for seed in (None, 7):
+        quantkit.lm_eval(tiny_dir, ["dolly_mc"], limit=1, seed=seed)
+    keys = ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")
+    assert not any(k in seen[0] for k in keys) and all(seen[1][k] == 7 for k in keys)
 
 
 def test_refusals(tiny_dir, tmp_path, capsys, monkeypatch):
@@ -58,6 +94,12 @@ def test_refusals(tiny_dir, tmp_path, capsys, monkeypatch):
             "no such directory, where the local tasks read their data: pass --data-dir")
     refused(["lm-eval", tiny_dir, "--tasks", "wikitext", "--max-length", 1024], capsys, monkeypatch,
             "--max-length 1024 is longer than the model's context of 512 tokens")
+    for limit in ("inf", "nan", "1.5"):  # inf was a traceback, 1.5 taken as 1, nan named in the API's words
+        refused(["lm-eval", tiny_dir, "--tasks", "dolly_mc", "--limit", limit], capsys, monkeypatch,
+                f"--limit {limit}: pass a whole number of documents per task, or a fraction of each below 1")
+    # an answer longer than the window was lm-eval's bare AssertionError
+    refused(["lm-eval", tiny_dir, "--tasks", "dolly_mc", "--limit", 1, "--max-length", 4], capsys, monkeypatch,
+            "an answer of dolly_mc is longer than --max-length 4 tokens: raise --max-length")
     monkeypatch.setitem(sys.modules, "lm_eval.tasks", None)  # as if lm-eval were not installed
     refused(["lm-eval", tiny_dir, "--tasks", "wikitext"], capsys, monkeypatch, "lm-eval is not installed: pip install")
 

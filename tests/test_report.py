@@ -32,6 +32,10 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
     assert all(p["bpw"] > 0 and 0 <= p["same_top"] <= 1 and 0 <= p["lm_eval"]["dolly_mc"]["acc"] <= 1 for p in ok)
     md = (out / "report.md").read_text()
     assert "| dolly_mc:acc | dolly_mc:acc_norm |" in md
+    base = r["base"]["lm_eval"]["dolly_mc"]  # the float model's scores head the table, with standard errors
+    assert f"| base (float) |" in md and f"| {base['acc']:.4f} ± {base['acc_stderr']:.4f} |" in md
+    rtn = by_name["rtn-w4"]["lm_eval"]["dolly_mc"]
+    assert f"| {rtn['acc_norm']:.4f} ± {rtn['acc_norm_stderr']:.4f} |" in md
     assert all(f"| {name} |" in md for name in by_name) and "failed: error: 9.0 bits per weight is outside" in md
     for png in ("perplexity.png", "kld.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -139,7 +143,9 @@ def test_a_report_whose_every_point_failed_still_draws_its_charts(tiny_dir, tmp_
     (["--methods", "rtn", "--bits", ""], "with widths in --bits"),
     # these failed every point after the base was scored, and the corrected command was then refused
     (["--methods", "rtn", "--bits", "4", "--tasks", "bogus_task"], "lm-eval knows no task 'bogus_task'"),
-    (["--methods", "rtn", "--bits", "4", "--tasks", "dolly_mc", "--lm-eval-limit", "-1"], "scores no document"),
+    (["--methods", "rtn", "--bits", "4", "--tasks", "dolly_mc", "--lm-eval-limit", "-1"],
+     "--lm-eval-limit -1.0: pass a whole number of documents per task, or a fraction of each below 1"),
+    (["--methods", "rtn", "--bits", "4", "--tasks", "dolly_mc", "--lm-eval-limit", "inf"], "--lm-eval-limit inf: pass"),
     (["--methods", "gptq", "--bits", "4", "--calib-data", "none.txt"], "none.txt: no such file: pass an existing text"),
     (["--methods", "exl2", "--exl2-bits", "0", "--calib-data", VALID], "--exl2-bits 0 is not a target"),
     (["--methods", "exl2", "--exl2-bits", "nan", "--calib-data", VALID], "--exl2-bits nan is not a target"),
