@@ -18,8 +18,11 @@ from .errors import QuantkitError
 @click.option("--out", required=True, type=click.Path(), help="the .gguf file to write")
 @click.option("--gguf-type", help="the mix (F16, Q8_0, Q4_K_M, ...) a float model is rounded to, or a GGUF file "
                                    "requantized into [F16]; a quantkit checkpoint keeps its own grids")
+@click.option("--pure", is_flag=True, help="a GGUF file: every weight in the mix's main type (llama-quantize --pure)")
+@click.option("--tensor-type", "overrides", multiple=True, metavar="PATTERN=TYPE",
+              help="a GGUF file: this type for the weights whose names match (llama-quantize --tensor-type)")
 @click.option("--overwrite", is_flag=True, help="replace --out if it exists")
-def export(model, out, gguf_type, overwrite) -> None:
+def export(model, out, gguf_type, pure, overrides, overwrite) -> None:
     """Write MODEL as GGUF: a quantkit checkpoint whose grids are GGUF blocks (4-bit or 8-bit, groups
     of 32, no act-order) keeps its codes exactly; a float model is rounded to --gguf-type; a GGUF file
     is requantized into that mix tensor by tensor, its metadata kept, as llama-quantize does."""
@@ -30,7 +33,10 @@ def export(model, out, gguf_type, overwrite) -> None:
     if model is not None and os.path.isfile(model) and (model.lower().endswith(".gguf") or gguf_magic(model)):
         from .requant import requantize
 
-        requantize(model, out, gguf_type or "F16", overwrite)
+        requantize(model, out, gguf_type or "F16", overwrite, pure=pure, overrides=overrides)
+    elif pure or overrides:
+        raise QuantkitError(f"{'--pure' if pure else '--tensor-type'} requantizes a GGUF file: for a model directory, "
+                            "quantkit quantize MODEL --format gguf takes it")
     else:
         from . import api
         from .cli import quiet

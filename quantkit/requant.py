@@ -383,9 +383,10 @@ ARCHS = ("llama", "qwen2", "qwen3")  # the GGUF architectures quantkit reads and
 
 
 def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16", overwrite: bool = False,
-               progress: bool = True) -> Path:
+               progress: bool = True, pure: bool = False, overrides: tuple[str, ...] = ()) -> Path:
     """src (a GGUF file) into the mix at out, as llama-quantize would write it: the same tensor bytes,
-    the source's metadata with the new file type."""
+    the source's metadata with the new file type. pure, overrides: llama-quantize's --pure and
+    --tensor-type (choose)."""
     mix = check_mix(mix)
     h = Header(Path(src))
     arch = h.get("general.architecture")
@@ -407,7 +408,7 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
         raise QuantkitError(f"{src}: {arch}.block_count, .attention.head_count and .head_count_kv are not all "
                             "positive numbers: the file is damaged; convert it again")
     gqa = heads // kv_heads
-    types = choose(weights, mix, layers, gqa)
+    types = choose(weights, mix, layers, gqa, pure, overrides=overrides)
     again = sorted({t.type for t in h.tensors if t.type not in blocks.FLOAT_TYPES and types.get(t.name, t.type) != t.type})
     if again:  # llama-quantize asks for --allow-requantize
         print(requantized_note(src, again), file=sys.stderr)

@@ -784,3 +784,23 @@ def test_mixes_are_named_as_llama_quantize_names_them(float_ggufs, tmp_path, cap
     assert m.qconfig.gguf_type == "Q8_0"
     assert key_values(tmp_path / "c.gguf")["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
     assert quantkit.QuantConfig(gguf_type="q5_k").gguf_type == "Q5_K_M"
+
+
+def test_export_requantizes_with_pure_and_tensor_types(float_ggufs, tmp_path, capsys, monkeypatch):
+    """export of a GGUF took no --pure or --tensor-type (only quantize, 10x slower, had them); its tensors
+    now equal quantize's with the same options, which equal llama-quantize's (tests above)."""
+    f16 = float_ggufs[1]
+    for options in (["--pure"], ["--tensor-type", r"blk\.0\.ffn_down=Q8_0", "--tensor-type", "attn_k=Q5_0"]):
+        exported, quantized = tmp_path / "e.gguf", tmp_path / "q.gguf"
+        assert cli(["export", f16, "--out", exported, "--gguf-type", "Q4_K_M", *options, "--overwrite"], capsys,
+                   monkeypatch)[0] == 0
+        assert cli(["quantize", f16, "--format", "gguf", "--gguf-type", "Q4_K_M", *options, "--out", quantized,
+                    "--overwrite"], capsys, monkeypatch)[0] == 0
+        assert tensors(exported) == tensors(quantized)
+        kinds = {name: kind for name, (kind, _) in tensors(exported).items() if name.startswith("blk.")}
+        if options == ["--pure"]:
+            assert set(kinds.values()) == {"Q4_K", "F32"}, kinds  # the norms stay float
+        else:
+            assert kinds["blk.0.ffn_down.weight"] == "Q8_0" and kinds["blk.1.attn_k.weight"] == "Q5_0", kinds
+    refused(["export", "--out", tmp_path / "x.gguf", "--pure"], capsys, monkeypatch,
+            "--pure requantizes a GGUF file: for a model directory, quantkit quantize MODEL --format gguf takes it")
