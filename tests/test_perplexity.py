@@ -39,6 +39,19 @@ def test_llamacpp_protocol_scores_the_second_half(tiny, text):
     assert r.perplexity == pytest.approx(math.exp(nll.item()), rel=1e-6)
 
 
+
+def test_the_head_computes_only_the_scored_positions(tiny, text):
+    """The head made logits for every position of every window and the float64 log-softmax took a whole
+    batch of them: the README's main command peaked at 2.61 GiB there (1.86 GiB since)."""
+    seen = []
+    hook = tiny.module.lm_head.register_forward_hook(lambda mod, args, out: seen.append(tuple(out.shape)))
+    try:
+        perplexity(tiny.module, tiny.tokenizer, text, "llamacpp", ctx=128, max_windows=3, progress=False)
+    finally:
+        hook.remove()
+    assert seen == [(3, 64, tiny.module.config.vocab_size)]  # positions 64..127; the last predicts nothing scored
+
+
 def test_bos_replaces_the_first_token_only_when_the_tokenizer_adds_it(tiny, tiny_dir, text):
     with_bos_tok = tokenizer_adding_bos(tiny_dir)  # the shared fixture's tokenizer is left as it is
     assert adds_bos(with_bos_tok) and not adds_bos(tiny.tokenizer)
