@@ -262,11 +262,21 @@ def add_metadata(w: gguf.GGUFWriter, model: Model, mix: str) -> None:
     add_tokenizer(w, model, cfg.vocab_size)
 
 
-def plan(module: torch.nn.Module, types: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The file's tensors: GGUF name -> (shape, type); norms, biases and Llama 3's rope factors in F32,
-    each 2-D weight the type of its module name in types."""
+def source_factors(model: Model) -> np.ndarray | None:
+    """Llama 3's rope factors: from its config's rope, or a GGUF source's own rope_freqs tensor (loading
+    divides the frequencies by it, and the config says a plain rope)."""
+    factors = rope_factors(model.module.config)
+    if factors is None and ROPE_FREQS in getattr(model.checkpoint, "infos", {}):
+        factors = model.checkpoint.by_name(ROPE_FREQS).numpy()
+    return factors
+
+
+def plan(module: torch.nn.Module, types: dict[str, str], factors: np.ndarray | None = None
+         ) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The file's tensors: GGUF name -> (shape, type); norms, biases and Llama 3's rope factors in F32
+    (factors: a GGUF source's, else from the config), each 2-D weight the type of its module name in types."""
     out = {}
-    factors = rope_factors(module.config)
+    factors = rope_factors(module.config) if factors is None else factors
     if factors is not None:
         out[ROPE_FREQS] = (factors.shape, "F32")
     for key, t in module.state_dict(keep_vars=True).items():
@@ -295,7 +305,8 @@ class Writer:
         # llama.cpp's llama rotates interleaved pairs, its qwen2 and qwen3 (NeoX rope) the halves as transformers does
         self.heads = {"self_attn.q_proj": cfg.num_attention_heads,
                       "self_attn.k_proj": cfg.num_key_value_heads} if self.arch == "llama" else {}
-        self.plan = plan(model.module, types)
+        self.factors = source_factors(model)
+        self.plan = plan(model.module, types, self.factors)
         self.offsets, offset = {}, 0
         for name, (shape, kind) in self.plan.items():
             self.offsets[name] = offset
@@ -319,7 +330,7 @@ class Writer:
             self.data_start, self.header, self.done = state["data_start"], state["header"], dict(state["done"])
         self.file = open(self.staged.path, "r+b")
         if ROPE_FREQS in self.plan and ROPE_FREQS not in self.done:  # computed, not read: written first
-            self.write(ROPE_FREQS, rope_factors(self.model.module.config))
+            self.write(ROPE_FREQS, self.factors)
 
     def new_header(self) -> int:
         """The header from the model's config and tokenizer (gguf-py's writer); where the data starts."""

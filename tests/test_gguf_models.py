@@ -231,6 +231,16 @@ def test_a_sentencepiece_gguf_writes_its_own_vocabulary_into_gguf(models, tmp_pa
     assert {k: v for k, v in fields(out).items() if k.startswith("tokenizer.")} == want
 
 
+def test_a_llama3_gguf_quantized_again_keeps_its_rope_factors(models, tmp_path):
+    """Loading puts rope_freqs into the frequencies and the config says a plain rope, so a Llama 3 GGUF
+    quantized again into GGUF lost the tensor, and llama.cpp ran the file with a plain rope."""
+    src, out = tmp_path / "src.gguf", tmp_path / "q.gguf"
+    quantkit.api.export_gguf(quantkit.load(models["llama-llama3"]), src, "F32", progress=False)
+    quantkit.quantize(str(src), method="rtn", format="gguf", gguf_type="Q8_0", out=out, progress=False)
+    want, got = tensors(src), tensors(out)
+    assert "rope_freqs.weight" in want and got["rope_freqs.weight"] == want["rope_freqs.weight"]
+
+
 # ---- judged by llama.cpp (slow: llama.cpp built once into the cache) ----
 
 @pytest.mark.slow
