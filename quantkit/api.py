@@ -311,6 +311,11 @@ def quantize(
         calibration.imatrix.check(importance, config.imatrix_file, columns)
     if out is not None:
         exporters.check_format(format, m.module, config)
+        if format != "gguf" and exporters.gguf.ROPE_FREQS in getattr(m.checkpoint, "infos", {}):
+            # loading divided the frequencies by them; a config.json would say a plain rope
+            raise QuantkitError(f"{m.source} holds Llama 3's rope as factors (rope_freqs.weight), which a {format} "
+                                "checkpoint's config cannot give: write it as GGUF (--format gguf), or quantize the "
+                                "model's Hugging Face directory")
     if config.measurement is not None:
         measurement.check_path(config.measurement)
     if config.rules:

@@ -239,6 +239,10 @@ def test_a_llama3_gguf_quantized_again_keeps_its_rope_factors(models, tmp_path):
     quantkit.quantize(str(src), method="rtn", format="gguf", gguf_type="Q8_0", out=out, progress=False)
     want, got = tensors(src), tensors(out)
     assert "rope_freqs.weight" in want and got["rope_freqs.weight"] == want["rope_freqs.weight"]
+    # a checkpoint's config.json cannot say this rope: it would have been written as a plain one
+    with pytest.raises(QuantkitError, match="holds Llama 3's rope as factors .* write it as GGUF"):
+        quantkit.quantize(str(src), method="rtn", out=tmp_path / "q", progress=False)
+    assert not (tmp_path / "q").exists()
 
 
 # ---- judged by llama.cpp (slow: llama.cpp built once into the cache) ----
