@@ -244,9 +244,9 @@ def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, 
             device) -> None:
     """Run EleutherAI's lm-evaluation-harness tasks on MODEL (any model quantkit loads: float, a packed
     export, a .gguf file), through lm-eval's HFLM wrapper around the loaded model."""
-    names = [t.strip() for t in tasks.split(",") if t.strip()]
     from quantkit.evals import harness
 
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
     limit = harness.documents(limit, f"--limit {limit}")
     results = api.lm_eval(model, names, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size,
                           max_length=max_length, data_dir=data_dir, seed=seed, chat=chat, packed=not dequantized,

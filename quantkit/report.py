@@ -345,10 +345,10 @@ def scored_windows(r: dict) -> int:
     return r["base"].get("windows", r["settings"]["windows"])
 
 
-def plus_minus(p: dict, key: str, form: str, scale: float = 1, unc: str = "_unc") -> str:
-    """A point's figure with its uncertainty (key + unc) where the point has one (points from before it
-    was kept do not)."""
-    unc = p.get(key + unc)
+def plus_minus(p: dict, key: str, form: str, scale: float = 1, suffix: str = "_unc") -> str:
+    """A point's figure with its uncertainty (under key + suffix) where the point has one (points from
+    before it was kept do not)."""
+    unc = p.get(key + suffix)
     return format(scale * p[key], form) + ("" if unc is None else " ± " + format(scale * unc, form))
 
 
@@ -358,7 +358,7 @@ def scores(p: dict, tasks: list[str]) -> list[str]:
     for t in tasks:
         task, metric = t.split(":")
         values = p.get("lm_eval", {}).get(task, {})
-        cells.append("" if metric not in values else plus_minus(values, metric, ".4f", unc="_stderr"))
+        cells.append("" if metric not in values else plus_minus(values, metric, ".4f", suffix="_stderr"))
     return cells
 
 
