@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from quantkit.config import CODEBOOK_METHODS, QuantConfig
@@ -107,9 +108,9 @@ def open_writer(model, out: str | os.PathLike, fmt: str, qconfig: QuantConfig, o
 
 
 def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: bool = False,
-           max_shard_size: int | str = DEFAULT_MAX_SIZE) -> Path:
+           max_shard_size: int | str = DEFAULT_MAX_SIZE, progress: bool = True) -> Path:
     """Write a quantized model held in memory; the safetensors layouts in shards of at most
-    max_shard_size bytes of tensor data ("5GB", "500MiB", or an int)."""
+    max_shard_size bytes of tensor data ("5GB", "500MiB", or an int). progress: say what was written."""
     if model.qconfig is None or not model.tensors:
         raise QuantkitError("the model is not quantized: quantize it before exporting")
     check_apart(out, [model.source])
@@ -124,7 +125,10 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
             for key, t in model.module.state_dict().items():
                 if key.removesuffix(".weight") not in model.tensors and not (tied and key == "lm_head.weight"):
                     writer.add(key, t)
-            return writer.close()
+            path = writer.close()
+            if progress:
+                print(writer.summary, file=sys.stderr)
+            return path
     except BaseException:
         writer.abort()
         raise

@@ -4,7 +4,6 @@ back to a model."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +42,7 @@ class CheckpointWriter:
         self.shards: ShardWriter | None = None
         self.act_order = False
         self.head: tuple[int, int] | None = None  # the packed lm_head's bits and group size
+        self.summary = ""
 
     @property
     def written(self) -> int:
@@ -81,7 +81,7 @@ class CheckpointWriter:
         tmp = self.staged.path
         files = self.shards.close()
         size = sum(f.stat().st_size for f in files)
-        print(f"wrote {len(self.shards.names)} tensors in {len(files)} file(s), {size / 2**20:.1f} MiB", file=sys.stderr)
+        self.summary = f"wrote {len(self.shards.names)} tensors in {len(files)} file(s), {size / 2**20:.1f} MiB"
         qcfg = self.config(self)
         cfg = self.model.module.config.to_dict()
         # a config saved without a model lacks it, and ExLlamaV2's loader (among others) needs it

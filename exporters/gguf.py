@@ -315,6 +315,7 @@ class Writer:
         self.done: dict[str, int] = {}  # name -> CRC of its bytes
         self.file = None
         self.data_start, self.header = 0, 0
+        self.summary = ""
 
     @property
     def written(self) -> int:
@@ -407,6 +408,7 @@ class Writer:
         self.staged.check()  # before the file is cut to its end: a resumed run can still use it
         self.file.truncate(self.data_start + self.end)  # the last tensor's padding, as gguf-py writes it
         self.file.close()
+        self.summary = f"wrote {len(self.plan)} tensors, {(self.data_start + self.end) / 2**20:.1f} MiB"
         return self.staged.commit()
 
     def abort(self, keep: bool = False) -> None:

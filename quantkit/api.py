@@ -22,8 +22,8 @@ from . import rules as layer_rules
 from .config import QuantConfig, refuse_unused
 from .errors import QuantkitError, ResumableError, space_for
 from .layers import GROUPS, LINEARS, fused, linear_shapes, shapes_by_name
-from .modelio import Model, check_context, fingerprint, linear_types, load
-from .pipeline import BATCH, Hessian, gather_hessians, quantize_layers
+from .modelio import Checkpoint, GGUFCheckpoint, Model, check_context, fingerprint, linear_types, load
+from .pipeline import BATCH, Hessian, OtherFn, gather_hessians, quantize_layers
 from .qtensor import QuantizedTensor
 from .requant import requantized_note
 from .quantizers import awq, exl2, ggml, gptq, nf4, rtn
@@ -31,17 +31,44 @@ from .quantizers import awq, exl2, ggml, gptq, nf4, rtn
 PathLike = str | os.PathLike
 
 
+def kept_blocks(source: Checkpoint | None, name: str, kind: str, w: torch.Tensor, check: bool) -> QuantizedTensor | None:
+    """A GGUF source's own blocks of a weight already of the type it is quantized to, as llama-quantize
+    keeps them (rounded again, 17 of the embedded model's 211 in Q4_K_M came out different); None where there
+    are none, or (check: w was in memory before quantizing, as read or changed) w is not what they hold."""
+    key = f"{name}.weight"
+    if not isinstance(source, GGUFCheckpoint) or key not in source.where:
+        return None
+    have, rows = source.blocks(key)
+    if have != kind or check and not torch.equal(source.tensor(key, "cpu"), w.detach().float().cpu()):
+        return None
+    return ggml.tensor(kind, rows.numpy(), rows.shape[0])
+
+
+def rounded_again(source: Checkpoint | None, kept: dict[str, str]) -> list[str]:
+    """The quantized types of a GGUF source's weights that are rounded again: all but those of a
+    weight whose type in kept (by module name) is its own (kept_blocks)."""
+    if not isinstance(source, GGUFCheckpoint):
+        return []
+    kinds = {key: source.type_of(key) for key in source.where if key.endswith(".weight")}
+    return sorted({t for key, t in kinds.items()
+                   if t not in blocks.FLOAT_TYPES and kept.get(key.removesuffix(".weight")) != t})
+
+
 def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, str] | None = None,
-              importance: dict[str, torch.Tensor] | None = None, settings: dict[str, exl2.Setting] | None = None):
+              importance: dict[str, torch.Tensor] | None = None, settings: dict[str, exl2.Setting] | None = None,
+              kept: OtherFn | None = None):
     """The per-linear core for a method: (name, weight, hessian or None) -> QuantizedTensor; None for
     AWQ, which quantizes whole layers. GPTQ's per-linear losses are recorded in losses. types: each
     linear's GGUF type when quantizing for GGUF; importance: an importance matrix read from a file, by
-    GGUF tensor name; settings: each linear's EXL2 widths (default: the target's, the same for all)."""
+    GGUF tensor name; settings: each linear's EXL2 widths (default: the target's, the same for all);
+    kept: (name, weight) -> a GGUF source's blocks that RTN keeps, or None (kept_blocks)."""
     c = qconfig
     if c.rules:  # each linear the core of its own settings; None for one left in float
         return lambda name, w, h: None if (mine := c.for_linear(name)) is None else quantizer(mine, losses)(name, w, h)
     if types is not None:
         def quantize_ggml(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
+            if c.method == "rtn" and kept is not None and (q := kept(name, w)) is not None:
+                return q
             w = w.cpu()  # the block searches pack with numpy
             if importance is not None:
                 return ggml.quantize(w, types[name], importance.get(exporters.gguf.gguf_name(f"{name}.weight")))
@@ -294,9 +321,6 @@ def quantize(
     if isinstance(model, Model):
         check_float(model)
     m = model if isinstance(model, Model) else load(model)
-    again = sorted(set(m.gguf_types.values()) - set(blocks.FLOAT_TYPES))
-    if again and m.qconfig is None and distributed.rank() == 0:  # a quantized GGUF's blocks, rounded again
-        print(requantized_note(m.source, again), file=sys.stderr)
     if out is not None:
         check_apart(out, [m.source, calib_data])
     types = None
@@ -345,6 +369,11 @@ def quantize(
                                                 config.tensor_type)
         if targets:
             consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
+    # RTN keeps a GGUF source's blocks of the type they get; the embedding and output matrix are RTN's always
+    again = rounded_again(m.checkpoint, {n: t for n, t in (types or {}).items()
+                                         if config.method == "rtn" or n in exporters.gguf.TOP})
+    if again and m.qconfig is None and distributed.rank() == 0:
+        print(requantized_note(m.source, again), file=sys.stderr)
     settings = None  # EXL2's widths per linear, when measured
     resume = None
     if out is not None and not keep:  # saved beside the output: an interrupted run goes on
@@ -359,6 +388,11 @@ def quantize(
         return awq.quantize_layer(layer, batches, config.bits, config.group_size, config.sym, config.duo_scaling,
                                   prefix=f"model.layers.{i}.", loss=config.awq_loss)
 
+    read = {n.removesuffix(".weight") for n, p in m.module.named_parameters() if not p.is_meta}
+
+    def kept(name: str, w: torch.Tensor) -> QuantizedTensor | None:  # what is read now is the source's
+        return kept_blocks(m.checkpoint, name, types[name], w, check=name in read)
+
     def other(name: str, w: torch.Tensor) -> QuantizedTensor | None:  # GGUF: the embedding and output matrix too
         if name == "lm_head" and config.head_bits is not None:  # EXL2's head, on the device (minutes on a CPU)
             from quantkit.exporters.exl2 import quantize_head
@@ -366,6 +400,8 @@ def quantize(
             return quantize_head(w.to(dev), config).to("cpu")
         if types is None or name not in types:
             return None
+        if (q := kept(name, w)) is not None:
+            return q
         key = exporters.gguf.gguf_name(f"{name}.weight")
         return ggml.quantize(w, types[name], importance.get(key) if importance is not None else None)
 
@@ -382,7 +418,7 @@ def quantize(
             if config.exl2 is not None and config.measurement is not None:
                 settings = measured(m, config, windows, dev, progress, exl2.CANDIDATES)
             # RTN's --target-bpw calibrated its measurement only
-            m.tensors = quantize_layers(m, quantizer(config, m.losses, types, importance, settings),
+            m.tensors = quantize_layers(m, quantizer(config, m.losses, types, importance, settings, kept),
                                         windows if config.needs_calibration else None,
                                         sequential=config.true_sequential, device=dev, writer=writer,
                                         other=other if writes or keep else None, keep=keep,
@@ -390,6 +426,8 @@ def quantize(
                                         layer_fn=awq_layer if config.method == "awq" else None)
             if writer is not None:
                 writer.close()
+                if progress:
+                    print(writer.summary, file=sys.stderr)
             distributed.agree(0, "min", "writing the output")  # every process keeps its progress until it is complete
     except BaseException as e:
         # what a resumed run needs stays, unless the input is at fault: running again would fail the same way
@@ -561,13 +599,14 @@ def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float
 
 
 def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: bool = False,
-           max_shard_size: int | str = exporters.DEFAULT_MAX_SIZE) -> Path:
-    """Write a Model quantized in memory (quantize with keep=True) to out in format; the path written.
-    A model on disk needs no export: quantize it with out, or requantize a GGUF with export_gguf."""
+           max_shard_size: int | str = exporters.DEFAULT_MAX_SIZE, progress: bool = True) -> Path:
+    """Write a Model quantized in memory (quantize with keep=True) to out in format; the path written
+    (and, with progress, what it holds on stderr). A model on disk needs no export: quantize it with
+    out, or requantize a GGUF with export_gguf."""
     if not isinstance(model, Model):
         raise QuantkitError(f"export writes a Model quantized in memory, not a {type(model).__name__}: quantize the "
                             "model with out (or keep=True, then export that)")
-    return exporters.export(model, out, format, overwrite, max_shard_size)
+    return exporters.export(model, out, format, overwrite, max_shard_size, progress)
 
 
 def check_windows(ctx, max_windows) -> None:
@@ -621,4 +660,5 @@ def export_gguf(model: Model, out: PathLike, gguf_type: str | None = None, overw
     for name in exporters.gguf.tensor_types(model.module, "F16").keys() - tensors.keys():
         tensors[name] = ggml.quantize(model.module.get_submodule(name).weight.data, "F16")
     qconfig = QuantConfig(method="rtn", gguf_type=kinds[0])
-    return exporters.export(Model(model.module, model.tokenizer, model.source, tensors, qconfig), out, "gguf", overwrite)
+    return exporters.export(Model(model.module, model.tokenizer, model.source, tensors, qconfig), out, "gguf", overwrite,
+                            progress=progress)

@@ -285,23 +285,32 @@ def listed(value: str, kind=str, option: str = "") -> list:
 @click.option("--ctx", type=int, default=512, show_default=True)
 @click.option("--tasks", default="", help="also run these lm-eval tasks on each point (comma-separated)")
 @click.option("--lm-eval-limit", type=float, help="documents per lm-eval task")
+@click.option("--lm-eval-fewshot", type=click.IntRange(0), help="few-shot examples per lm-eval prompt [each task's own]")
+@click.option("--lm-eval-max-length", type=click.IntRange(2), help="tokens per lm-eval window [the model's context]")
+@click.option("--lm-eval-chat", is_flag=True, help="lm-eval prompts in the tokenizer's chat template")
+@click.option("--lm-eval-data-dir", type=click.Path(), help="where local lm-eval tasks read [$QUANTKIT_DATA, else "
+              "../shared/data]")
 @click.option("--keep-exports", is_flag=True, help="keep each point's export under OUT/exports")
 def report(model, out, data, methods, bits, gguf_types, exl2_bits, exl2_measured, group_size, calib_data, calib_samples,
-           calib_seqlen, windows, ctx, tasks, lm_eval_limit, keep_exports) -> None:
+           calib_seqlen, windows, ctx, tasks, lm_eval_limit, lm_eval_fewshot, lm_eval_max_length, lm_eval_chat,
+           lm_eval_data_dir, keep_exports) -> None:
     """Sweep methods and sizes over MODEL: for each point the export's size and bits per weight,
     perplexity, divergence from the base, time and peak memory; a markdown table, JSON and plots."""
     if not os.path.isfile(data):
         raise QuantkitError(f"{data}: no such file: pass --data with the evaluation text")
     given, families = given_options(), set(listed(methods))
     for name, needs in (("bits", {"rtn", "gptq", "awq"}), ("gguf_types", {"gguf"}), ("exl2_bits", {"exl2"}),
-                        ("exl2_measured", {"exl2"}), ("lm_eval_limit", None)):
+                        ("exl2_measured", {"exl2"}), ("lm_eval_limit", None), ("lm_eval_fewshot", None),
+                        ("lm_eval_max_length", None), ("lm_eval_chat", None), ("lm_eval_data_dir", None)):
         if name in given and (not families & needs if needs else not tasks):
             raise QuantkitError(f"{given[name]} sets " + (f"the {', '.join(sorted(needs))} points, and --methods has none: "
                                                           "add them to --methods, or drop it" if needs else
                                                           "the lm-eval runs, and there are no --tasks: add some, or drop it"))
     settings = report_.Settings(model=model or "", data=data, calib_data=calib_data, calib_samples=calib_samples,
                                 calib_seqlen=calib_seqlen, group_size=group_size, windows=windows, ctx=ctx,
-                                tasks=listed(tasks), lm_eval_limit=lm_eval_limit, exl2_measured=exl2_measured)
+                                tasks=listed(tasks), lm_eval_limit=lm_eval_limit, lm_eval_fewshot=lm_eval_fewshot,
+                                lm_eval_max_length=lm_eval_max_length, lm_eval_chat=lm_eval_chat,
+                                lm_eval_data_dir=lm_eval_data_dir, exl2_measured=exl2_measured)
     sweep = report_.Sweep(methods=listed(methods), bits=listed(bits, int, "--bits"), gguf_types=listed(gguf_types),
                           exl2_targets=listed(exl2_bits, float, "--exl2-bits"), keep_exports=keep_exports)
     r = report_.report(out, settings, sweep, echo=click.echo)

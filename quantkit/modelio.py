@@ -269,26 +269,49 @@ class GGUFCheckpoint(Checkpoint):
         return torch.float32  # blocks dequantize to float32, as llama.cpp computes them
 
     def tensor(self, key: str, device: str | torch.device) -> torch.Tensor:
-        t = self.by_name(self.where[key])
-        for suffix, n_head in self.heads.items():  # undo llama.cpp's rope row order (exporters.gguf.permute_rows)
+        return self.in_order(key, self.by_name(self.where[key])).to(device)
+
+    def blocks(self, key: str) -> tuple[str, torch.Tensor]:
+        """A 2-D weight's GGUF type and its stored bytes, [rows, bytes per row], rows in Hugging Face's order."""
+        import numpy as np
+
+        kind, raw = self.raw(self.where[key])
+        return kind, self.in_order(key, torch.from_numpy(np.array(raw)).reshape(self.shapes[key][0], -1))
+
+    def in_order(self, key: str, rows: torch.Tensor) -> torch.Tensor:
+        """rows (values or blocks) in Hugging Face's order: llama.cpp's rope order undone for q/k
+        (exporters.gguf.permute_rows)."""
+        for suffix, n_head in self.heads.items():
             if key.endswith(f"{suffix}.weight"):
-                t = t.reshape(n_head, t.shape[0] // n_head // 2, 2, -1).transpose(1, 2).reshape(t.shape)
-        return t.contiguous().to(device)
+                rows = rows.reshape(n_head, rows.shape[0] // n_head // 2, 2, -1).transpose(1, 2).reshape(rows.shape)
+        return rows.contiguous()
+
+    def type_of(self, key: str) -> str:
+        """A tensor's GGUF type, by its Hugging Face name."""
+        import gguf
+
+        return gguf.GGMLQuantizationType(self.infos[self.where[key]].ggml_type).name
+
+    def raw(self, name: str):
+        """A tensor's GGUF type and its bytes (a read-only map), by its GGUF name."""
+        import gguf
+        import numpy as np
+
+        info = self.infos[name]
+        return gguf.GGMLQuantizationType(info.ggml_type).name, \
+            np.memmap(self.path, np.uint8, "r", self.data_start + info.offset, (info.nbytes,))
 
     def by_name(self, name: str) -> torch.Tensor:
         """A tensor by its GGUF name, in float32."""
         import gguf
         import numpy as np
 
-        info = self.infos[name]
-        start = self.data_start + info.offset
-        raw = np.memmap(self.path, np.uint8, "r", start, (info.nbytes,))
-        kind = gguf.GGMLQuantizationType(info.ggml_type)
-        if kind.name in FLOAT_DTYPES:
-            values = torch.from_numpy(np.array(raw)).view(FLOAT_DTYPES[kind.name]).float()
+        kind, raw = self.raw(name)
+        if kind in FLOAT_DTYPES:
+            values = torch.from_numpy(np.array(raw)).view(FLOAT_DTYPES[kind]).float()
         else:
-            values = torch.from_numpy(gguf.quants.dequantize(raw, kind))
-        return values.reshape(info.shape)
+            values = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]))
+        return values.reshape(self.infos[name].shape)
 
 
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -46,6 +46,7 @@ class Writer(Protocol):
     linears by module name. start(None) begins afresh; start(state), with a state() taken after a
 finished layer, goes on from there."""
     written: int  # bytes so far
+    summary: str  # after close(): what was written, in a line
 
     def add(self, key: str, tensor: torch.Tensor) -> None: ...
     def add_quantized(self, name: str, qt: QuantizedTensor) -> None: ...

@@ -20,7 +20,7 @@ import struct
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -87,6 +87,10 @@ class Settings:
     ctx: int
     tasks: list[str] = field(default_factory=list)
     lm_eval_limit: float | None = None
+    lm_eval_fewshot: int | None = None  # None: each task's own
+    lm_eval_max_length: int | None = None  # None: the model's context
+    lm_eval_chat: bool = False  # prompts in the tokenizer's chat template
+    lm_eval_data_dir: str | None = None  # where local tasks read (harness.prepare's default)
     exl2_measured: bool = False  # EXL2 points spend the target by one measurement, OUT/exl2-measurement.json
     calib_seqlen: int = 512
     weights: str = ""  # the model's files as modelio.fingerprint gives them: a report goes on only with the same
@@ -158,12 +162,20 @@ def run_point(spec: dict) -> dict:
               "quantize_s": seconds, "peak_rss": peak}
     if s.tasks:
         try:
-            result["lm_eval"] = api.lm_eval(m, s.tasks, limit=s.lm_eval_limit)
+            result["lm_eval"] = lm_scores(m, s)
         except Exception as e:  # the point's measurements stand; the sweep names the scores missing, and runs it again
             result["lm_eval_error"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:500]
     if not spec.get("keep_exports"):
         atomic.remove(export)
     return result
+
+
+def lm_scores(model: object, s: Settings) -> dict[str, dict[str, float]]:
+    """lm-eval's results for the base or a point, all run alike."""
+    from . import api
+
+    return api.lm_eval(model, s.tasks, limit=s.lm_eval_limit, num_fewshot=s.lm_eval_fewshot,
+                       max_length=s.lm_eval_max_length, data_dir=s.lm_eval_data_dir, chat=s.lm_eval_chat)
 
 
 def peak_rss() -> int:
@@ -202,7 +214,11 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
         from quantkit.evals import harness
 
         harness.documents(settings.lm_eval_limit, f"--lm-eval-limit {settings.lm_eval_limit}")
-        harness.prepare(settings.tasks)  # a wrong name or missing data: before the base is scored
+        for option, value, least in (("--lm-eval-fewshot", settings.lm_eval_fewshot, 0),
+                                     ("--lm-eval-max-length", settings.lm_eval_max_length, 2)):
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+                raise QuantkitError(f"{option} {value!r}: pass a whole number of at least {least}")
+        harness.prepare(settings.tasks, settings.lm_eval_data_dir)  # a wrong name or missing data: before the base
     if out.is_dir() and any(out.iterdir()) and not (out / "settings.json").is_file():
         raise QuantkitError(f"{out} holds other files, not a quantkit report: choose another --out")
     if out.exists() and not out.is_dir():
@@ -253,6 +269,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     s = settings  # paths as absolute: a resumed run from elsewhere is the same report
     settings = replace(s, model=str(Path(s.model).resolve()) if s.model else "", data=str(Path(s.data).resolve()),
                        calib_data=str(Path(s.calib_data).resolve()) if s.calib_data else None,
+                       lm_eval_data_dir=str(Path(s.lm_eval_data_dir).resolve()) if s.lm_eval_data_dir else None,
                        weights=fingerprint(s.model or default_model_dir()))
     model, data, windows, ctx = settings.model or None, settings.data, settings.windows, settings.ctx
     out = Path(out)
@@ -264,7 +281,9 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     except BlockingIOError:
         raise QuantkitError(f"{out} is being written by another quantkit report: wait for it or choose another --out") from None
     saved = out / "settings.json"
-    if saved.exists() and (before := read_json(saved)) != asdict(settings):
+    # a setting added since the report began is its default there
+    defaults = {f.name: f.default for f in fields(Settings) if f.default is not MISSING}
+    if saved.exists() and (before := {**defaults, **read_json(saved)}) != asdict(settings):
         changed = "; ".join(f"{k}: {v!r} here, {before.get(k)!r} in the report" for k, v in asdict(settings).items()
                             if before.get(k) != v) or "a setting this version does not have"
         raise QuantkitError(f"{out} holds a report of other settings ({changed}): run with its settings to go on, or "
@@ -295,7 +314,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         del m
     if settings.tasks and "lm_eval" not in (based := read_json(out / "base.json")):  # the scores' float row
         echo(f"base: lm-eval {', '.join(settings.tasks)} on the float model")
-        based["lm_eval"] = api.lm_eval(model, settings.tasks, limit=settings.lm_eval_limit)
+        based["lm_eval"] = lm_scores(model, settings)
         write_json(out / "base.json", based)
     for i, p in enumerate(todo, 1):
         done = out / "points" / f"{p.name}.json"
@@ -371,9 +390,15 @@ def table(r: dict) -> str:
     calibrated = any(p.get("method") in ("gptq", "awq") for p in r["points"])
     calib = (f" Calibration: {s.get('calib_samples')} windows of {s.get('calib_seqlen', 512)} tokens of "
              f"{Path(s['calib_data']).name if s.get('calib_data') else 'WikiText-2 train'} (seed 0).") if calibrated else ""
+    shots = s.get("lm_eval_fewshot")
+    lm = (" lm-eval: " + ("each task's own few-shot count" if shots is None else f"{shots}-shot")
+          + (", prompts in the chat template" if s.get("lm_eval_chat") else "")
+          + (f", windows of {s['lm_eval_max_length']} tokens" if s.get("lm_eval_max_length") else "")
+          + (f", {s['lm_eval_limit']:g} documents per task" if s.get("lm_eval_limit") else "") + ".") \
+        if s.get("tasks") else ""
     lines = [f"Model {s['model'] or 'embedded SmolLM2-135M-Instruct'}: {base['bytes'] / 2**20:.1f} MiB, base perplexity "
              f"{base['perplexity']:.4f} on {scored_windows(r)} windows of {s['ctx']} tokens of {Path(s['data']).name}; "
-             f"group size {s['group_size']}.{calib} bpw: the file's bits per parameter; bpw linears: the decoder "
+             f"group size {s['group_size']}.{calib}{lm} bpw: the file's bits per parameter; bpw linears: the decoder "
              "linears' tensors over their weights (no embedding, head or norms). KLD in nats; ± one standard error.",
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if "lm_eval" in base:  # the float model's scores, for the points' to be read against

@@ -129,3 +129,18 @@ def test_other_supported_architectures(tiny_dir, tmp_path, arch):
         assert back.module.config.head_dim == 32
         assert torch.equal(back.module.state_dict()[norm], m.module.state_dict()[norm].half().float())
     assert torch.equal(back.module.lm_head.weight, m.module.lm_head.weight.half().float())
+
+
+def test_progress_false_writes_nothing_on_stderr(tiny_dir, tmp_path, capfd):
+    """progress=False still printed the writer's "wrote N tensors in 1 file(s)" line (a deployment
+    pipeline's log asked to stay quiet); with progress it is the last line, for both kinds of writer."""
+    for fmt, kw in (("safetensors", {}), ("gguf", {"gguf_type": "Q8_0"})):
+        for progress in (False, True):
+            out = tmp_path / f"{fmt}-{progress}"
+            quantkit.quantize(str(tiny_dir), out=out, format=fmt, progress=progress, **kw)
+            err = capfd.readouterr().err
+            assert (err.strip().splitlines()[-1].startswith("wrote ") if progress else err == ""), err
+    m = quantized(tiny_dir)
+    capfd.readouterr()
+    quantkit.export(m, tmp_path / "kept", progress=False)
+    assert capfd.readouterr().err == ""

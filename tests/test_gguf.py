@@ -756,6 +756,35 @@ def test_quantizing_a_quantized_gguf_says_so_as_export_does(float_ggufs, tmp_pat
     assert code == 0 and [line for line in err if line.startswith("note: ")] == [requantized_note(q8, ["Q8_0"])], err
 
 
+def test_quantizing_a_gguf_keeps_the_blocks_already_of_their_type(float_ggufs, tmp_path, capsys, monkeypatch):
+    """llama-quantize (and quantkit export) keeps a tensor already of the type it would get; quantize
+    rounded its dequantized blocks again: 17 of the embedded model's 211 quantized tensors in Q4_K_M
+    came out different (perplexity 29.3776 -> 29.4134), said to be "requantized". A weight changed in
+    memory is no longer its blocks."""
+    from quantkit.requant import requantize, requantized_note
+
+    q4 = requantize(float_ggufs[1], tmp_path / "q4.gguf", "Q4_K_M", progress=False)
+    source = tensors(q4)
+    for mix in ("Q4_K_M", "Q5_K_M"):
+        out, theirs = tmp_path / f"ours-{mix}.gguf", tmp_path / f"export-{mix}.gguf"
+        code, _, err = cli(["quantize", q4, "--format", "gguf", "--gguf-type", mix, "--out", out], capsys, monkeypatch)
+        assert code == 0, err
+        ours = tensors(out)
+        assert tensors(requantize(q4, theirs, mix, progress=False)) == ours
+        kept = [n for n in ours if ours[n][0] == source[n][0]]
+        assert [n for n in kept if ours[n] != source[n]] == []
+        again = sorted({source[n][0] for n in ours if n not in kept})
+        assert again == ([] if mix == "Q4_K_M" else ["Q4_K"])  # Q6_K stays Q6_K in Q5_K_M
+        assert [line for line in err if line.startswith("note: ")] == ([requantized_note(q4, again)] if again else [])
+    m = quantkit.load(q4)
+    m.materialize()
+    with torch.no_grad():
+        m.module.model.layers[1].mlp.down_proj.weight.neg_()
+    quantkit.quantize(m, method="rtn", format="gguf", gguf_type="Q4_K_M", out=tmp_path / "changed.gguf", progress=False)
+    changed = tensors(tmp_path / "changed.gguf")
+    assert [n for n in changed if changed[n] != source[n]] == ["blk.1.ffn_down.weight"]
+
+
 def test_mixes_are_named_as_llama_quantize_names_them(float_ggufs, tmp_path, capsys, monkeypatch):
     """llama-quantize takes any case and Q3_K/Q4_K/Q5_K for the _M mixes; its mixes quantkit does not
     write were called unknown. The name downstream is the canonical one: the file's type, the config's."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import TEST, VALID, cli, make_tiny
+from .conftest import DATA, TEST, VALID, cli, make_tiny
 
 
 def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
@@ -83,6 +83,49 @@ def test_a_point_whose_lm_eval_fails_keeps_its_figures(tiny_dir, tmp_path, capsy
     code, printed, _ = cli(args, capsys, monkeypatch)
     point = json.loads((out / "points" / "rtn-w4.json").read_text())
     assert code == 0 and "[1/1] rtn-w4" in printed and "lm_eval_error" not in point and point["lm_eval"]["dolly_mc"]
+
+
+RECORDER = """
+import json, os
+import quantkit.api
+def recorded(model, tasks, **kw):
+    with open(os.environ["LM_EVAL_CALLS"], "a") as f:
+        f.write(json.dumps(kw) + "\\n")
+    return {"dolly_mc": {"acc": 0.5, "acc_stderr": 0.1}}
+quantkit.api.lm_eval = recorded
+"""
+
+
+def test_lm_eval_settings_reach_every_run_and_an_older_report_goes_on(tiny_dir, tmp_path, capsys, monkeypatch):
+    """report ran lm-eval with its defaults only: each task's few-shot count, the model's context, plain
+    prompts, the default data directory. Now the base and every point take the report's. A report begun
+    before these settings existed goes on with the same command (they are its defaults), and is refused
+    with one of them changed. lm-eval is replaced by a recorder, in this process (the base) and in the
+    points' (a sitecustomize)."""
+    planted, calls, out = tmp_path / "site", tmp_path / "calls.jsonl", tmp_path / "report"
+    planted.mkdir()
+    (planted / "sitecustomize.py").write_text(RECORDER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(planted), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("LM_EVAL_CALLS", str(calls))
+    exec(RECORDER, {})  # this process's lm-eval: the base's
+    common = ["report", tiny_dir, "--out", out, "--data", TEST, "--methods", "rtn", "--bits", "4", "--group-size", 32,
+              "--windows", 1, "--ctx", 64, "--tasks", "dolly_mc", "--lm-eval-limit", 2]
+    lm = ["--lm-eval-fewshot", 1, "--lm-eval-max-length", 64, "--lm-eval-chat", "--lm-eval-data-dir", DATA]
+    code, _, err = cli([*common, *lm], capsys, monkeypatch)
+    assert code == 0, err
+    want = {"limit": 2.0, "num_fewshot": 1, "max_length": 64, "data_dir": str(DATA.resolve()), "chat": True}
+    assert [json.loads(line) for line in calls.read_text().splitlines()] == [want, want]  # the base, then rtn-w4
+    assert "lm-eval: 1-shot, prompts in the chat template, windows of 64 tokens, 2 documents per task." in \
+        (out / "report.md").read_text()
+
+    # as a report of an earlier version: its settings.json has none of the new lm-eval settings
+    saved = json.loads((out / "settings.json").read_text())
+    (out / "settings.json").write_text(json.dumps({k: v for k, v in saved.items() if k not in (
+        "lm_eval_fewshot", "lm_eval_max_length", "lm_eval_chat", "lm_eval_data_dir")}))
+    code, _, err = cli(common, capsys, monkeypatch)
+    assert code == 0 and json.loads((out / "settings.json").read_text())["lm_eval_fewshot"] is None, err
+    code, _, err = cli([*common, "--lm-eval-fewshot", 0], capsys, monkeypatch)
+    assert code == 2 and "holds a report of other settings (lm_eval_fewshot: 0 here, None in the report)" in err[-1]
 
 
 def test_a_point_ends_with_the_report_killed_under_it(tiny_dir, tmp_path):
