@@ -22,8 +22,10 @@ def read(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     if path.is_dir():
         raise QuantkitError(f"--imatrix {path}: a directory, not an importance matrix: put MODEL before "
                             f"--imatrix, or {FIX}")
-    if not path.is_file():
+    if not path.exists():
         raise QuantkitError(f"--imatrix {path}: no such file: {FIX}")
+    if not path.is_file():
+        raise QuantkitError(f"--imatrix {path}: not a regular file: {FIX}")
     with open(path, "rb") as f:
         gguf_file = f.read(4) == b"GGUF"
     table = from_gguf(path) if gguf_file else legacy(path)

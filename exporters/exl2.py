@@ -36,9 +36,12 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
     for name, (n, k) in shapes.items():
         if k % 32:
             raise QuantkitError(f"{name} has {k} inputs: EXL2 needs a multiple of 32; choose another --format")
-        if qconfig.measurement is None:
-            exl2.Setting.for_target(qconfig.exl2, n, k)  # a target the widths cannot reach fails here
-    if qconfig.measurement is not None:
+    if qconfig.measurement is None:  # one target for every linear: the range all of them reach
+        low = max(exl2.EXL2_BITS[0] + exl2.Setting.overhead(n, k) for n, k in shapes.values())
+        high = min(exl2.EXL2_BITS[-1] + exl2.Setting.overhead(n, k) for n, k in shapes.values())
+        if not low <= qconfig.exl2 <= high:
+            raise QuantkitError(exl2.outside(qconfig.exl2, "every linear of this model", low, high))
+    else:
         measurement.check_target(shapes, qconfig.exl2, exl2.CANDIDATES, "EXL2")
     if qconfig.head_bits is not None:
         cfg = module.config

@@ -19,7 +19,7 @@ from quantkit.atomic import check_apart, locked, partial_path, progress_files, s
 
 from . import blocks, consumers, distributed, measurement
 from . import rules as layer_rules
-from .config import QuantConfig, refuse_unused
+from .config import UNWEIGHTED, QuantConfig, refuse_unused
 from .errors import QuantkitError, ResumableError, space_for
 from .layers import GROUPS, LINEARS, fused, linear_shapes, shapes_by_name
 from .modelio import Checkpoint, GGUFCheckpoint, Model, check_context, fingerprint, linear_types, load
@@ -333,6 +333,13 @@ def quantize(
         importance = calibration.imatrix.read(config.imatrix_file)
         columns = {exporters.gguf.gguf_name(f"{n}.weight"): m.module.get_submodule(n).weight.shape[1] for n in types}
         calibration.imatrix.check(importance, config.imatrix_file, columns)
+        # llama-imatrix leaves out the embedding (and the output, without --process-output): the layers' count
+        weighted = [exporters.gguf.gguf_name(f"{n}.weight") for n, t in types.items() if t not in UNWEIGHTED]
+        missing = [key for key in weighted if key.startswith("blk.") and key not in importance]
+        if missing and distributed.rank() == 0:
+            warnings.warn(f"{config.imatrix_file} has no entry for {len(missing)} of the model's "
+                          f"{sum(key.startswith('blk.') for key in weighted)} layer weights ({missing[0]}, ...): they "
+                          "are quantized without importance; use the imatrix computed for this model")
     if out is not None:
         exporters.check_format(format, m.module, config)
         if format != "gguf" and exporters.gguf.ROPE_FREQS in getattr(m.checkpoint, "infos", {}):

@@ -137,8 +137,11 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     given = given_options()
     for name in ("calib_data", "calib_samples", "calib_seqlen", "seed"):
         if name in given and not config.needs_calibration:
-            raise QuantkitError(f"{given[name]} sets the calibration, and --method {config.method} quantizes without "
-                                "one: drop it (GPTQ, AWQ, --imatrix and --target-bpw calibrate)")
+            raise QuantkitError(f"{given[name]} sets the calibration, and " + (
+                "--imatrix FILE reads the importance instead: drop it, or pass --imatrix alone to compute the "
+                "importance from the calibration text" if config.imatrix_file else
+                f"--method {config.method} quantizes without one: drop it (GPTQ, AWQ, --imatrix and --target-bpw "
+                "calibrate)"))
     for name in ("eval_windows", "ctx"):
         if name in given and not eval_data:
             raise QuantkitError(f"{given[name]} sets the perplexity check that --eval-data turns on: add --eval-data "

@@ -74,6 +74,9 @@ def describe(hint) -> str:
     return " or ".join("None" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
 
 
+UNWEIGHTED = ("F32", "F16", "BF16", "Q8_0")  # GGUF types whose blocks take no importance
+
+
 @dataclass
 class QuantConfig:
     method: str = "rtn"
@@ -152,8 +155,8 @@ class QuantConfig:
         if self.gguf_type is not None and self.method not in ("rtn", "gptq"):
             raise QuantkitError(f"GGUF types are filled by RTN or GPTQ, not {self.method}: use --method rtn or gptq")
         if (self.imatrix or self.imatrix_file) and (self.gguf_type is None or self.method != "rtn"):
-            raise QuantkitError("--imatrix weights GGUF round-to-nearest: use it with --method rtn --format gguf "
-                                "(GPTQ always weighs by the Hessian)")
+            raise QuantkitError("--imatrix weights GGUF round-to-nearest: use it with --method rtn --format gguf"
+                                + (" (GPTQ always weighs by the Hessian)" if self.method == "gptq" else ""))
         if self.imatrix and self.imatrix_file:
             raise QuantkitError("an importance matrix is computed from calibration or read from a file, not both: "
                                 "pass --imatrix alone or --imatrix FILE")
@@ -163,6 +166,10 @@ class QuantConfig:
         if self.tensor_type and self.gguf_type in (None, "F32", "F16", "BF16"):
             raise QuantkitError("--tensor-type overrides the types of a quantized GGUF mix: use it with --format gguf "
                                 "and a --gguf-type such as Q4_K_M")
+        if (self.imatrix or self.imatrix_file) and self.target_bpw is None and self.gguf_type in UNWEIGHTED and \
+                all(t.rpartition("=")[2].upper() in UNWEIGHTED for t in self.tensor_type):
+            raise QuantkitError(f"--imatrix weights the block search of quantized GGUF types, and {self.gguf_type} "
+                                "has none that takes it: drop --imatrix, or choose a mix such as Q4_K_M")
         if self.exl2 is not None and self.method != "gptq":
             raise QuantkitError(f"EXL2 is filled by GPTQ, not {self.method}: use --method gptq")
         if self.head_bits is not None and self.exl2 is None:

@@ -394,7 +394,8 @@ def table(r: dict) -> str:
     lm = (" lm-eval: " + ("each task's own few-shot count" if shots is None else f"{shots}-shot")
           + (", prompts in the chat template" if s.get("lm_eval_chat") else "")
           + (f", windows of {s['lm_eval_max_length']} tokens" if s.get("lm_eval_max_length") else "")
-          + (f", {s['lm_eval_limit']:g} documents per task" if s.get("lm_eval_limit") else "") + ".") \
+          + (f", {limit:g} documents per task" if (limit := s.get("lm_eval_limit")) and limit >= 1 else
+             f", {limit:.0%} of each task's documents" if limit else "") + ".") \
         if s.get("tasks") else ""
     lines = [f"Model {s['model'] or 'embedded SmolLM2-135M-Instruct'}: {base['bytes'] / 2**20:.1f} MiB, base perplexity "
              f"{base['perplexity']:.4f} on {scored_windows(r)} windows of {s['ctx']} tokens of {Path(s['data']).name}; "

@@ -95,11 +95,11 @@ CATALOGUE = {
     "unknown format": Bad("quantize {model} --format onnx --out {tmp}/q", "unknown export format 'onnx'"),
     "unknown GGUF type": Bad("quantize {model} --format gguf --gguf-type Q9_K --out {tmp}/q.gguf",
                              "unknown GGUF type 'Q9_K'"),
-    "imatrix file missing": Bad("quantize {model} --format gguf --gguf-type Q8_0 --imatrix {tmp}/nope.dat "
+    "imatrix file missing": Bad("quantize {model} --format gguf --gguf-type Q4_0 --imatrix {tmp}/nope.dat "
                                 "--out {tmp}/q.gguf", "no such file"),
-    "imatrix not an importance matrix": Bad("quantize {model} --format gguf --gguf-type Q8_0 --imatrix {text} "
+    "imatrix not an importance matrix": Bad("quantize {model} --format gguf --gguf-type Q4_0 --imatrix {text} "
                                             "--out {tmp}/q.gguf", "give a file llama-imatrix wrote"),
-    "imatrix taking the model's place": Bad("quantize --imatrix {model} --format gguf --gguf-type Q8_0 "
+    "imatrix taking the model's place": Bad("quantize --imatrix {model} --format gguf --gguf-type Q4_0 "
                                             "--out {tmp}/q.gguf", "a directory, not an importance matrix"),
     "rules file missing": Bad("quantize {model} --rules {tmp}/nope.yaml --out {tmp}/q", "no such rules file"),
     "rules file not rules": Bad("quantize {model} --rules {text} --out {tmp}/q", "rules are a non-empty list"),

@@ -319,3 +319,29 @@ def test_a_tied_models_quantized_head_is_read_as_its_own(uniform, tmp_path):
 def test_bad_exl2_input(tiny_dir, tmp_path, capsys, monkeypatch, args, match):
     refused(["quantize", str(tiny_dir), "--out", str(tmp_path / "q"), *args], capsys, monkeypatch, match)
     assert not (tmp_path / "q").exists()
+
+
+def test_a_target_outside_the_model_s_range_is_refused_with_that_range(tiny_dir):
+    """The refusal gave the range of the first linear that failed: the embedded model's 2.0 was told
+    "2.183 to 8.183", then 2.25 and 8.17 from inside it were refused with other ranges. It now gives
+    the range every linear reaches: each target inside it is taken, each outside refused."""
+    import re
+
+    from quantkit.config import QuantConfig
+    from quantkit.exporters import exl2 as layout
+
+    module = quantkit.load(tiny_dir).module
+    ranges = set()
+    for target in (1.0, 9.0):
+        with pytest.raises(quantkit.QuantkitError, match="for every linear of this model") as e:
+            layout.check(module, QuantConfig("gptq", 4, 32, exl2=target))
+        ranges.add(re.search(r"\((\S+) to (\S+)\)", str(e.value)).groups())
+    (low, high), = ranges
+    shapes = {(n, k) for n, k in layout.shapes_by_name(module).values()}
+    assert len(shapes) > 1  # linears of several shapes, each with a range of its own
+    for target in (float(low), float(high)):
+        layout.check(module, QuantConfig("gptq", 4, 32, exl2=target))
+        assert all(Setting.for_target(target, n, k) for n, k in shapes)
+    for target in (float(low) - 0.002, float(high) + 0.002):
+        with pytest.raises(quantkit.QuantkitError, match=f"\\({low} to {high}\\)"):
+            layout.check(module, QuantConfig("gptq", 4, 32, exl2=target))

@@ -1,6 +1,7 @@
 """llama.cpp's importance-matrix files read for GGUF quantization (`--imatrix FILE`): both layouts give
 llama-quantize's bytes from the same file, and a file that does not fit the model is refused first."""
 import struct
+import warnings
 
 import gguf
 import numpy as np
@@ -89,6 +90,41 @@ def test_files_that_do_not_fit_are_refused_before_any_work(tiny, tmp_path, capsy
     assert not (tmp_path / "q.gguf").exists()
     code, _, _ = cli([*args, tmp_path / "m.dat"], capsys, monkeypatch)
     assert code == 0 and (tmp_path / "q.gguf").is_file()
+
+
+def test_an_importance_nothing_reads_is_refused_and_a_partial_one_is_named(tiny, tmp_path, capsys, monkeypatch):
+    """--imatrix with a mix that takes no importance (F16, Q8_0) was taken and ignored, after a whole
+    calibration pass without a file; a file with entries for layer 0 only was applied without a word
+    (llama-quantize names each tensor it did not find). Smaller: /dev/null was "no such file", and
+    --calib-data beside --imatrix FILE was told that --imatrix calibrates."""
+    table = importance(tiny)
+    write_legacy(tmp_path / "m.dat", table)
+    args = ["quantize", tiny, "--format", "gguf", "--out", tmp_path / "q.gguf"]
+    for mix in ("Q8_0", "F16"):
+        for given in ([tmp_path / "m.dat"], []):
+            refused([*args, "--gguf-type", mix, "--imatrix", *given], capsys, monkeypatch,
+                    f"and {mix} has none that takes it: drop --imatrix")
+    refused([*args, "--imatrix", "/dev/null"], capsys, monkeypatch, "--imatrix /dev/null: not a regular file")
+    refused([*args, "--imatrix", tmp_path / "m.dat", "--calib-data", tmp_path / "m.dat"], capsys, monkeypatch,
+            "--imatrix FILE reads the importance instead: drop it, or pass --imatrix alone")
+    refused(["quantize", tiny, "--out", tmp_path / "q", "--imatrix", tmp_path / "m.dat"], capsys, monkeypatch,
+            "use it with --method rtn --format gguf")
+    assert "GPTQ" not in capsys.readouterr().err
+    assert not (tmp_path / "q.gguf").exists()
+    # a Q8_0 mix with a tensor overridden to a type that takes importance reads it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the whole file read: no warning
+        code, _, err = cli([*args, "--gguf-type", "Q8_0", "--tensor-type", "ffn_down=Q4_K", "--imatrix",
+                            tmp_path / "m.dat"], capsys, monkeypatch)
+    assert code == 0, err
+    write_legacy(tmp_path / "layer0.dat", {k: v for k, v in table.items() if k.startswith("blk.0.")})
+    layers = sum(k.startswith("blk.") for k in table)
+    with pytest.warns(UserWarning) as caught:
+        code, _, err = cli([*args, "--gguf-type", "Q4_K_M", "--imatrix", tmp_path / "layer0.dat", "--overwrite"],
+                           capsys, monkeypatch)
+    assert code == 0 and [str(w.message) for w in caught] == [
+        f"{tmp_path / 'layer0.dat'} has no entry for {layers - 7} of the model's {layers} layer weights "
+        "(blk.1.attn_q.weight, ...): they are quantized without importance; use the imatrix computed for this model"]
 
 
 @pytest.mark.slow

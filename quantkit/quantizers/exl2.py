@@ -54,16 +54,19 @@ class Setting:
         rows = [min(self.group_size, k - i * self.group_size) for i in range(len(widths))]
         return sum(r * n * b for r, b in zip(rows, widths)) + len(widths) * (n * 4 + 16 + 32) + k * 32
 
+    @staticmethod
+    def overhead(n: int, k: int, group_size: int = 32) -> float:
+        """Bits per weight of an n x k linear besides its codes: scales, q_groups, q_invperm."""
+        return (math.ceil(k / group_size) * (4 * n + 48) + 32 * k) / (n * k)
+
     @classmethod
     def for_target(cls, bpw: float, n: int, k: int, group_size: int = 32) -> Setting:
         """The two widths nearest the code bits that leave bpw bits per weight of an n x k linear
         after its scales and permutation, the wider on the first inputs."""
-        overhead = (math.ceil(k / group_size) * (4 * n + 48) + 32 * k) / (n * k)  # scales, q_groups, q_invperm
+        overhead = cls.overhead(n, k, group_size)
         bits = bpw - overhead
         if not EXL2_BITS[0] <= bits <= EXL2_BITS[-1]:
-            raise QuantkitError(f"{bpw} bits per weight is outside what EXL2 reaches for a {n}x{k} linear "
-                                f"({EXL2_BITS[0] + overhead:.3f} to {EXL2_BITS[-1] + overhead:.3f}): "
-                                "choose a target in that range")
+            raise QuantkitError(outside(bpw, f"a {n}x{k} linear", EXL2_BITS[0] + overhead, EXL2_BITS[-1] + overhead))
         lo = max(b for b in EXL2_BITS if b <= bits)
         hi = min(b for b in EXL2_BITS if b >= bits)
         wide = math.floor(k * (bits - lo) / (hi - lo) / group_size) if hi > lo else 0  # whole groups, not over
@@ -71,6 +74,12 @@ class Setting:
             return cls((lo,), (1.0,), group_size)
         p = wide * group_size / k
         return cls((hi, lo), (p, 1 - p), group_size) if p < 1 else cls((hi,), (1.0,), group_size)
+
+
+def outside(bpw: float, what: str, low: float, high: float) -> str:
+    """The refusal of a target outside [low, high], the bounds shown inside it (rounded inwards)."""
+    return (f"{bpw} bits per weight is outside what EXL2 reaches for {what} ({math.ceil(low * 1000) / 1000:.3f} to "
+            f"{math.floor(high * 1000) / 1000:.3f}): choose a target in that range")
 
 
 def scale_values(codes: torch.Tensor, scale_max: torch.Tensor) -> torch.Tensor:
