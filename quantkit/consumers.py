@@ -20,25 +20,27 @@ TARGETS = ("vllm", "exllama", "transformers", "llama.cpp")
 @dataclass(frozen=True)
 class Export:
     """What a loader looks at: the format, the grid, and the (out, in) shape of every quantized linear.
-    With --rules, parts holds one Export per setting (the shapes of its linears) and split names
-    linears a loader fuses (q/k/v, gate/up) that got different settings."""
+    With --rules, parts holds one Export per setting (the shapes of its linears), split names
+    linears a loader fuses (q/k/v, gate/up) that got different settings, and skipped says that
+    some linears stay in float."""
     format: str
     method: str
     bits: int
-    group_size: int
+    group_size: int  # NF4/FP4: bitsandbytes' block size
     sym: bool
     g_idx: bool  # a g_idx that is not k // G (act-order without static groups)
     shapes: tuple[tuple[int, int], ...]
     parts: tuple[Export, ...] = ()
     split: str = ""
+    skipped: bool = False
 
     @classmethod
     def of(cls, fmt: str, qconfig: QuantConfig, module: torch.nn.Module) -> Export:
         linears = list(linear_shapes(module))
 
         def one(c: QuantConfig, shapes) -> Export:
-            return cls(fmt, c.method, c.bits, c.group_size, c.sym, c.act_order and not c.static_groups,
-                       tuple(sorted(set(shapes))))
+            return cls(fmt, c.method, c.bits, c.block_size if c.method in CODEBOOK_METHODS else c.group_size, c.sym,
+                       c.act_order and not c.static_groups, tuple(sorted(set(shapes))))
 
         whole = one(qconfig, [(n, k) for _, n, k in linears])
         if not qconfig.rules:
@@ -50,13 +52,30 @@ class Export:
             if settings[name] is not None:
                 by_setting.setdefault(key[name], (settings[name], []))[1].append((n, k))
         split = next((" / ".join(parts) for parts in fused(key).values() if len({key[p] for p in parts}) > 1), "")
-        return replace(whole, parts=tuple(one(c, shapes) for c, shapes in by_setting.values()), split=split)
+        return replace(whole, parts=tuple(one(c, shapes) for c, shapes in by_setting.values()), split=split,
+                       skipped=None in settings.values())
 
 
 def one_setting(e: Export) -> str | None:
     """transformers 5's dequantize-at-load path decompresses every dense linear with the first config group."""
     return f"{len(e.parts)} settings in one file (it decompresses every linear with the first)" \
         if len(e.parts) > 1 else None
+
+
+def base_setting(e: Export) -> str | None:
+    """transformers' GPTQConfig keeps no `dynamic` (nor lm_head): optimum builds every linear at the
+    file's base bits and group size, so other widths fail to load and skipped linears load empty."""
+    if e.skipped or any((p.bits, p.group_size) != (e.bits, e.group_size) for p in e.parts):
+        return "per-linear settings (its GPTQConfig drops `dynamic` and builds every linear at the base setting)"
+    return None
+
+
+def rows_of_blocks(e: Export) -> str | None:
+    """bitsandbytes 0.50's CPU kernel dequantizes blocks within a row: below 2048 the block size must
+    divide every linear's inputs (other blocks crash, or give wrong weights without AVX512-BF16)."""
+    bad = [k for _, k in e.shapes if e.group_size < 2048 and k % e.group_size]
+    return f"blocks of {e.group_size} across rows of {bad[0]} inputs (its CPU kernel needs the block size to " \
+        "divide in_features)" if bad else None
 
 
 def unfused(e: Export) -> str | None:
@@ -114,8 +133,9 @@ CONSUMERS = (
     Consumer("vLLM gptq", "vllm", "safetensors", (bits_in(2, 3, 4, 8), k_divisible), "slow kernel, float16 only",
              (unfused,)),
     Consumer("transformers + GPTQModel (torch kernel)", "transformers", "safetensors", (bits_in(2, 3, 4, 8),),
-             "backend=\"torch\"; float16/bfloat16"),
-    Consumer("GPTQModel default CPU kernel", "transformers", "safetensors", (bits_in(4), k_divisible)),
+             "backend=\"torch\"; float16/bfloat16", (base_setting,)),
+    Consumer("GPTQModel default CPU kernel", "transformers", "safetensors", (bits_in(4), k_divisible), "",
+             (base_setting,)),
     Consumer("ExLlamaV2", "exllama", "safetensors", (bits_in(4), power_of_two_groups)),
     Consumer("vLLM awq_marlin", "vllm", "awq", (marlin,)),
     Consumer("vLLM awq", "vllm", "awq", (k_divisible,), "float16"),
@@ -128,7 +148,8 @@ CONSUMERS = (
     # asymmetric: its model expects a zero point per row where the format packs them (size mismatch at load)
     Consumer("transformers + compressed-tensors (compressed)", "transformers", "compressed-tensors",
              (k_divisible, no_g_idx, symmetric), "the package's forward"),
-    Consumer("transformers + bitsandbytes", "transformers", "bitsandbytes"),
+    Consumer("transformers + bitsandbytes (CUDA)", "transformers", "bitsandbytes"),
+    Consumer("transformers + bitsandbytes (CPU)", "transformers", "bitsandbytes", (rows_of_blocks,)),
     Consumer("ExLlamaV2", "exllama", "exl2"),
     Consumer("llama.cpp", "llama.cpp", "gguf"),
     Consumer("transformers (GGUF)", "transformers", "gguf", (), "dequantizes at load"),

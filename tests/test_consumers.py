@@ -1,5 +1,7 @@
 """The consumer table: who loads an export as written, --for refusing before any work, and the
 summary printed after an export."""
+from dataclasses import replace
+
 import pytest
 
 from quantkit import consumers
@@ -41,8 +43,8 @@ def test_each_format_lists_its_own_loaders():
     def names(fmt, method):
         return {c.name for c, _ in consumers.verdicts(Export(fmt, method, 4, 128, True, False, LLAMA_7B))}
 
-    assert "ExLlamaV2" in names("safetensors", "gptq") and "transformers + bitsandbytes" not in names("safetensors", "gptq")
-    assert names("safetensors", "nf4") == {"transformers + bitsandbytes"}
+    assert "ExLlamaV2" in names("safetensors", "gptq") and not any("bitsandbytes" in n for n in names("safetensors", "gptq"))
+    assert names("safetensors", "nf4") == {"transformers + bitsandbytes (CUDA)", "transformers + bitsandbytes (CPU)"}
     assert "llama.cpp" in names("gguf", "rtn") and "vLLM awq" in names("awq", "awq")
     assert all(n.startswith(("vLLM", "transformers")) for n in names("compressed-tensors", "rtn"))
 
@@ -70,3 +72,30 @@ def test_export_names_who_loads_it(tiny_dir, tmp_path, capsys, monkeypatch):
     # the tiny model's 64 inputs are not a Marlin tile: vLLM reads it with its slow kernel
     assert any(line.split()[0] == "no" and "vLLM gptq_marlin" in line for line in lines[start + 1:])
     assert any(line.split()[0] == "yes" and "vLLM gptq " in line for line in lines[start + 1:])
+
+
+def test_loaders_refuse_the_exports_they_would_misload(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Found against transformers 5.23 and bitsandbytes 0.50.2. transformers' GPTQConfig drops
+    `dynamic`, so a --rules export was "yes transformers + GPTQModel" and is built at the base setting
+    (other widths fail to load, skipped linears load empty). bitsandbytes' CPU kernel misreads blocks
+    that straddle rows: NF4 --block-size 128 on SmolLM2's 576 inputs crashed, or scored perplexity
+    1.1M against 27.6; on CUDA its blocks run over the flat weight."""
+    base = Export("safetensors", "gptq", 4, 128, True, False, LLAMA_7B)
+    assert verdict(replace(base, parts=(base,)))["transformers + GPTQModel (torch kernel)"] is None
+    for mixed in (replace(base, parts=(base, replace(base, bits=8))), replace(base, parts=(base,), skipped=True)):
+        v = verdict(mixed)
+        assert "drops `dynamic`" in v["transformers + GPTQModel (torch kernel)"] and v["vLLM gptq"] is None
+        assert "drops `dynamic`" in v["GPTQModel default CPU kernel"]
+    nf4 = verdict(Export("safetensors", "nf4", 4, 128, True, False, SMOLLM2))
+    assert nf4["transformers + bitsandbytes (CUDA)"] is None
+    assert "blocks of 128 across rows of 576 inputs" in nf4["transformers + bitsandbytes (CPU)"]
+    for block in (64, 2048):
+        assert verdict(Export("safetensors", "nf4", 4, block, True, False, SMOLLM2))[
+            "transformers + bitsandbytes (CPU)"] is None
+    # from the command line: the block size and the rules reach the table
+    (tmp_path / "rules.yaml").write_text("- {match: 'layers\\.0\\.', skip: true}\n")
+    refused(["quantize", str(tiny_dir), "--out", str(tmp_path / "q"), "--rules", str(tmp_path / "rules.yaml"), "--for",
+             "transformers"], capsys, monkeypatch, "transformers cannot load this export: transformers + GPTQModel")
+    code, out, _ = cli(["quantize", str(tiny_dir), "--out", str(tmp_path / "n"), "--method", "nf4", "--block-size",
+                        "128", "--for", "transformers"], capsys, monkeypatch)
+    assert code == 0 and "  no   transformers + bitsandbytes (CPU): refuses blocks of 128 across rows of 64" in out
