@@ -18,6 +18,21 @@ FIX = "give a file llama-imatrix wrote (GGUF or legacy .dat), or --imatrix alone
 
 def read(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Each tensor's importance (float32, one value per input column and expert) by GGUF tensor name."""
+    return parse(path)[0]
+
+
+def provenance(path: str | os.PathLike) -> dict[str, str | int]:
+    """The key-values llama-quantize records of the importance matrix it used (quantize.imatrix.*):
+    the path as given, the first dataset, the entry count, and the chunks it was computed on."""
+    table, chunks, datasets = parse(path)
+    return {"quantize.imatrix.file": str(path)[:127], **({"quantize.imatrix.dataset": datasets[0][:127]} if datasets
+                                                         else {}),
+            "quantize.imatrix.entries_count": len(table), **({"quantize.imatrix.chunks_count": chunks} if chunks > 0
+                                                            else {})}
+
+
+def parse(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int, list[str]]:
+    """(read's table, the chunk count, the datasets' names), the file checked."""
     path = Path(path)
     if path.is_dir():
         raise QuantkitError(f"--imatrix {path}: a directory, not an importance matrix: put MODEL before "
@@ -28,20 +43,23 @@ def read(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise QuantkitError(f"--imatrix {path}: not a regular file: {FIX}")
     with open(path, "rb") as f:
         gguf_file = f.read(4) == b"GGUF"
-    table = from_gguf(path) if gguf_file else legacy(path)
+    table, chunks, datasets = from_gguf(path) if gguf_file else legacy(path)
     if not table:
         raise QuantkitError(f"{path}: no importance entries in it: {FIX}")
     bad = next((name for name, v in table.items() if not (torch.isfinite(v).all() and (v >= 0).all())), None)
     if bad is not None:
         raise QuantkitError(f"{path}: the importance of {bad} is negative or not finite: {FIX}")
-    return table
+    return table, chunks, datasets
 
 
-def from_gguf(path: Path) -> dict[str, torch.Tensor]:
+def from_gguf(path: Path) -> tuple[dict[str, torch.Tensor], int, list[str]]:
     import gguf
 
     with untrusted(path, "not a readable imatrix GGUF", FIX):
-        tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+        reader = gguf.GGUFReader(path)
+        tensors = {t.name: t for t in reader.tensors}
+        chunks = reader.fields.get("imatrix.chunk_count")
+        datasets = reader.fields.get("imatrix.datasets")
         table = {}
         for key, t in tensors.items():
             if not key.endswith(".in_sum2"):
@@ -58,10 +76,12 @@ def from_gguf(path: Path) -> dict[str, torch.Tensor]:
             per_expert = sums.reshape(n.size, -1)
             values = np.where(n[:, None] > 0, per_expert / np.where(n > 0, n, 1)[:, None], np.float32(1))
             table[name] = torch.from_numpy(values.astype(np.float32).reshape(-1))
-    return table
+        chunks = int(chunks.contents()) if chunks is not None else 0
+        datasets = list(datasets.contents()) if datasets is not None else []
+    return table, chunks, datasets
 
 
-def legacy(path: Path) -> dict[str, torch.Tensor]:
+def legacy(path: Path) -> tuple[dict[str, torch.Tensor], int, list[str]]:
     raw = path.read_bytes()
     at, table = 0, {}
 
@@ -83,7 +103,13 @@ def legacy(path: Path) -> dict[str, torch.Tensor]:
             raise QuantkitError(f"{path}: entry {name} has {nval} values: {FIX}")
         sums = np.frombuffer(take(4 * nval, f"entry {name}'s values"), dtype="<f4").astype(np.float32)
         table[name] = torch.from_numpy(sums / np.float32(ncall) if ncall > 0 else sums.copy())
-    return table  # what follows (the chunk count, the dataset's name) is not needed
+    chunks, datasets = 0, []
+    if at + 4 <= len(raw):  # then, in files that have them, the chunk count and the dataset's name
+        (chunks,) = struct.unpack("<i", take(4, "the chunk count"))
+        if at + 4 <= len(raw):
+            (length,) = struct.unpack("<i", take(4, "the dataset's name"))
+            datasets = [take(length, "the dataset's name").decode(errors="replace")]
+    return table, chunks, datasets
 
 
 def check(table: dict[str, torch.Tensor], path: str | os.PathLike, columns: dict[str, int]) -> None:

@@ -93,7 +93,7 @@ def open_writer(model, out: str | os.PathLike, fmt: str, qconfig: QuantConfig, o
     each 2-D weight's GGUF type by module name, for GGUF. Nothing is written before start()."""
     check_format(fmt, model.module, qconfig)
     if fmt == "gguf":
-        return gguf.Writer(model, out, qconfig.gguf_type, types, overwrite)
+        return gguf.Writer(model, out, qconfig.gguf_type, types, overwrite, qconfig.imatrix_file)
     if fmt == "awq":
         from . import awq as layout
     elif fmt == "compressed-tensors":

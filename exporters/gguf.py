@@ -17,7 +17,7 @@ import torch
 from quantkit.errors import QuantkitError, untrusted
 from quantkit.evals import adds_bos
 from quantkit.modelio import Model
-from quantkit import requant
+from quantkit import calibration, requant
 from quantkit.qtensor import QuantizedTensor
 from quantkit.requant import DEFAULT_MIX, MIXES, check_mix, choose  # noqa: F401 (DEFAULT_MIX: read as gguf.DEFAULT_MIX)
 from quantkit.quantizers import ggml
@@ -297,8 +297,11 @@ class Writer:
     each tensor written rather than forcing them to the disk after every layer: a resumed run checks
     them, and a file torn by a power cut is started afresh."""
 
-    def __init__(self, model: Model, out: str | os.PathLike, mix: str, types: dict[str, str], overwrite: bool = False):
+    def __init__(self, model: Model, out: str | os.PathLike, mix: str, types: dict[str, str], overwrite: bool = False,
+                 imatrix: str | os.PathLike | None = None):
         self.staged = Staged(out, overwrite, directory=False)
+        # llama-quantize's record of an importance matrix read from a file, after the other key-values
+        self.imatrix = calibration.imatrix.provenance(imatrix) if imatrix is not None else {}
         self.model, self.mix = model, mix
         cfg = model.module.config
         self.arch = ARCHS[cfg.model_type]
@@ -337,6 +340,8 @@ class Writer:
         """The header from the model's config and tokenizer (gguf-py's writer); where the data starts."""
         w = gguf.GGUFWriter(self.staged.path, self.arch)
         add_metadata(w, self.model, self.mix)
+        for key, value in self.imatrix.items():
+            w.add_string(key, value) if isinstance(value, str) else w.add_uint32(key, value)
         for name, (shape, kind) in self.plan.items():
             w.add_tensor_info(name, [shape[0], nbytes(shape, kind) // shape[0]] if len(shape) == 2 else shape,
                               np.dtype(np.uint8) if len(shape) == 2 else np.dtype(np.float32),
@@ -354,7 +359,8 @@ class Writer:
     def copied_header(self) -> int:
         """The header with the source GGUF's key-values (requant.metadata: all of them but the file type,
         quantization version and split; the alignment is the default, ours) and this file's tensors."""
-        kv = requant.metadata(requant.Header(Path(self.model.source)), self.mix, (requant.ALIGNMENT,))
+        kv = requant.metadata(requant.Header(Path(self.model.source)), self.mix, (requant.ALIGNMENT, *self.imatrix))
+        kv += [requant.str_kv(k, v) if isinstance(v, str) else requant.u32_kv(k, v) for k, v in self.imatrix.items()]
         infos = [requant.tensor_info(name, shape[::-1], kind, self.offsets[name])
                  for name, (shape, kind) in self.plan.items()]
         head = requant.header(kv, infos, gguf.GGUF_DEFAULT_ALIGNMENT)

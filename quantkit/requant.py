@@ -335,6 +335,11 @@ def u32_kv(key: str, value: int) -> bytes:
     return struct.pack("<Q", len(k)) + k + struct.pack("<II", 4, value)
 
 
+def str_kv(key: str, value: str) -> bytes:
+    k, v = key.encode(), value.encode()
+    return struct.pack("<Q", len(k)) + k + struct.pack("<IQ", 8, len(v)) + v
+
+
 def order(tensors: list[Tensor]) -> list[Tensor]:
     """llama-quantize's order: by name, the tensors outside the blocks first, then block by block."""
     def key(t: Tensor) -> tuple[int, str]:

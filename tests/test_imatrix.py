@@ -145,3 +145,29 @@ def test_bytes_equal_llama_quantize_with_the_same_file(tiny, tmp_path, layout, m
     assert ours.keys() == theirs.keys()
     assert [k for k in ours if ours[k] != theirs[k]] == []
     assert [k for k in ours if k.startswith("blk.") and ours[k] != plain[k]]
+    assert len(recorded(tmp_path / "theirs.gguf")) == 4
+    assert recorded(tmp_path / "ours.gguf") == recorded(tmp_path / "theirs.gguf")
+
+
+def recorded(path) -> dict:
+    """The file's record of the importance matrix it was quantized with."""
+    return {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items() if k.startswith("quantize.imatrix.")}
+
+
+def test_the_file_records_the_importance_matrix(tiny, tmp_path):
+    """llama-quantize records the file, its dataset, entries and chunks (quantize.imatrix.*); quantkit's
+    file recorded nothing. From a model directory and from a GGUF, whose own record is replaced."""
+    table = importance(tiny)
+    write_legacy(tmp_path / "m.dat", table)
+    want = {"quantize.imatrix.file": str(tmp_path / "m.dat"), "quantize.imatrix.dataset": "test",
+            "quantize.imatrix.entries_count": len(table), "quantize.imatrix.chunks_count": NCALL}
+    quantkit.quantize(tiny, method="rtn", format="gguf", gguf_type="Q4_0", imatrix_file=str(tmp_path / "m.dat"),
+                      out=tmp_path / "a.gguf", progress=False)
+    assert recorded(tmp_path / "a.gguf") == want
+    write_gguf(tmp_path / "m.gguf", table)
+    quantkit.quantize(str(tmp_path / "a.gguf"), method="rtn", format="gguf", gguf_type="Q4_K_M",
+                      imatrix_file=str(tmp_path / "m.gguf"), out=tmp_path / "b.gguf", progress=False)
+    assert recorded(tmp_path / "b.gguf") == want | {"quantize.imatrix.file": str(tmp_path / "m.gguf")}
+    assert tensors(tmp_path / "b.gguf")["blk.0.attn_q.weight"][0] == "Q4_K"
+    quantkit.quantize(tiny, method="rtn", format="gguf", gguf_type="Q4_0", out=tmp_path / "plain.gguf", progress=False)
+    assert recorded(tmp_path / "plain.gguf") == {}
