@@ -36,11 +36,10 @@ def kept_blocks(source: Checkpoint | None, name: str, kind: str, w: torch.Tensor
     keeps them (rounded again, 17 of the embedded model's 211 in Q4_K_M came out different); None where there
     are none, or (check: w was in memory before quantizing, as read or changed) w is not what they hold."""
     key = f"{name}.weight"
-    if not isinstance(source, GGUFCheckpoint) or key not in source.where:
-        return None
-    have, rows = source.blocks(key)
-    if have != kind or check and not torch.equal(source.tensor(key, "cpu"), w.detach().float().cpu()):
-        return None
+    if not isinstance(source, GGUFCheckpoint) or key not in source.where or source.type_of(key) != kind or \
+            check and not torch.equal(source.tensor(key, "cpu"), w.detach().float().cpu()):
+        return None  # the type from the header: a tensor that changes type is not read here
+    _, rows = source.blocks(key)
     return ggml.tensor(kind, rows.numpy(), rows.shape[0])
 
 
