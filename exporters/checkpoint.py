@@ -83,7 +83,8 @@ class CheckpointWriter:
         size = sum(f.stat().st_size for f in files)
         self.summary = f"wrote {len(self.shards.names)} tensors in {len(files)} file(s), {size / 2**20:.1f} MiB"
         qcfg = self.config(self)
-        cfg = self.model.module.config.to_dict()
+        # the keys save_pretrained writes: to_dict adds the source's local path (_name_or_path) and base defaults
+        cfg = self.model.module.config.to_diff_dict()
         # a config saved without a model lacks it, and ExLlamaV2's loader (among others) needs it
         cfg["architectures"] = cfg.get("architectures") or [type(self.model.module).__name__]
         legacy_rope(cfg)

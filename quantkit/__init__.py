@@ -7,7 +7,9 @@ __version__ = "0.1.0"
 
 API = {"compare": ".api", "evaluate": ".api", "export": ".api", "lm_eval": ".api", "quantize": ".api",
        "QuantConfig": ".config", "QuantkitError": ".errors", "Model": ".modelio", "load": ".modelio",
-       "QuantizedTensor": ".qtensor", "TrainConfig": ".trainer", "merge": ".trainer", "train": ".trainer"}
+       "QuantizedTensor": ".qtensor", "TrainConfig": ".trainer", "merge": ".trainer", "train": ".trainer",
+       # what evaluate, compare and train return, for type hints in the caller's code
+       "Divergence": ".evals", "Perplexity": ".evals", "TrainResult": ".trainer"}
 __all__ = sorted(API)
 
 

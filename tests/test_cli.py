@@ -14,6 +14,19 @@ def run(args, monkeypatch):
     main()
 
 
+def test_the_api_names_what_it_returns():
+    """Every public name resolves, and each public function's return type is among them, so a caller
+    can annotate with quantkit.Perplexity instead of reaching into quantkit.evals."""
+    import typing
+
+    names = {n: getattr(quantkit, n) for n in quantkit.__all__}
+    for n, f in names.items():
+        if callable(f) and not isinstance(f, type):
+            ret = typing.get_type_hints(f)["return"]
+            standard = typing.get_origin(ret) is not None or ret.__module__ in ("builtins", "pathlib")
+            assert standard or any(ret is t for t in names.values()), (n, ret)
+
+
 def test_quantize_then_eval_the_export(tiny_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "q"
     scored = []  # "before" took the loaded model, which stays on the CPU in float32 where "after" (a path)

@@ -42,6 +42,19 @@ def test_reexport_keeps_the_generation_config(tiny_dir, tmp_path):
     assert (saved["do_sample"], saved["temperature"], saved["top_p"], saved["max_new_tokens"]) == (True, 0.2, 0.9, 77)
 
 
+def test_config_holds_what_save_pretrained_writes(tiny_dir, tmp_path):
+    """config.json is the source's, as save_pretrained writes it, plus the quantization: not the
+    user's local path to the source (_name_or_path) nor transformers' defaults for every model."""
+    from transformers import AutoConfig
+
+    quantkit.quantize(str(tiny_dir), method="rtn", group_size=32, out=tmp_path / "q", progress=False)
+    AutoConfig.from_pretrained(tiny_dir).save_pretrained(tmp_path / "plain")
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    plain = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert str(tiny_dir) not in json.dumps(cfg)
+    assert set(cfg) - set(plain) <= {"quantization_config", "rope_theta", "rope_scaling"}
+
+
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
 
