@@ -301,6 +301,11 @@ def quantize(
                       options.get("method", "rtn"), format, options.get("target_bpw") is not None)
         if format == "gguf":  # before the config checks its GGUF options (pure, tensor_type, imatrix)
             options.setdefault("gguf_type", exporters.gguf.DEFAULT_MIX)
+    else:  # the same refusal for a QuantConfig built beforehand: its fields set to other than the method's defaults
+        plain = QuantConfig(method=config.method, bits=config.bits, act_order=config.act_order)
+        refuse_unused({f.name: f.name for f in fields(QuantConfig) if getattr(config, f.name) != getattr(plain, f.name)
+                       or f.default is not None and getattr(config, f.name) != f.default},
+                      config.method, format, config.target_bpw is not None)
     config = config or QuantConfig(**options)
     if format == "gguf" and config.gguf_type is None:
         config = replace(config, gguf_type=exporters.gguf.DEFAULT_MIX)

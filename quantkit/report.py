@@ -45,11 +45,14 @@ class Point:
     gguf_type: str | None = None
     exl2: float | None = None  # the target bits per weight of an EXL2 point
 
-    def config(self) -> dict:
+    def config(self, group_size: int) -> dict:
+        """QuantConfig's fields: the report's group size where the point's grids take one."""
         c = {"method": self.method}
         for key in ("bits", "gguf_type", "exl2"):
             if getattr(self, key) is not None:
                 c[key] = getattr(self, key)
+        if self.method in ("rtn", "gptq", "awq") and self.format not in ("gguf", "exl2"):
+            c["group_size"] = group_size
         return c
 
 
@@ -137,7 +140,7 @@ def run_point(spec: dict) -> dict:
     export = out / "exports" / (p.name + (".gguf" if p.format == "gguf" else ""))
     m = load(s.model or None)
     measurement = str(out / "exl2-measurement.json") if p.exl2 and s.exl2_measured else None
-    config = QuantConfig(group_size=s.group_size, measurement=measurement, **p.config())
+    config = QuantConfig(measurement=measurement, **p.config(s.group_size))
     fmt = p.format
     if fmt == "awq":  # AWQ's own layout where it holds this model, else the GPTQ layout
         try:
@@ -203,7 +206,7 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
     for p in todo:
         if p.exl2 is not None and not (math.isfinite(p.exl2) and p.exl2 > 0):
             raise QuantkitError(f"--exl2-bits {p.exl2:g} is not a target: give bits per weight, such as 4.125")
-        calibrates |= QuantConfig(group_size=settings.group_size, **p.config()).needs_calibration  # widths, group size
+        calibrates |= QuantConfig(**p.config(settings.group_size)).needs_calibration  # widths, group size
     if calibrates and (settings.calib_samples < 1 or settings.calib_seqlen < 2):
         raise QuantkitError(f"{settings.calib_samples} calibration windows of {settings.calib_seqlen} tokens: pass "
                             "--calib-samples 1 or more and --calib-seqlen 2 or more")

@@ -118,6 +118,9 @@ def test_api_refuses_what_the_method_would_ignore(tiny_dir, tmp_path, options, m
 
     with pytest.raises(quantkit.QuantkitError, match=re.escape(match)):
         quantkit.quantize(str(tiny_dir), out=tmp_path / "q", progress=False, **options)
+    fmt = options.pop("format", "safetensors")  # the same settings built into a QuantConfig first
+    with pytest.raises(quantkit.QuantkitError, match=re.escape(match)):
+        quantkit.quantize(str(tiny_dir), quantkit.QuantConfig(**options), out=tmp_path / "q", format=fmt, progress=False)
     assert not (tmp_path / "q").exists()
     # the defaults, given: harmless, and what a loop over methods passes
     quantkit.quantize(str(tiny_dir), method="rtn", act_order=False, damp=0.01, group_size=32, progress=False)
