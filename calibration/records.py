@@ -65,15 +65,20 @@ def messages_of(record: dict, where: str, reply: bool = True) -> list[dict]:
                                 "as {\"role\": \"assistant\", \"content\": ...}")
         return msgs
     prompt = record.get("instruction", record.get("prompt"))
-    reply = record.get("response", record.get("output", record.get("completion")))
-    if not isinstance(prompt, str) or not isinstance(reply, str):
+    answer = record.get("response", record.get("output", record.get("completion")))
+    for keys in (("instruction", "prompt"), ("response", "output", "completion")):
+        key = next((k for k in keys if k in record), None)  # the one read
+        if key is not None and not isinstance(record[key], str):
+            kind = "null" if record[key] is None else type(record[key]).__name__
+            raise QuantkitError(f"{where}: the record's {key} is {kind}, where text belongs")
+    if not isinstance(prompt, str) or not isinstance(answer, str):
         raise QuantkitError(f"{where}: a record needs messages, instruction and response (or output), or prompt "
                             f"and completion; this one has {', '.join(sorted(record)) or 'no fields'}")
     context = record.get("context") or record.get("input") or ""
     if not isinstance(context, str):
         raise QuantkitError(f"{where}: the record's context (or input) is {type(context).__name__}, where text belongs")
     user = f"{prompt}\n\n{context}" if context else prompt
-    return [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
 
 
 def check_template(p: Path, tokenizer) -> None:

@@ -383,7 +383,13 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
     QLoRA; write the adapter, its log and a loss plot to --out. With --quantize, merge and quantize too."""
     config = TrainConfig(**{k: v for k, v in options.items() if v is not None})
     qconfig, merged = None, f"{out}-merged"
+    given = given_options()
+    stray = [given[n] for n in ("quantize_out", "fmt", "bits", "group_size", "gguf_type", "calib_data") if n in given]
+    if stray and not quantize_method:
+        raise QuantkitError(f"{stray[0]} sets the quantization that --quantize METHOD turns on: add --quantize, or "
+                            "drop it")
     if quantize_method:
+        refuse_unused({n: f for n, f in given.items() if n in ("bits", "group_size")}, quantize_method, fmt)
         exporters.check_format_name(fmt)  # before the training, not after it
         if distributed.world() > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise QuantkitError("--quantize runs in one process: train under torchrun, then run quantkit merge and "

@@ -168,6 +168,21 @@ CATALOGUE = {
                                                  "{tmp} --overwrite", "--quantize-out"),
     "train: quantize unknown format": Bad("train {model} --data {text} --out {tmp}/a --quantize rtn --format onnx",
                                           "onnx"),
+    "train: --seqlen 1": Bad("train {model} --data {text} --out {tmp}/a --seqlen 1", "leaves no token to predict"),
+    "train: --steps and --epochs": Bad("train {model} --data {text} --out {tmp}/a --steps 2 --epochs 3",
+                                       "pass one of them"),
+    "train: --eval-fraction beside --eval-data": Bad("train {model} --data {text} --out {tmp}/a --eval-data {text} "
+                                                     "--eval-fraction 0.3", "drop one of them"),
+    "train: --bits without --quantize": Bad("train {model} --data {text} --out {tmp}/a --bits 3",
+                                            "--bits sets the quantization that --quantize METHOD turns on"),
+    "train: --format without --quantize": Bad("train {model} --data {text} --out {tmp}/a --format gguf",
+                                              "--format sets the quantization"),
+    "train: --group-size with --quantize nf4": Bad("train {model} --data {text} --out {tmp}/a --quantize nf4 "
+                                                   "--group-size 64", "--group-size is not an option of --method nf4"),
+    "train: a record's reply not text": Bad("train {model} --data {model}/bad.jsonl --out {tmp}/a --steps 1",
+                                            "the record's response is int, where text belongs",
+                                            lambda m: (chat_with_template("{{ messages[0].content }}")(m),
+                                                       write("bad.jsonl", '{"instruction": "hi", "response": 5}')(m))),
     "train: chat template escaping jinja's sandbox": Bad(
         "train {model} --data {model}/chat.jsonl --out {tmp}/a --steps 1 --seqlen 32 --batch-size 2",
         "chat template fails (SecurityError", chat_with_template("{{ cycler.__init__.__globals__.os.system('id') }}")),

@@ -226,6 +226,47 @@ def test_resume_another_runs_checkpoint(tiny_dir, text, capsys, monkeypatch, tmp
     assert left(tmp_path) == ["out"] and json.loads((tmp_path / "out" / "train_log.json").read_text())["steps"] == 6
 
 
+def test_a_checkpoint_is_not_lost_to_a_run_without_resume(tiny_dir, text, capsys, monkeypatch, tmp_path):
+    """Run again without --resume, a stopped run's command deleted its checkpoint and started over;
+    now it is refused (for another run's checkpoint too), Ctrl-C says where to go on from, and
+    --overwrite starts over."""
+    def stop(record):
+        if record["step"] == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(str(tiny_dir), data=text, out=tmp_path / "out", steps=6, save_every=2, seqlen=32, batch_size=2, rank=4,
+              warmup=0, eval_fraction=0, progress=False, callback=stop)
+    assert "stopped: the checkpoint of step 2 is in" in capsys.readouterr().err
+    args = train_6(tmp_path, tiny_dir, text)
+    fails(args, capsys, monkeypatch, "holds the checkpoint of step 2 of this run: add --resume to go on from it, or "
+          "pass --overwrite to start over")
+    fails([*args, "--lr", 1e-3], capsys, monkeypatch, "of another run writing it (a different model, data or settings)")
+    assert left(tmp_path) == [".out.partial"] and saved_step(tmp_path) == 2
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args), "--overwrite"])
+    main()
+    assert left(tmp_path) == ["out"] and json.loads((tmp_path / "out" / "train_log.json").read_text())["steps"] == 6
+
+
+def test_merge_refuses_what_it_would_leave_out(adapter, tiny_dir, capsys, monkeypatch, tmp_path):
+    """A PEFT adapter with a bias on lora_B or whole modules saved beside it was refused as one for another
+    base ("pass the --base it was trained on"), and a LoRA adapter merged onto NF4 codes it never saw."""
+    for key, value, what in (("lora_bias", True, "a trained bias on lora_B"),
+                             ("modules_to_save", ["norm"], "whole modules trained beside it")):
+        edited = shutil.copytree(adapter, tmp_path / key)
+        cfg = json.loads((edited / "adapter_config.json").read_text())
+        (edited / "adapter_config.json").write_text(json.dumps({**cfg, key: value}))
+        fails(["merge", edited, "--out", tmp_path / "out"], capsys, monkeypatch, f"has {what} ({key}), which quantkit "
+              "does not merge: merge it with PEFT")
+    fails(["merge", adapter, "--out", tmp_path / "out", "--onto-nf4"], capsys, monkeypatch,
+          "was trained with LoRA on the float base (its train_log.json says so)")
+    assert left(tmp_path) == []
+    with warnings.catch_warnings():  # a base that is not there: the error alone, not a warning about it first
+        warnings.simplefilter("error")
+        fails(["merge", adapter, "--out", tmp_path / "out", "--base", tmp_path / "nope"], capsys, monkeypatch,
+              "the adapter's base model is not here")
+
+
 def test_resume_with_nothing_to_resume(tiny_dir, text, capsys, monkeypatch, tmp_path):
     train_fails(tiny_dir, text, capsys, monkeypatch, tmp_path, "nothing to resume", "--resume")
 

@@ -23,7 +23,7 @@ class TrainConfig:
     dora: bool = False  # weight-decomposed: a trained magnitude per output row
     rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
     lora_plus: float | None = None  # B's learning rate this many times A's
-    # schedule: steps wins over epochs; neither: one epoch
+    # the run's length: steps or epochs; neither: one epoch
     steps: int | None = None
     epochs: float | None = None
     seqlen: int = 256
@@ -67,7 +67,11 @@ class TrainConfig:
             raise QuantkitError(f"dropout {self.dropout} is out of range: use a fraction in [0, 1)")
         if self.lora_plus is not None and self.lora_plus <= 0:
             raise QuantkitError(f"--lora-plus {self.lora_plus} is invalid: use a positive ratio such as 16")
-        for name in ("seqlen", "batch_size", "grad_accum", "eval_every", "save_every"):
+        if self.seqlen < 2:  # a window of one token predicts nothing: every loss would be 0/0
+            raise QuantkitError(f"--seqlen {self.seqlen} leaves no token to predict: use 2 or more, such as 256")
+        if self.steps is not None and self.epochs is not None:
+            raise QuantkitError("--steps and --epochs both set the run's length: pass one of them")
+        for name in ("batch_size", "grad_accum", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise QuantkitError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: use a positive number")
         if self.steps is not None and self.steps < 1 or self.epochs is not None and not self.epochs > 0:

@@ -78,8 +78,15 @@ def build(m: Model, config: TrainConfig, names: list[str], device: torch.device,
     layers = {}
     for i in range(len(m.layers)):
         prefix = f"model.layers.{i}"
-        m.materialize(prefix, device, dtype)
-        layers |= lora.inject(m.module, config, [n for n in names if n.startswith(prefix + ".")])
+        here = [n for n in names if n.startswith(prefix + ".")]
+        layer = m.materialize(prefix, device, None if config.method == "qlora" else dtype)
+        if config.method == "qlora":  # NF4 of the checkpoint's weights, as merge --onto-nf4 rounds them, not of a
+            frozen = {layer.get_submodule(n.removeprefix(prefix + ".")) for n in here}  # copy in the compute dtype
+            for module in layer.modules():
+                for name, p in module.named_parameters(recurse=False):
+                    if not (module in frozen and name == "weight"):
+                        p.data = p.data.to(dtype)
+        layers |= lora.inject(m.module, config, here)
         shard(m.layers[i])
         free_memory()  # the read buffers' (and FSDP: the whole layer's) freed blocks, else kept in glibc's heap
     for prefix in ("model.embed_tokens", "model.norm", "lm_head"):
@@ -146,10 +153,17 @@ def optimizer(config: TrainConfig, layers: dict, device: torch.device) -> torch.
     return bnb.optim.AdamW8bit(groups, **kw)
 
 
-def schedule(opt: torch.optim.Optimizer, config: TrainConfig, total: int):
-    from transformers import get_cosine_schedule_with_warmup
+def schedule(opt: torch.optim.Optimizer, config: TrainConfig, total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup to --lr, then cosine decay towards 0. The warmup's first step takes lr/(warmup+1), not
+    0 (a step at 0 is wasted, and --steps 1 wrote an untrained adapter); a warmup as long as the run ends at --lr."""
+    warm = min(config.warmup, total - 1)
 
-    return get_cosine_schedule_with_warmup(opt, min(config.warmup, total), total)
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / (warm + 1)
+        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(total - warm, 1)))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 def token_loss(forward, examples: list[dataset.Example], pad: int, device: torch.device) -> torch.Tensor:
@@ -160,8 +174,8 @@ def token_loss(forward, examples: list[dataset.Example], pad: int, device: torch
                            ignore_index=dataset.IGNORE, reduction="sum")
 
 
-def held_out_loss(module, examples, config: TrainConfig, pad: int, device, amp) -> float:
-    """Mean loss per scored token over examples, every process scoring its share."""
+def held_out_loss(module, examples, config: TrainConfig, pad: int, device, amp, progress: bool = False) -> float:
+    """Mean loss per scored token over examples, every process scoring its share (progress: a bar on rank 0)."""
     module.eval()
     mine = distributed.share(examples)
     # under FSDP every forward gathers each layer from all processes: each runs as many as the busiest
@@ -169,7 +183,8 @@ def held_out_loss(module, examples, config: TrainConfig, pad: int, device, amp) 
     chunks = math.ceil(busiest / config.batch_size)
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad(), (torch.autocast(device.type, amp) if amp else nullcontext()):
-        for k in range(0, chunks * config.batch_size, config.batch_size):
+        for k in tqdm(range(0, chunks * config.batch_size, config.batch_size), desc="held-out loss", unit="batch",
+                      leave=False, disable=not progress or distributed.rank() != 0, dynamic_ncols=True):
             chunk = mine[k: k + config.batch_size]
             loss = token_loss(module, chunk or examples[:1], pad, device)  # an idle process scores a stand-in
             if chunk:
@@ -232,6 +247,13 @@ class Checkpoints:
         none of them belongs in the output."""
         for p in [self.path, self.old, *self.path.parent.glob(f".{CHECKPOINT}-*")]:
             remove(p)
+
+    def intact(self) -> dict | None:
+        """The latest checkpoint, or None when there is none or it is damaged (a fresh start clears it)."""
+        try:
+            return self.load() if self.latest() is not None else None
+        except QuantkitError:
+            return None
 
     def load(self) -> dict:
         path = self.latest()
@@ -303,6 +325,9 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
     names = lora.check(m.module, config)
     check_context(m.module.config, config.seqlen, "--seqlen")
     data_file, eval_file = Path(data), Path(eval_data) if eval_data else None
+    if eval_file is not None and config.eval_fraction not in (0, TrainConfig.eval_fraction):
+        raise QuantkitError(f"--eval-fraction {config.eval_fraction:g} holds out part of --data, and --eval-data gives "
+                            "the held-out data instead: drop one of them")
     examples = dataset.read(data_file, m.tokenizer, config.seqlen)
     if eval_file is not None:
         train_set, held_out = examples, dataset.read(eval_file, m.tokenizer, config.seqlen)
@@ -313,6 +338,9 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
                             "a positive --eval-fraction, or drop --patience")
     per_step = config.batch_size * config.grad_accum
     total = config.steps or max(1, math.ceil((config.epochs or 1) * len(train_set) / per_step))
+    if config.warmup >= total > 1 and rank == 0:
+        warnings.warn(f"--warmup {config.warmup} is not shorter than the run's {total} steps: the learning rate rises "
+                      "through the whole run, reaches --lr at its last step and never decays: pass a smaller --warmup")
     key = hashlib.sha256(json.dumps({
         "weights": fingerprint(m.source), "data": digest(data_file), "eval": digest(eval_file),
         "config": {k: v for k, v in config.to_dict().items() if k not in SAME_RUN}}, sort_keys=True).encode()).hexdigest()
@@ -333,8 +361,15 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
                                     "settings): resume with the command that started it, or choose another --out")
             if rank == 0:
                 print(f"resuming after step {len(state['log'])}/{total} from {checkpoints.latest()}", file=sys.stderr)
-        elif staged is not None:
-            staged.fresh()
+        else:
+            kept = None if overwrite else checkpoints.intact()
+            if kept is not None:  # hours of training, not to be lost to a missed flag
+                ours = kept["key"] == key
+                raise QuantkitError(f"{partial} holds the checkpoint of step {kept['step']} of " + (
+                    "this run: add --resume to go on from it" if ours else "another run writing it (a different model, "
+                    "data or settings): go on with that run's command and --resume") + ", or pass --overwrite to start over")
+            if staged is not None:
+                staged.fresh()
         result, adapter = run(m, config, names, train_set, held_out, total, dev, amp, checkpoints, state, key,
                               progress, callback)
         if rank == 0:
@@ -344,16 +379,20 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
             staged.commit()
         result.out = str(out)
         return result
-    except BaseException:
+    except BaseException as e:
         if staged is not None:  # a checkpoint stays for --resume; a run that saved none leaves nothing
             staged.abort(keep=checkpoints.latest() is not None)
+        kept = checkpoints.intact() if isinstance(e, KeyboardInterrupt) and rank == 0 else None
+        if kept is not None:  # Ctrl-C or SIGTERM: where to go on from
+            print(f"stopped: the checkpoint of step {kept['step']} is in {checkpoints.latest()}: run the same command "
+                  "with --resume to go on from it", file=sys.stderr)
         raise
 
 
 def run(m: Model, config: TrainConfig, names: list[str], train_set: list[dataset.Example], held_out: list[dataset.Example],
         total: int, dev: torch.device, amp: torch.dtype | None, checkpoints: Checkpoints, state: dict | None, key: str,
         progress: bool, callback) -> tuple[TrainResult, dict[str, torch.Tensor]]:
-    """Train; the result and the adapter to write (the best step's when early stopping stopped it)."""
+    """Train; the result and the adapter to write (with --patience, the best step's)."""
     rank, world = distributed.rank(), distributed.world()
     layers = build(m, config, names, dev, amp or torch.float32)
     module = m.module.train()
@@ -387,7 +426,7 @@ def run(m: Model, config: TrainConfig, names: list[str], train_set: list[dataset
         if not held_out:
             return False
         t = time.perf_counter()
-        loss = held_out_loss(module, held_out, config, pad, dev, amp)
+        loss = held_out_loss(module, held_out, config, pad, dev, amp, progress)
         evaluating += time.perf_counter() - t
         result.evals.append({"step": step, "eval_loss": loss})
         if loss < best_loss:
@@ -487,9 +526,10 @@ def run(m: Model, config: TrainConfig, names: list[str], train_set: list[dataset
     result.stopped_early = stop
     result.tokens_per_s = tokens * world / max(time.perf_counter() - began - evaluating, 1e-9)
     result.peak_memory = peak_memory()
-    if stop:  # the model as the adapter written: the best step's
-        lora.load_state(layers, best, "the best step's adapter")
-    return result, best if stop else lora.adapter_state(layers)
+    if config.patience is not None and best is not None:  # --patience keeps the best step's adapter, stopped or not
+        lora.load_state(layers, best, "the best step's adapter")  # and the model in memory is the adapter written
+        return result, best
+    return result, lora.adapter_state(layers)
 
 
 def write(directory: Path, m: Model, config: TrainConfig, result: TrainResult, adapter: dict[str, torch.Tensor]) -> None:

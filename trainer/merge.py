@@ -26,31 +26,40 @@ from .loop import LOG
 SIDE_FILES = (".json", ".txt", ".model", ".jinja")  # config, generation config, tokenizer, chat template
 
 
-def read(adapter: str | os.PathLike) -> tuple[TrainConfig, dict, dict[str, torch.Tensor]]:
+def read(adapter: str | os.PathLike, onto_nf4: bool = False) -> tuple[TrainConfig, dict, dict[str, torch.Tensor]]:
     """An adapter's settings (with the NF4 block QLoRA used, when quantkit trained it), its PEFT
-    config and its tensors."""
+    config and its tensors. onto_nf4: for merging into the NF4 base, which a LoRA adapter never saw."""
     cfg, tensors = lora.read(adapter)
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         raise QuantkitError(f"{adapter}: per-module ranks or alphas (rank_pattern, alpha_pattern) are not supported: "
                             "train the adapter with one rank and alpha")
+    # PEFT's other parts beside the A and B matrices: merged without them, the model would not be the adapter's
+    for key, what in (("lora_bias", "a trained bias on lora_B"), ("modules_to_save", "whole modules trained beside it")):
+        if cfg.get(key):
+            raise QuantkitError(f"{adapter}: the adapter has {what} ({key}), which quantkit does not merge: merge it "
+                                "with PEFT (merge_and_unload), or train it without them")
     log = Path(adapter) / LOG
     with untrusted(adapter, f"its {lora.CONFIG} or {LOG} is damaged", "train it again or restore it"):
         config = lora.config_of(cfg)
-        if log.is_file():
-            config.nf4_block = int(json.loads(log.read_text())["config"]["nf4_block"])
+        trained = json.loads(log.read_text())["config"] if log.is_file() else {}
+        if "nf4_block" in trained:
+            config.nf4_block = int(trained["nf4_block"])
+    if onto_nf4 and trained.get("method") == "lora":
+        raise QuantkitError(f"{adapter} was trained with LoRA on the float base (its {LOG} says so), and --onto-nf4 "
+                            "merges into the NF4-rounded base QLoRA trains against: drop --onto-nf4")
     return config, cfg, tensors
 
 
 def base_of(cfg: dict, base: str | os.PathLike | None, adapter) -> Model:
     named = cfg.get("base_model_name_or_path")
+    if not (base or named):
+        raise QuantkitError(f"{adapter}: the adapter names no base model: pass --base MODEL")
+    if not Path(base or named).exists():
+        raise QuantkitError(f"{base or named}: the adapter's base model is not here: pass --base with its directory")
     if base and named and not same_model(base, named):
         # same shapes pass every check below, so a wrong base of the same architecture would merge silently
         warnings.warn(f"{adapter} was trained on {named}; merging it into {base} as asked")
     base = base or named
-    if not base:
-        raise QuantkitError(f"{adapter}: the adapter names no base model: pass --base MODEL")
-    if not Path(base).exists():
-        raise QuantkitError(f"{base}: the adapter's base model is not here: pass --base with its directory")
     m = load(base)
     if m.checkpoint is None or m.tensors:
         raise QuantkitError(f"{base}: merge into a float model directory (safetensors), not a GGUF file or a quantized export")
@@ -96,7 +105,7 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
           progress: bool = True) -> Path:
     """Write base + adapter to out as a model directory (safetensors shards in the base's dtype, its
     config and tokenizer files). base: the adapter config's base_model_name_or_path by default."""
-    config, cfg, tensors = read(adapter)
+    config, cfg, tensors = read(adapter, onto_nf4)
     m = base_of(cfg, base, adapter)
     check_apart(out, [adapter, m.source])
     by_linear = fitted(m, config, tensors, adapter)
@@ -144,7 +153,7 @@ def merge_part(m: Model, prefix: str, by_linear: dict[str, dict[str, torch.Tenso
 def attach(model: str | os.PathLike | Model | None, adapter: str | os.PathLike, onto_nf4: bool = False) -> Model:
     """model (whole, in float32) with adapter's LoRA layers in place, unmerged: for evaluating an
     adapter, ours or PEFT's, as it trained (onto_nf4: on the NF4 base QLoRA trained against)."""
-    config, cfg, tensors = read(adapter)
+    config, cfg, tensors = read(adapter, onto_nf4)
     m = model if isinstance(model, Model) else load(model)
     by_linear = fitted(m, config, tensors, adapter)
     m.materialize()
