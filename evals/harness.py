@@ -31,8 +31,12 @@ class Tasks:
 
 
 def default_data_dir() -> Path:
-    """$QUANTKIT_DATA, else the shared data beside this checkout."""
-    return Path(os.environ.get("QUANTKIT_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
+    """$QUANTKIT_DATA, else ../shared/data from the working directory (the README's layout), else the
+    shared data beside this checkout (an editable install run from elsewhere)."""
+    if os.environ.get("QUANTKIT_DATA"):
+        return Path(os.environ["QUANTKIT_DATA"])
+    here, checkout = Path.cwd().parent / "shared" / "data", Path(__file__).resolve().parents[2] / "shared" / "data"
+    return here if here.is_dir() or not checkout.is_dir() else checkout
 
 
 def documents(limit: object, said: str) -> int | float | None:

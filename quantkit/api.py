@@ -309,8 +309,6 @@ def quantize(
     config = config or QuantConfig(**options)
     if format == "gguf" and config.gguf_type is None:
         config = replace(config, gguf_type=exporters.gguf.DEFAULT_MIX)
-    if format != "gguf" and config.gguf_type is not None:
-        raise QuantkitError(f"gguf_type={config.gguf_type!r} is a GGUF mix: pass format='gguf' with it")
     for name, value in (("calib_samples", calib_samples), ("calib_seqlen", calib_seqlen), ("seed", seed)):
         whole(name, value)  # their ranges: where they are used, in the command line's words
     targets = (targets,) if isinstance(targets, str) else tuple(targets)

@@ -147,10 +147,14 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
             raise QuantkitError(f"{given[name]} sets the perplexity check that --eval-data turns on: add --eval-data "
                                 "FILE, or drop it")
     api.device_of(device)
+    if fmt != "gguf" and str(out).lower().endswith(".gguf"):  # else a directory named .gguf, holding safetensors
+        raise QuantkitError(f"--out {out} names a GGUF file, and --format {fmt} writes a directory: add --format gguf, "
+                            "or choose an --out without .gguf")
+    check_apart(out, [model, calib_data, eval_data])  # first: --overwrite, which "already exists" suggests, cannot help
     check_out(out, overwrite, directory=fmt != "gguf")
     exporters.parse_size(max_shard_size)
     m = load(model)
-    check_apart(out, [m.source, calib_data, eval_data])  # before the "before" evaluation
+    check_apart(out, [m.source])  # the embedded model, when MODEL is not given
     if config.needs_calibration and eval_data:  # the calibration text's faults, before the "before" evaluation
         calibration.load_text(calib_data, tokenizer=m.tokenizer)
     consumers.check_targets(consumers.Export.of(fmt, config, m.module), targets)
@@ -199,7 +203,8 @@ def given_options() -> dict[str, str]:
 def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_increase, max_kld, min_same_top,
              as_json, dequantized, device, dtype) -> None:
     """Perplexity of MODEL (a directory, an export, a .gguf file, or the embedded model). A quantized
-    export runs packed: Triton kernels on a GPU, a torch fallback on the CPU. With --base, its
+    export runs packed: Triton kernels on a GPU; on the CPU a compiled GEMV or torch's int4 matmul for
+    few rows (see --dtype), else a slice of the weight dequantized at a time. With --base, its
     divergence from the base; with the gate limits, exit 1 when one is broken."""
     limits = {"max_ppl_increase": max_ppl_increase, "max_kld": max_kld, "min_same_top": min_same_top}
     given = [f"--{k.replace('_', '-')}" for k, v in limits.items() if v is not None]
@@ -235,7 +240,8 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_i
 @click.option("--num-fewshot", type=click.IntRange(0))
 @click.option("--batch-size", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--max-length", type=click.IntRange(2), help="tokens per window [the model's context]")
-@click.option("--data-dir", type=click.Path(), help="where the local tasks read [$QUANTKIT_DATA, else ../shared/data]")
+@click.option("--data-dir", type=click.Path(), help="where the local tasks read [$QUANTKIT_DATA, else ../shared/data, else the "
+              "shared data beside the quantkit checkout]")
 @click.option("--seed", type=click.IntRange(0, 2**32 - 1), help="every seed lm-eval takes [lm-eval's own: "
               "the few-shot examples `lm_eval` picks]")
 @click.option("--apply-chat-template", "chat", is_flag=True,
@@ -292,7 +298,7 @@ def listed(value: str, kind=str, option: str = "") -> list:
 @click.option("--lm-eval-max-length", type=click.IntRange(2), help="tokens per lm-eval window [the model's context]")
 @click.option("--lm-eval-chat", is_flag=True, help="lm-eval prompts in the tokenizer's chat template")
 @click.option("--lm-eval-data-dir", type=click.Path(), help="where local lm-eval tasks read [$QUANTKIT_DATA, else "
-              "../shared/data]")
+              "../shared/data, else the shared data beside the quantkit checkout]")
 @click.option("--keep-exports", is_flag=True, help="keep each point's export under OUT/exports")
 def report(model, out, data, methods, bits, gguf_types, exl2_bits, exl2_measured, group_size, calib_data, calib_samples,
            calib_seqlen, windows, ctx, tasks, lm_eval_limit, lm_eval_fewshot, lm_eval_max_length, lm_eval_chat,
@@ -407,15 +413,15 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
     # --resume after a kill in the merge or the quantization: the finished adapter (and merge) are taken as they are
     trained = bool(resume and quantize_method and os.path.isdir(out))
     merged_done = trained and os.path.isdir(merged)
+    inputs = [model, data, eval_data, calib_data]
+    check_apart(out, inputs)  # before the checks that suggest --overwrite, which cannot help here
+    if quantize_method:
+        check_apart(merged, [*inputs, out])  # OUT-merged: another --out moves it
+        check_apart(quantize_out, [*inputs, out, merged], "--quantize-out")
     if quantize_method and not merged_done:
         check_out(merged, overwrite, directory=True)
     if not resume:
         check_out(out, overwrite, directory=True)
-    inputs = [model, data, eval_data, calib_data]
-    check_apart(out, inputs)
-    if quantize_method:
-        check_apart(merged, [*inputs, out])  # OUT-merged: another --out moves it
-        check_apart(quantize_out, [*inputs, out, merged], "--quantize-out")
     if trained:
         click.echo(f"{out} is a finished adapter: going on to {'quantize' if merged_done else 'merge and quantize'} it")
     else:
@@ -447,6 +453,7 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
 def merge(adapter, out, base, onto_nf4, overwrite, max_shard_size) -> None:
     """Merge a LoRA ADAPTER (quantkit's or PEFT's) into its base in float32 and write a model
     directory in the base's dtype, ready for quantkit quantize."""
+    check_apart(out, [adapter, base])  # first: --overwrite, which "already exists" suggests, cannot help
     check_out(out, overwrite, directory=True)
     trainer.merge(adapter, out, base, onto_nf4=onto_nf4, overwrite=overwrite, max_shard_size=max_shard_size)
     click.echo(f"merged into {out}")

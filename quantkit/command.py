@@ -28,8 +28,8 @@ def export(model, out, gguf_type, pure, overrides, overwrite) -> None:
     is requantized into that mix tensor by tensor, its metadata kept, as llama-quantize does."""
     from .atomic import check_apart, check_out
 
+    check_apart(out, [model])  # first: --overwrite, which "already exists" suggests, cannot help
     check_out(out, overwrite, directory=False)
-    check_apart(out, [model])
     if model is not None and os.path.isfile(model) and (model.lower().endswith(".gguf") or gguf_magic(model)):
         from .requant import requantize
 

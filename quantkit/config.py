@@ -35,7 +35,12 @@ def refuse_unused(given: dict[str, str], method: str, fmt: str, target_bpw: bool
         if target_bpw and name in ("bits", "group_size") and fmt != "exl2":
             raise QuantkitError(f"{flag} does not apply with {'--target-bpw' if cli else 'target_bpw'}, which chooses "
                                 "each linear's bits and group size: drop it")
-        if fmt == "gguf" and name in ("bits", "block_size", "max_shard_size", *GRID_OPTIONS):
+        if fmt == "gguf" and name == "max_shard_size":
+            raise QuantkitError(f"{flag} does not apply to {as_format}, which writes one file: drop it")
+        if fmt != "gguf" and name == "gguf_type":
+            raise QuantkitError(f"{flag} chooses a GGUF mix, and {as_format} is not GGUF: add "
+                                f"{'--format gguf' if cli else 'format=' + repr('gguf')}, or drop it")
+        if fmt == "gguf" and name in ("bits", "block_size", *GRID_OPTIONS):
             raise QuantkitError(f"{flag} does not apply to {as_format}, whose --gguf-type mix sets the blocks: drop it, "
                                 "or choose the types with --gguf-type and --tensor-type")
         if name in GPTQ_ONLY and method != "gptq" or name == "mse" and method not in ("rtn", "gptq") or \

@@ -158,7 +158,7 @@ def test_the_calibration_text_is_checked_before_the_first_evaluation(model, caps
     # quantized for nothing, or for another format than asked
     (lambda q, m, t: q.quantize(m, method="rtn", keep=False), "keep=False writes the quantized layers to out"),
     (lambda q, m, t: q.quantize(m, method="rtn", format="gptq"), "unknown export format 'gptq'"),
-    (lambda q, m, t: q.quantize(m, method="rtn", gguf_type="Q4_K_M"), "gguf_type='Q4_K_M' is a GGUF mix: pass format"),
+    (lambda q, m, t: q.quantize(m, method="rtn", gguf_type="Q4_K_M"), "gguf_type chooses a GGUF mix, and format='safetensors' is not GGUF: add format='gguf'"),
     (lambda q, m, t: q.export(str(m), "x"), "export writes a Model quantized in memory, not a str")])
 def test_api_arguments_are_checked_with_one_error(tiny_dir, call, match):
     """Each was a TypeError, ValueError or AttributeError from deep inside, or accepted and ignored."""

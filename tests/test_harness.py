@@ -165,3 +165,17 @@ def test_a_dolly_file_too_small_for_four_choices_is_named(tmp_path):
     with pytest.raises(quantkit.QuantkitError, match="has 1 different responses, and each question takes its 4 "
                                                       "choices from its category: use a larger Dolly file"):
         harness.prepare(["dolly_mc"], tmp_path)
+
+
+def test_the_data_directory_is_found_as_the_help_says(tmp_path, monkeypatch):
+    """The default was only the shared data beside the checkout, which a non-editable install
+    (site-packages/shared/data) never has: now ../shared/data from the working directory first."""
+    monkeypatch.delenv("QUANTKIT_DATA", raising=False)
+    (tmp_path / "shared" / "data").mkdir(parents=True)
+    (tmp_path / "repo").mkdir()
+    monkeypatch.chdir(tmp_path / "repo")
+    assert harness.default_data_dir() == tmp_path / "shared" / "data"
+    monkeypatch.chdir(tmp_path)  # no ../shared/data here: the checkout's
+    assert harness.default_data_dir() == DATA.resolve()
+    monkeypatch.setenv("QUANTKIT_DATA", str(tmp_path / "mine"))
+    assert harness.default_data_dir() == tmp_path / "mine"
