@@ -267,6 +267,15 @@ def test_merge_refuses_what_it_would_leave_out(adapter, tiny_dir, capsys, monkey
               "the adapter's base model is not here")
 
 
+def test_merge_onto_nf4_with_a_damaged_log(adapter, capsys, monkeypatch, tmp_path):
+    """train_log.json's settings not a mapping: one error naming the file, not an AttributeError."""
+    damaged = shutil.copytree(adapter, tmp_path / "damaged")
+    log = json.loads((damaged / "train_log.json").read_text())
+    (damaged / "train_log.json").write_text(json.dumps({**log, "config": [1, 2]}))
+    fails(["merge", damaged, "--out", tmp_path / "out", "--onto-nf4"], capsys, monkeypatch,
+          "its adapter_config.json or train_log.json is damaged")
+
+
 def test_resume_with_nothing_to_resume(tiny_dir, text, capsys, monkeypatch, tmp_path):
     train_fails(tiny_dir, text, capsys, monkeypatch, tmp_path, "nothing to resume", "--resume")
 

@@ -44,7 +44,8 @@ def read(adapter: str | os.PathLike, onto_nf4: bool = False) -> tuple[TrainConfi
         trained = json.loads(log.read_text())["config"] if log.is_file() else {}
         if "nf4_block" in trained:
             config.nf4_block = int(trained["nf4_block"])
-    if onto_nf4 and trained.get("method") == "lora":
+        lora_trained = trained.get("method") == "lora"  # a damaged log (not a mapping) is named by untrusted
+    if onto_nf4 and lora_trained:
         raise QuantkitError(f"{adapter} was trained with LoRA on the float base (its {LOG} says so), and --onto-nf4 "
                             "merges into the NF4-rounded base QLoRA trains against: drop --onto-nf4")
     return config, cfg, tensors
