@@ -64,14 +64,16 @@ def messages_of(record: dict, where: str, reply: bool = True) -> list[dict]:
             raise QuantkitError(f"{where}: the chat has no assistant turn, so nothing to learn: add the reply "
                                 "as {\"role\": \"assistant\", \"content\": ...}")
         return msgs
-    prompt = record.get("instruction", record.get("prompt"))
-    answer = record.get("response", record.get("output", record.get("completion")))
-    for keys in (("instruction", "prompt"), ("response", "output", "completion")):
-        key = next((k for k in keys if k in record), None)  # the one read
+
+    def field(*keys: str) -> str | None:  # the first of keys that the record has: its text
+        key = next((k for k in keys if k in record), None)
         if key is not None and not isinstance(record[key], str):
             kind = "null" if record[key] is None else type(record[key]).__name__
             raise QuantkitError(f"{where}: the record's {key} is {kind}, where text belongs")
-    if not isinstance(prompt, str) or not isinstance(answer, str):
+        return None if key is None else record[key]
+
+    prompt, answer = field("instruction", "prompt"), field("response", "output", "completion")
+    if prompt is None or answer is None:
         raise QuantkitError(f"{where}: a record needs messages, instruction and response (or output), or prompt "
                             f"and completion; this one has {', '.join(sorted(record)) or 'no fields'}")
     context = record.get("context") or record.get("input") or ""

@@ -25,7 +25,7 @@ import torch
 from quantkit.atomic import check_writable
 from quantkit.errors import QuantkitError, space_for
 
-from .perplexity import adds_bos, window_logits
+from .perplexity import adds_bos, first_scored, window_logits
 
 MAGIC = b"_logits_"
 HEADER = struct.Struct("<8sIii")
@@ -37,6 +37,12 @@ DELTA_P_PERCENTILES = (99.9, 99.0, 95.0, 90.0, 75.0, 25.0, 10.0, 5.0, 1.0, 0.1)
 def row_width(n_vocab: int) -> int:
     """u16 values in a saved row: the two f32 header values, then the vocabulary padded to even."""
     return 2 * ((n_vocab + 1) // 2) + 4
+
+
+def file_size(n: int, ctx: int, n_vocab: int) -> int:
+    """Bytes of a saved base of n windows of ctx tokens: header, tokens, then each scored prediction's row."""
+    scored = ctx - 1 - first_scored("llamacpp", ctx)
+    return HEADER.size + n * ctx * 4 + n * scored * row_width(n_vocab) * 2
 
 
 def compress(logits: torch.Tensor) -> np.ndarray:
@@ -146,10 +152,10 @@ class BaseFile:
         if self.ctx < 4 or self.n_vocab < 1 or self.n < 1:
             raise QuantkitError(f"{self.path}: corrupt saved base (context {self.ctx}, vocabulary {self.n_vocab}, "
                                 f"{self.n} windows): save it again")
-        self.scored = self.ctx - 1 - self.ctx // 2
+        self.scored = self.ctx - 1 - first_scored("llamacpp", self.ctx)
         self.width = row_width(self.n_vocab)
         tokens = self.n * self.ctx * 4
-        expected = HEADER.size + tokens + self.n * self.scored * self.width * 2
+        expected = file_size(self.n, self.ctx, self.n_vocab)
         if size != expected:
             raise QuantkitError(f"{self.path}: {size} bytes where its header ({self.n} windows of {self.ctx}, "
                                 f"vocabulary {self.n_vocab}) needs {expected}: truncated or corrupt, save it again")
@@ -174,7 +180,7 @@ class BaseFile:
 
     def perplexity(self) -> float:
         """The base's perplexity of its windows, from the saved rows."""
-        targets = self.windows[:, self.ctx // 2 + 1:]
+        targets = self.windows[:, first_scored("llamacpp", self.ctx) + 1:]
         nll = sum(-self.logprobs(i).double().gather(-1, targets[i, :, None]).sum().item() for i in range(self.n))
         return math.exp(nll / targets.numel())
 
@@ -332,7 +338,7 @@ def save_base(module: torch.nn.Module, tokenizer, windows: torch.Tensor, path: s
 
     staged = Staged(path, overwrite=True, directory=False, option="--save-base")
     n, ctx = windows.shape
-    needed = HEADER.size + windows.numel() * 4 + n * (ctx - 1 - ctx // 2) * row_width(module.config.vocab_size) * 2
+    needed = file_size(n, ctx, module.config.vocab_size)
     try:
         staged.fresh()
         with space_for(path, needed, "the saved base", "save it again"), open(staged.path, "wb") as f:

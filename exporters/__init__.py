@@ -5,11 +5,12 @@ import os
 import sys
 from pathlib import Path
 
+from quantkit.atomic import check_apart
 from quantkit.config import CODEBOOK_METHODS, QuantConfig
 from quantkit.errors import QuantkitError, space_for
+from quantkit.modelio import stored_state
 
 from . import gguf
-from quantkit.atomic import check_apart, check_out, progress_path
 from .shards import DEFAULT_MAX_SIZE, parse_size
 
 # safetensors: the GPTQ checkpoint layout for integer grids, bitsandbytes' 4-bit layout for NF4/FP4;
@@ -70,9 +71,7 @@ def expected_size(module, fmt: str, qconfig: QuantConfig, types: dict[str, str] 
     if fmt == "gguf":
         return sum(gguf.nbytes(shape, kind) for shape, kind in gguf.plan(module, types).values())
     total = 0
-    for key, t in module.state_dict(keep_vars=True).items():
-        if key == "lm_head.weight" and module.config.tie_word_embeddings:
-            continue
+    for key, t in stored_state(module, keep_vars=True).items():
         c = qconfig.for_linear(key.removesuffix(".weight")) if ".layers." in key and t.dim() == 2 else None
         if key == "lm_head.weight" and qconfig.head_bits is not None:
             total += int(t.numel() * qconfig.head_bits / 8)
@@ -113,6 +112,11 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
     max_shard_size bytes of tensor data ("5GB", "500MiB", or an int). progress: say what was written."""
     if model.qconfig is None or not model.tensors:
         raise QuantkitError("the model is not quantized: quantize it before exporting")
+    mixed = any(qt.group_bits is not None for qt in model.tensors.values())  # EXL2's widths, mixed within linears
+    if mixed != (fmt == "exl2"):
+        raise QuantkitError(f"{model.source}: " + (f"EXL2's linears mix widths, which only its own layout holds: export "
+                            "it with format='exl2'" if mixed else "the EXL2 layout holds what an EXL2 quantization "
+                            f"made, and this model is quantized as {model.qconfig.method}: quantize with format='exl2'"))
     check_apart(out, [model.source])
     types = {name: qt.ggml for name, qt in model.tensors.items()} if fmt == "gguf" else None
     writer = open_writer(model, out, fmt, model.qconfig, overwrite, max_shard_size, types)
@@ -121,9 +125,8 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
             writer.start()
             for name, qt in model.tensors.items():
                 writer.add_quantized(name, qt)
-            tied = model.module.config.tie_word_embeddings
-            for key, t in model.module.state_dict().items():
-                if key.removesuffix(".weight") not in model.tensors and not (tied and key == "lm_head.weight"):
+            for key, t in stored_state(model.module).items():
+                if key.removesuffix(".weight") not in model.tensors:
                     writer.add(key, t)
             path = writer.close()
             if progress:
@@ -134,4 +137,4 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
         raise
 
 
-__all__ = ["DEFAULT_MAX_SIZE", "FORMATS", "gguf", "check_format", "check_format_name", "check_out", "expected_size", "export", "open_writer", "parse_size", "progress_path"]
+__all__ = ["DEFAULT_MAX_SIZE", "FORMATS", "gguf", "check_format", "check_format_name", "expected_size", "export", "open_writer", "parse_size"]

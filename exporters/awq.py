@@ -73,8 +73,9 @@ def quantization_config(qconfig: QuantConfig) -> dict:
 def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool = False,
            max_shard_size: int | str = DEFAULT_MAX_SIZE) -> checkpoint.CheckpointWriter:
     """Called by exporters.open_writer, which has run check; the other tensors in float16."""
-    return checkpoint.CheckpointWriter(model, out, overwrite, torch.float16, pack_tensor,
-                                       lambda w: quantization_config(qconfig), (), max_shard_size)
+    return checkpoint.CheckpointWriter(model, out, dtype=torch.float16, pack=pack_tensor,
+                                       quantization_config=lambda w: quantization_config(qconfig),
+                                       overwrite=overwrite, max_shard_size=max_shard_size)
 
 
 def read(path: Path, packed: bool = False) -> Model:
@@ -88,10 +89,7 @@ def read(path: Path, packed: bool = False) -> Model:
     layers = {}
     for key in [k for k in state if k.endswith(".qweight")]:
         name = key.removesuffix(".qweight")
-        try:
-            qweight, qzeros, scales = state.pop(key), state.pop(f"{name}.qzeros"), state.pop(f"{name}.scales")
-        except KeyError as e:
-            raise QuantkitError(f"{path}: {name} lacks {e.args[0]}: the checkpoint is incomplete; re-export it") from None
+        qweight, qzeros, scales = checkpoint.take(state, path, name, ("qweight", "qzeros", "scales")).values()
         codes, zeros = unpack(qweight).T.contiguous(), unpack(qzeros).T.contiguous()
         k = codes.shape[1]
         if zeros.shape != scales.T.shape or k % group_size:

@@ -58,8 +58,9 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
     """Called by exporters.open_writer. The other tensors keep the checkpoint's dtype (a model held
     in memory: its own), which is also the dtype the weights dequantize to."""
     dtype = model.checkpoint.dtype if model.checkpoint is not None else model.module.dtype
-    return checkpoint.CheckpointWriter(model, out, overwrite, dtype, lambda name, qt: pack(name, qt, dtype),
-                                       lambda w: quantization_config(qconfig, dtype), (), max_shard_size)
+    return checkpoint.CheckpointWriter(model, out, dtype=dtype, pack=lambda name, qt: pack(name, qt, dtype),
+                                       quantization_config=lambda w: quantization_config(qconfig, dtype),
+                                       overwrite=overwrite, max_shard_size=max_shard_size)
 
 
 def stored_bytes(packed: torch.Tensor) -> torch.Tensor:
@@ -89,7 +90,7 @@ def read(path: Path, packed: bool = False) -> Model:
                 meta.get("nested_offset", 0.0), bias=state.pop(f"{name}.bias", None), name=f"{path}: {name}")
         except (KeyError, ValueError, TypeError) as e:
             raise QuantkitError(f"{path}: {p} is incomplete or inconsistent ({e!r}): re-export the checkpoint") from None
-    block_size = next(iter(layers.values())).blocksize if layers else 64
+    block_size = next(iter(layers.values())).blocksize if layers else nf4.BLOCK
     qconfig = QuantConfig(qc["bnb_4bit_quant_type"], 4, double_quant=bool(qc.get("bnb_4bit_use_double_quant")),
                           block_size=block_size)
     return checkpoint.model(path, cfg, state, layers, qconfig, packed)

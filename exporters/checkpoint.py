@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from safetensors.torch import load_file
@@ -24,20 +24,22 @@ from .shards import DEFAULT_MAX_SIZE, ShardWriter, state_intact
 
 
 class CheckpointWriter:
-    """A safetensors checkpoint written as results arrive (exporters.Writer): shards of at most
+    """A safetensors checkpoint written as results arrive (quantkit.pipeline.Writer): shards of at most
     max_shard_size (with their index when there are several); at close, config.json (with the
-    quantization_config), the tokenizer, the generation config and extra JSON files. pack turns
-    one quantized linear into its tensors by suffix; the other tensors are stored in dtype.
-    quantization_config makes the config from the writer once every tensor is in (act_order, head).
+    quantization_config), the tokenizer, the generation config, and config_copies: more JSON files
+    holding the quantization_config alone. pack turns one quantized linear into its tensors by suffix;
+    the other tensors are stored in dtype. quantization_config makes the config from the writer once
+    every tensor is in (act_order, head).
     A quantized lm_head (read from a checkpoint that has one) is packed where the layout's consumers
     load one (packs_head), and written dequantized where they take lm_head in float."""
 
-    def __init__(self, model: Model, out: str | Path, overwrite: bool, dtype: torch.dtype,
+    def __init__(self, model: Model, out: str | Path, *, dtype: torch.dtype,
                  pack: Callable[[str, QuantizedTensor], dict[str, torch.Tensor]],
-                 quantization_config: Callable[[CheckpointWriter], dict], extra: tuple[str, ...] = (),
-                 max_shard_size: int | str = DEFAULT_MAX_SIZE, packs_head: bool = False):
+                 quantization_config: Callable[[CheckpointWriter], dict], config_copies: tuple[str, ...] = (),
+                 overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SIZE, packs_head: bool = False):
         self.staged = Staged(out, overwrite)
-        self.model, self.dtype, self.pack, self.config, self.extra = model, dtype, pack, quantization_config, extra
+        self.model, self.dtype, self.pack = model, dtype, pack
+        self.quantization_config, self.config_copies = quantization_config, config_copies
         self.max_shard_size, self.packs_head = max_shard_size, packs_head
         self.shards: ShardWriter | None = None
         self.act_order = False
@@ -82,7 +84,7 @@ class CheckpointWriter:
         files = self.shards.close()
         size = sum(f.stat().st_size for f in files)
         self.summary = f"wrote {len(self.shards.names)} tensors in {len(files)} file(s), {size / 2**20:.1f} MiB"
-        qcfg = self.config(self)
+        qcfg = self.quantization_config(self)
         # the keys save_pretrained writes: to_dict adds the source's local path (_name_or_path) and base defaults
         cfg = self.model.module.config.to_diff_dict()
         # a config saved without a model lacks it, and ExLlamaV2's loader (among others) needs it
@@ -92,7 +94,7 @@ class CheckpointWriter:
         cfg["dtype"] = str(self.dtype).removeprefix("torch.")
         # top-level keys sorted; nested ones as made: dynamic's rules are read first match first
         (tmp / "config.json").write_text(json.dumps(dict(sorted(cfg.items())), indent=2) + "\n")
-        for name in self.extra:
+        for name in self.config_copies:
             (tmp / name).write_text(json.dumps(qcfg, indent=2) + "\n")
         if self.model.module.generation_config is not None:
             self.model.module.generation_config.save_pretrained(tmp)
@@ -172,6 +174,14 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
                                 "that does not belong to this checkpoint")
         state.update(tensors)
     return state
+
+
+def take(state: dict[str, torch.Tensor], path: Path, name: str, parts: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The tensors {name}.{part} of a packed linear, taken out of state; a missing one is refused."""
+    missing = next((p for p in parts if f"{name}.{p}" not in state), None)
+    if missing is not None:
+        raise QuantkitError(f"{path}: {name} lacks {name}.{missing}: the checkpoint is incomplete; re-export it")
+    return {p: state.pop(f"{name}.{p}") for p in parts}
 
 
 def model(path: Path, cfg, state: dict[str, torch.Tensor], layers: dict[str, QuantLinear], qconfig: QuantConfig,

@@ -137,9 +137,9 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
            max_shard_size: int | str = DEFAULT_MAX_SIZE) -> checkpoint.CheckpointWriter:
     """Called by exporters.open_writer, which has run check; the other tensors in float16."""
     names = [name for name, _, _ in linear_shapes(model.module)]
-    return checkpoint.CheckpointWriter(model, out, overwrite, torch.float16, pack_tensor,
-                                       lambda w: quantization_config(qconfig, names, w.head), (), max_shard_size,
-                                       packs_head=True)
+    return checkpoint.CheckpointWriter(model, out, dtype=torch.float16, pack=pack_tensor,
+                                       quantization_config=lambda w: quantization_config(qconfig, names, w.head),
+                                       overwrite=overwrite, max_shard_size=max_shard_size, packs_head=True)
 
 
 def scheme(path: Path, group: dict) -> tuple[int, int, bool, bool]:
@@ -201,12 +201,10 @@ def read(path: Path, packed: bool = False) -> Model:
                                 "inconsistent (its consumers would not load it); re-export it")
         bits, group_size, sym, ordered = scheme_of(name)
         seen.add((bits, group_size, sym, ordered))
-        try:
-            words, scales = state.pop(key), state.pop(f"{name}.weight_scale")
-            n, k = state.pop(f"{name}.weight_shape").tolist()
-            zp = None if sym else state.pop(f"{name}.weight_zero_point")
-        except KeyError as e:
-            raise QuantkitError(f"{path}: {name} lacks {e.args[0]}: the checkpoint is incomplete; re-export it") from None
+        parts = checkpoint.take(state, path, name, ("weight_packed", "weight_scale", "weight_shape")
+                                + (() if sym else ("weight_zero_point",)))
+        words, scales, zp = parts["weight_packed"], parts["weight_scale"], parts.get("weight_zero_point")
+        n, k = parts["weight_shape"].tolist()
         ng = 1 if group_size == -1 else k // group_size
         if words.shape != (n, math.ceil(k * bits / 32)) or scales.shape != (n, ng) or \
                 (zp is not None and zp.shape != (math.ceil(n * bits / 32), ng)):

@@ -56,15 +56,6 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
             raise QuantkitError(f"--head-bits: {e}") from None
 
 
-def quantize_head(w: torch.Tensor, qconfig: QuantConfig) -> QuantizedTensor:
-    """lm_head on the EXL2 grid at qconfig.head_bits: rounded to nearest (GPTQ with an identity
-    Hessian: no calibration reaches the head here)."""
-    k = w.shape[1]
-    setting = exl2.Setting.for_target(qconfig.head_bits, *w.shape)
-    return exl2.quantize(w.float(), torch.eye(k, device=w.device), setting, qconfig.damp, qconfig.block_size,
-                         "lm_head").tensor
-
-
 def encode_scales(qt: QuantizedTensor) -> torch.Tensor:
     """The 4-bit codes c (stored c - 1, so 1..16 here) behind qt's scales, checked to give them back."""
     ratio = qt.scales.float() / qt.scale_max.float()[None, :] * 256
@@ -106,13 +97,18 @@ class Writer(checkpoint.CheckpointWriter):
     """The checkpoint writer, counting the bits of the decoder linears and of the head apart for the
     config's bits and head_bits."""
 
-    def __init__(self, model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool, max_shard_size):
-        super().__init__(model, out, overwrite, torch.float16, self.pack_counted,
-                         lambda w: quantization_config(qconfig, self.counts["bits"] / max(self.counts["weights"], 1),
-                                                       self.counts["head_bits"] / self.counts["head_weights"]
-                                                       if self.counts["head_weights"] else 16),
-                         (), max_shard_size, packs_head=True)
+    def __init__(self, model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool,
+                 max_shard_size: int | str):
+        super().__init__(model, out, dtype=torch.float16, pack=self.pack_counted,
+                         quantization_config=self.counted_config, overwrite=overwrite, max_shard_size=max_shard_size,
+                         packs_head=True)
+        self.qconfig = qconfig
         self.counts = dict.fromkeys(("bits", "weights", "head_bits", "head_weights"), 0)
+
+    def counted_config(self, _) -> dict:
+        counts = self.counts
+        return quantization_config(self.qconfig, counts["bits"] / max(counts["weights"], 1),
+                                   counts["head_bits"] / counts["head_weights"] if counts["head_weights"] else 16)
 
     def pack_counted(self, name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
         tensors = pack_tensor(name, qt)
@@ -169,18 +165,15 @@ def unpack_tensor(name: str, parts: dict[str, torch.Tensor], n: int) -> Quantize
 def read(path: Path, packed: bool = False) -> Model:
     """Load an EXL2 checkpoint (ours or ExLlamaV2's converter's) with dequantized float weights (no
     EXL2 kernel runs here, so packed is not used)."""
-    cfg, _ = checkpoint.config(path)
+    cfg, qc = checkpoint.config(path)
     state = checkpoint.read_tensors(path)
     tensors = {}
     for key in [k for k in state if k.endswith(".q_weight")]:
         name = key.removesuffix(".q_weight")
-        try:
-            parts = {p: state.pop(f"{name}.{p}") for p in PARTS}
-        except KeyError as e:
-            raise QuantkitError(f"{path}: {name} lacks {e.args[0]}: the checkpoint is incomplete; re-export it") from None
-        tensors[name] = unpack_tensor(f"{path}: {name}", parts, out_features(cfg, name))
+        tensors[name] = unpack_tensor(f"{path}: {name}", checkpoint.take(state, path, name, PARTS), out_features(cfg, name))
         state[f"{name}.weight"] = tensors[name].dequantize()
-    qconfig = QuantConfig("gptq", 4, 32)
+    # the grids are each tensor's own (group_bits); the target, ours or else the bits ExLlamaV2 counted, for a re-export
+    qconfig = QuantConfig("gptq", 4, 32, exl2=(qc.get("calibration") or {}).get("target") or qc.get("bits"))
     return Model(checkpoint.build(path, cfg, state, {}), load_tokenizer(path), str(path), tensors, qconfig)
 
 

@@ -1,5 +1,5 @@
 """GGUF for llama.cpp: metadata, tokenizer, tensor names and the q/k row order llama.cpp expects;
-which block type each tensor gets for a named mix (llama-quantize's rules, src/llama-quant.cpp);
+which block type each tensor gets for a named mix (llama-quantize's rules, in quantkit.requant);
 the file itself, its header through gguf-py's writer (a GGUF source's key-values copied, as
 quantkit.requant copies them), its tensors as they are made, under a temporary name until complete."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from quantkit.errors import QuantkitError, untrusted
 from quantkit.evals import adds_bos
-from quantkit.modelio import Model
+from quantkit.modelio import Model, stored_state
 from quantkit import calibration, requant
 from quantkit.qtensor import QuantizedTensor
 from quantkit.requant import DEFAULT_MIX, MIXES, check_mix, choose  # noqa: F401 (DEFAULT_MIX: read as gguf.DEFAULT_MIX)
@@ -80,16 +80,16 @@ def rope_factors(cfg) -> np.ndarray | None:
     return np.array(out, dtype=np.float32)
 
 
-def tensor_types(module: torch.nn.Module, mix: str, pure: bool = False, imatrix: bool = False,
+def tensor_types(module: torch.nn.Module, mix: str, *, pure: bool = False, weighted: bool = False,
                  overrides: tuple[str, ...] = ()) -> dict[str, str]:
     """The GGUF type of each 2-D weight (by module name) for a mix, as llama-quantize chooses it
-    (quantkit.requant.choose, on the names the file gives them)."""
+    (quantkit.requant.choose, on the names the file gives them); weighted: with an importance matrix."""
     cfg = module.config
     names = {gguf_name(f"{name}.weight"): name for name, mod in module.named_modules()
              if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)) and not (name == HEAD and cfg.tie_word_embeddings)}
     weights = [(key, module.get_submodule(name).weight.shape[1]) for key, name in names.items()]
     types = choose(weights, mix, cfg.num_hidden_layers, cfg.num_attention_heads // cfg.num_key_value_heads,
-                   pure, imatrix, overrides)
+                   pure, weighted, overrides)
     return {names[key]: t for key, t in types.items()}
 
 
@@ -279,9 +279,7 @@ def plan(module: torch.nn.Module, types: dict[str, str], factors: np.ndarray | N
     factors = rope_factors(module.config) if factors is None else factors
     if factors is not None:
         out[ROPE_FREQS] = (factors.shape, "F32")
-    for key, t in module.state_dict(keep_vars=True).items():
-        if key == f"{HEAD}.weight" and module.config.tie_word_embeddings:
-            continue
+    for key, t in stored_state(module, keep_vars=True).items():
         kind = "F32" if t.dim() == 1 else types.get(key.removesuffix(".weight"))
         if kind is None:
             raise QuantkitError(f"{key} has no GGUF type: quantize the model for GGUF first")
@@ -290,7 +288,7 @@ def plan(module: torch.nn.Module, types: dict[str, str], factors: np.ndarray | N
 
 
 class Writer:
-    """The GGUF file written as results arrive (exporters.Writer). Metadata and every tensor's info
+    """The GGUF file written as results arrive (quantkit.pipeline.Writer). Metadata and every tensor's info
     (from the model's shapes and types, the GGUF type of each 2-D weight by module name) go first
     through gguf-py's writer; each tensor's data is then written at its offset when it comes, in any
     order, so a resumed run just writes what is missing. The state holds the CRC of the header and of

@@ -99,9 +99,10 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
            max_shard_size: int | str = DEFAULT_MAX_SIZE) -> checkpoint.CheckpointWriter:
     """Called by exporters.open_writer, which has checked the shapes; the other tensors in float16."""
     names = [name for name, _, _ in linear_shapes(model.module)]
-    return checkpoint.CheckpointWriter(model, out, overwrite, torch.float16, pack,
-                                       lambda w: quantization_config(qconfig, w.act_order, names, w.head),
-                                       ("quantize_config.json",), max_shard_size, packs_head=True)
+    return checkpoint.CheckpointWriter(
+        model, out, dtype=torch.float16, pack=pack,
+        quantization_config=lambda w: quantization_config(qconfig, w.act_order, names, w.head),
+        config_copies=("quantize_config.json",), overwrite=overwrite, max_shard_size=max_shard_size, packs_head=True)
 
 
 def read(path: Path, packed: bool = False) -> Model:
@@ -120,10 +121,7 @@ def read(path: Path, packed: bool = False) -> Model:
             said = "lm_head is false" if mine else "dynamic says it is not"
             raise QuantkitError(f"{path}: {name} is quantized where the config's {said}: the checkpoint is "
                                 "inconsistent (its consumers would not load it); re-export it")
-        try:
-            tensors = {part: state.pop(f"{name}.{part}") for part in GPTQLinear.PACKED if part != "g_idx"}
-        except KeyError as e:
-            raise QuantkitError(f"{path}: {name} lacks {e.args[0]}: the checkpoint is incomplete; re-export it") from None
+        tensors = checkpoint.take(state, path, name, [part for part in GPTQLinear.PACKED if part != "g_idx"])
         # GPTQ-for-LLaMa's checkpoints hold no g_idx: groups in plain order, as AutoGPTQ's default
         k = tensors["qweight"].shape[0] * 32 // mine["bits"]
         tensors["g_idx"] = state.pop(f"{name}.g_idx", None)

@@ -1,7 +1,6 @@
 """The pipeline as plain function calls; the CLI is a thin layer over these."""
 from __future__ import annotations
 
-import difflib
 import hashlib
 import os
 import re
@@ -15,11 +14,11 @@ from pathlib import Path
 import torch
 
 from quantkit import calibration, evals, exporters
-from quantkit.atomic import check_apart, locked, partial_path, progress_files, size_on_disk
+from quantkit.atomic import check_apart, check_out, locked, partial_path, progress_files, progress_path, size_on_disk
 
 from . import blocks, consumers, distributed, measurement
 from . import rules as layer_rules
-from .config import UNWEIGHTED, QuantConfig, refuse_unused
+from .config import UNWEIGHTED, QuantConfig, check_fields, refuse_unused
 from .errors import QuantkitError, ResumableError, space_for
 from .layers import GROUPS, LINEARS, fused, linear_shapes, shapes_by_name
 from .modelio import Checkpoint, GGUFCheckpoint, Model, check_context, fingerprint, linear_types, load
@@ -237,6 +236,12 @@ def spent(config: QuantConfig, settings: dict, shapes: dict[str, tuple[int, int]
     return replace(config, target_bpw=None, measurement=None, rules=tuple(rules))
 
 
+def gguf_types(m: Model, config: QuantConfig) -> dict[str, str]:
+    """Each 2-D weight's GGUF type for config's mix and its overrides."""
+    return exporters.gguf.tensor_types(m.module, config.gguf_type, pure=config.pure, weighted=config.weighted,
+                                       overrides=config.tensor_type)
+
+
 def device_of(device: str | torch.device | None) -> torch.device:
     """Where layers are quantized: the GPU when there is one, unless told otherwise."""
     if device is None:
@@ -287,16 +292,10 @@ def quantize(
     work starts."""
     if config is not None and options:
         raise QuantkitError("pass a QuantConfig or its fields as keywords, not both")
-    if config is not None and not isinstance(config, QuantConfig):
-        raise QuantkitError(f"config is a {type(config).__name__}: pass a QuantConfig, or its fields as keywords")
+    check_fields(QuantConfig, config, options, "quantize")
     exporters.check_format_name(format)
     if config is None:  # a field set to other than its default that the method or format would ignore
         defaults = {f.name: f.default for f in fields(QuantConfig)}
-        unknown = sorted(set(options) - set(defaults))
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], defaults, n=1)
-            raise QuantkitError(f"quantize takes no option {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close
-                                else "") + ": its options are QuantConfig's fields")
         refuse_unused({k: k for k, v in options.items() if k in defaults and v != defaults[k]},
                       options.get("method", "rtn"), format, options.get("target_bpw") is not None)
         if format == "gguf":  # before the config checks its GGUF options (pure, tensor_type, imatrix)
@@ -318,18 +317,18 @@ def quantize(
     if not keep and out is None:
         raise QuantkitError("keep=False writes the quantized layers to out and drops them from memory: pass out")
     if out is not None:
-        exporters.check_out(out, overwrite, directory=format != "gguf")
+        check_out(out, overwrite, directory=format != "gguf",
+                  inputs=[calib_data, None if isinstance(model, Model) else model])
         exporters.parse_size(max_shard_size)
     if isinstance(model, Model):
         check_float(model)
     m = model if isinstance(model, Model) else load(model)
     if out is not None:
-        check_apart(out, [m.source, calib_data])
+        check_apart(out, [m.source])
     types = None
     if config.gguf_type is not None:
         exporters.gguf.check(m.module, config.gguf_type)
-        types = exporters.gguf.tensor_types(m.module, config.gguf_type, config.pure, config.weighted,
-                                            config.tensor_type)
+        types = gguf_types(m, config)
     importance = None
     if config.imatrix_file is not None:
         importance = calibration.imatrix.read(config.imatrix_file)
@@ -374,8 +373,7 @@ def quantize(
                     held.enter_context(locked(Path(out), "--out"))
             config = spent(config, measured(m, config, windows, dev, progress, candidates, importance), shapes)
         if types is not None:
-            types = exporters.gguf.tensor_types(m.module, config.gguf_type, config.pure, config.weighted,
-                                                config.tensor_type)
+            types = gguf_types(m, config)
         if targets:
             consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
     # RTN keeps a GGUF source's blocks of the type they get; the embedding and output matrix are RTN's always
@@ -391,7 +389,7 @@ def quantize(
             data += b"".join(name.encode() + v.numpy().tobytes() for name, v in sorted(importance.items()))
         run = f"{fingerprint(m.source)}|{config}|{format}|{max_shard_size}|{dev.type}|{distributed.world()}"
         key = hashlib.sha256(run.encode() + data).hexdigest()
-        resume = (exporters.progress_path(out, distributed.rank() if distributed.world() > 1 else None), key)
+        resume = (progress_path(out, distributed.rank() if distributed.world() > 1 else None), key)
     m.losses = {}
     def awq_layer(i, layer, batches):  # AWQ quantizes a layer whole: scales, folding, clipping
         return awq.quantize_layer(layer, batches, config.bits, config.group_size, config.sym, config.duo_scaling,
@@ -404,9 +402,7 @@ def quantize(
 
     def other(name: str, w: torch.Tensor) -> QuantizedTensor | None:  # GGUF: the embedding and output matrix too
         if name == "lm_head" and config.head_bits is not None:  # EXL2's head, on the device (minutes on a CPU)
-            from quantkit.exporters.exl2 import quantize_head
-
-            return quantize_head(w.to(dev), config).to("cpu")
+            return exl2.quantize_head(w.to(dev), config.head_bits, config.damp, config.block_size).to("cpu")
         if types is None or name not in types:
             return None
         if (q := kept(name, w)) is not None:
@@ -480,6 +476,9 @@ def ready(model: Model | PathLike | None, packed: bool = True, device: str | Non
     if device is not None:
         device_of(device)  # before loading: a device torch cannot use is named, not a traceback
     m = model if isinstance(model, Model) else load(model, packed=packed)
+    if not packed and m.qconfig is None and not m.gguf_types:
+        raise QuantkitError(f"{m.source} is a float model: packed=False (--dequantized) evaluates a dequantized copy "
+                            "of a quantized export, so drop it")
     if m.gguf_types and dtype not in (None, "float32"):
         raise QuantkitError(f"a GGUF file is scored in llama.cpp's float32 arithmetic: drop --dtype {dtype}")
     where = default_device(model, device)

@@ -8,22 +8,24 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterable, Iterator
 
 from quantkit.errors import QuantkitError, ResumableError
 
 
 def check_out(out: str | os.PathLike, overwrite: bool = False, directory: bool | None = None,
-              option: str = "--out") -> None:
+              option: str = "--out", inputs: Iterable[str | os.PathLike | None] = ()) -> None:
     """Fail before any work when out cannot be written; directory: whether out is to be a directory (True)
-    or a file (False), where the caller knows; option: the command-line option that names out."""
+    or a file (False), where the caller knows; option: the command-line option that names out; inputs:
+    the paths the command reads (check_apart)."""
+    check_apart(out, inputs, option)  # first: --overwrite, which "already exists" suggests, cannot help
     out = Path(out)
     if out.name in ("", "..") or Path.cwd().resolve().is_relative_to(out.resolve()):  # '', '.', 'x/..', '/', ...
         raise QuantkitError(f"{option} {str(out)!r} names no new file or directory: give the output a name of its "
                             "own, such as out/model")
     if directory is False and out.is_dir():
         raise QuantkitError(f"{out} is a directory, and this output is a file: choose another {option}, such as "
-                            f"{out / ('model.gguf' if option == '--out' else 'base.logits')}")
+                            f"{out / ('base.logits' if option == '--save-base' else 'model.gguf')}")
     if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
         raise QuantkitError(f"{out} already exists: choose another {option} or remove it (or pass --overwrite)")
     if not out.parent.is_dir():
@@ -31,7 +33,7 @@ def check_out(out: str | os.PathLike, overwrite: bool = False, directory: bool |
     check_writable(out.parent, option)
 
 
-def check_apart(out: str | os.PathLike, inputs, option: str = "--out") -> None:
+def check_apart(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None], option: str = "--out") -> None:
     """Refuse an output that is, or holds, a path the command reads (inputs; None for none): replacing
     it would delete what is being read (with --overwrite, a model directory and everything beside it)."""
     o = Path(out).resolve()

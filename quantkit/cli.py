@@ -11,8 +11,7 @@ import click
 
 from quantkit import calibration, exporters, trainer
 from quantkit.evals import kld
-from quantkit.atomic import check_apart
-from quantkit.exporters import check_out
+from quantkit.atomic import check_apart, check_out
 from quantkit.trainer import TrainConfig
 from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECISIONS
 
@@ -150,8 +149,7 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     if fmt != "gguf" and str(out).lower().endswith(".gguf"):  # else a directory named .gguf, holding safetensors
         raise QuantkitError(f"--out {out} names a GGUF file, and --format {fmt} writes a directory: add --format gguf, "
                             "or choose an --out without .gguf")
-    check_apart(out, [model, calib_data, eval_data])  # first: --overwrite, which "already exists" suggests, cannot help
-    check_out(out, overwrite, directory=fmt != "gguf")
+    check_out(out, overwrite, directory=fmt != "gguf", inputs=[model, calib_data, eval_data])
     exporters.parse_size(max_shard_size)
     m = load(model)
     check_apart(out, [m.source])  # the embedded model, when MODEL is not given
@@ -409,19 +407,21 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
         if qconfig.needs_calibration:  # its faults (or no network for the default) before the training, not after it
             calibration.load_text(calib_data)
         quantize_out = quantize_out or f"{out}-{quantize_method}{'.gguf' if fmt == 'gguf' else ''}"
-        check_out(quantize_out, overwrite, directory=fmt != "gguf")
     # --resume after a kill in the merge or the quantization: the finished adapter (and merge) are taken as they are
     trained = bool(resume and quantize_method and os.path.isdir(out))
     merged_done = trained and os.path.isdir(merged)
     inputs = [model, data, eval_data, calib_data]
-    check_apart(out, inputs)  # before the checks that suggest --overwrite, which cannot help here
-    if quantize_method:
-        check_apart(merged, [*inputs, out])  # OUT-merged: another --out moves it
-        check_apart(quantize_out, [*inputs, out, merged], "--quantize-out")
-    if quantize_method and not merged_done:
-        check_out(merged, overwrite, directory=True)
-    if not resume:
-        check_out(out, overwrite, directory=True)
+    if resume:
+        check_apart(out, inputs)
+    else:
+        check_out(out, overwrite, directory=True, inputs=inputs)
+    if quantize_method:  # OUT-merged: another --out moves it
+        if merged_done:
+            check_apart(merged, [*inputs, out])
+        else:
+            check_out(merged, overwrite, directory=True, inputs=[*inputs, out])
+        check_out(quantize_out, overwrite, directory=fmt != "gguf", option="--quantize-out",
+                  inputs=[*inputs, out, merged])
     if trained:
         click.echo(f"{out} is a finished adapter: going on to {'quantize' if merged_done else 'merge and quantize'} it")
     else:
@@ -453,7 +453,6 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
 def merge(adapter, out, base, onto_nf4, overwrite, max_shard_size) -> None:
     """Merge a LoRA ADAPTER (quantkit's or PEFT's) into its base in float32 and write a model
     directory in the base's dtype, ready for quantkit quantize."""
-    check_apart(out, [adapter, base])  # first: --overwrite, which "already exists" suggests, cannot help
-    check_out(out, overwrite, directory=True)
+    check_out(out, overwrite, directory=True, inputs=[adapter, base])
     trainer.merge(adapter, out, base, onto_nf4=onto_nf4, overwrite=overwrite, max_shard_size=max_shard_size)
     click.echo(f"merged into {out}")

@@ -26,10 +26,9 @@ def export(model, out, gguf_type, pure, overrides, overwrite) -> None:
     """Write MODEL as GGUF: a quantkit checkpoint whose grids are GGUF blocks (4-bit or 8-bit, groups
     of 32, no act-order) keeps its codes exactly; a float model is rounded to --gguf-type; a GGUF file
     is requantized into that mix tensor by tensor, its metadata kept, as llama-quantize does."""
-    from .atomic import check_apart, check_out
+    from .atomic import check_out
 
-    check_apart(out, [model])  # first: --overwrite, which "already exists" suggests, cannot help
-    check_out(out, overwrite, directory=False)
+    check_out(out, overwrite, directory=False, inputs=[model])
     if model is not None and os.path.isfile(model) and (model.lower().endswith(".gguf") or gguf_magic(model)):
         from .requant import requantize
 

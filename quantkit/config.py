@@ -1,6 +1,7 @@
 """What to quantize and how: one small dataclass shared by the CLI, the API and the exports."""
 from __future__ import annotations
 
+import difflib
 import os
 import types
 import typing
@@ -48,6 +49,19 @@ def refuse_unused(given: dict[str, str], method: str, fmt: str, target_bpw: bool
                 name in ("group_size", "sym") and method in CODEBOOK_METHODS:
             raise QuantkitError(f"{flag} is not an option of {as_method}: drop it, or use a method it belongs to "
                                 "(see quantkit quantize --help)")
+
+
+def check_fields(cls: type, config: object, options: dict, what: str) -> None:
+    """Refuse a config that is not a cls, and a keyword that is not one of cls's fields (naming the
+    closest); what: the function they were passed to."""
+    if config is not None and not isinstance(config, cls):
+        raise QuantkitError(f"config is a {type(config).__name__}: pass a {cls.__name__}, or its fields as keywords")
+    names = [f.name for f in fields(cls)]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        raise QuantkitError(f"{what} takes no option {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close
+                            else "") + f": its options are {cls.__name__}'s fields")
 
 
 def check_types(config) -> None:
@@ -144,7 +158,7 @@ class QuantConfig:
         if self.method == "awq" and self.awq_loss is None:
             self.awq_loss = "output" if self.bits >= 4 else "descent"
         if self.block_size is None:
-            self.block_size = 64 if self.method in CODEBOOK_METHODS else 128
+            self.block_size = nf4.BLOCK if self.method in CODEBOOK_METHODS else 128
         if self.method in CODEBOOK_METHODS:
             nf4.check(self.method, self.block_size)
             if self.bits != 4:

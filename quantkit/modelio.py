@@ -321,6 +321,14 @@ QUANTIZED_MARKS = {".qweight": "GPTQ or AWQ", ".absmax": "bitsandbytes", ".weigh
                    ".SCB": "bitsandbytes 8-bit"}
 
 
+def stored_state(module: torch.nn.Module, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors an export stores: the state dict without an output head tied to the embedding."""
+    state = module.state_dict(keep_vars=keep_vars)
+    if module.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
 def finite(t: torch.Tensor) -> bool:
     """No NaN or Inf in t (an integer tensor has none), checked in slices so the temporaries stay small."""
     return not t.is_floating_point() or all(c.isfinite().all() for c in t.reshape(-1).split(2**24))

@@ -152,11 +152,14 @@ CATALOGUE = {
     "eval: data missing": Bad("eval {model} --data {tmp}/nope.txt", "no such file"),
     "eval: data empty": Bad("eval {model} --data {tmp}/empty.txt", "is empty"),
     "eval: text shorter than a window": Bad("eval {model} --data {text} --ctx 4096", "fewer than one window"),
+    "eval: --dequantized on a float model": Bad("eval {model} --data {text} --dequantized", "is a float model"),
     "eval: context 0": Bad("eval {model} --data {text} --ctx 0", "ctx"),
     "eval: base missing": Bad("eval {model} --data {text} --ctx 64 --base {tmp}/nope", "no such file"),
     "eval: gate without a base": Bad("eval {model} --data {text} --max-kld 0.1", "--base"),
     "eval: save-base without a base": Bad("eval {model} --data {text} --save-base {tmp}/b.bin", "--base"),
     # lm-eval
+    "lm-eval: --dequantized on a float model": Bad("lm-eval {model} --tasks wikitext --dequantized",
+                                                   "is a float model"),
     "lm-eval: unknown task": Bad("lm-eval {model} --tasks no_such_task", "no_such_task"),
     "lm-eval: missing model": Bad("lm-eval {tmp}/nope --tasks wikitext", "no such file or directory"),
     # report
@@ -176,6 +179,11 @@ CATALOGUE = {
     "train: out is the model": Bad("train {model} --data {text} --out {model} --overwrite", "which this command reads"),
     "train: quantize-out holds the adapter": Bad("train {model} --data {text} --out {tmp}/a --quantize rtn --quantize-out "
                                                  "{tmp} --overwrite", "--quantize-out"),
+    "train: quantize-out is the data, no --overwrite": Bad("train {model} --data {text} --out {tmp}/a --quantize rtn "
+                                                          "--quantize-out {text}", "which this command reads"),
+    "train: quantize-out a directory for a GGUF file": Bad("train {model} --data {text} --out {text}-a --quantize rtn "
+                                                           "--format gguf --quantize-out {tmp}",
+                                                           "choose another --quantize-out, such as"),
     "train: quantize unknown format": Bad("train {model} --data {text} --out {tmp}/a --quantize rtn --format onnx",
                                           "onnx"),
     "train: --seqlen 1": Bad("train {model} --data {text} --out {tmp}/a --seqlen 1", "leaves no token to predict"),

@@ -313,7 +313,7 @@ def make_seed(kind: str, root: Path) -> Path:
         out.mkdir()
         succeed("quantize", tiny, "--format", "gguf", "--gguf-type", "Q8_0", "--out", out / "model.gguf")
     elif kind == "progress":  # the progress file of a GPTQ run stopped after its first layer
-        from quantkit.exporters import progress_path
+        from quantkit.atomic import progress_path
 
         import quantkit.pipeline as pipeline
 
@@ -434,7 +434,7 @@ def run(kind: str, examples: int, seed_value: int | None, root: Path) -> dict:
     source = make_seed(kind, root)
     files = [f for f in sorted(source.rglob("*")) if f.is_file() and not f.name.endswith(".png")]
     if kind == "progress":
-        from quantkit.exporters import progress_path
+        from quantkit.atomic import progress_path
 
         files = [progress_path(source / "q")]
     header_ends = {}

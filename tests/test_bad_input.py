@@ -154,7 +154,8 @@ def test_the_calibration_text_is_checked_before_the_first_evaluation(model, caps
     (lambda q, m, t: q.quantize(m, method="rtn", bitz=4), "quantize takes no option 'bitz' (did you mean 'bits'?)"),
     (lambda q, m, t: q.quantize(m, {"method": "rtn"}), "config is a dict: pass a QuantConfig"),
     (lambda q, m, t: q.quantize(m, q.QuantConfig(), bits=8), "pass a QuantConfig or its fields as keywords, not both"),
-    (lambda q, m, t: q.train(m, data=t, out="x", rnak=4), "train takes no option 'rnak'"),
+    (lambda q, m, t: q.train(m, data=t, out="x", rnak=4), "train takes no option 'rnak' (did you mean 'rank'?)"),
+    (lambda q, m, t: q.train(m, {"rank": 4}, data=t, out="x"), "config is a dict: pass a TrainConfig"),
     # quantized for nothing, or for another format than asked
     (lambda q, m, t: q.quantize(m, method="rtn", keep=False), "keep=False writes the quantized layers to out"),
     (lambda q, m, t: q.quantize(m, method="rtn", format="gptq"), "unknown export format 'gptq'"),
@@ -641,6 +642,10 @@ def test_exports_over_what_they_read_are_refused(model, capsys, monkeypatch, tmp
     with pytest.raises(QuantkitError, match="holds .*ck, which this command reads"):
         quantkit.export(quantkit.load(tmp_path / "q" / "ck"), tmp_path / "q", overwrite=True)
     assert q.tensors and (tmp_path / "q" / "ck" / "config.json").is_file()
+    calib = tmp_path / "calib.txt"  # no --overwrite: the refusal names the input, not the existing file
+    calib.write_text("text")
+    with pytest.raises(QuantkitError, match="is .*calib.txt, which this command reads"):
+        quantkit.quantize(str(model), method="gptq", calib_data=calib, out=calib, progress=False)
 
 
 def test_merge_over_the_base_its_adapter_names_is_refused(model, capsys, monkeypatch, tmp_path):

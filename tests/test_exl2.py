@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import quantkit
 from quantkit import measurement
-from quantkit.quantizers.exl2 import CANDIDATES, Setting
+from quantkit.quantizers.exl2 import CANDIDATES, Setting, quantize_head
 
 from .conftest import TEST, VALID, refused
 
@@ -284,6 +284,27 @@ def test_head_bits_quantize_an_untied_head(tmp_path):
         pytest.approx(ours, rel=1e-3)
 
 
+def test_a_read_checkpoint_exports_again_as_exl2_only(uniform, tiny_dir, tmp_path):
+    """A loaded EXL2 checkpoint exported as GPTQ wrote its mixed widths under a 4-bit config (a file that
+    fails to load), and as EXL2 was refused for want of a target."""
+    from quantkit.errors import QuantkitError
+
+    _, out = uniform
+    m = quantkit.load(out)
+    for fmt in ("safetensors", "awq", "compressed-tensors"):
+        with pytest.raises(QuantkitError, match="linears mix widths, which only its own layout holds"):
+            quantkit.export(m, tmp_path / fmt, fmt, progress=False)
+        assert not (tmp_path / fmt).exists()
+    quantkit.export(m, tmp_path / "again", "exl2", progress=False)
+    before, after = load_file(out / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    config = lambda p: json.loads((p / "config.json").read_text())["quantization_config"]  # noqa: E731
+    assert config(tmp_path / "again") == config(out)
+    rtn = quantkit.quantize(str(tiny_dir), method="rtn", group_size=32, keep=True, progress=False)
+    with pytest.raises(QuantkitError, match="the EXL2 layout holds what an EXL2 quantization made"):
+        quantkit.export(rtn, tmp_path / "rtn", "exl2", progress=False)
+
+
 def test_a_tied_models_quantized_head_is_read_as_its_own(uniform, tmp_path):
     """ExLlamaV2's converter quantizes lm_head also where the config ties it (conversion/compile.py), and
     ExLlamaV2 runs that head; quantkit read the file with lm_head tied to the float16 embedding."""
@@ -291,15 +312,13 @@ def test_a_tied_models_quantized_head_is_read_as_its_own(uniform, tmp_path):
 
     from safetensors.torch import save_file
 
-    from quantkit.config import QuantConfig
     from quantkit.exporters import exl2
 
     _, out = uniform
     shutil.copytree(out, tmp_path / "q")
     state = load_file(tmp_path / "q" / "model.safetensors")
     assert "lm_head.weight" not in state and json.loads((out / "config.json").read_text())["tie_word_embeddings"]
-    head = exl2.quantize_head(state["model.embed_tokens.weight"].float(), QuantConfig("gptq", 4, 32, exl2=4.0,
-                                                                                    head_bits=6.0))
+    head = quantize_head(state["model.embed_tokens.weight"].float(), 6.0)
     state |= {f"lm_head.{k}": v for k, v in exl2.pack_tensor("lm_head", head).items()}
     save_file(state, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
     module = quantkit.load(tmp_path / "q").module

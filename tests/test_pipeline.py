@@ -312,7 +312,7 @@ def test_a_partial_output_torn_by_a_power_cut_is_not_resumed(tiny_dir, tmp_path,
     it can outlive the bytes it describes (they read back as zeros here). The CRCs it holds tell, and
     the run starts afresh instead of resuming onto them."""
     from quantkit import pipeline
-    from quantkit.exporters import progress_path
+    from quantkit.atomic import progress_path
     from quantkit.atomic import partial_path
 
     kw = dict(method="rtn", progress=False, **({"format": "gguf", "gguf_type": "Q8_0"} if fmt == "gguf" else {}))

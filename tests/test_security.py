@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 import quantkit
 from quantkit import modelio
-from quantkit.exporters import progress_path, shards
+from quantkit.atomic import progress_path
+from quantkit.exporters import shards
 from quantkit.atomic import partial_path
 from quantkit.pipeline import read_progress, save_progress
 from quantkit.trainer.loop import Checkpoints

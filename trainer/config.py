@@ -43,7 +43,7 @@ class TrainConfig:
     eval_every: int = 50
     patience: int | None = None  # stop after this many evaluations without a better held-out loss
     save_every: int = 50
-    nf4_block: int = 64  # QLoRA base: values per absmax block
+    nf4_block: int = nf4.BLOCK  # QLoRA base: values per absmax block
 
     def __post_init__(self) -> None:
         check_types(self)

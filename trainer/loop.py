@@ -14,7 +14,7 @@ import sys
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass, field, fields as dataclass_fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +27,7 @@ from quantkit import distributed
 from quantkit.api import device_of
 from quantkit.errors import QuantkitError, ResumableError, free_space, size, space_for, untrusted
 from quantkit.atomic import Staged, fsync, partial_path, remove
+from quantkit.config import check_fields
 from quantkit.modelio import Model, check_context, fingerprint, load
 from quantkit.pipeline import free_memory, map_large_blocks, peak_memory, read_progress, save_progress
 
@@ -302,11 +303,7 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
     and write the adapter to out in PEFT's format, with its log and loss plot. config, or its fields
     by keyword. callback(record) is called after every step. resume: go on from the checkpoint a
     killed run of the same command left."""
-    if config is not None and not isinstance(config, TrainConfig):
-        raise QuantkitError(f"config is a {type(config).__name__}: pass a TrainConfig, or its fields as keywords")
-    unknown = sorted(set(fields) - {f.name for f in dataclass_fields(TrainConfig)})
-    if unknown:
-        raise QuantkitError(f"train takes no option {unknown[0]!r}: its options are TrainConfig's fields")
+    check_fields(TrainConfig, config, fields, "train")
     config = replace(config, **fields) if config is not None else TrainConfig(**fields)
     dev = device_of(device)
     distributed.init(dev)
@@ -370,8 +367,9 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
                     "data or settings): go on with that run's command and --resume") + ", or pass --overwrite to start over")
             if staged is not None:
                 staged.fresh()
-        result, adapter = run(m, config, names, train_set, held_out, total, dev, amp, checkpoints, state, key,
-                              progress, callback)
+        result, adapter = run(m, config, names, train_set=train_set, held_out=held_out, total=total, dev=dev,
+                              amp=amp, checkpoints=checkpoints, state=state, key=key, progress=progress,
+                              callback=callback)
         if rank == 0:
             with space_for(out, None, "the adapter", "run again with --resume (the last checkpoint holds every step)"):
                 write(partial, m, config, result, adapter)
@@ -389,9 +387,10 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
         raise
 
 
-def run(m: Model, config: TrainConfig, names: list[str], train_set: list[dataset.Example], held_out: list[dataset.Example],
-        total: int, dev: torch.device, amp: torch.dtype | None, checkpoints: Checkpoints, state: dict | None, key: str,
-        progress: bool, callback) -> tuple[TrainResult, dict[str, torch.Tensor]]:
+def run(m: Model, config: TrainConfig, names: list[str], *, train_set: list[dataset.Example],
+        held_out: list[dataset.Example], total: int, dev: torch.device, amp: torch.dtype | None,
+        checkpoints: Checkpoints, state: dict | None, key: str, progress: bool,
+        callback: Callable[[dict], None] | None) -> tuple[TrainResult, dict[str, torch.Tensor]]:
     """Train; the result and the adapter to write (with --patience, the best step's)."""
     rank, world = distributed.rank(), distributed.world()
     layers = build(m, config, names, dev, amp or torch.float32)

@@ -120,10 +120,10 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
         writer = ShardWriter(directory, max_shard_size)
         for i in tqdm(range(len(m.layers)), unit="layer", desc="merging", disable=not progress):
             prefix = f"model.layers.{i}"
-            merge_part(m, prefix, by_linear, config, onto_nf4, writer, dtype)
+            merge_part(m, prefix, by_linear, config=config, onto_nf4=onto_nf4, writer=writer, dtype=dtype)
         for prefix in ("model.embed_tokens", "model.norm", "lm_head"):
             if prefix in by_linear:  # PEFT can target lm_head (fitted: only linears have adapters)
-                merge_part(m, prefix, by_linear, config, onto_nf4, writer, dtype)
+                merge_part(m, prefix, by_linear, config=config, onto_nf4=onto_nf4, writer=writer, dtype=dtype)
             else:
                 write_other(m, prefix, writer, None, keep=False)
         writer.close()
@@ -136,7 +136,7 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
         raise
 
 
-def merge_part(m: Model, prefix: str, by_linear: dict[str, dict[str, torch.Tensor]], config: TrainConfig,
+def merge_part(m: Model, prefix: str, by_linear: dict[str, dict[str, torch.Tensor]], *, config: TrainConfig,
                onto_nf4: bool, writer: ShardWriter, dtype: torch.dtype) -> None:
     """The part of the model at prefix, read in float32, with the adapters on its linears merged, written in dtype."""
     part = m.materialize(prefix, "cpu", torch.float32)

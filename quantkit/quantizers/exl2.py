@@ -146,6 +146,13 @@ def quantize(w: torch.Tensor, h: torch.Tensor, setting: Setting, damp: float = 0
     return GPTQResult(qt, loss)
 
 
+def quantize_head(w: torch.Tensor, bits: float, damp: float = 0.01, block_size: int = 128) -> QuantizedTensor:
+    """lm_head w [vocab, hidden] on the EXL2 grid at bits per weight: rounded to nearest (GPTQ with an
+    identity Hessian: no calibration reaches the head)."""
+    setting = Setting.for_target(bits, *w.shape)
+    return quantize(w.float(), torch.eye(w.shape[1], device=w.device), setting, damp, block_size, "lm_head").tensor
+
+
 # what a measurement tries on each block: every width alone, and half of the inputs at the next wider
 CANDIDATES = tuple(Setting((b,), (1.0,)) for b in EXL2_BITS) + tuple(
     Setting((hi, lo), (0.5, 0.5)) for lo, hi in zip(EXL2_BITS, EXL2_BITS[1:]))

@@ -33,6 +33,7 @@ NF4 = torch.tensor([
 FP4 = torch.tensor([0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0]) / 12
 CODEBOOKS = {"nf4": NF4, "fp4": FP4}
 BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes accepts
+BLOCK = 64  # bitsandbytes' default values per absmax
 NESTED_BLOCK = 256
 TINY = 1e-38  # bitsandbytes' floor for an absmax it divides by
 GRID = 65536
@@ -168,7 +169,7 @@ def check(kind: str, block_size: int) -> None:
                             f"{', '.join(map(str, BLOCK_SIZES))}")
 
 
-def quantize(w: torch.Tensor, kind: str = "nf4", block_size: int = 64, double_quant: bool = False,
+def quantize(w: torch.Tensor, kind: str = "nf4", block_size: int = BLOCK, double_quant: bool = False,
              name: str = "a weight") -> QuantizedTensor:
     """NF4 or FP4 of w [N, K] in flat blocks of block_size, optionally with double quantization."""
     check(kind, block_size)
