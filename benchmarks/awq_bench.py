@@ -237,12 +237,13 @@ def main() -> None:
     p.add_argument("--defaults", type=flag, default=False, help="run: each method's own defaults (sym, clipping)")
     p.add_argument("--samples", type=int)
     p.add_argument("--seed", type=int, default=0, help="run: the calibration windows' seed (whole-model runs)")
-    p.add_argument("--windows", type=int, default=40)
+    p.add_argument("--windows", type=int, help="test windows scored [40; losses: 20]")
     p.add_argument("--layers", type=int, default=30, help="speed: quantize only the first N decoder layers")
     p.add_argument("--every", type=int, default=3, help="descent: search every N-th layer")
     p.add_argument("--losses", default=",".join(AWQ_LOSSES), help="losses: the AWQ losses to run")
     p.add_argument("--widths", default="4,3", help="losses: the bit widths to run")
     a = p.parse_args()
+    a.windows = a.windows or (20 if a.mode == "losses" else 40)
     if a.mode == "run":
         print(json.dumps(run(a)))
     elif a.mode == "losses":

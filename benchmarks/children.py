@@ -9,8 +9,11 @@ import sys
 def child(script: str, **kw) -> dict:
     """Run `script run --key=value ...` and return the JSON object its last line prints."""
     args = [sys.executable, script, "run"] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
-    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode:  # the child's own error, not only its exit status
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        raise SystemExit(f"{' '.join(args[1:])} failed (exit {done.returncode}):\n{tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def flag(s: str) -> bool:

@@ -47,7 +47,12 @@ def main() -> None:
         d, m = default[t], measured[t]
         print(f"| {t:g} | {d['bpw_linear']:.3f} | {d['kld_mean']:.4f} | {m['bpw_linear']:.3f} | {m['kld_mean']:.4f} "
               f"| {m['kld_mean'] / d['kld_mean']:.2f} | {m['perplexity'] / d['perplexity']:.3f} |")
-    fig, (ax, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    measurement_file = args.measured / "exl2-measurement.json"
+    if not measurement_file.is_file():  # the report keeps it only where it was measured into that directory
+        print(f"{measurement_file}: none, so the plot leaves out the widths the measurement gives each block")
+    panels = 2 if measurement_file.is_file() else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.5), squeeze=False)
+    ax = axes[0, 0]
     for label, points in (("same widths in every linear (default)", default), ("widths per block from a measurement", measured)):
         xs = sorted(points)
         ax.plot([points[t]["bpw_linear"] for t in xs], [points[t]["kld_mean"] for t in xs], "o-", label=label)
@@ -57,8 +62,18 @@ def main() -> None:
     ax.set_title("EXL2 on the embedded model: two ways to spend a target")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    for i, t in enumerate(sorted(measured)):
-        bits = block_bits(args.measured / "exl2-measurement.json", t)
+    if measurement_file.is_file():
+        block_plot(axes[0, 1], measurement_file, sorted(measured))
+    fig.tight_layout()
+    out = args.plot or args.measured / "allocation.png"
+    fig.savefig(out, dpi=110)
+    print(f"plot: {out}")
+
+
+def block_plot(right, measurement_file: Path, targets: list[float]) -> None:
+    """Each block's bits per weight at each target, from the measurement."""
+    for i, t in enumerate(targets):
+        bits = block_bits(measurement_file, t)
         for kind, style in (("self_attn", "-"), ("mlp", "--")):
             layers = [b for b in bits if b.endswith(kind)]
             right.plot(range(len(layers)), [bits[b] for b in layers], style, color=f"C{i}",
@@ -68,10 +83,6 @@ def main() -> None:
     right.set_title("what the measurement gives each block, per target")
     right.grid(True, alpha=0.3)
     right.legend(ncol=2, fontsize=7)
-    fig.tight_layout()
-    out = args.plot or args.measured / "allocation.png"
-    fig.savefig(out, dpi=110)
-    print(f"plot: {out}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ moves), and each export's KL divergence and top-token share from it (what quanti
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -36,8 +37,9 @@ def sync() -> None:
 def ours(path: str, windows_of) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """(windows as run, logits, targets, seconds) of quantkit's model at path, on the GPU in float16
     (on the CPU in float32 where there is none, to try this script)."""
-    from quantkit import api, evals
+    from quantkit import api
     from quantkit.evals.perplexity import window_logits
+    from quantkit.modelio import adds_bos
 
     gpu = torch.cuda.is_available()
     m = api.ready(path, device="cuda" if gpu else "cpu", dtype="float16" if gpu else "float32")
@@ -47,7 +49,7 @@ def ours(path: str, windows_of) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     pairs = [(lg.cpu(), t.cpu()) for lg, t in window_logits(m.module, m.tokenizer, w, progress=False)]
     sync()
     seconds = time.perf_counter() - start
-    bos = m.tokenizer.bos_token_id if evals.adds_bos(m.tokenizer) else None
+    bos = m.tokenizer.bos_token_id if adds_bos(m.tokenizer) else None
     del m
     if gpu:
         torch.cuda.empty_cache()
@@ -108,6 +110,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--sdpa", action="store_true", help="ExLlamaV2's SDPA attention (see exllama()), not its matmul")
     a = ap.parse_args()
+    if importlib.util.find_spec("exllamav2") is None:
+        ap.error("exllamav2 is not installed: it runs on a CUDA GPU (benchmarks/gpu.sh installs it there)")
     print(" ".join(sys.argv), flush=True)
     from quantkit import calibration, evals
     from quantkit.evals.perplexity import first_scored

@@ -3,7 +3,7 @@ a Hopper GPU (sm_90) with its own ptxas, cuobjdump (shipped with Triton) disasse
 (the first backward branch) is counted. Instructions are not time (a GEMV also waits on memory), but
 they show what a change to the arithmetic does before a GPU is lent.
 
-    python benchmarks/gemv_sass.py [--kernels DIR] [--tiles 32x128,64x128] [--warps 2]
+    python benchmarks/gemv_sass.py [--kernels DIR] [--tiles 32x128,64x128,128x128] [--warps 2]
 
 Cases: 4-bit GPTQ in groups of 128 and NF4 in blocks of 64 with double quantization, float16 x, K
 split (as kernel_bench.py's shapes run), tiles' inputs cut to one group or block as kernels.tile cuts

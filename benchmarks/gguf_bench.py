@@ -13,6 +13,7 @@ export (ours: quantization and writing, the model already loaded) against llama-
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -44,31 +45,34 @@ def main() -> None:
     from tests import llamacpp
 
     tmp = Path(tempfile.mkdtemp(prefix="gguf-bench-"))
-    f16 = tmp / "f16.gguf"
-    quantkit.api.export_gguf(quantkit.load(), f16, "F16", progress=False)
-    print(f"F16 {llamacpp.perplexity(f16, TEST, a.windows):.3f}", flush=True)
-    rows = []
-    for kind in a.types.split(","):
-        ref = tmp / f"lq-{kind}.gguf"
-        t0 = time.perf_counter()
-        llamacpp.quantize(f16, ref, kind)
-        row = {"type": kind, "lq_time": time.perf_counter() - t0, "lq": llamacpp.perplexity(ref, TEST, a.windows)}
-        for label, method, imatrix in (("rtn", "rtn", False), ("imatrix", "rtn", True), ("gptq", "gptq", False)):
-            if label == "gptq" and kind not in a.gptq_types.split(","):
-                row["gptq"], row["gptq_time"] = float("nan"), float("nan")
-                continue
-            m = quantkit.load(f16)
-            out = tmp / f"{label}-{kind}.gguf"
+    try:
+        f16 = tmp / "f16.gguf"
+        quantkit.api.export_gguf(quantkit.load(), f16, "F16", progress=False)
+        print(f"F16 {llamacpp.perplexity(f16, TEST, a.windows):.3f}", flush=True)
+        rows = []
+        for kind in a.types.split(","):
+            ref = tmp / f"lq-{kind}.gguf"
             t0 = time.perf_counter()
-            quantkit.quantize(m, method=method, format="gguf", gguf_type=kind, imatrix=imatrix, out=out,
-                              calib_data=VALID, calib_samples=a.samples, progress=False)
-            row[f"{label}_time"] = time.perf_counter() - t0
-            # plain RTN is llama.cpp's own search: the same bytes, so the same score (checked, not assumed)
-            same = label == "rtn" and tensors(out) == tensors(ref)
-            row[label] = row["lq"] if same else llamacpp.perplexity(out, TEST, a.windows)
-            out.unlink()
-        rows.append(row)
-        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            llamacpp.quantize(f16, ref, kind)
+            row = {"type": kind, "lq_time": time.perf_counter() - t0, "lq": llamacpp.perplexity(ref, TEST, a.windows)}
+            for label, method, imatrix in (("rtn", "rtn", False), ("imatrix", "rtn", True), ("gptq", "gptq", False)):
+                if label == "gptq" and kind not in a.gptq_types.split(","):
+                    row["gptq"], row["gptq_time"] = float("nan"), float("nan")
+                    continue
+                m = quantkit.load(f16)
+                out = tmp / f"{label}-{kind}.gguf"
+                t0 = time.perf_counter()
+                quantkit.quantize(m, method=method, format="gguf", gguf_type=kind, imatrix=imatrix, out=out,
+                                  calib_data=VALID, calib_samples=a.samples, progress=False)
+                row[f"{label}_time"] = time.perf_counter() - t0
+                # plain RTN is llama.cpp's own search: the same bytes, so the same score (checked, not assumed)
+                same = label == "rtn" and tensors(out) == tensors(ref)
+                row[label] = row["lq"] if same else llamacpp.perplexity(out, TEST, a.windows)
+                out.unlink()
+            rows.append(row)
+            print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    finally:  # the F16 file and llama-quantize's, hundreds of MB
+        shutil.rmtree(tmp)
     print("\n| type | llama-quantize | ours RTN | ours imatrix | ours GPTQ | best / llama-quantize | "
           "time RTN / llama-quantize |")
     print("|---|---|---|---|---|---|---|")

@@ -47,6 +47,7 @@ prepare)
   du -sh .whl .gpu .gq
   ;;
 run)
+  nvidia-smi -L > /dev/null 2>&1 || { echo "error: no NVIDIA GPU here (nvidia-smi -L fails): run this on the device machine" >&2; exit 2; }
   export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   out=${OUT:-.gpu/out}
   mkdir -p "$out"

@@ -114,7 +114,7 @@ def cpu(batches: list[int], repeats: int) -> None:
                     t = {f: best(f, repeats) for f in (ours, dense, dense_bf16, baseline)}
                 print(f"| {n}x{k} | {b} | {shown} | {t[ours] * 1e3:.2f} ms | {t[dense] * 1e3:.2f} ms | "
                       f"{t[ours] / t[dense]:.2f} | {t[dense_bf16] * 1e3:.2f} ms | {t[ours] / t[dense_bf16]:.2f} | "
-                      f"{t[baseline] * 1e3:.2f} ms | {t[ours] / t[baseline]:.2f} |", flush=True)
+                      f"{t[baseline] * 1e3:.2f} ms | {t[ours] / t[baseline]:.3f} |", flush=True)
             del twins
 
 
@@ -448,6 +448,9 @@ def main() -> None:
     p.add_argument("--rows", help="CPU: the fused paths against the fallback at these rows of input (1,16,...)")
     p.add_argument("--split", help="CPU: the GEMV on one thread against split over the cores at these rows (1,4,...)")
     a = p.parse_args()
+    gpu_only = [f"--{o}" for o in ("sweep", "dense", "kernels") if getattr(a, o)]
+    if gpu_only and not torch.cuda.is_available():
+        p.error(f"{gpu_only[0]} times the GPU kernels, and torch sees no CUDA GPU: drop it for the CPU table")
     if a.kernels:
         import importlib.util
         from pathlib import Path

@@ -8,7 +8,8 @@ too (bits per decoder-linear weight: codes, scales, zeros, g_idx; GGUF blocks).
     python benchmarks/target_bpw.py [--format safetensors|gguf] [--windows 20] [--calib-samples 32] [--out DIR]
 
 The measurement calibrates on WikiText-2 validation (--calib-samples windows of 512 tokens; GPTQ on
-the same), kept in OUT/measurement.json (the exports go to a temporary directory); perplexity is the
+the same), measured afresh in each run (with the exports, in a temporary directory; OUT gets
+results.json and the plot); perplexity is the
 llama.cpp protocol, ctx 512, the first --windows windows of the WikiText-2 test file, of each export
 as it loads (GGUF in llama.cpp's arithmetic). Ratios are against the anchor of the same size
 measured in the same run. OUT/target_bpw.png plots both curves.
@@ -89,7 +90,7 @@ def main() -> None:
     for label, settings in anchors:
         anchor = point(label.replace(" ", ""), **settings)
         mixed = point(f"target-{anchor['bpw']:.4f}", target_bpw=anchor["bpw"], gguf_type="Q4_K_M" if gguf else None,
-                      measurement=str(args.out / "measurement.json"))
+                      measurement=str(Path(exports.name) / "measurement.json"))  # measured afresh each run
         rows.append((label, anchor, mixed))
     exports.cleanup()
     (args.out / "results.json").write_text(json.dumps(rows, indent=1))
@@ -101,6 +102,7 @@ def main() -> None:
         print(f"| {label} | {a['bpw']:.3f} | {a['perplexity']:.2f} | {t['bpw']:.3f} | {t['perplexity']:.2f} "
               f"| {t['perplexity'] / a['perplexity']:.3f} | {t['seconds'] / a['seconds']:.2f} |")
     plot(rows, args.out / "target_bpw.png", args.format)
+
 
 if __name__ == "__main__":
     main()

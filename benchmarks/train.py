@@ -1,6 +1,7 @@
 """The trainer on the embedded model (SmolLM2-135M-Instruct), on the CPU unless there is a GPU.
 
   python benchmarks/train.py [--steps 200] [--seqlen 256] [--windows 40] [--parts peft,dolly,wikitext]
+                             [--fsdp-model 1b]   (parts: wikitext, dolly, peft, nf4, fsdp)
 
 wikitext: LoRA, QLoRA and DoRA fine-tuned on WikiText-2 validation; WikiText-2 test perplexity
   (llama.cpp protocol, ctx 512, the first --windows windows) of the base and of each merged model,
@@ -227,15 +228,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seqlen", type=int, default=256, help="tokens per training sequence (Dolly: twice that)")
     p.add_argument("--windows", type=int, default=40, help="perplexity windows of 512 tokens")
-    p.add_argument("--parts", default="peft,dolly,wikitext")
+    p.add_argument("--parts", default="peft,dolly,wikitext", help="of wikitext, dolly, peft, nf4, fsdp")
     p.add_argument("--fsdp-model", default="1b", help="fsdp: embedded, or a random model of scale.py's shapes (1b, 7b)")
     a = p.parse_args()
     COMMON["seqlen"] = a.seqlen
     with tempfile.TemporaryDirectory() as tmp:
+        parts = {"wikitext": lambda: wikitext(a.steps, a.windows, Path(tmp)), "dolly": lambda: dolly(a.steps, Path(tmp)),
+                 "peft": lambda: peft(a.steps), "nf4": lambda: nf4(a.steps, a.windows, Path(tmp)),
+                 "fsdp": lambda: fsdp(a.steps, a.fsdp_model)}
+        unknown = [part for part in a.parts.split(",") if part not in parts]
+        if unknown:
+            p.error(f"--parts: no part {unknown[0]!r}: choose from {', '.join(parts)}")
         for part in a.parts.split(","):
-            {"wikitext": lambda: wikitext(a.steps, a.windows, Path(tmp)), "dolly": lambda: dolly(a.steps, Path(tmp)),
-             "peft": lambda: peft(a.steps), "nf4": lambda: nf4(a.steps, a.windows, Path(tmp)),
-             "fsdp": lambda: fsdp(a.steps, a.fsdp_model)}[part]()
+            parts[part]()
 
 
 if __name__ == "__main__":

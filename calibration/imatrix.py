@@ -78,6 +78,8 @@ def from_gguf(path: Path) -> tuple[dict[str, torch.Tensor], int, list[str]]:
             table[name] = torch.from_numpy(values.astype(np.float32).reshape(-1))
         chunks = int(chunks.contents()) if chunks is not None else 0
         datasets = list(datasets.contents()) if datasets is not None else []
+        if not all(isinstance(d, str) for d in datasets):
+            raise ValueError("imatrix.datasets holds other values than names")
     return table, chunks, datasets
 
 

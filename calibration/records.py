@@ -24,6 +24,8 @@ def parse(p: Path, text: str) -> list[tuple[str, dict]]:
     if p.suffix.lower() == ".json" and text.lstrip().startswith(("[", "{")):
         try:
             whole = json.loads(text)
+        except RecursionError:
+            raise QuantkitError(f"{p}: nested too deeply to be records: pass a JSON list of flat records") from None
         except json.JSONDecodeError as e:
             if text.lstrip().startswith("["):
                 raise QuantkitError(f"{p}: not valid JSON ({e}): pass a JSON list or JSON lines") from None
@@ -40,6 +42,8 @@ def parse(p: Path, text: str) -> list[tuple[str, dict]]:
         where = f"{p}, line {n}"
         try:
             record = json.loads(line)
+        except RecursionError:
+            raise QuantkitError(f"{where}: nested too deeply to be a record: write one flat JSON object per line") from None
         except json.JSONDecodeError as e:
             raise QuantkitError(f"{where}: not valid JSON ({e.msg}): write one JSON object per line") from None
         if not isinstance(record, dict):
@@ -93,7 +97,7 @@ def chat_text(turns: list[dict], tokenizer, where: str, **kw) -> str:
     """The turns as the model's chat template writes them."""
     try:  # transformers renders in jinja's sandbox: an escape attempt is a SecurityError, a TemplateError
         return tokenizer.apply_chat_template(turns, tokenize=False, **kw)
-    except jinja2.TemplateError as e:
+    except (jinja2.TemplateError, RecursionError, MemoryError, OverflowError) as e:  # the last three: its own work
         raise QuantkitError(f"{where}: the model's chat template fails ({type(e).__name__}: {one_line(e)}): "
                             "fix the template in its tokenizer files, or pass plain text") from None
 

@@ -8,7 +8,7 @@ import torch
 
 from quantkit import hub
 from quantkit.errors import QuantkitError, one_line
-from quantkit.evals import adds_bos
+from quantkit.modelio import adds_bos
 
 from . import records
 
@@ -75,6 +75,9 @@ def chats(source: str | os.PathLike | None, text: str, tokenizer) -> str:
 
 def hub_text(split: str) -> str:
     name, config = HUB_DATASET
+    if Path(name).exists():  # datasets reads a local path of that name before the hub: other text, silently
+        raise QuantkitError(f"./{name} exists, and the hub's {name} would be read from it: run from another directory, "
+                            f"or pass a local text file ({OPTION.get(split, '--data')})")
     try:
         import datasets
 

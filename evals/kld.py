@@ -24,8 +24,9 @@ import torch
 
 from quantkit.atomic import check_writable
 from quantkit.errors import QuantkitError, space_for
+from quantkit.modelio import adds_bos
 
-from .perplexity import adds_bos, first_scored, window_logits
+from .perplexity import first_scored, window_logits
 
 MAGIC = b"_logits_"
 HEADER = struct.Struct("<8sIii")

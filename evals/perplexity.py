@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from quantkit.errors import QuantkitError
-from quantkit.modelio import check_context
+from quantkit.modelio import adds_bos, check_context
 
 PROTOCOLS = ("wikitext", "llamacpp")
 
@@ -31,13 +31,6 @@ class Perplexity:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def adds_bos(tokenizer) -> bool:
-    """Whether the tokenizer puts BOS in front of a text (llama.cpp's tokenizer.ggml.add_bos_token)."""
-    if getattr(tokenizer, "bos_token_id", None) is None:
-        return False
-    return tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id]
 
 
 @contextmanager

@@ -60,7 +60,8 @@ class CheckpointWriter:
             self.head = tuple(state["head"]) if state.get("head") else None
 
     def resumable(self, state: dict) -> bool:
-        return self.staged.path.is_dir() and state_intact(self.staged.path, state["shards"])
+        path = self.staged.path  # resuming writes into it: a symbolic link planted there is not resumed
+        return path.is_dir() and not path.is_symlink() and state_intact(path, state["shards"])
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         self.shards.add(key, tensor.to(self.dtype) if tensor.is_floating_point() else tensor)

@@ -15,15 +15,14 @@ import numpy as np
 import torch
 
 from quantkit.errors import QuantkitError, untrusted
-from quantkit.evals import adds_bos
-from quantkit.modelio import Model, stored_state
+from quantkit.modelio import Model, adds_bos, adds_eos, stored_state
 from quantkit import calibration, requant
 from quantkit.qtensor import QuantizedTensor
 from quantkit.requant import DEFAULT_MIX, MIXES, check_mix, choose  # noqa: F401 (DEFAULT_MIX: read as gguf.DEFAULT_MIX)
 from quantkit.quantizers import ggml
 
 from quantkit.atomic import Staged
-from .shards import crc
+from .shards import crc, regular
 
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # model_type -> llama.cpp's architecture
 ROPES = ("default", "linear", "yarn", "llama3")  # the rope scalings llama.cpp's converter writes for these
@@ -159,13 +158,6 @@ def add_tokenizer(w: gguf.GGUFWriter, model: Model, vocab_size: int) -> None:
         w.add_chat_template(template)
 
 
-def adds_eos(tokenizer) -> bool:
-    """Whether the tokenizer puts EOS after a text (llama.cpp's tokenizer.ggml.add_eos_token)."""
-    if getattr(tokenizer, "eos_token_id", None) is None:
-        return False
-    return tokenizer("a")["input_ids"][-1:] == [tokenizer.eos_token_id]
-
-
 def add_bpe(w: gguf.GGUFWriter, spec: dict, tokenizer, vocab_size: int) -> None:
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
     added = {a["id"]: a["special"] for a in spec.get("added_tokens", [])}
@@ -297,7 +289,6 @@ class Writer:
 
     def __init__(self, model: Model, out: str | os.PathLike, mix: str, types: dict[str, str], overwrite: bool = False,
                  imatrix: str | os.PathLike | None = None):
-        self.staged = Staged(out, overwrite, directory=False)
         # llama-quantize's record of an importance matrix read from a file, after the other key-values
         self.imatrix = calibration.imatrix.provenance(imatrix) if imatrix is not None else {}
         self.model, self.mix = model, mix
@@ -317,6 +308,7 @@ class Writer:
         self.file = None
         self.data_start, self.header = 0, 0
         self.summary = ""
+        self.staged = Staged(out, overwrite, directory=False)  # last: a failure above leaves no lock behind
 
     @property
     def written(self) -> int:
@@ -330,7 +322,7 @@ class Writer:
             self.header = crc(self.staged.path, self.data_start)
         else:
             self.data_start, self.header, self.done = state["data_start"], state["header"], dict(state["done"])
-        self.file = open(self.staged.path, "r+b")
+        self.file = os.fdopen(os.open(self.staged.path, os.O_RDWR | os.O_NOFOLLOW), "r+b")
         if ROPE_FREQS in self.plan and ROPE_FREQS not in self.done:  # computed, not read: written first
             self.write(ROPE_FREQS, self.factors)
 
@@ -369,7 +361,7 @@ class Writer:
         """Whether the partial file is there with the header and every tensor the state says is done."""
         path, start, done = self.staged.path, state["data_start"], state.get("done")
         if not isinstance(done, dict) or not set(done) <= set(self.plan) or not isinstance(start, int) \
-                or start < 0 or not path.is_file() \
+                or start < 0 or not regular(path) \
                 or crc(path, start) != state.get("header"):
             return False
         return all(crc(path, nbytes(*self.plan[n]), start + self.offsets[n]) == c for n, c in done.items())

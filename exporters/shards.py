@@ -53,13 +53,19 @@ def shard_name(k: int) -> str:
 def state_intact(directory: Path, state: dict) -> bool:
     """Whether the files a ShardWriter's state refers to are all in directory (a kill while closing
     removes spills) and the open shard's spill holds the bytes it had. The names must be the writer's
-    own: a progress file is not trusted to name paths."""
+    own: a progress file is not trusted to name paths, nor a file that is a symbolic link (resuming writes
+    into it)."""
     names = [name for name, _ in state["shards"]]
     spill = directory / f".spill-{len(names)}"
-    if names != [shard_name(k) for k in range(len(names))] or not all((directory / n).is_file() for n in names):
+    if names != [shard_name(k) for k in range(len(names))] or not all(regular(directory / n) for n in names):
         return False
-    return not state["entries"] or (spill.is_file() and spill.stat().st_size >= state["used"]
+    return not state["entries"] or (regular(spill) and spill.stat().st_size >= state["used"]
                                     and crc(spill, state["used"]) == state.get("crc"))
+
+
+def regular(path: Path) -> bool:
+    """A regular file itself, not a symbolic link to one."""
+    return path.is_file() and not path.is_symlink()
 
 
 def crc(path: Path, size: int, start: int = 0) -> int:
@@ -127,7 +133,7 @@ class ShardWriter:
         self.saved_shards = len(self.shards)
         spill = self.dir / f".spill-{len(self.shards)}"
         if self.entries:
-            self.spill = open(spill, "r+b")
+            self.spill = os.fdopen(os.open(spill, os.O_RDWR | os.O_NOFOLLOW), "r+b")
             self.spill.truncate(self.used)
             self.spill.seek(self.used)
 

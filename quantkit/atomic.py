@@ -3,12 +3,14 @@ second process writing the same output, renamed into place at the end. The sibli
 or a failure, so a resumed run goes on writing it."""
 from __future__ import annotations
 
+import errno
 import fcntl
+import glob
 import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterable, Iterator
+from typing import BinaryIO, Iterable, Iterator, TextIO
 
 from quantkit.errors import QuantkitError, ResumableError
 
@@ -34,13 +36,20 @@ def check_out(out: str | os.PathLike, overwrite: bool = False, directory: bool |
 
 
 def check_apart(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None], option: str = "--out") -> None:
-    """Refuse an output that is, or holds, a path the command reads (inputs; None for none): replacing
-    it would delete what is being read (with --overwrite, a model directory and everything beside it)."""
+    """Refuse an output that is, or holds, a path the command reads (inputs; None for none), or that
+    would replace a file of an input directory (a model's weights, say): replacing it would delete what
+    is being read (with --overwrite, a model directory and everything beside it)."""
     o = Path(out).resolve()
     for p in inputs:
-        if p is not None and (o == Path(p).resolve() or Path(p).resolve().is_relative_to(o)):
-            raise QuantkitError(f"{option} {out} {'is' if o == Path(p).resolve() else 'holds'} {p}, which this command "
+        if p is None:
+            continue
+        i = Path(p).resolve()
+        if o == i or i.is_relative_to(o):
+            raise QuantkitError(f"{option} {out} {'is' if o == i else 'holds'} {p}, which this command "
                                 f"reads: writing it would delete that; choose another {option}")
+        if o.is_file() and o.parent == i:
+            raise QuantkitError(f"{option} {out} would replace {o.name} in {p}, which this command reads: choose "
+                                f"another {option}")
 
 
 def check_writable(directory: Path, option: str) -> None:
@@ -63,7 +72,7 @@ def progress_path(out: str | os.PathLike, rank: int | None = None) -> Path:
 
 def progress_files(out: Path) -> list[Path]:
     """Every process's saved progress for out."""
-    return list(out.parent.glob(f".{out.name}.progress*.pt"))
+    return list(out.parent.glob(f".{glob.escape(out.name)}.progress*.pt"))
 
 
 def size_on_disk(path: Path) -> int:
@@ -103,19 +112,39 @@ def sync(path: Path, skip: set[Path] = frozenset()) -> None:
 
 
 def remove(path: Path) -> None:
-    if path.is_dir():
+    if path.is_symlink():  # the link, never what it points to
+        path.unlink()
+    elif path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
 
 
-def lock(path: Path, option: str) -> tuple[Path, BinaryIO]:
+def open_lock(path: Path) -> TextIO:
+    """The lock file at path, created if need be, not through a symbolic link planted there (which would
+    create its target)."""
+    try:
+        return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644), "a+")
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise QuantkitError(f"{path} is a symbolic link, not quantkit's lock: remove it") from None
+        raise
+
+
+def created(path: Path) -> TextIO:
+    """A new file at path, open for writing text: what was there (a symbolic link planted there too) is
+    removed first, so that nothing is written through a link."""
+    path.unlink(missing_ok=True)
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w")
+
+
+def lock(path: Path, option: str) -> tuple[Path, TextIO]:
     """Hold the lock of the output at path (.{name}.lock beside it, removed when done), or refuse: another
     quantkit process is writing it. The lock's path and its open file."""
     lock_path = path.with_name(f".{path.name}.lock")
     while True:  # the lock file is removed when done: hold it only if it is still the one at lock_path
         try:
-            f = open(lock_path, "a+")
+            f = open_lock(lock_path)
         except OSError as e:  # /proc passes os.access as root, and takes no file
             raise QuantkitError(f"{path.parent}: cannot create files there ({e.strerror}): choose another "
                                 f"{option}") from None
@@ -158,8 +187,9 @@ class Staged:
         previous output left aside by a commit that was killed."""
         remove(self.path)
         # also the temporary of a save killed in a job of another world size (its own path's run clears it)
-        for stale in [*progress_files(self.out), *self.out.parent.glob(f".{self.out.name}.progress*.pt.tmp-*"),
-                      *self.out.parent.glob(f".{self.out.name}.old-*")]:
+        name = glob.escape(self.out.name)  # --out 'w/[ab]' must not match another output's files
+        for stale in [*progress_files(self.out), *self.out.parent.glob(f".{name}.progress*.pt.tmp-*"),
+                      *self.out.parent.glob(f".{name}.old-*")]:
             remove(stale)
         if self.directory:
             self.path.mkdir()
@@ -194,7 +224,7 @@ class Staged:
             self.path.rename(self.out)
         else:
             self.path.rename(self.out)
-        for old in self.out.parent.glob(f".{self.out.name}.old-*"):  # also one a commit killed here left
+        for old in self.out.parent.glob(f".{glob.escape(self.out.name)}.old-*"):  # also one a commit killed here left
             remove(old)
         fsync(self.out.parent)  # the rename itself
         self.unlock()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import fcntl
+import glob
 import json
 import math
 import os
@@ -542,6 +543,20 @@ def load_tokenizer(path: Path, **kw):
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False, **kw)
 
 
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer puts BOS in front of a text (llama.cpp's tokenizer.ggml.add_bos_token)."""
+    if getattr(tokenizer, "bos_token_id", None) is None:
+        return False
+    return tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id]
+
+
+def adds_eos(tokenizer) -> bool:
+    """Whether the tokenizer puts EOS after a text (llama.cpp's tokenizer.ggml.add_eos_token)."""
+    if getattr(tokenizer, "eos_token_id", None) is None:
+        return False
+    return tokenizer("a")["input_ids"][-1:] == [tokenizer.eos_token_id]
+
+
 def load_gguf(path: Path) -> Model:
     """A GGUF file as a model read lazily, like a float checkpoint: the config and tokenizer from its
     metadata (transformers' tables), each weight dequantized when the pipeline reaches it."""
@@ -699,7 +714,7 @@ def fill_cache(target: Path, write: Callable[[Path], None], ready: Callable[[Pat
             fcntl.flock(lock, fcntl.LOCK_EX)
         if ready(target):
             return target
-        for stale in [*target.parent.glob(f".{target.name}.tmp-*"), target]:  # a target not ready is partial
+        for stale in [*target.parent.glob(f".{glob.escape(target.name)}.tmp-*"), target]:  # a target not ready is partial
             remove(stale)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         try:

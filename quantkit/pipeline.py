@@ -8,11 +8,13 @@ quantized, and the layer is run again so the next layer sees the quantized layer
 from __future__ import annotations
 
 import ctypes
+import glob
 import hashlib
 import os
 import resource
 import sys
 import time
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
@@ -286,6 +288,9 @@ def save_progress(path: Path, state: dict) -> None:
 
 def read_progress(path: Path) -> dict:
     """A state save_progress wrote, checked against its digest (ValueError when it was changed)."""
+    with zipfile.ZipFile(path) as z:  # torch.save stores every entry: a compressed one could inflate a thousandfold
+        if any(info.compress_type != zipfile.ZIP_STORED for info in z.infolist()):
+            raise ValueError("it holds compressed entries, which torch.save does not write")
     saved = torch.load(path, weights_only=True)
     if not isinstance(saved, dict) or saved.get("digest") != digest(saved.get("state")):
         raise ValueError("its contents changed after it was written")
@@ -294,7 +299,7 @@ def read_progress(path: Path) -> dict:
 
 def load_progress(path: Path, key: str) -> dict | None:
     """The state saved after the last finished layer of the same run (same model, config, data)."""
-    for stale in path.parent.glob(f"{path.name}.tmp-*"):  # a killed save's (one process per output: atomic.Staged)
+    for stale in path.parent.glob(f"{glob.escape(path.name)}.tmp-*"):  # a killed save's (one process per output: atomic.Staged)
         stale.unlink(missing_ok=True)
     if not path.is_file():
         return None
@@ -306,7 +311,7 @@ def load_progress(path: Path, key: str) -> dict | None:
         print(f"ignoring unreadable progress file {path} ({type(e).__name__}: {e})", file=sys.stderr)
         path.unlink()
         return None
-    if state.get("key") != key:
+    if not isinstance(state, dict) or state.get("key") != key:
         print(f"ignoring progress file {path}: it is from another model, configuration or calibration set",
               file=sys.stderr)
         path.unlink()

@@ -231,7 +231,8 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
 
 def write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    with atomic.created(tmp) as f:
+        f.write(text)
     os.replace(tmp, path)
 
 
@@ -242,8 +243,11 @@ def write_json(path: Path, value) -> None:
 def read_json(path: Path):
     """One of the report's own files; a damaged one named (it was a traceback)."""
     try:
-        return json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError):
+        value = json.loads(path.read_text())
+        if not isinstance(value, dict):
+            raise ValueError("not an object")
+        return value
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise QuantkitError(f"{path} is damaged, not what quantkit report wrote: remove it (a point's file: the "
                             "point runs again) or choose another --out") from None
 
@@ -278,7 +282,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     out = Path(out)
     fresh = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    lock = open(out / ".lock", "a+")
+    lock = atomic.open_lock(out / ".lock")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -327,7 +331,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         spec = {"point": asdict(p), "settings": asdict(settings), "out": str(out), "keep_exports": sweep.keep_exports,
                 "parent": os.getpid()}
         log = out / "logs" / f"{p.name}.log"
-        with open(log, "w") as f:
+        with atomic.created(log) as f:
             r = subprocess.run([sys.executable, "-m", "quantkit.report", json.dumps(spec)], stdout=f, stderr=f)
         if not done.exists() or r.returncode != 0:
             error = failure(log.read_text(), r.returncode)

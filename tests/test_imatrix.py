@@ -45,11 +45,11 @@ def write_legacy(path, table: dict[str, np.ndarray]) -> None:
         f.write(struct.pack("<i", NCALL) + struct.pack("<i", 4) + b"test")
 
 
-def write_gguf(path, table: dict[str, np.ndarray]) -> None:
+def write_gguf(path, table: dict[str, np.ndarray], datasets: list = ("test",)) -> None:
     """llama-imatrix's GGUF layout: sums of squares and the count of inputs."""
     w = gguf.GGUFWriter(path, arch=None)
     w.add_type("imatrix")
-    w.add_array("imatrix.datasets", ["test"])
+    w.add_array("imatrix.datasets", list(datasets))
     w.add_uint32("imatrix.chunk_count", NCALL)
     w.add_uint32("imatrix.chunk_size", 64)
     for name, v in table.items():
@@ -86,6 +86,9 @@ def test_files_that_do_not_fit_are_refused_before_any_work(tiny, tmp_path, capsy
     write_legacy(tmp_path / "nan.dat", {k: v * np.nan for k, v in table.items()})
     refused([*args, tmp_path / "nan.dat"], capsys, monkeypatch, "negative or not finite")
     refused([*args, tmp_path], capsys, monkeypatch, "a directory, not an importance matrix")
+    write_gguf(tmp_path / "ints.gguf", table, datasets=[1, 2])  # was a TypeError, and left the output's lock
+    refused([*args, tmp_path / "ints.gguf"], capsys, monkeypatch, "imatrix.datasets holds other values than names")
+    assert not (tmp_path / ".q.gguf.lock").exists()
     refused([*args, tmp_path / "m.dat", "--method", "gptq"], capsys, monkeypatch, "use it with --method rtn")
     assert not (tmp_path / "q.gguf").exists()
     code, _, _ = cli([*args, tmp_path / "m.dat"], capsys, monkeypatch)

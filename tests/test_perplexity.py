@@ -5,7 +5,7 @@ import torch
 
 from quantkit import QuantkitError
 from quantkit.evals import perplexity
-from quantkit.evals.perplexity import adds_bos
+from quantkit.modelio import adds_bos
 
 from .conftest import TEST, loaded, tokenizer_adding_bos
 

@@ -257,3 +257,156 @@ def test_progress_shard_names_stay_in_the_output(tiny_dir, tmp_path, monkeypatch
     save_progress(progress_path(out), state)
     quantkit.quantize(str(tiny_dir), out=out, **kw)
     assert victim.read_bytes() == b"someone else's file"
+
+
+def stopped_after_layer_0(tiny_dir, out, monkeypatch, **kw) -> dict:
+    """Run quantize until its first progress save, then stop it, as a kill would: the saved state."""
+    from quantkit import pipeline
+
+    real = pipeline.save_progress
+
+    def save_then_stop(path, state):
+        real(path, state)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "save_progress", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_dir), method="rtn", out=out, progress=False, **kw)
+    monkeypatch.setattr(pipeline, "save_progress", real)
+    return read_progress(progress_path(out))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_a_resumed_run_writes_through_no_planted_link(tiny_dir, tmp_path, monkeypatch, fmt):
+    """Whoever can write beside --out can forge its progress (the digest is recomputable, the key made of
+    public facts) and plant a symbolic link where the resumed run writes: the open shard's spill, or the
+    partial GGUF file. The run truncated and rewrote the file the link named, outside --out."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("someone else's file\n" * 100)
+    out = tmp_path / "w" / ("q.gguf" if fmt == "gguf" else "q")
+    out.parent.mkdir()
+    kw = dict(format="gguf", gguf_type="Q8_0") if fmt == "gguf" else dict(group_size=32)
+    state = stopped_after_layer_0(tiny_dir, out, monkeypatch, **kw)
+    if fmt == "gguf":
+        state["writer"] = {"data_start": 0, "header": 0, "done": {}}  # the CRC of no bytes is 0
+        target = partial_path(out)
+    else:
+        written = state["writer"]["shards"]
+        assert written["entries"], "no tensor in the open shard: the test would prove nothing"
+        written["used"], written["crc"] = 0, 0
+        target = partial_path(out) / f".spill-{len(written['shards'])}"
+    save_progress(progress_path(out), state)
+    target.unlink()
+    target.symlink_to(victim)
+    quantkit.quantize(str(tiny_dir), method="rtn", out=out, progress=False, **kw)
+    assert victim.read_text() == "someone else's file\n" * 100
+    assert not out.is_symlink() and quantkit.load(out).module is not None
+
+
+def test_links_at_the_lock_and_partial_paths_are_not_followed(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A link at .NAME.lock created its target anywhere; one at .NAME.partial to a directory was a
+    FileExistsError traceback (and that directory must stay as it was)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "kept.txt").write_text("kept")
+    out = tmp_path / "w" / "q"
+    out.parent.mkdir()
+    partial_path(out).symlink_to(elsewhere, target_is_directory=True)
+    code, _, err = cli(["quantize", tiny_dir, "--out", out, "--group-size", 32], capsys, monkeypatch)
+    assert code == 0 and (out / "model.safetensors").is_file(), err[-3:]
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["kept.txt"]
+    lock = out.with_name(".q2.lock")
+    lock.symlink_to(elsewhere / "created")
+    refused(["quantize", tiny_dir, "--out", out.with_name("q2"), "--group-size", 32], capsys, monkeypatch,
+            "is a symbolic link, not quantkit's lock")
+    assert not (elsewhere / "created").exists()
+
+
+def test_glob_characters_in_out_touch_no_other_output(tiny_dir, tmp_path, monkeypatch):
+    """--out 'w/[ab]' matched w/.a.progress.pt as a pattern, and deleted another run's progress."""
+    out = tmp_path / "w" / "a"
+    out.parent.mkdir()
+    stopped_after_layer_0(tiny_dir, out, monkeypatch, group_size=32)
+    before = sorted(p.name for p in out.parent.iterdir())
+    assert ".a.progress.pt" in before
+    quantkit.quantize(str(tiny_dir), method="rtn", group_size=32, out=out.with_name("[ab]"), progress=False)
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted([*before, "[ab]"])
+
+
+def test_an_out_replacing_a_file_of_the_model_is_refused(tiny_dir, tmp_path, capsys, monkeypatch):
+    """--out MODEL/model.safetensors --overwrite wrote the GGUF over the weights it read."""
+    model = shutil.copytree(tiny_dir, tmp_path / "model")
+    before = (model / "model.safetensors").read_bytes()
+    refused(["quantize", model, "--format", "gguf", "--gguf-type", "Q8_0", "--out", model / "model.safetensors",
+             "--overwrite"], capsys, monkeypatch, "would replace model.safetensors in")
+    assert (model / "model.safetensors").read_bytes() == before
+
+
+def test_a_compressed_progress_file_is_not_inflated(tiny_dir, tmp_path, capsys, monkeypatch):
+    """torch.load inflates a DEFLATE entry whole before the digest is looked at (a thousandfold); torch.save
+    never compresses one, so such a file is ignored as unreadable without reading it."""
+    import zipfile
+
+    out = tmp_path / "q"
+    plain = tmp_path / "plain.pt"
+    torch.save({"digest": "x", "state": torch.zeros(10_000_000, dtype=torch.uint8)}, plain)
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(progress_path(out), "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info), compress_type=zipfile.ZIP_DEFLATED)
+    assert progress_path(out).stat().st_size < 100_000
+    code, _, err = cli(["quantize", tiny_dir, "--out", out, "--group-size", 32], capsys, monkeypatch)
+    assert code == 0 and any("compressed entries" in line for line in err), err
+
+
+def test_a_planted_report_log_link_is_not_followed(tiny_dir, tmp_path, capsys, monkeypatch):
+    """report opened logs/NAME.log through a link planted there, truncating the file it named."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("someone else's file")
+    (tmp_path / "text.txt").write_text(VALID.read_text()[:20000])
+    args = ["report", tiny_dir, "--out", tmp_path / "r", "--data", tmp_path / "text.txt", "--methods", "rtn",
+            "--bits", 4, "--group-size", 32, "--windows", 2, "--ctx", 64]
+    code, _, err = cli(args, capsys, monkeypatch)
+    assert code == 0, err[-3:]
+    (tmp_path / "r" / "points" / "rtn-w4.json").unlink()  # the point runs again, into its log
+    (tmp_path / "r" / "logs" / "rtn-w4.log").unlink()
+    (tmp_path / "r" / "logs" / "rtn-w4.log").symlink_to(victim)
+    code, _, err = cli(args, capsys, monkeypatch)
+    assert code == 0, err[-3:]
+    assert victim.read_text() == "someone else's file"
+    assert not (tmp_path / "r" / "logs" / "rtn-w4.log").is_symlink()
+
+
+def test_hostile_records_templates_and_states_are_one_error_line(tiny_dir, chat_dir, tmp_path, capsys, monkeypatch):
+    """Each was a traceback: JSON nested past Python's recursion limit, a chat template that recurses, a
+    report state of the wrong shape, a trainer checkpoint without its key."""
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    refused(["eval", chat_dir, "--data", deep, "--ctx", 32, "--max-windows", 1], capsys, monkeypatch,
+            "nested too deeply")
+    model = shutil.copytree(chat_dir, tmp_path / "recursing")
+    (model / "chat_template.jinja").write_text("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}")
+    (tmp_path / "one.jsonl").write_text(json.dumps(CHAT) + "\n")
+    refused(["eval", model, "--data", tmp_path / "one.jsonl", "--ctx", 32, "--max-windows", 1], capsys, monkeypatch,
+            "chat template fails (RecursionError")
+    (tmp_path / "text.txt").write_text(VALID.read_text()[:20000])
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "settings.json").write_text("[1, 2]")
+    refused(["report", tiny_dir, "--out", tmp_path / "r", "--data", tmp_path / "text.txt", "--methods", "rtn",
+             "--windows", 2, "--ctx", 64], capsys, monkeypatch, "settings.json is damaged")
+    out = tmp_path / "out"
+    checkpoint = Checkpoints(partial_path(out)).path
+    checkpoint.mkdir(parents=True)
+    save_progress(checkpoint / "state.pt", {"step": 1})
+    save_file({}, checkpoint / "adapter_model.safetensors")
+    refused(["train", tiny_dir, "--data", tmp_path / "text.txt", "--out", out, *FAST, "--steps", 2, "--resume"],
+            capsys, monkeypatch, "its state lacks bad, best, best_loss")
+
+
+def test_a_wikitext_folder_here_is_not_taken_for_the_hubs(tmp_path, monkeypatch):
+    """datasets reads ./wikitext before the hub's wikitext: the default text silently became that folder's."""
+    from quantkit import calibration
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "wikitext").mkdir()
+    with pytest.raises(quantkit.QuantkitError, match="./wikitext exists"):
+        calibration.load_text(None)

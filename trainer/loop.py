@@ -204,6 +204,10 @@ def tensors(x) -> list[torch.Tensor]:
     return [t for v in values for t in tensors(v)]
 
 
+STATE_KEYS = {"key", "step", "optimizer", "scheduler", "scaler", "rng", "cuda_rng", "log", "evals", "best_step",
+              "best", "best_loss", "bad"}  # what a checkpoint's state.pt holds (run() saves and reads them)
+
+
 class Checkpoints:
     """The latest checkpoint in directory/checkpoint: adapter tensors, optimizer, scheduler, scaler,
     RNG, step and log, written beside it and swapped in whole."""
@@ -212,8 +216,11 @@ class Checkpoints:
         self.path, self.old = directory / CHECKPOINT, directory / f".{CHECKPOINT}.old"
 
     def latest(self) -> Path | None:
-        # a kill between the two renames of a save leaves the previous checkpoint at .old
-        return next((p for p in (self.path, self.old) if (p / "state.pt").is_file()), None)
+        # a kill between the two renames of a save leaves the previous checkpoint at .old. A symbolic link
+        # planted at the partial output is not followed: the run writes there
+        if self.path.parent.is_symlink():
+            return None
+        return next((p for p in (self.path, self.old) if (p / "state.pt").is_file() and not p.is_symlink()), None)
 
     def save(self, adapter: dict[str, torch.Tensor], state: dict) -> None:
         tmp = self.path.with_name(f".{CHECKPOINT}-{os.getpid()}")
@@ -260,6 +267,9 @@ class Checkpoints:
         path = self.latest()
         with untrusted(path, "the checkpoint is damaged", "run again without --resume"):
             state = read_progress(path / "state.pt")
+            missing = sorted(STATE_KEYS - state.keys()) if isinstance(state, dict) else ["every key"]
+            if missing:
+                raise ValueError(f"its state lacks {', '.join(missing)}")
             state["adapter"] = load_file(path / lora.WEIGHTS)
         return state
 
