@@ -99,7 +99,8 @@ def run(tasks: Tasks, module: torch.nn.Module, tokenizer, limit: int | float | N
         check_context(module.config, max_length, "--max-length")
     if chat and not getattr(tokenizer, "chat_template", None):
         raise QuantkitError("the model's tokenizer has no chat template: drop --apply-chat-template")
-    lm = HFLM(pretrained=module, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    lm = rolling_in_one_bar(HFLM)(pretrained=module, tokenizer=tokenizer, batch_size=batch_size,
+                                  max_length=max_length)
     seeds = {} if seed is None else {k: seed for k in ("random_seed", "numpy_random_seed", "torch_random_seed",
                                                        "fewshot_random_seed")}
     # lm-eval asks git for the working directory's commit, which prints "fatal: not a git repository"
@@ -115,6 +116,33 @@ def run(tasks: Tasks, module: torch.nn.Module, tokenizer, limit: int | float | N
         raise QuantkitError(f"an answer of {', '.join(tasks.names)} is longer than --max-length {lm.max_length} "
                             "tokens: raise --max-length") from None
     return {task: metrics(values) for task, values in results["results"].items()}
+
+
+def rolling_in_one_bar(hflm: type) -> type:
+    """HFLM whose rolling log-likelihood (wikitext's perplexities) shows one bar of windows scored:
+    lm-eval's draws a bar per batch (hundreds for a whole text) after one over documents that only
+    cuts them into windows."""
+    from tqdm import tqdm
+
+    class OneBar(hflm):
+        bar = None
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            self.bar = tqdm(desc="scoring windows", unit="window", disable=disable_tqdm or self.rank != 0)
+            try:
+                return super().loglikelihood_rolling(requests, disable_tqdm=True)
+            finally:
+                self.bar.close()
+                self.bar = None
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+            if self.bar is None:
+                return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
+            scores = super()._loglikelihood_tokens(requests, True, override_bs)
+            self.bar.update(len(requests))
+            return scores
+
+    return OneBar
 
 
 def metrics(values: dict) -> dict[str, float]:

@@ -8,6 +8,7 @@ llamacpp: as `llama-perplexity -c ctx`: windows of ctx tokens, the first replace
 from __future__ import annotations
 
 import math
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Iterator
@@ -85,14 +86,19 @@ def window_logits(module: torch.nn.Module, tokenizer, windows: torch.Tensor, pro
     first = first_scored(protocol, windows.shape[1])
     bos = protocol == "llamacpp" and adds_bos(tokenizer)
     device = next(module.parameters()).device
-    for batch in tqdm(windows.split(batch_size), desc=desc, unit="batch", disable=not progress):
-        inputs = batch.clone()
-        if bos:
-            inputs[:, 0] = tokenizer.bos_token_id
-        # the head computes only the scored positions' logits (half the window's under llamacpp)
-        out = module(inputs.to(device), use_cache=False, logits_to_keep=windows.shape[1] - first)
-        logits = out.logits[:, :-1].float()
-        yield logits, batch[:, first + 1:].to(logits.device)
+    began = time.monotonic()
+    with tqdm(total=len(windows), desc=desc, unit="window", disable=not progress) as bar:
+        for batch in windows.split(batch_size):
+            inputs = batch.clone()
+            if bos:
+                inputs[:, 0] = tokenizer.bos_token_id
+            # the head computes only the scored positions' logits (half the window's under llamacpp)
+            out = module(inputs.to(device), use_cache=False, logits_to_keep=windows.shape[1] - first)
+            logits = out.logits[:, :-1].float()
+            yield logits, batch[:, first + 1:].to(logits.device)
+            bar.set_postfix_str(f"{(bar.n + len(batch)) * windows.shape[1] / (time.monotonic() - began):.0f} tok/s",
+                                refresh=False)
+            bar.update(len(batch))
 
 
 def perplexity(

@@ -441,6 +441,9 @@ def quantize(
             isinstance(e, QuantkitError) and not isinstance(e, ResumableError))
         if writer is not None:  # the process holding the output's lock clears every process's progress
             writer.abort(keep=resumable)
+        if isinstance(e, KeyboardInterrupt) and resumable and distributed.rank() == 0:  # Ctrl-C, SIGTERM
+            print(f"stopped: the finished layers are kept beside {out} ({resume[0].name}): run the same command to "
+                  "go on from them", file=sys.stderr)
         raise
     if resume is not None:
         resume[0].unlink(missing_ok=True)

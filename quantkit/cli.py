@@ -6,12 +6,13 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 
 import click
 
 from quantkit import calibration, exporters, trainer
 from quantkit.evals import kld
-from quantkit.atomic import check_apart, check_out
+from quantkit.atomic import check_apart, check_out, size_on_disk
 from quantkit.trainer import TrainConfig
 from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECISIONS
 
@@ -19,7 +20,7 @@ from . import api, consumers, distributed
 from . import report as report_
 from .command import export
 from .config import AWQ_LOSSES, METHODS, QuantConfig, refuse_unused
-from .errors import QuantkitError
+from .errors import QuantkitError, size
 from .modelio import load
 
 
@@ -222,7 +223,7 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_i
     click.echo(f"{model or 'embedded model'} against {base}: {d.windows} windows of {d.ctx}, {d.tokens} predictions")
     click.echo(d.report())
     if save_base:
-        click.echo(f"base log-probabilities saved to {save_base}")
+        click.echo(f"base log-probabilities saved to {save_base} ({size(size_on_disk(Path(save_base)))})")
     if as_json:
         click.echo(json.dumps({**d.to_dict(), "model": model, "base": base}))
     failed = d.failures(**limits)
@@ -320,7 +321,7 @@ def report(model, out, data, methods, bits, gguf_types, exl2_bits, exl2_measured
                                 lm_eval_data_dir=lm_eval_data_dir, exl2_measured=exl2_measured)
     sweep = report_.Sweep(methods=listed(methods), bits=listed(bits, int, "--bits"), gguf_types=listed(gguf_types),
                           exl2_targets=listed(exl2_bits, float, "--exl2-bits"), keep_exports=keep_exports)
-    r = report_.report(out, settings, sweep, echo=click.echo)
+    r = report_.report(out, settings, sweep, echo=lambda line: click.echo(line, err=True))  # stdout: the result
     failed = [p["name"] + " (lm-eval)" * ("lm_eval_error" in p) for p in r["points"] if p["status"] != "ok" or
               "lm_eval_error" in p]
     click.echo(f"report in {out}: report.md, report.json, perplexity.png, kld.png"
@@ -437,7 +438,7 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
     if qconfig is not None:
         if not merged_done:
             trainer.merge(out, merged, overwrite=overwrite)
-            click.echo(f"merged into {merged}")
+            click.echo(f"merged into {merged} ({size(size_on_disk(Path(merged)))})")
         api.quantize(load(merged), qconfig, calib_data=calib_data, out=quantize_out, format=fmt, overwrite=overwrite,
                      device=device)
         click.echo(f"exported to {quantize_out}")
@@ -455,4 +456,4 @@ def merge(adapter, out, base, onto_nf4, overwrite, max_shard_size) -> None:
     directory in the base's dtype, ready for quantkit quantize."""
     check_out(out, overwrite, directory=True, inputs=[adapter, base])
     trainer.merge(adapter, out, base, onto_nf4=onto_nf4, overwrite=overwrite, max_shard_size=max_shard_size)
-    click.echo(f"merged into {out}")
+    click.echo(f"merged into {out} ({size(size_on_disk(Path(out)))})")

@@ -10,7 +10,7 @@ import warnings
 
 import click
 
-from .errors import QuantkitError
+from .errors import QuantkitError, size
 
 
 @click.command()
@@ -43,7 +43,7 @@ def export(model, out, gguf_type, pure, overrides, overwrite) -> None:
 
         quiet()
         api.export_gguf(load(model), out, gguf_type, overwrite)
-    click.echo(f"wrote {out}")
+    click.echo(f"wrote {out} ({size(os.path.getsize(out))})")
 
 
 def gguf_magic(path: str) -> bool:

@@ -513,7 +513,7 @@ def quantize_layers(
         rate = tokens * (i + 1 - start) / (time.monotonic() - began)
         bar.set_postfix_str(", ".join(filter(None, [
             f"{rate:.0f} tok/s" if tokens else "", f"{writer.written / 2**20:.0f} MiB written" if writer else "",
-            peak_memory()])))
+            peak_memory()])), refresh=False)  # drawn with the count, by the next update
     for prefix in ("model.norm", "lm_head"):
         tensors |= write_other(model, prefix, writer, other, keep)
     if keep:

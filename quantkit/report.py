@@ -149,14 +149,14 @@ def run_point(spec: dict) -> dict:
             fmt = "safetensors"
     start = time.perf_counter()
     api.quantize(m, config, calib_data=s.calib_data, calib_samples=s.calib_samples, calib_seqlen=s.calib_seqlen,
-                 out=export, format=fmt, overwrite=True, keep=True, progress=False)
+                 out=export, format=fmt, overwrite=True, keep=True)  # its progress into the point's log
     seconds = time.perf_counter() - start
     peak = peak_rss()
     params, linear = parameter_counts(m.module)
     sizes = tensor_bytes(export)
     bpw, bpw_linear = bits_per_weight(sizes, params, linear)
     file_bytes = export.stat().st_size if export.is_file() else sum(f.stat().st_size for f in export.iterdir())
-    d = api.compare(m, out / "base.logits", s.data, s.ctx, s.windows, progress=False)
+    d = api.compare(m, out / "base.logits", s.data, s.ctx, s.windows)
     result = {**asdict(p), "format": fmt, "status": "ok", "bytes": file_bytes, "bpw": bpw, "bpw_linear": bpw_linear,
               "perplexity": d.perplexity, "perplexity_unc": d.perplexity_unc, "ppl_ratio": d.ppl_ratio,
               "ppl_ratio_unc": d.ppl_ratio_unc, "kld_mean": d.kld_mean, "kld_mean_unc": d.kld_unc,
@@ -227,6 +227,10 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise QuantkitError(f"{out} is a file: --out names the report's directory; choose another")
     atomic.check_writable(next(d for d in [out, *out.parents] if d.exists()), "--out")  # where mkdir starts
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
 def write_text(path: Path, text: str) -> None:
@@ -323,22 +327,35 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         echo(f"base: lm-eval {', '.join(settings.tasks)} on the float model")
         based["lm_eval"] = lm_scores(model, settings)
         write_json(out / "base.json", based)
-    for i, p in enumerate(todo, 1):
+
+    def finished(p: Point) -> bool:  # measured by an earlier run, its lm-eval scores too
         done = out / "points" / f"{p.name}.json"
-        if done.exists() and (kept := read_json(done)).get("status") == "ok" and "lm_eval_error" not in kept:
-            continue
-        echo(f"[{i}/{len(todo)}] {p.name}")
+        return done.exists() and (kept := read_json(done)).get("status") == "ok" and "lm_eval_error" not in kept
+
+    left = [p for p in todo if not finished(p)]
+    began = time.monotonic()
+    for k, p in enumerate(left):
+        done = out / "points" / f"{p.name}.json"
+        eta = f", about {duration((time.monotonic() - began) / k * (len(left) - k))} left" if k else ""
+        echo(f"[{todo.index(p) + 1}/{len(todo)}] {p.name} (log: {out / 'logs' / f'{p.name}.log'}{eta})")
         spec = {"point": asdict(p), "settings": asdict(settings), "out": str(out), "keep_exports": sweep.keep_exports,
                 "parent": os.getpid()}
         log = out / "logs" / f"{p.name}.log"
-        with atomic.created(log) as f:
-            r = subprocess.run([sys.executable, "-m", "quantkit.report", json.dumps(spec)], stdout=f, stderr=f)
+        try:
+            with atomic.created(log) as f:
+                r = subprocess.run([sys.executable, "-m", "quantkit.report", json.dumps(spec)], stdout=f, stderr=f)
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM
+            echo(f"stopped: the points finished so far are kept in {out}: run the same command to go on")
+            raise
         if not done.exists() or r.returncode != 0:
             error = failure(log.read_text(), r.returncode)
             write_json(done, {**asdict(p), "status": "failed", "error": error[:500], "returncode": r.returncode})
             echo(f"    failed: {error[:200]} (log: {log})")
         elif "lm_eval_error" in (point := read_json(done)):
             echo(f"    lm-eval failed: {point['lm_eval_error'][:200]}")
+        else:
+            echo(f"    {point['bpw_linear']:.3f} bits per linear weight, perplexity {point['perplexity']:.3f}, KLD "
+                 f"{point['kld_mean']:.4f}, quantized in {point['quantize_s']:.0f} s")
     names = [p.name for p in todo]
     # points an earlier run of other --methods, --bits, ... made with these settings stay in the report
     earlier = sorted(f.stem for f in (out / "points").glob("*.json") if f.stem not in names)
@@ -437,6 +454,7 @@ def plot(r: dict, out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     ok = [p for p in r["points"] if p["status"] == "ok"]
     failed = [p["name"] for p in r["points"] if p["status"] != "ok"]
@@ -452,8 +470,12 @@ def plot(r: dict, out: Path) -> None:
                                fmt="o-", capsize=2, label=fam)
             labels += [(x, y, n, line[0].get_color()) for x, y, _, n in pts]
         ax.set_yscale("log")
+        ax.margins(x=0.1)  # room for the rightmost point's label
         values = [max(p[key], KLD_FLOOR) for p in ok]
-        if key == "perplexity":
+        if key == "perplexity":  # 20, 30, 50, not 2x10^1, 3x10^1, 5x10^1 (and not every minor tick: they crowd)
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
+                lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "235" else ""))
             ax.axhline(base["perplexity"], color="gray", ls="--", label=f"float model ({base['perplexity']:.4g})")
             top = 20 * base["perplexity"]  # a broken point would flatten the rest: named instead
             off = [p for p in ok if p[key] > top]

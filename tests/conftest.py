@@ -102,6 +102,21 @@ def refused(args, capsys, monkeypatch, match):
     assert not any("Traceback" in line for line in err)
 
 
+def stopping_saves(monkeypatch):
+    """From here quantize stops (KeyboardInterrupt, as Ctrl-C) right after each progress save, which it
+    makes after a finished layer; the real save is returned, to put back."""
+    from quantkit import pipeline
+
+    real = pipeline.save_progress
+
+    def save_then_stop(path, state):
+        real(path, state)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "save_progress", save_then_stop)
+    return real
+
+
 def loaded(path=None):
     """A model with every weight in memory (load() reads them layer by layer, when needed)."""
     import quantkit

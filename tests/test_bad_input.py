@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from quantkit.command import main
 
-from .conftest import TEST, VALID, make_tiny
+from .conftest import TEST, VALID, cli, make_tiny, stopping_saves
 
 
 def run(args, capsys, monkeypatch):
@@ -351,6 +351,21 @@ def test_quantization_settings_that_are_not_whole_or_finite(tiny_dir, capsys, mo
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="there is a GPU here")
 def test_cuda_without_a_gpu(model, capsys, monkeypatch, tmp_path):
     quantize_fails([model, "--device", "cuda"], capsys, monkeypatch, tmp_path, "torch sees no CUDA GPU")
+
+
+def test_ctrl_c_says_what_was_kept_and_how_to_go_on(tiny_dir, capsys, monkeypatch, tmp_path):
+    """Ctrl-C (or SIGTERM) after a finished layer printed only "aborted", though the same command goes on."""
+    from quantkit import pipeline
+
+    real = stopping_saves(monkeypatch)
+    args = ["quantize", tiny_dir, "--group-size", 32, "--out", tmp_path / "q"]
+    code, _, err = cli(args, capsys, monkeypatch)
+    stopped = (f"stopped: the finished layers are kept beside {tmp_path / 'q'} (.q.progress.pt): run the same command "
+               "to go on from them")
+    assert code == 130 and [line for line in err if line][-2:] == [stopped, "aborted"], err
+    monkeypatch.setattr(pipeline, "save_progress", real)
+    code, _, err = cli(args, capsys, monkeypatch)
+    assert code == 0 and any("resuming after layer 1/2" in line for line in err), err
 
 
 def test_out_of_disk_space_keeps_what_was_finished_and_resumes(tiny_dir, capsys, monkeypatch, tmp_path):

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import quantkit
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, size
 from quantkit.exporters import gguf as G
 from quantkit.quantizers import ggml, rtn
 
@@ -417,7 +417,7 @@ def test_requantizing_a_gguf_file_starts_without_torch(tmp_path):
             "try:\n    main()\nfinally:\n    print(sorted({'torch', 'transformers', 'numpy', 'gguf'} & set(sys.modules)))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines() == [f"wrote {out}", "[]"]
+    assert run.stdout.splitlines() == [f"wrote {out} ({size(out.stat().st_size)})", "[]"]
 
 
 def test_requantizing_through_numpy_writes_the_same_bytes(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ from quantkit.layers import GROUPS, LINEARS
 from quantkit.pipeline import quantize_layers
 from quantkit.quantizers import rtn
 
-from .conftest import TEST, VALID, loaded, make_tiny
+from .conftest import TEST, VALID, loaded, make_tiny, stopping_saves
 
 
 def hessians_of(module, windows, layer_ids, groups):
@@ -318,13 +318,7 @@ def test_a_partial_output_torn_by_a_power_cut_is_not_resumed(tiny_dir, tmp_path,
     kw = dict(method="rtn", progress=False, **({"format": "gguf", "gguf_type": "Q8_0"} if fmt == "gguf" else {}))
     name = "q.gguf" if fmt == "gguf" else "q"
     quantkit.quantize(str(tiny_dir), out=tmp_path / "whole", **kw)
-    real = pipeline.save_progress
-
-    def save_then_stop(path, state):
-        real(path, state)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(pipeline, "save_progress", save_then_stop)
+    real = stopping_saves(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         quantkit.quantize(str(tiny_dir), out=tmp_path / name, **kw)
     monkeypatch.setattr(pipeline, "save_progress", real)

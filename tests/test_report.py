@@ -9,6 +9,12 @@ import pytest
 from .conftest import DATA, TEST, VALID, cli, make_tiny
 
 
+def both(args, capsys, monkeypatch) -> tuple[int, str]:
+    """The exit status, and what the command printed: its progress (stderr), then its result (stdout)."""
+    code, out, err = cli(args, capsys, monkeypatch)
+    return code, "\n".join([*err, out])
+
+
 def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "report"
     common = ["report", tiny_dir, "--out", out, "--data", TEST, "--calib-data", VALID, "--calib-samples", 4,
@@ -16,7 +22,7 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
               "--group-size", 32,
               "--tasks", "dolly_mc", "--lm-eval-limit", 4, "--ctx", 128]
     args = [*common, "--windows", 3]
-    code, printed, _ = cli(args, capsys, monkeypatch)
+    code, printed = both(args, capsys, monkeypatch)
     r = json.loads((out / "report.json").read_text())
     by_name = {p["name"]: p for p in r["points"]}
     assert code == 1 and list(by_name) == ["rtn-w4", "nf4", "gguf-Q8_0", "exl2-4", "exl2-9"]
@@ -42,7 +48,7 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
     assert not list((out / "exports").iterdir())  # exports measured, then dropped
 
     stamps = {p: (out / "points" / f"{p}.json").stat().st_mtime_ns for p in by_name}
-    code, printed, _ = cli(args, capsys, monkeypatch)  # again: only the failed point runs
+    code, printed = both(args, capsys, monkeypatch)  # again: only the failed point runs
     assert code == 1 and "[5/5] exl2-9" in printed and "rtn-w4" not in printed
     assert all((out / "points" / f"{p}.json").stat().st_mtime_ns == stamps[p] for p in ("rtn-w4", "nf4", "gguf-Q8_0", "exl2-4"))
 
@@ -51,7 +57,7 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
                                             "the report)")
 
     # another sweep with the same settings: its points join the report's, none is dropped from it
-    code, printed, _ = cli(["report", tiny_dir, "--out", out, "--data", TEST, "--calib-data", VALID, "--calib-samples",
+    code, printed = both(["report", tiny_dir, "--out", out, "--data", TEST, "--calib-data", VALID, "--calib-samples",
                             4, "--methods", "rtn", "--bits", "4,8,8", "--group-size", 32, "--tasks", "dolly_mc",
                             "--lm-eval-limit", 4, "--ctx", 128, "--windows", 3], capsys, monkeypatch)
     names = [p["name"] for p in json.loads((out / "report.json").read_text())["points"]]
@@ -75,12 +81,12 @@ def test_a_point_whose_lm_eval_fails_keeps_its_figures(tiny_dir, tmp_path, capsy
             "--windows", 1, "--ctx", 64, "--tasks", "dolly_mc", "--lm-eval-limit", 2]
     with monkeypatch.context() as planting:
         planting.setenv("PYTHONPATH", os.pathsep.join([str(planted), os.environ.get("PYTHONPATH", "")]))
-        code, printed, _ = cli(args, capsys, monkeypatch)
+        code, printed = both(args, capsys, monkeypatch)
     point = json.loads((out / "points" / "rtn-w4.json").read_text())
     assert code == 1 and "lm-eval failed: the harness broke" in printed and "failed: rtn-w4 (lm-eval)" in printed
     assert point["status"] == "ok" and point["perplexity"] > 0 and point["lm_eval_error"] == "the harness broke"
     assert "rtn-w4: lm-eval failed (the harness broke)" in (out / "report.md").read_text()
-    code, printed, _ = cli(args, capsys, monkeypatch)
+    code, printed = both(args, capsys, monkeypatch)
     point = json.loads((out / "points" / "rtn-w4.json").read_text())
     assert code == 0 and "[1/1] rtn-w4" in printed and "lm_eval_error" not in point and point["lm_eval"]["dolly_mc"]
 
@@ -171,7 +177,7 @@ def test_a_model_rewritten_at_its_path_is_not_reported_on_with_the_old_points(ti
 
 def test_a_report_whose_every_point_failed_still_draws_its_charts(tiny_dir, tmp_path, capsys, monkeypatch, recwarn):
     out = tmp_path / "report"
-    code, printed, _ = cli(["report", tiny_dir, "--out", out, "--data", TEST, "--methods", "exl2", "--exl2-bits", "9",
+    code, printed = both(["report", tiny_dir, "--out", out, "--data", TEST, "--methods", "exl2", "--exl2-bits", "9",
                             "--calib-data", VALID, "--windows", 1, "--ctx", 64], capsys, monkeypatch)
     assert code == 1 and "failed: exl2-9" in printed
     assert (out / "kld.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -244,7 +250,7 @@ def test_the_windows_shown_are_the_ones_scored(tiny_dir, tmp_path, capsys, monke
     short = tmp_path / "short.txt"
     short.write_text(TEST.read_text()[:1500])
     out = tmp_path / "report"
-    code, printed, _ = cli(["report", tiny_dir, "--out", out, "--data", short, "--methods", "rtn", "--bits", "4",
+    code, printed = both(["report", tiny_dir, "--out", out, "--data", short, "--methods", "rtn", "--bits", "4",
                             "--group-size", 32, "--windows", 40, "--ctx", 64], capsys, monkeypatch)
     n = json.loads((out / "base.json").read_text())["windows"]
     assert code == 0 and 1 <= n < 40 and f"the text gives {n} windows of 64" in printed

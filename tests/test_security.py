@@ -21,7 +21,7 @@ from quantkit.atomic import partial_path
 from quantkit.pipeline import read_progress, save_progress
 from quantkit.trainer.loop import Checkpoints
 
-from .conftest import ROOT, VALID, cli, refused
+from .conftest import ROOT, VALID, cli, refused, stopping_saves
 
 PRODUCT = ["quantkit", "exporters", "evals", "calibration", "trainer"]
 PICKLERS = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
@@ -263,13 +263,7 @@ def stopped_after_layer_0(tiny_dir, out, monkeypatch, **kw) -> dict:
     """Run quantize until its first progress save, then stop it, as a kill would: the saved state."""
     from quantkit import pipeline
 
-    real = pipeline.save_progress
-
-    def save_then_stop(path, state):
-        real(path, state)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(pipeline, "save_progress", save_then_stop)
+    real = stopping_saves(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         quantkit.quantize(str(tiny_dir), method="rtn", out=out, progress=False, **kw)
     monkeypatch.setattr(pipeline, "save_progress", real)

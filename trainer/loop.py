@@ -184,8 +184,10 @@ def held_out_loss(module, examples, config: TrainConfig, pad: int, device, amp, 
     chunks = math.ceil(busiest / config.batch_size)
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad(), (torch.autocast(device.type, amp) if amp else nullcontext()):
+        # below the step bar, which a log (no terminal) cannot redraw: there it would write cursor moves
         for k in tqdm(range(0, chunks * config.batch_size, config.batch_size), desc="held-out loss", unit="batch",
-                      leave=False, disable=not progress or distributed.rank() != 0, dynamic_ncols=True):
+                      leave=False, disable=not progress or distributed.rank() != 0 or not sys.stderr.isatty(),
+                      dynamic_ncols=True):
             chunk = mine[k: k + config.batch_size]
             loss = token_loss(module, chunk or examples[:1], pad, device)  # an idle process scores a stand-in
             if chunk:
@@ -279,9 +281,11 @@ def plot(path: Path, log: list[dict], evals: list[dict], title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    ax.plot([r["step"] for r in log], [r["loss"] for r in log], lw=0.8, alpha=0.6, label="training loss")
+    ax.plot([r["step"] for r in log], [r["loss"] for r in log], "o-" if len(log) < 30 else "-", ms=3, lw=0.8,
+            alpha=0.6, label="training loss")  # a short run's few points marked
     if len(log) >= 10:  # a moving average shows the trend through the batch-to-batch noise
         k = max(len(log) // 20, 5)
         losses = torch.tensor([r["loss"] for r in log])
@@ -290,6 +294,7 @@ def plot(path: Path, log: list[dict], evals: list[dict], title: str) -> None:
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", lw=1.5, label="held-out loss")
     ax.set(xlabel="step", ylabel="loss per scored token (nats)", title=title)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # steps: no 0.25
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -448,7 +453,8 @@ def run(m: Model, config: TrainConfig, names: list[str], *, train_set: list[data
     if state is None:
         evaluate(0)
     context = (lambda: torch.autocast(dev.type, amp)) if amp else nullcontext
-    bar = tqdm(total=total, initial=start, unit="step", disable=not progress or rank != 0, dynamic_ncols=True)
+    bar = tqdm(total=total, initial=start, desc="training", unit="step", disable=not progress or rank != 0,
+               dynamic_ncols=True)
     began, tokens, evaluating = time.perf_counter(), 0, 0.0  # this run's tokens and time, for its speed
     # a run killed after the checkpoint of its early stop (before writing the adapter) stops there again
     stop = state is not None and config.patience is not None and bad >= config.patience
