@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from quantkit.errors import QuantkitError, untrusted
+from quantkit.requant import Header
 
 FIX = "give a file llama-imatrix wrote (GGUF or legacy .dat), or --imatrix alone to compute one from --calib-data"
 
@@ -53,33 +54,31 @@ def parse(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int, list[s
 
 
 def from_gguf(path: Path) -> tuple[dict[str, torch.Tensor], int, list[str]]:
-    import gguf
-
     with untrusted(path, "not a readable imatrix GGUF", FIX):
-        reader = gguf.GGUFReader(path)
-        tensors = {t.name: t for t in reader.tensors}
-        chunks = reader.fields.get("imatrix.chunk_count")
-        datasets = reader.fields.get("imatrix.datasets")
+        # quantkit's own reader: gguf-py's builds an object per element of every key-value array (200x
+        # the file's size in memory for a long one)
+        header = Header(path)
+        tensors = {t.name: t for t in header.tensors}
+        chunks = int(header.get("imatrix.chunk_count") or 0)
+        datasets = header.strings("imatrix.datasets")
+        if datasets is None:
+            raise ValueError("imatrix.datasets holds other values than names")
         table = {}
         for key, t in tensors.items():
             if not key.endswith(".in_sum2"):
                 continue
             name = key.removesuffix(".in_sum2")
             counts = tensors.get(f"{name}.counts")
-            if counts is None or {t.tensor_type.name, counts.tensor_type.name} != {"F32"}:
+            if counts is None or {t.type, counts.type} != {"F32"}:
                 raise QuantkitError(f"{path}: {name} needs F32 .in_sum2 and .counts tensors: {FIX}")
-            sums = np.asarray(t.data, dtype=np.float32).reshape(-1)
-            n = np.asarray(counts.data, dtype=np.float32).reshape(-1)
+            sums = header.array(t).reshape(-1)
+            n = header.array(counts).reshape(-1)
             if n.size == 0 or sums.size % n.size:
                 raise QuantkitError(f"{path}: {name} has {sums.size} sums for {n.size} counts: {FIX}")
             n = np.trunc(n + np.copysign(0.5, n)).astype(np.float32)  # counts are read with lround
             per_expert = sums.reshape(n.size, -1)
             values = np.where(n[:, None] > 0, per_expert / np.where(n > 0, n, 1)[:, None], np.float32(1))
             table[name] = torch.from_numpy(values.astype(np.float32).reshape(-1))
-        chunks = int(chunks.contents()) if chunks is not None else 0
-        datasets = list(datasets.contents()) if datasets is not None else []
-        if not all(isinstance(d, str) for d in datasets):
-            raise ValueError("imatrix.datasets holds other values than names")
     return table, chunks, datasets
 
 

@@ -271,6 +271,24 @@ class Header:
     def get(self, key: str, default: object = None) -> object:
         return self.kv[key][2] if key in self.kv else default
 
+    def strings(self, key: str, most: int = 16) -> list[str] | None:
+        """The first `most` strings of the array at key ([] where there is no key; None where it is not
+        an array of strings): the header skips arrays, this reads only what is asked for."""
+        if key not in self.kv:
+            return []
+        pos = self.kv[key][0]
+        pos += LENGTH.size + LENGTH.unpack_from(self.buf, pos)[0]  # the key's name
+        kind, sub, n = struct.unpack_from("<IIQ", self.buf, pos)
+        if kind != ARRAY or sub != STRING:
+            return None
+        pos += 16
+        out = []
+        for _ in range(min(n, most)):
+            length = LENGTH.unpack_from(self.buf, pos)[0]
+            out.append(bytes(self.buf[pos + LENGTH.size:pos + LENGTH.size + length]).decode())
+            pos += LENGTH.size + length
+        return out
+
     def array(self, t: Tensor) -> np.ndarray:
         """t's values [rows, row length]: a view of the file's float32 or float16 (both quantize as they
         are), float32 for the other types."""
