@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Sequence
 
 import torch
 from safetensors.torch import load_file
@@ -177,7 +177,7 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def take(state: dict[str, torch.Tensor], path: Path, name: str, parts: Iterable[str]) -> dict[str, torch.Tensor]:
+def take(state: dict[str, torch.Tensor], path: Path, name: str, parts: Sequence[str]) -> dict[str, torch.Tensor]:
     """The tensors {name}.{part} of a packed linear, taken out of state; a missing one is refused."""
     missing = next((p for p in parts if f"{name}.{p}" not in state), None)
     if missing is not None:

@@ -21,7 +21,7 @@ from quantkit.qtensor import QuantizedTensor
 from quantkit.requant import DEFAULT_MIX, MIXES, check_mix, choose  # noqa: F401 (DEFAULT_MIX: read as gguf.DEFAULT_MIX)
 from quantkit.quantizers import ggml
 
-from quantkit.atomic import Staged
+from quantkit.atomic import Staged, reopened
 from .shards import crc, regular
 
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # model_type -> llama.cpp's architecture
@@ -322,7 +322,7 @@ class Writer:
             self.header = crc(self.staged.path, self.data_start)
         else:
             self.data_start, self.header, self.done = state["data_start"], state["header"], dict(state["done"])
-        self.file = os.fdopen(os.open(self.staged.path, os.O_RDWR | os.O_NOFOLLOW), "r+b")
+        self.file = reopened(self.staged.path)
         if ROPE_FREQS in self.plan and ROPE_FREQS not in self.done:  # computed, not read: written first
             self.write(ROPE_FREQS, self.factors)
 

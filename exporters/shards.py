@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from quantkit.atomic import reopened
 from quantkit.errors import QuantkitError
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -133,7 +134,7 @@ class ShardWriter:
         self.saved_shards = len(self.shards)
         spill = self.dir / f".spill-{len(self.shards)}"
         if self.entries:
-            self.spill = os.fdopen(os.open(spill, os.O_RDWR | os.O_NOFOLLOW), "r+b")
+            self.spill = reopened(spill)
             self.spill.truncate(self.used)
             self.spill.seek(self.used)
 

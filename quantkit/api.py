@@ -1,7 +1,6 @@
 """The pipeline as plain function calls; the CLI is a thin layer over these."""
 from __future__ import annotations
 
-import glob
 import hashlib
 import os
 import re
@@ -15,7 +14,8 @@ from pathlib import Path
 import torch
 
 from quantkit import calibration, evals, exporters
-from quantkit.atomic import check_apart, check_out, locked, partial_path, progress_files, progress_path, size_on_disk
+from quantkit.atomic import (check_apart, check_out, locked, partial_path, progress_files, progress_path, siblings,
+                             size_on_disk)
 
 from . import blocks, consumers, distributed, measurement
 from . import rules as layer_rules
@@ -210,7 +210,7 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
             if resume is not None:
                 resume[0].unlink(missing_ok=True)
                 if distributed.rank() == 0:  # a killed job's of another world size too (and killed saves'), now stale
-                    for stale in path.parent.glob(f".{glob.escape(path.name)}.progress-measurement*.pt*"):
+                    for stale in siblings(path, ".{name}.progress-measurement*.pt*"):
                         stale.unlink(missing_ok=True)
         errors = recorder.errors
     grouped = measurement.grouped(shapes, units)

@@ -72,7 +72,13 @@ def progress_path(out: str | os.PathLike, rank: int | None = None) -> Path:
 
 def progress_files(out: Path) -> list[Path]:
     """Every process's saved progress for out."""
-    return list(out.parent.glob(f".{glob.escape(out.name)}.progress*.pt"))
+    return siblings(out, ".{name}.progress*.pt")
+
+
+def siblings(path: Path, pattern: str) -> list[Path]:
+    """The files beside path whose names match the glob pattern, {name} in it standing for path's name
+    taken literally: an --out named 'w/[ab]' must not match another output's files."""
+    return list(path.parent.glob(pattern.format(name=glob.escape(path.name))))
 
 
 def size_on_disk(path: Path) -> int:
@@ -131,6 +137,12 @@ def open_lock(path: Path) -> TextIO:
         raise
 
 
+def reopened(path: Path) -> BinaryIO:
+    """The file at path, open to be written where it is (a resumed run's), not through a symbolic link
+    planted there."""
+    return os.fdopen(os.open(path, os.O_RDWR | os.O_NOFOLLOW), "r+b")
+
+
 def created(path: Path) -> TextIO:
     """A new file at path, open for writing text: what was there (a symbolic link planted there too) is
     removed first, so that nothing is written through a link."""
@@ -187,9 +199,8 @@ class Staged:
         previous output left aside by a commit that was killed."""
         remove(self.path)
         # also the temporary of a save killed in a job of another world size (its own path's run clears it)
-        name = glob.escape(self.out.name)  # --out 'w/[ab]' must not match another output's files
-        for stale in [*progress_files(self.out), *self.out.parent.glob(f".{name}.progress*.pt.tmp-*"),
-                      *self.out.parent.glob(f".{name}.old-*")]:
+        for stale in [*progress_files(self.out), *siblings(self.out, ".{name}.progress*.pt.tmp-*"),
+                      *siblings(self.out, ".{name}.old-*")]:
             remove(stale)
         if self.directory:
             self.path.mkdir()
@@ -224,7 +235,7 @@ class Staged:
             self.path.rename(self.out)
         else:
             self.path.rename(self.out)
-        for old in self.out.parent.glob(f".{glob.escape(self.out.name)}.old-*"):  # also one a commit killed here left
+        for old in siblings(self.out, ".{name}.old-*"):  # also one a commit killed here left
             remove(old)
         fsync(self.out.parent)  # the rename itself
         self.unlock()

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import fcntl
-import glob
 import json
 import math
 import os
@@ -696,7 +695,7 @@ def fill_cache(target: Path, write: Callable[[Path], None], ready: Callable[[Pat
     this process's own, renamed to target when complete. A process that waited on the lock finds
     target ready and reuses it; temporaries left by killed processes are removed first, a failed
     write's at once. needed: the entry's bytes, when known, for the free-space check."""
-    from quantkit.atomic import fsync, remove, sync
+    from quantkit.atomic import fsync, remove, siblings, sync
 
     if ready(target):
         return target
@@ -714,7 +713,7 @@ def fill_cache(target: Path, write: Callable[[Path], None], ready: Callable[[Pat
             fcntl.flock(lock, fcntl.LOCK_EX)
         if ready(target):
             return target
-        for stale in [*target.parent.glob(f".{glob.escape(target.name)}.tmp-*"), target]:  # a target not ready is partial
+        for stale in [*siblings(target, ".{name}.tmp-*"), target]:  # a target not ready is partial
             remove(stale)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         try:

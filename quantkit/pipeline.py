@@ -8,7 +8,6 @@ quantized, and the layer is run again so the next layer sees the quantized layer
 from __future__ import annotations
 
 import ctypes
-import glob
 import hashlib
 import os
 import resource
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import distributed
+from .atomic import siblings
 from .layers import GROUPS, LINEARS, Captured, on_device, run_hooked
 from .modelio import Model
 from .qtensor import QuantizedTensor, per_slice
@@ -299,7 +299,7 @@ def read_progress(path: Path) -> dict:
 
 def load_progress(path: Path, key: str) -> dict | None:
     """The state saved after the last finished layer of the same run (same model, config, data)."""
-    for stale in path.parent.glob(f"{glob.escape(path.name)}.tmp-*"):  # a killed save's (one process per output: atomic.Staged)
+    for stale in siblings(path, "{name}.tmp-*"):  # a killed save's (one process per output: atomic.Staged)
         stale.unlink(missing_ok=True)
     if not path.is_file():
         return None

@@ -335,12 +335,11 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     left = [p for p in todo if not finished(p)]
     began = time.monotonic()
     for k, p in enumerate(left):
-        done = out / "points" / f"{p.name}.json"
+        done, log = out / "points" / f"{p.name}.json", out / "logs" / f"{p.name}.log"
         eta = f", about {duration((time.monotonic() - began) / k * (len(left) - k))} left" if k else ""
-        echo(f"[{todo.index(p) + 1}/{len(todo)}] {p.name} (log: {out / 'logs' / f'{p.name}.log'}{eta})")
+        echo(f"[{todo.index(p) + 1}/{len(todo)}] {p.name} (log: {log}{eta})")
         spec = {"point": asdict(p), "settings": asdict(settings), "out": str(out), "keep_exports": sweep.keep_exports,
                 "parent": os.getpid()}
-        log = out / "logs" / f"{p.name}.log"
         try:
             with atomic.created(log) as f:
                 r = subprocess.run([sys.executable, "-m", "quantkit.report", json.dumps(spec)], stdout=f, stderr=f)
