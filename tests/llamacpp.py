@@ -17,15 +17,27 @@ from quantkit.modelio import cache_dir, fill_cache
 
 VERSION = "11434.0.0"
 TARGETS = ("llama-quantize", "llama-perplexity")
-# AMX off: builds with it die with "Illegal instruction" on these machines; no native tuning, so a
-# cached build runs on any x86-64 with AVX-512
-CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_AVX512=ON",
-         "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF",
-         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+
+
+def has_avx512() -> bool:
+    try:
+        return "avx512f" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+# No native tuning, so a cached build runs on any x86-64 with the same vector unit: AVX-512 where this CPU
+# has it (a build with it dies with "Illegal instruction" on an AMD EPYC without), else AVX2. AMX off:
+# builds with it died the same way on machines whose CPU has it.
+AVX512 = has_avx512()
+CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON",
+         f"-DGGML_AVX512={'ON' if AVX512 else 'OFF'}", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+         "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
 
 
 def bin_dir() -> Path:
-    return Path(os.environ.get("QUANTKIT_LLAMA_CPP") or cache_dir() / f"llama.cpp-{VERSION}")
+    return Path(os.environ.get("QUANTKIT_LLAMA_CPP") or
+                cache_dir() / f"llama.cpp-{VERSION}{'' if AVX512 else '-avx2'}")
 
 
 def source(work: Path) -> Path:
