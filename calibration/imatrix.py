@@ -17,23 +17,19 @@ from quantkit.requant import Header
 FIX = "give a file llama-imatrix wrote (GGUF or legacy .dat), or --imatrix alone to compute one from --calib-data"
 
 
-def read(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Each tensor's importance (float32, one value per input column and expert) by GGUF tensor name."""
-    return parse(path)[0]
-
-
-def provenance(path: str | os.PathLike) -> dict[str, str | int]:
-    """The key-values llama-quantize records of the importance matrix it used (quantize.imatrix.*):
-    the path as given, the first dataset, the entry count, and the chunks it was computed on."""
+def read_recorded(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str | int]]:
+    """(each tensor's importance (float32, one value per input column and expert) by GGUF tensor name,
+    the key-values llama-quantize records of the importance matrix it used (quantize.imatrix.*): the
+    path as given, the first dataset, the entry count, and the chunks it was computed on)."""
     table, chunks, datasets = parse(path)
-    return {"quantize.imatrix.file": str(path)[:127], **({"quantize.imatrix.dataset": datasets[0][:127]} if datasets
-                                                         else {}),
-            "quantize.imatrix.entries_count": len(table), **({"quantize.imatrix.chunks_count": chunks} if chunks > 0
-                                                            else {})}
+    return table, {"quantize.imatrix.file": str(path)[:127],
+                   **({"quantize.imatrix.dataset": datasets[0][:127]} if datasets else {}),
+                   "quantize.imatrix.entries_count": len(table),
+                   **({"quantize.imatrix.chunks_count": chunks} if chunks > 0 else {})}
 
 
 def parse(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int, list[str]]:
-    """(read's table, the chunk count, the datasets' names), the file checked."""
+    """(read_recorded's table, the chunk count, the datasets' names), the file checked."""
     path = Path(path)
     if path.is_dir():
         raise QuantkitError(f"--imatrix {path}: a directory, not an importance matrix: put MODEL before "

@@ -92,7 +92,7 @@ def open_writer(model, out: str | os.PathLike, fmt: str, qconfig: QuantConfig, o
     each 2-D weight's GGUF type by module name, for GGUF. Nothing is written before start()."""
     check_format(fmt, model.module, qconfig)
     if fmt == "gguf":
-        return gguf.Writer(model, out, qconfig.gguf_type, types, overwrite, qconfig.imatrix_file)
+        return gguf.Writer(model, out, qconfig.gguf_type, types, overwrite)
     if fmt == "awq":
         from . import awq as layout
     elif fmt == "compressed-tensors":
@@ -114,7 +114,7 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
         raise QuantkitError("the model is not quantized: quantize it before exporting")
     mixed = any(qt.group_bits is not None for qt in model.tensors.values())  # EXL2's widths, mixed within linears
     if mixed != (fmt == "exl2"):
-        raise QuantkitError(f"{model.source}: " + (f"EXL2's linears mix widths, which only its own layout holds: export "
+        raise QuantkitError(f"{model.source}: " + ("EXL2's linears mix widths, which only its own layout holds: export "
                             "it with format='exl2'" if mixed else "the EXL2 layout holds what an EXL2 quantization "
                             f"made, and this model is quantized as {model.qconfig.method}: quantize with format='exl2'"))
     check_apart(out, [model.source])

@@ -16,7 +16,7 @@ import torch
 
 from quantkit.errors import QuantkitError, untrusted
 from quantkit.modelio import Model, adds_bos, adds_eos, stored_state
-from quantkit import calibration, requant
+from quantkit import requant
 from quantkit.qtensor import QuantizedTensor
 from quantkit.requant import DEFAULT_MIX, MIXES, check_mix, choose  # noqa: F401 (DEFAULT_MIX: read as gguf.DEFAULT_MIX)
 from quantkit.quantizers import ggml
@@ -287,10 +287,8 @@ class Writer:
     each tensor written rather than forcing them to the disk after every layer: a resumed run checks
     them, and a file torn by a power cut is started afresh."""
 
-    def __init__(self, model: Model, out: str | os.PathLike, mix: str, types: dict[str, str], overwrite: bool = False,
-                 imatrix: str | os.PathLike | None = None):
-        # llama-quantize's record of an importance matrix read from a file, after the other key-values
-        self.imatrix = calibration.imatrix.provenance(imatrix) if imatrix is not None else {}
+    def __init__(self, model: Model, out: str | os.PathLike, mix: str, types: dict[str, str], overwrite: bool = False):
+        self.imatrix = model.imatrix  # after the other key-values, as llama-quantize writes them
         self.model, self.mix = model, mix
         cfg = model.module.config
         self.arch = ARCHS[cfg.model_type]

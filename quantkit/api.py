@@ -10,6 +10,7 @@ import warnings
 from contextlib import ExitStack, nullcontext
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -23,7 +24,7 @@ from .config import UNWEIGHTED, QuantConfig, check_fields, refuse_unused
 from .errors import QuantkitError, ResumableError, space_for
 from .layers import GROUPS, LINEARS, fused, linear_shapes, shapes_by_name
 from .modelio import Checkpoint, GGUFCheckpoint, Model, check_context, fingerprint, linear_types, load
-from .pipeline import BATCH, Hessian, OtherFn, gather_hessians, quantize_layers
+from .pipeline import BATCH, Hessian, OtherFn, QuantizeFn, gather_hessians, quantize_layers
 from .qtensor import QuantizedTensor
 from .requant import requantized_note
 from .quantizers import awq, exl2, ggml, gptq, nf4, rtn
@@ -55,7 +56,7 @@ def rounded_again(source: Checkpoint | None, kept: dict[str, str]) -> list[str]:
 
 def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, str] | None = None,
               importance: dict[str, torch.Tensor] | None = None, settings: dict[str, exl2.Setting] | None = None,
-              kept: OtherFn | None = None):
+              kept: OtherFn | None = None) -> QuantizeFn | None:
     """The per-linear core for a method: (name, weight, hessian or None) -> QuantizedTensor; None for
     AWQ, which quantizes whole layers. GPTQ's per-linear losses are recorded in losses. types: each
     linear's GGUF type when quantizing for GGUF; importance: an importance matrix read from a file, by
@@ -78,20 +79,20 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, s
             hm = h.matrix().cpu()
             if c.method == "rtn":
                 return ggml.quantize(w, types[name], hm.diagonal())
-            r = ggml.gptq(w, hm, types[name], hm.diagonal(), c.damp, name)
+            r = ggml.gptq(w, hm, types[name], hm.diagonal(), damp=c.damp, name=name)
             losses[name] = r.loss
             return r.tensor
 
         return quantize_ggml
 
     def quantize_rtn(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
-        return rtn.quantize(w, c.bits, c.group_size, c.sym, c.mse, name)
+        return rtn.quantize(w, bits=c.bits, group_size=c.group_size, sym=c.sym, mse=c.mse, name=name)
 
     def quantize_gptq(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
         if c.exl2 is not None:  # without calibration input: an identity Hessian, plain rounding onto the grid
             hm = h.matrix() if h is not None and h.count else torch.eye(w.shape[1], device=w.device)
             setting = settings[name] if settings is not None else exl2.Setting.for_target(c.exl2, *w.shape)
-            r = exl2.quantize(w, hm, setting, c.damp, c.block_size, name)
+            r = exl2.quantize(w, hm, setting, damp=c.damp, block_size=c.block_size, name=name)
             losses[name] = r.loss
             return r.tensor
         if h is None or h.count == 0:
@@ -104,7 +105,7 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, s
         return r.tensor
 
     def quantize_codebook(name: str, w: torch.Tensor, h: Hessian | None) -> QuantizedTensor:
-        return nf4.quantize(w, c.method, c.block_size, c.double_quant, name)
+        return nf4.quantize(w, c.method, block_size=c.block_size, double_quant=c.double_quant, name=name)
 
     return {"rtn": quantize_rtn, "gptq": quantize_gptq, "nf4": quantize_codebook, "fp4": quantize_codebook}.get(c.method)
 
@@ -138,6 +139,13 @@ def grids(m: Model, config: QuantConfig, format: str,
     return kept
 
 
+def inputs_bytes(windows: torch.Tensor | None, importance: dict[str, torch.Tensor] | None) -> bytes:
+    """What a run's results depend on besides the model and settings, for its key: the calibration
+    windows' tokens and the importance matrix's contents (not only its file's name)."""
+    data = windows.numpy().tobytes() if windows is not None else b""
+    return data + b"".join(name.encode() + v.numpy().tobytes() for name, v in sorted((importance or {}).items()))
+
+
 def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.device, progress: bool,
              settings: tuple, importance: dict[str, torch.Tensor] | None = None
              ) -> dict[str, exl2.Setting | measurement.Grid | measurement.BlockType]:
@@ -155,9 +163,8 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
     quantizer_settings = ("exl2", config.damp, config.block_size) if exl2_run else \
         ("gguf", config.method, config.imatrix) + ((config.damp,) if config.method == "gptq" else ()) if gguf_run else (config.method, config.sym, config.mse) \
         + ((config.damp, config.block_size, config.act_order, config.static_groups, config.group_aware) if hessian else ())
-    data = windows.numpy().tobytes() + b"".join(name.encode() + v.numpy().tobytes()
-                                                for name, v in sorted((importance or {}).items()))
-    key = hashlib.sha256(f"{fingerprint(m.source)}|{quantizer_settings}".encode() + data).hexdigest()
+    key = hashlib.sha256(f"{fingerprint(m.source)}|{quantizer_settings}".encode()
+                         + inputs_bytes(windows, importance)).hexdigest()
     path = Path(config.measurement) if config.measurement is not None else None
     if path is not None and path.exists():
         errors = measurement.read(path, key, shapes, units, settings)
@@ -167,7 +174,8 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
                                 "loaded from its directory")
         weights = measurement.fisher(m, windows, dev, progress and distributed.rank() == 0)
         if exl2_run:
-            cores = [lambda name, w, h, s=s: exl2.quantize(w, h.matrix(), s, config.damp, config.block_size, name).tensor
+            cores = [lambda name, w, h, s=s: exl2.quantize(w, h.matrix(), s, damp=config.damp,
+                                                           block_size=config.block_size, name=name).tensor
                      for s in settings]
         elif gguf_run:
             plain = replace(config, target_bpw=None, measurement=None)
@@ -277,6 +285,7 @@ def quantize(
     keep: bool | None = None,
     progress: bool = True,
     targets: tuple[str, ...] = (),
+    checked: Callable[[], None] | None = None,
     **options,
 ) -> Model:
     """Quantize a model (a Model, a path, or None for the embedded one) with config, or with
@@ -286,11 +295,12 @@ def quantize(
     there is one), written to out and dropped, so memory holds one layer. keep (default: when
     there is no out) leaves the quantized model in memory instead, as dequantized float weights
     plus model.tensors. An interrupted export resumes after its last finished layer when run
-    again. format: safetensors (GPTQ layout; bitsandbytes' for nf4/fp4), awq, compressed-tensors, or gguf (default
-    mix Q4_K_M); max_shard_size: the safetensors layouts' largest shard ("5GB", "500MiB" or bytes).
+    again. format: safetensors (GPTQ layout; bitsandbytes' for nf4/fp4), awq, compressed-tensors, exl2,
+    or gguf (default mix Q4_K_M); max_shard_size: the safetensors layouts' largest shard ("5GB",
+    "500MiB" or bytes).
     targets: consumers (vllm, exllama, transformers, llama.cpp) that must be able to load the export,
     from their documented limits (quantkit.consumers). Every check that can fail runs before the long
-    work starts."""
+    work starts; then checked() is called, if given (the command line's "before" perplexity)."""
     if config is not None and options:
         raise QuantkitError("pass a QuantConfig or its fields as keywords, not both")
     check_fields(QuantConfig, config, options, "quantize")
@@ -330,9 +340,9 @@ def quantize(
     if config.gguf_type is not None:
         exporters.gguf.check(m.module, config.gguf_type)
         types = gguf_types(m, config)
-    importance = None
+    importance, m.imatrix = None, {}
     if config.imatrix_file is not None:
-        importance = calibration.imatrix.read(config.imatrix_file)
+        importance, m.imatrix = calibration.imatrix.read_recorded(config.imatrix_file)
         columns = {exporters.gguf.gguf_name(f"{n}.weight"): m.module.get_submodule(n).weight.shape[1] for n in types}
         calibration.imatrix.check(importance, config.imatrix_file, columns)
         # llama-imatrix leaves out the embedding (and the output, without --process-output): the layers' count
@@ -366,6 +376,8 @@ def quantize(
             raise QuantkitError(f"AWQ needs a batch of calibration windows ({BATCH} each) in each of its "
                                 f"{distributed.world()} processes, and --calib-samples {calib_samples} gives {batches}: "
                                 f"pass --calib-samples {BATCH * distributed.world()} or more")
+    if checked is not None:
+        checked()
     if config.target_bpw is not None:  # from here on, a rule per group of linears, or a GGUF type per linear
         shapes = shapes_by_name(m.module)
         with ExitStack() as held:  # out's lock through the measurement: another job writing out is refused now
@@ -385,16 +397,13 @@ def quantize(
     settings = None  # EXL2's widths per linear, when measured
     resume = None
     if out is not None and not keep:  # saved beside the output: an interrupted run goes on
-        data = windows.numpy().tobytes() if windows is not None else b""
-        if importance is not None:  # the file's contents, not only its name
-            data += b"".join(name.encode() + v.numpy().tobytes() for name, v in sorted(importance.items()))
         run = f"{fingerprint(m.source)}|{config}|{format}|{max_shard_size}|{dev.type}|{distributed.world()}"
-        key = hashlib.sha256(run.encode() + data).hexdigest()
+        key = hashlib.sha256(run.encode() + inputs_bytes(windows, importance)).hexdigest()
         resume = (progress_path(out, distributed.rank() if distributed.world() > 1 else None), key)
     m.losses = {}
     def awq_layer(i, layer, batches):  # AWQ quantizes a layer whole: scales, folding, clipping
-        return awq.quantize_layer(layer, batches, config.bits, config.group_size, config.sym, config.duo_scaling,
-                                  prefix=f"model.layers.{i}.", loss=config.awq_loss)
+        return awq.quantize_layer(layer, batches, bits=config.bits, group_size=config.group_size, sym=config.sym,
+                                  duo=config.duo_scaling, prefix=f"model.layers.{i}.", loss=config.awq_loss)
 
     read = {n.removesuffix(".weight") for n, p in m.module.named_parameters() if not p.is_meta}
 
@@ -621,7 +630,7 @@ def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: 
     return exporters.export(model, out, format, overwrite, max_shard_size, progress)
 
 
-def check_windows(ctx, max_windows) -> None:
+def check_windows(ctx: int, max_windows: int | None) -> None:
     """Refuse a context or window count that is not a whole number (evaluate, compare)."""
     whole("ctx", ctx)
     if max_windows is not None:

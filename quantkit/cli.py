@@ -154,14 +154,14 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     exporters.parse_size(max_shard_size)
     m = load(model)
     check_apart(out, [m.source])  # the embedded model, when MODEL is not given
-    if config.needs_calibration and eval_data:  # the calibration text's faults, before the "before" evaluation
-        calibration.load_text(calib_data, tokenizer=m.tokenizer)
-    consumers.check_targets(consumers.Export.of(fmt, config, m.module), targets)
-    if eval_data and int(os.environ.get("RANK", "0")) == 0:  # from the path, as "after": the same device and dtype
-        show("before", api.evaluate(m.source, eval_data, "llamacpp", ctx, eval_windows))
+
+    def before() -> None:  # once the quantization's checks pass: from the path, as "after", the same device and dtype
+        if eval_data and distributed.rank() == 0:
+            show("before", api.evaluate(m.source, eval_data, "llamacpp", ctx, eval_windows))
+
     m = api.quantize(m, config, calib_data=calib_data, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
                      seed=seed, out=out, format=fmt, overwrite=overwrite, max_shard_size=max_shard_size, device=device,
-                     targets=targets)
+                     targets=targets, checked=before)
     if distributed.rank() != 0:  # under torchrun, rank 0 reports
         return
     click.echo(f"exported to {out}")

@@ -93,7 +93,7 @@ def describe(hint) -> str:
     return " or ".join("None" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
 
 
-UNWEIGHTED = ("F32", "F16", "BF16", "Q8_0")  # GGUF types whose blocks take no importance
+UNWEIGHTED = (*blocks.FLOAT_TYPES, "Q8_0")  # GGUF types whose blocks take no importance
 
 
 @dataclass
@@ -173,7 +173,10 @@ class QuantConfig:
             self.gguf_type = check_mix(self.gguf_type)
         if self.gguf_type is not None and self.method not in ("rtn", "gptq"):
             raise QuantkitError(f"GGUF types are filled by RTN or GPTQ, not {self.method}: use --method rtn or gptq")
-        if (self.imatrix or self.imatrix_file) and (self.gguf_type is None or self.method != "rtn"):
+        if self.imatrix_file is not None and not str(self.imatrix_file):  # the API's; the command line's "" is imatrix
+            raise QuantkitError("imatrix_file is empty: give the path of llama-imatrix's file, or imatrix=True to "
+                                "compute the importance from the calibration text")
+        if self.weighted and (self.gguf_type is None or self.method != "rtn"):
             raise QuantkitError("--imatrix weights GGUF round-to-nearest: use it with --method rtn --format gguf"
                                 + (" (GPTQ always weighs by the Hessian)" if self.method == "gptq" else ""))
         if self.imatrix and self.imatrix_file:
@@ -182,10 +185,10 @@ class QuantConfig:
         if self.pure and self.gguf_type is None:
             raise QuantkitError("--pure chooses GGUF types: use it with --format gguf")
         self.tensor_type = (self.tensor_type,) if isinstance(self.tensor_type, str) else tuple(self.tensor_type)
-        if self.tensor_type and self.gguf_type in (None, "F32", "F16", "BF16"):
+        if self.tensor_type and self.gguf_type in (None, *blocks.FLOAT_TYPES):
             raise QuantkitError("--tensor-type overrides the types of a quantized GGUF mix: use it with --format gguf "
                                 "and a --gguf-type such as Q4_K_M")
-        if (self.imatrix or self.imatrix_file) and self.target_bpw is None and self.gguf_type in UNWEIGHTED and \
+        if self.weighted and self.target_bpw is None and self.gguf_type in UNWEIGHTED and \
                 all(t.rpartition("=")[2].upper() in UNWEIGHTED for t in self.tensor_type):
             raise QuantkitError(f"--imatrix weights the block search of quantized GGUF types, and {self.gguf_type} "
                                 "has none that takes it: drop --imatrix, or choose a mix such as Q4_K_M")

@@ -59,6 +59,8 @@ class Model:
     gguf_types: dict[str, str] = field(default_factory=dict)  # each linear's GGUF block type (a file's, or a GGUF quantization's)
     checkpoint: Checkpoint | None = None  # where the weights not in memory yet are read from
     streamed_to: str | None = None  # the export its quantized layers were written to, and dropped from memory
+    # llama-quantize's record (quantize.imatrix.*) of the importance matrix file its GGUF types were quantized with
+    imatrix: dict[str, str | int] = field(default_factory=dict)
 
     @property
     def layers(self) -> torch.nn.ModuleList:
@@ -695,13 +697,13 @@ def fill_cache(target: Path, write: Callable[[Path], None], ready: Callable[[Pat
     this process's own, renamed to target when complete. A process that waited on the lock finds
     target ready and reuses it; temporaries left by killed processes are removed first, a failed
     write's at once. needed: the entry's bytes, when known, for the free-space check."""
-    from quantkit.atomic import fsync, remove, siblings, sync
+    from quantkit.atomic import fsync, open_lock, remove, siblings, sync
 
     if ready(target):
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(target.with_name(f".{target.name}.lock"), "a+")
+        lock = open_lock(target.with_name(f".{target.name}.lock"))
     except OSError as e:  # read-only, or not ours
         raise QuantkitError(f"{target.parent}: the cache cannot be written ({e.strerror}): make it writable, or point "
                             "QUANTKIT_CACHE at a directory that is") from None

@@ -145,19 +145,20 @@ def run_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]]) 
     return batches
 
 
-def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]], groups,
-                    keep: str | None = None) -> tuple[dict[str, Hessian], list[torch.Tensor]]:
+def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]],
+                    groups: tuple[tuple[str, ...], ...],
+                    capture: str | None = None) -> tuple[dict[str, Hessian], list[torch.Tensor]]:
     """One Hessian per input shared by a group of linears, filled by running the layer once;
     the run stops at the last group's input, since nothing after it is needed. The inputs of the
-    linear named keep are returned too."""
+    linear named capture are returned too."""
     hessians, handles, kept = {}, [], []
     for group in groups:
         first = layer.get_submodule(group[0])
         h = Hessian(first.in_features, first.weight.device)
 
-        def hook(module, args, h=h, last=group is groups[-1], keep=group[0] == keep):
+        def hook(module, args, h=h, last=group is groups[-1], captured=group[0] == capture):
             h.add_batch(args[0])
-            if keep:
+            if captured:
                 kept.append(args[0])
             if last:
                 raise Captured
@@ -216,9 +217,21 @@ def free_memory() -> None:
         LIBC.malloc_trim(0)
 
 
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes. The kernel's VmHWM belongs to the address space
+    (new at exec); getrusage's maxrss is carried over exec from the parent, whose peak it may be."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def peak_memory() -> str:
     """The process's peak resident memory (and the GPU's peak allocation when there is one)."""
-    rss = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+    rss = f"peak RSS {peak_rss() / 2**30:.2f} GiB"
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rss += f", GPU {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
     return rss
@@ -354,7 +367,8 @@ class Lean:
             del linear.forward  # the class's again
 
 
-def quantize_layer(i: int, layer: torch.nn.Module, quantize: QuantizeFn, batches, stages,
+def quantize_layer(i: int, layer: torch.nn.Module, quantize: QuantizeFn, batches: list | None,
+                   stages: list[tuple[tuple[str, ...], ...]],
                    update: bool = True) -> dict[str, QuantizedTensor]:
     """One decoder layer's linears through quantize, group by group; with calibration batches the
     next group and layer see the quantized outputs. update: the weights become their dequantized
@@ -368,9 +382,9 @@ def quantize_layer(i: int, layer: torch.nn.Module, quantize: QuantizeFn, batches
             hessians, o_inputs = {}, []
             if batches is not None:
                 # o_proj's inputs are final when q/k/v were quantized in an earlier stage
-                keep = "self_attn.o_proj" if stage == (("self_attn.o_proj",),) else None
+                capture = "self_attn.o_proj" if stage == (("self_attn.o_proj",),) else None
                 with replaying_attention(layer, attention):
-                    hessians, o_inputs = gather_hessians(layer, batches, stage, keep)
+                    hessians, o_inputs = gather_hessians(layer, batches, stage, capture)
             names = [name for group in stage for name in group]
             mine = {}
             for j, name in enumerate(names):

@@ -14,7 +14,6 @@ import fcntl
 import json
 import math
 import os
-import resource
 import signal
 import struct
 import subprocess
@@ -22,6 +21,7 @@ import sys
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -39,8 +39,8 @@ EMBEDDING_PREFIXES = ("model.embed_tokens.", "lm_head.", "token_embd.", "output.
 @dataclass
 class Point:
     name: str
-    method: str  # rtn, gptq, awq, nf4
-    format: str  # safetensors, awq, gguf
+    method: str  # rtn, gptq (EXL2's too), awq, nf4
+    format: str  # safetensors, awq, gguf, exl2
     bits: int | None = None  # rtn, gptq, awq: the integer width
     gguf_type: str | None = None
     exl2: float | None = None  # the target bits per weight of an EXL2 point
@@ -135,6 +135,7 @@ def run_point(spec: dict) -> dict:
     from . import api
     from .config import QuantConfig
     from .modelio import load
+    from .pipeline import peak_rss
 
     p, s, out = Point(**spec["point"]), Settings(**spec["settings"]), Path(spec["out"])
     export = out / "exports" / (p.name + (".gguf" if p.format == "gguf" else ""))
@@ -179,18 +180,6 @@ def lm_scores(model: object, s: Settings) -> dict[str, dict[str, float]]:
 
     return api.lm_eval(model, s.tasks, limit=s.lm_eval_limit, num_fewshot=s.lm_eval_fewshot,
                        max_length=s.lm_eval_max_length, data_dir=s.lm_eval_data_dir, chat=s.lm_eval_chat)
-
-
-def peak_rss() -> int:
-    """This process's peak resident memory in bytes. The kernel's VmHWM belongs to the address space
-    (new at exec); getrusage's maxrss is carried over exec from the parent, whose peak it may be."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def check(todo: list[Point], settings: Settings, out: Path) -> None:
@@ -252,8 +241,24 @@ def read_json(path: Path):
             raise ValueError("not an object")
         return value
     except (ValueError, UnicodeDecodeError, RecursionError):
-        raise QuantkitError(f"{path} is damaged, not what quantkit report wrote: remove it (a point's file: the "
-                            "point runs again) or choose another --out") from None
+        raise damaged(path) from None
+
+
+def damaged(path: Path) -> QuantkitError:
+    return QuantkitError(f"{path} is damaged, not what quantkit report wrote: remove it (a point's file: the point "
+                         "runs again) or choose another --out")
+
+
+FIGURES = ("name", "format", "bytes", "bpw", "bpw_linear", "perplexity", "ppl_ratio", "kld_mean", "kld_p99", "same_top",
+           "quantize_s", "peak_rss")  # what the table shows of a measured point
+
+
+def read_point(path: Path) -> dict:
+    """A point's file, with what the table shows of it (a bare {"status": "ok"} was a KeyError there)."""
+    point = read_json(path)
+    if not set(FIGURES if point.get("status") == "ok" else ("name", "status", "error")) <= point.keys():
+        raise damaged(path)
+    return point
 
 
 @dataclass
@@ -266,7 +271,8 @@ class Sweep:
     keep_exports: bool = False
 
 
-def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = None, echo=print) -> dict:
+def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = None,
+           echo: Callable[[str], None] = print) -> dict:
     """Run (or go on with) the sweep in out; returns the report (also out/report.json, report.md,
     perplexity.png, kld.png)."""
     from quantkit import calibration, evals
@@ -330,7 +336,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
 
     def finished(p: Point) -> bool:  # measured by an earlier run, its lm-eval scores too
         done = out / "points" / f"{p.name}.json"
-        return done.exists() and (kept := read_json(done)).get("status") == "ok" and "lm_eval_error" not in kept
+        return done.exists() and (kept := read_point(done)).get("status") == "ok" and "lm_eval_error" not in kept
 
     left = [p for p in todo if not finished(p)]
     began = time.monotonic()
@@ -350,7 +356,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
             error = failure(log.read_text(), r.returncode)
             write_json(done, {**asdict(p), "status": "failed", "error": error[:500], "returncode": r.returncode})
             echo(f"    failed: {error[:200]} (log: {log})")
-        elif "lm_eval_error" in (point := read_json(done)):
+        elif "lm_eval_error" in (point := read_point(done)):
             echo(f"    lm-eval failed: {point['lm_eval_error'][:200]}")
         else:
             echo(f"    {point['bpw_linear']:.3f} bits per linear weight, perplexity {point['perplexity']:.3f}, KLD "
@@ -361,7 +367,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     if earlier:
         echo(f"also in the report, from earlier runs into {out}: {', '.join(earlier)}")
     result = {"settings": asdict(settings), "base": read_json(out / "base.json"),
-              "points": [read_json(out / "points" / f"{n}.json") for n in names + earlier]}
+              "points": [read_point(out / "points" / f"{n}.json") for n in names + earlier]}
     write_json(out / "report.json", result)
     write_text(out / "report.md", table(result))
     plot(result, out)
@@ -439,7 +445,7 @@ def table(r: dict) -> str:
             plus_minus(p, "perplexity", ".4f"), plus_minus(p, "ppl_ratio", ".4f"), plus_minus(p, "kld_mean", ".4g"),
             f"{p['kld_p99']:.4g}", plus_minus(p, "same_top", ".2f", 100) + "%",
             *scores(p, tasks),
-            f"{p['quantize_s']:.1f}", "n/a" if p["peak_rss"] is None else f"{p['peak_rss'] / 2**30:.2f}"]) + " |")
+            f"{p['quantize_s']:.1f}", f"{p['peak_rss'] / 2**30:.2f}"]) + " |")
     lines += [f"\n{p['name']}: lm-eval failed ({p['lm_eval_error']}); its scores are missing, the same command runs "
               "it again" for p in r["points"] if "lm_eval_error" in p]
     return "\n".join(lines) + "\n"

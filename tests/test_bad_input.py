@@ -319,7 +319,9 @@ def edit_quantization_config(path, change: dict) -> None:
 
 @pytest.mark.parametrize("fields,match", [({"bits": 4.0}, "bits=4.0 is a float, where int belongs"),
                                           ({"bits": True}, "bits=True is a bool, where int belongs"),
-                                          ({"group_size": 32.0}, "group_size=32.0 is a float, where int belongs")])
+                                          ({"group_size": 32.0}, "group_size=32.0 is a float, where int belongs"),
+                                          # accepted, then read as the directory "."
+                                          ({"imatrix_file": "", "gguf_type": "Q4_0"}, "imatrix_file is empty")])
 def test_settings_through_the_api_that_are_not_whole(fields, match):
     """QuantConfig(bits=4.0) passed `in (2, 3, 4, 8)` and broke the packing with a TypeError."""
     from quantkit import QuantConfig, QuantkitError

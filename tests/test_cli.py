@@ -6,7 +6,7 @@ import torch
 import quantkit
 from quantkit.command import main
 
-from .conftest import TEST, VALID
+from .conftest import TEST, VALID, cli
 
 
 def run(args, monkeypatch):
@@ -50,6 +50,18 @@ def test_quantize_then_eval_the_export(tiny_dir, tmp_path, monkeypatch, capsys):
     after = float(printed.split("after: perplexity ")[1].split()[0])
     assert abs(after - quantkit.evaluate(out, TEST, "llamacpp", 128, 2, progress=False).perplexity) < 0.01 * after
     assert torch.isfinite(torch.tensor(result["perplexity"]))
+
+
+def test_a_quantization_refused_on_the_model_costs_no_before_perplexity(tiny_dir, tmp_path, monkeypatch, capsys):
+    """Checks that need the model (the AWQ layout's widths, an --imatrix file, rules) ran after the
+    "before" perplexity: on a 7B model a whole evaluation spent on a command then refused."""
+    (tmp_path / "rules.json").write_text('[{"match": "nothing", "bits": 8}]')
+    for args, said in ((["--method", "awq", "--bits", 3, "--format", "awq", "--calib-data", VALID],
+                        "4-bit weights only"), (["--rules", tmp_path / "rules.json"], "matches no linear")):
+        code, out, err = cli(["quantize", tiny_dir, "--out", tmp_path / "q", *args, "--eval-data", TEST,
+                              "--eval-windows", 1, "--ctx", 64], capsys, monkeypatch)
+        assert code == 2 and said in err[-1] and "before:" not in out, (out, err)
+        assert not (tmp_path / "q").exists()
 
 
 def test_quantize_shows_progress(tiny_dir, tmp_path, monkeypatch, capsys):

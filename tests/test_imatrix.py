@@ -66,7 +66,7 @@ def test_both_layouts_read_as_the_mean_square(tiny, tmp_path, layout):
     table = importance(tiny)
     path = tmp_path / f"m.{layout}"
     (write_legacy if layout == "dat" else write_gguf)(path, table)
-    back = imatrix.read(path)
+    back, _ = imatrix.read_recorded(path)
     assert back.keys() == table.keys()
     for name, v in table.items():
         assert torch.allclose(back[name], torch.from_numpy(v), rtol=1e-6), name
@@ -192,3 +192,9 @@ def test_the_file_records_the_importance_matrix(tiny, tmp_path):
     assert tensors(tmp_path / "b.gguf")["blk.0.attn_q.weight"][0] == "Q4_K"
     quantkit.quantize(tiny, method="rtn", format="gguf", gguf_type="Q4_0", out=tmp_path / "plain.gguf", progress=False)
     assert recorded(tmp_path / "plain.gguf") == {}
+    # quantized in memory, then exported: the record is the model's, the file is not read again
+    m = quantkit.quantize(tiny, method="rtn", format="gguf", gguf_type="Q4_0", imatrix_file=str(tmp_path / "m.dat"),
+                          progress=False)
+    (tmp_path / "m.dat").unlink()
+    quantkit.export(m, tmp_path / "c.gguf", "gguf", progress=False)
+    assert recorded(tmp_path / "c.gguf") == want

@@ -245,6 +245,22 @@ def test_a_directory_that_is_not_a_report_is_not_written_into(tiny_dir, tmp_path
     assert code == 2 and err[-1].startswith(f"error: {out / 'settings.json'} is damaged")
 
 
+def test_a_point_file_without_its_figures_is_named_not_a_traceback(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A point's file saying "ok" without the figures (another version's, a hand edit) was a KeyError in
+    the table; a failed one without its reason too."""
+    out = tmp_path / "report"
+    args = ["report", tiny_dir, "--out", out, "--data", TEST, "--methods", "rtn", "--bits", "4", "--windows", 1,
+            "--ctx", 64]
+    assert cli(args, capsys, monkeypatch)[0] == 0
+    for name, kept in (("rtn-w4", {"name": "rtn-w4", "status": "ok"}),
+                       ("rtn-w8", {"name": "rtn-w8", "status": "failed"})):
+        point = out / "points" / f"{name}.json"
+        point.write_text(json.dumps(kept))
+        code, _, err = cli(args, capsys, monkeypatch)
+        assert code == 2 and err[-1].startswith(f"error: {point} is damaged"), err
+        point.unlink()
+
+
 def test_the_windows_shown_are_the_ones_scored(tiny_dir, tmp_path, capsys, monkeypatch):
     """A text shorter than --windows: the report said 40 windows where it scored what the text gave."""
     short = tmp_path / "short.txt"
