@@ -57,6 +57,9 @@ def read_file(source: str | os.PathLike, purpose: str = "use") -> str:
         with open(p, encoding="utf-8-sig", newline="") as f:
             text = f.read()
     except UnicodeDecodeError as e:
+        if head.startswith((b"\xff\xfe", b"\xfe\xff")):  # Windows' "Unicode" text
+            raise QuantkitError(f"{p}: UTF-16 text, not UTF-8: convert it (iconv -f UTF-16 -t UTF-8 {p} > "
+                                f"{p.stem}-utf8{p.suffix})") from None
         raise QuantkitError(f"{p}: not UTF-8 text ({e}): pass a plain text file") from None
     except OSError as e:
         raise QuantkitError(f"{p}: cannot read it ({e.strerror}): make it readable, or pass another file") from None

@@ -21,7 +21,7 @@ from . import report as report_
 from .command import export
 from .config import AWQ_LOSSES, METHODS, QuantConfig, refuse_unused
 from .errors import QuantkitError, size
-from .modelio import load
+from .modelio import check_context, load
 
 
 def show(label: str, ppl) -> None:
@@ -103,10 +103,13 @@ def quiet() -> None:
 @click.option("--overwrite", is_flag=True, help="replace --out if it exists")
 @click.option("--max-shard-size", default=exporters.DEFAULT_MAX_SIZE, show_default=True,
               help="safetensors: the largest shard, e.g. 5GB or 500MiB; more than one come with an index")
-@click.option("--calib-data", type=click.Path(), help="text file to calibrate on (default: WikiText-2 train from the hub)")
-@click.option("--calib-samples", type=int, default=128, show_default=True)
-@click.option("--calib-seqlen", type=int, default=512, show_default=True)
-@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--calib-data", type=click.Path(), help="text file to calibrate on, or .jsonl/.json chat or instruction "
+                                                      "records (rendered by the chat template) [WikiText-2 train from "
+                                                      "the hub]")
+@click.option("--calib-samples", type=int, default=128, show_default=True, help="calibration windows")
+@click.option("--calib-seqlen", type=int, default=512, show_default=True, help="tokens per calibration window")
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True,
+              help="where the calibration windows are drawn from the text")
 @click.option("--eval-data", type=click.Path(), help="also print perplexity before and after on this text file")
 @click.option("--eval-windows", type=click.IntRange(1), default=40, show_default=True)
 @click.option("--ctx", type=int, default=512, show_default=True, help="context of the --eval-data perplexity")
@@ -154,6 +157,8 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     exporters.parse_size(max_shard_size)
     m = load(model)
     check_apart(out, [m.source])  # the embedded model, when MODEL is not given
+    if eval_data:  # in every process: the first alone scores it, and the others would wait for it in vain
+        calibration.chats(eval_data, calibration.load_text(eval_data, split="test"), m.tokenizer)
 
     def before() -> None:  # once the quantization's checks pass: from the path, as "after", the same device and dtype
         if eval_data and distributed.rank() == 0:
@@ -286,9 +291,10 @@ def listed(value: str, kind=str, option: str = "") -> list:
 @click.option("--exl2-measured", is_flag=True, help="EXL2 widths per block from one measurement, kept in "
               "OUT/exl2-measurement.json (quantize --measurement)")
 @click.option("--group-size", type=int, default=128, show_default=True)
-@click.option("--calib-data", type=click.Path(), help="calibration text (default: WikiText-2 train from the hub)")
-@click.option("--calib-samples", type=int, default=128, show_default=True)
-@click.option("--calib-seqlen", type=int, default=512, show_default=True)
+@click.option("--calib-data", type=click.Path(), help="calibration text or records (default: WikiText-2 train from "
+                                                      "the hub)")
+@click.option("--calib-samples", type=int, default=128, show_default=True, help="calibration windows")
+@click.option("--calib-seqlen", type=int, default=512, show_default=True, help="tokens per calibration window")
 @click.option("--windows", type=click.IntRange(1), default=40, show_default=True, help="evaluation windows")
 @click.option("--ctx", type=int, default=512, show_default=True)
 @click.option("--tasks", default="", help="also run these lm-eval tasks on each point (comma-separated)")
@@ -381,32 +387,39 @@ T = TrainConfig()  # the defaults shown in --help
 @click.option("--bits", type=int, default=4, show_default=True, help="--quantize: bits")
 @click.option("--group-size", type=int, default=128, show_default=True, help="--quantize: group size")
 @click.option("--gguf-type", help="--quantize with --format gguf: the mix [Q4_K_M]")
-@click.option("--calib-data", type=click.Path(), help="--quantize: calibration text")
+@click.option("--calib-data", type=click.Path(), help="--quantize: calibration text or records")
+@click.option("--calib-samples", type=int, default=128, show_default=True, help="--quantize: calibration windows")
+@click.option("--calib-seqlen", type=int, default=512, show_default=True, help="--quantize: tokens per window")
 def train(model, data, out, eval_data, resume, overwrite, device, quantize_method, quantize_out, fmt, bits,
-          group_size, gguf_type, calib_data, **options) -> None:
+          group_size, gguf_type, calib_data, calib_samples, calib_seqlen, **options) -> None:
     """Fine-tune MODEL (a directory, or by default the embedded SmolLM2-135M-Instruct) with LoRA or
     QLoRA; write the adapter, its log and a loss plot to --out. With --quantize, merge and quantize too."""
     config = TrainConfig(**{k: v for k, v in options.items() if v is not None})
     qconfig, merged = None, f"{out}-merged"
     given = given_options()
-    stray = [given[n] for n in ("quantize_out", "fmt", "bits", "group_size", "gguf_type", "calib_data") if n in given]
+    calibrating = ("calib_data", "calib_samples", "calib_seqlen")
+    stray = [given[n] for n in ("quantize_out", "fmt", "bits", "group_size", "gguf_type", *calibrating) if n in given]
     if stray and not quantize_method:
         raise QuantkitError(f"{stray[0]} sets the quantization that --quantize METHOD turns on: add --quantize, or "
                             "drop it")
     if quantize_method:
         refuse_unused({n: f for n, f in given.items() if n in ("bits", "group_size")}, quantize_method, fmt)
         exporters.check_format_name(fmt)  # before the training, not after it
-        if distributed.world() > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if distributed.world() > 1 or distributed.launched() > 1:
             raise QuantkitError("--quantize runs in one process: train under torchrun, then run quantkit merge and "
                                 "quantkit quantize")
         if fmt == "gguf" and gguf_type is None:
             gguf_type = exporters.gguf.DEFAULT_MIX
         qconfig = QuantConfig(method=quantize_method, bits=bits, group_size=group_size, gguf_type=gguf_type)
-        if calib_data is not None and not qconfig.needs_calibration:
-            raise QuantkitError(f"--calib-data calibrates --quantize, and --quantize {quantize_method} quantizes without "
+        if (flag := next((given[n] for n in calibrating if n in given), None)) and not qconfig.needs_calibration:
+            raise QuantkitError(f"{flag} calibrates --quantize, and --quantize {quantize_method} quantizes without "
                                 "one: drop it (gptq and awq calibrate)")
         if qconfig.needs_calibration:  # its faults (or no network for the default) before the training, not after it
-            calibration.load_text(calib_data)
+            base = load(model)
+            check_context(base.module.config, calib_seqlen, "--calib-seqlen")
+            text = calibration.load_text(calib_data, tokenizer=base.tokenizer)
+            calibration.sample_windows(base.tokenizer, text, calib_samples, calib_seqlen)
+            del base
         quantize_out = quantize_out or f"{out}-{quantize_method}{'.gguf' if fmt == 'gguf' else ''}"
     # --resume after a kill in the merge or the quantization: the finished adapter (and merge) are taken as they are
     trained = bool(resume and quantize_method and os.path.isdir(out))
@@ -439,8 +452,8 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
         if not merged_done:
             trainer.merge(out, merged, overwrite=overwrite)
             click.echo(f"merged into {merged} ({size(size_on_disk(Path(merged)))})")
-        api.quantize(load(merged), qconfig, calib_data=calib_data, out=quantize_out, format=fmt, overwrite=overwrite,
-                     device=device)
+        api.quantize(load(merged), qconfig, calib_data=calib_data, calib_samples=calib_samples,
+                     calib_seqlen=calib_seqlen, out=quantize_out, format=fmt, overwrite=overwrite, device=device)
         click.echo(f"exported to {quantize_out}")
 
 

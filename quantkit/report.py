@@ -187,6 +187,7 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
     from quantkit import calibration
 
     from .config import QuantConfig
+    from .modelio import check_context, load
 
     if not todo:
         raise QuantkitError("the sweep has no points: name some of " + ", ".join(FAMILIES) + " in --methods, "
@@ -199,8 +200,13 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
     if calibrates and (settings.calib_samples < 1 or settings.calib_seqlen < 2):
         raise QuantkitError(f"{settings.calib_samples} calibration windows of {settings.calib_seqlen} tokens: pass "
                             "--calib-samples 1 or more and --calib-seqlen 2 or more")
-    if calibrates or settings.calib_data is not None:  # a setting of the report, even where this sweep does not use it
-        # the file's faults, or the hub's default without the network: once here, not in every point
+    if calibrates:  # the text's faults (records, length), or the hub's default without the network: once here,
+        # not in every point after the base was scored
+        m = load(settings.model or None)
+        check_context(m.module.config, settings.calib_seqlen, "--calib-seqlen")
+        text = calibration.load_text(settings.calib_data, tokenizer=m.tokenizer)
+        calibration.sample_windows(m.tokenizer, text, settings.calib_samples, settings.calib_seqlen)
+    elif settings.calib_data is not None:  # a setting of the report, even where this sweep does not use it
         calibration.load_text(settings.calib_data)
     if settings.tasks:
         from quantkit.evals import harness

@@ -134,6 +134,10 @@ def test_the_calibration_text_is_checked_before_the_first_evaluation(model, caps
     monkeypatch.setattr(quantkit.api, "evaluate", lambda *a, **k: pytest.fail("evaluated before the check"))
     quantize_fails([model, "--method", "gptq", "--calib-data", tmp_path / "calib.bin", "--eval-data", VALID],
                    capsys, monkeypatch, tmp_path, "calib.bin: not UTF-8 text")
+    # Windows' "Unicode" text: the way to convert it named
+    (tmp_path / "calib.txt").write_bytes("a text saved as UTF-16\n".encode("utf-16"))
+    quantize_fails([model, "--method", "gptq", "--calib-data", tmp_path / "calib.txt"], capsys, monkeypatch, tmp_path,
+                   "calib.txt: UTF-16 text, not UTF-8: convert it (iconv -f UTF-16 -t UTF-8")
 
 
 @pytest.mark.parametrize("call,match", [

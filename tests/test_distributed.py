@@ -175,3 +175,37 @@ def test_commands_of_one_process_are_refused_under_torchrun(tiny_dir, tmp_path, 
     assert job.returncode != 0 and "Traceback" not in workers, workers[-3000:]
     assert len(errors) == 2 and all(f"quantkit {command} runs in one process" in e for e in errors), job.stderr[-3000:]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_world_size_without_torchrun_is_refused(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A process that inherited WORLD_SIZE from a torchrun or SLURM job printed torch's env:// traceback."""
+    from .conftest import cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, _, err = cli(["quantize", tiny_dir, "--out", tmp_path / "q"], capsys, monkeypatch)
+    assert code == 2 and err[-1].startswith("error: WORLD_SIZE=2 is set, but not RANK, MASTER_ADDR, MASTER_PORT"), err
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_process_whose_peers_never_join_says_so_and_exits(tiny_dir, tmp_path):
+    """With torchrun's variables inherited but no other process, it waited silently in the rendezvous for
+    30 minutes, SIGTERM and Ctrl-C held off until then."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    run = ("import sys, quantkit.distributed as d; d.JOIN_S = 2; from quantkit.command import main; "
+           f"sys.argv = ['quantkit', 'quantize', {str(tiny_dir)!r}, '--out', {str(tmp_path / 'q')!r}]; main()")
+    r = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith(
+        f"error: the other processes of this job (WORLD_SIZE=2) did not join at 127.0.0.1:{port} within 2 s"), r.stderr
+    assert not (tmp_path / "q").exists()
+
+
+def test_an_eval_text_only_the_first_process_reads_is_checked_in_every_process(tiny_dir, tmp_path):
+    """A missing --eval-data stopped rank 0 alone, and rank 1 then called it a stopped job to resume."""
+    job = torchrun(tiny_dir, "--method", "gptq", "--group-size", 32, "--calib-data", VALID, "--calib-samples", 16,
+                   "--calib-seqlen", 64, "--eval-data", tmp_path / "none.txt", "--out", tmp_path / "q")
+    errors = [line for line in job.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and all("none.txt: no such file" in e for e in errors), job.stderr[-3000:]
+    assert "resume" not in job.stderr and not (tmp_path / "q").exists()

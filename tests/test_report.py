@@ -199,6 +199,9 @@ def test_a_report_whose_every_point_failed_still_draws_its_charts(tiny_dir, tmp_
     (["--methods", "exl2", "--exl2-bits", "0", "--calib-data", VALID], "--exl2-bits 0 is not a target"),
     (["--methods", "exl2", "--exl2-bits", "nan", "--calib-data", VALID], "--exl2-bits nan is not a target"),
     (["--methods", "gptq", "--bits", "4", "--calib-data", VALID, "--calib-samples", 0], "0 calibration windows of 512"),
+    # the base was scored, then every calibrated point failed on them
+    (["--methods", "gptq", "--bits", "4", "--calib-data", VALID, "--calib-samples", 100000], "too few for 100000"),
+    (["--methods", "awq", "--bits", "4", "--calib-data", VALID, "--calib-seqlen", 1024], "longer than the model's"),
     (["--methods", "rtn", "--calib-data", "none.txt"], "none.txt: no such file"),  # a setting of the report still
     # options nothing in the sweep reads: taken and ignored (an invalid --gguf-types too)
     (["--methods", "rtn", "--gguf-types", "Q9_X"], "--gguf-types sets the gguf points, and --methods has none"),

@@ -150,6 +150,11 @@ def test_bad_rank(tiny_dir, text, capsys, monkeypatch, tmp_path, rank, match):
     (["--seed", 2**32], "Invalid value for '--seed'"),  # overflowed the data order's generator: a traceback
     # checked before the training, not after it
     (["--quantize", "gptq", "--calib-data", "missing.txt"], "missing.txt: no such file"),
+    # too short for the windows, longer than the context: found after the training and the merge
+    (["--quantize", "gptq", "--calib-data", VALID, "--calib-samples", 100000], "too few for 100000 windows"),
+    (["--quantize", "awq", "--calib-data", VALID, "--calib-seqlen", 1024], "--calib-seqlen 1024 is longer than"),
+    (["--calib-samples", 8], "--calib-samples sets the quantization that --quantize METHOD turns on"),
+    (["--quantize", "nf4", "--calib-seqlen", 64], "--calib-seqlen calibrates --quantize, and --quantize nf4"),
     # taken and ignored, after the training: RTN reads no calibration
     (["--quantize", "rtn", "--calib-data", VALID], "--calib-data calibrates --quantize, and --quantize rtn quantizes "
      "without one")])
