@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 from pathlib import Path
 
 import torch
@@ -23,6 +24,8 @@ PACKED = {b"\x1f\x8b": "gzip-compressed: decompress it (gunzip) and pass the tex
           b"\x28\xb5\x2f\xfd": "zstd-compressed: decompress it (unzstd) and pass the text",
           b"PK\x03\x04": "a zip archive: extract the text file from it and pass that",
           b"PAR1": "a Parquet table: write its text column as a text file, or its rows as JSON lines (.jsonl)"}
+# byte-order marks of the wider Unicode encodings, UTF-32's first: it begins with UTF-16's
+WIDE = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16", b"\xfe\xff": "UTF-16"}
 TABLES = (".csv", ".tsv")
 OPTION = {"train": "--calib-data", "test": "--data or --eval-data"}  # where each split's text is given
 
@@ -57,9 +60,10 @@ def read_file(source: str | os.PathLike, purpose: str = "use") -> str:
         with open(p, encoding="utf-8-sig", newline="") as f:
             text = f.read()
     except UnicodeDecodeError as e:
-        if head.startswith((b"\xff\xfe", b"\xfe\xff")):  # Windows' "Unicode" text
-            raise QuantkitError(f"{p}: UTF-16 text, not UTF-8: convert it (iconv -f UTF-16 -t UTF-8 {p} > "
-                                f"{p.stem}-utf8{p.suffix})") from None
+        wide = next((name for bom, name in WIDE.items() if head.startswith(bom)), None)
+        if wide is not None:  # Windows' "Unicode" text
+            raise QuantkitError(f"{p}: {wide} text, not UTF-8: convert it (iconv -f {wide} -t UTF-8 "
+                                f"{shlex.quote(str(p))} > {shlex.quote(p.stem + '-utf8' + p.suffix)})") from None
         raise QuantkitError(f"{p}: not UTF-8 text ({e}): pass a plain text file") from None
     except OSError as e:
         raise QuantkitError(f"{p}: cannot read it ({e.strerror}): make it readable, or pass another file") from None

@@ -139,6 +139,14 @@ def grids(m: Model, config: QuantConfig, format: str,
     return kept
 
 
+def calibration_windows(m: Model, data: PathLike | None, samples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
+    """The calibration windows of m from data (WikiText-2 train from the hub by default): its faults
+    (records, too little text, windows past the model's context) refused here, before any work."""
+    check_context(m.module.config, seqlen, "--calib-seqlen")
+    text = calibration.load_text(data, tokenizer=m.tokenizer)
+    return calibration.sample_windows(m.tokenizer, text, samples, seqlen, seed)
+
+
 def inputs_bytes(windows: torch.Tensor | None, importance: dict[str, torch.Tensor] | None) -> bytes:
     """What a run's results depend on besides the model and settings, for its key: the calibration
     windows' tokens and the importance matrix's contents (not only its file's name)."""
@@ -368,16 +376,18 @@ def quantize(
         consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
     windows = None
     if config.needs_calibration:
-        check_context(m.module.config, calib_seqlen, "--calib-seqlen")
-        text = calibration.load_text(calib_data, tokenizer=m.tokenizer)
-        windows = calibration.sample_windows(m.tokenizer, text, calib_samples, calib_seqlen, seed)
+        windows = calibration_windows(m, calib_data, calib_samples, calib_seqlen, seed)
         batches = -(-calib_samples // BATCH)
         if config.method == "awq" and batches < distributed.world():  # a process without one has no statistics
             raise QuantkitError(f"AWQ needs a batch of calibration windows ({BATCH} each) in each of its "
                                 f"{distributed.world()} processes, and --calib-samples {calib_samples} gives {batches}: "
                                 f"pass --calib-samples {BATCH * distributed.world()} or more")
     if checked is not None:
-        checked()
+        with distributed.first_refuses("score the model before quantizing"):
+            if out is not None and distributed.rank() == 0:
+                with locked(Path(out), "--out"):  # another job writing out: refused before the evaluation
+                    pass
+            checked()
     if config.target_bpw is not None:  # from here on, a rule per group of linears, or a GGUF type per linear
         shapes = shapes_by_name(m.module)
         with ExitStack() as held:  # out's lock through the measurement: another job writing out is refused now

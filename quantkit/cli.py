@@ -16,12 +16,12 @@ from quantkit.atomic import check_apart, check_out, size_on_disk
 from quantkit.trainer import TrainConfig
 from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECISIONS
 
-from . import api, consumers, distributed
+from . import api, consumers, distributed, launcher
 from . import report as report_
 from .command import export
 from .config import AWQ_LOSSES, METHODS, QuantConfig, refuse_unused
 from .errors import QuantkitError, size
-from .modelio import check_context, load
+from .modelio import load
 
 
 def show(label: str, ppl) -> None:
@@ -405,7 +405,7 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
     if quantize_method:
         refuse_unused({n: f for n, f in given.items() if n in ("bits", "group_size")}, quantize_method, fmt)
         exporters.check_format_name(fmt)  # before the training, not after it
-        if distributed.world() > 1 or distributed.launched() > 1:
+        if distributed.world() > 1 or launcher.launched() > 1:
             raise QuantkitError("--quantize runs in one process: train under torchrun, then run quantkit merge and "
                                 "quantkit quantize")
         if fmt == "gguf" and gguf_type is None:
@@ -414,16 +414,13 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
         if (flag := next((given[n] for n in calibrating if n in given), None)) and not qconfig.needs_calibration:
             raise QuantkitError(f"{flag} calibrates --quantize, and --quantize {quantize_method} quantizes without "
                                 "one: drop it (gptq and awq calibrate)")
-        if qconfig.needs_calibration:  # its faults (or no network for the default) before the training, not after it
-            base = load(model)
-            check_context(base.module.config, calib_seqlen, "--calib-seqlen")
-            text = calibration.load_text(calib_data, tokenizer=base.tokenizer)
-            calibration.sample_windows(base.tokenizer, text, calib_samples, calib_seqlen)
-            del base
         quantize_out = quantize_out or f"{out}-{quantize_method}{'.gguf' if fmt == 'gguf' else ''}"
     # --resume after a kill in the merge or the quantization: the finished adapter (and merge) are taken as they are
     trained = bool(resume and quantize_method and os.path.isdir(out))
     merged_done = trained and os.path.isdir(merged)
+    if qconfig is not None and qconfig.needs_calibration:  # its faults before the training, not after it; against
+        # what is quantized (the base may be gone once the merge is done)
+        api.calibration_windows(load(merged if merged_done else model), calib_data, calib_samples, calib_seqlen)
     inputs = [model, data, eval_data, calib_data]
     if resume:
         check_apart(out, inputs)

@@ -10,6 +10,7 @@ import warnings
 
 import click
 
+from . import launcher
 from .errors import QuantkitError, size
 
 
@@ -57,9 +58,9 @@ def gguf_magic(path: str) -> bool:
 def terminated(signum, frame) -> None:
     # unwinds like Ctrl-C: a partial export and its progress stay for a resumed run. torchrun's agent
     # stops the survivors of a process that died, often before their collective notices
-    from . import distributed
+    if launcher.launched() > 1:
+        from . import distributed
 
-    if distributed.launched() > 1:
         raise distributed.stopped(", or the job was killed (SIGTERM)")
     raise KeyboardInterrupt
 
@@ -85,25 +86,23 @@ def main() -> None:
     signal.signal(signal.SIGTERM, terminated)
     warnings.formatwarning = warning_line
     try:
-        from . import distributed
-
-        if sys.argv[1:2] and sys.argv[1] in ONE_PROCESS and distributed.launched() > 1:
+        if sys.argv[1:2] and sys.argv[1] in ONE_PROCESS and launcher.launched() > 1:
             raise QuantkitError(f"quantkit {sys.argv[1]} runs in one process, and under torchrun every process would run "
                                 "it whole and write the same output: run it without torchrun (quantize and train share "
                                 "their work across processes)")
         if sys.argv[1:2] == ["export"]:
             export.main(sys.argv[2:], prog_name="quantkit export", standalone_mode=False)
         else:
+            from . import distributed
             from .cli import cli
 
             cli.main(standalone_mode=False)
             distributed.finish()
     except QuantkitError as e:
-        from . import distributed
-
         close_bars()
         # under torchrun the first process's bar may be open on the same terminal: a line of its own
-        lead = "\n" if distributed.rank() > 0 else ""
+        job = sys.modules.get("quantkit.distributed")  # not imported: no job (export runs without torch)
+        lead = "\n" if job is not None and job.rank() > 0 and sys.stderr.isatty() else ""
         click.echo(f"{lead}error: {e}", err=True)
         sys.exit(2)
     except click.exceptions.Abort:

@@ -18,6 +18,7 @@ from typing import Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
+from . import launcher
 from .errors import QuantkitError, ResumableError
 
 T = TypeVar("T")
@@ -31,14 +32,6 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def launched() -> int:
-    """The number of processes the environment says this job has (torchrun's WORLD_SIZE; 1 without)."""
-    size = os.environ.get("WORLD_SIZE", "1")
-    if not size.strip().isdigit() or int(size) < 1:
-        raise QuantkitError(f"WORLD_SIZE={size!r} is not a number of processes: launch with torchrun, or unset it")
-    return int(size)
-
-
 JOIN_S = 300  # a job's processes start together: one not there by then is not coming
 
 
@@ -46,13 +39,10 @@ def init(device: torch.device) -> None:
     """Join the torchrun job this process was launched in, if any (WORLD_SIZE > 1). A process that
     inherited WORLD_SIZE without the rest of torchrun's variables is refused; one whose peers do not
     join within JOIN_S says so and exits, where it waited 30 minutes, deaf to SIGTERM."""
-    size = launched()
+    size = launcher.launched()
     if size < 2 or dist.is_initialized():
         return
-    missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
-    if missing:
-        raise QuantkitError(f"WORLD_SIZE={size} is set, but not {', '.join(missing)}, so this process was not started "
-                            "by torchrun: launch it with torchrun --nproc-per-node N, or unset WORLD_SIZE")
+    launcher.check(size)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
@@ -68,6 +58,7 @@ def init(device: torch.device) -> None:
     try:
         with collective("starting"):
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
+            dist.barrier()  # NCCL (and torchrun's own store) let init return before the peers are there
     finally:
         watchdog.cancel()
 
@@ -82,7 +73,7 @@ def collective(what: str) -> Iterator[None]:
     """A process that dies leaves the others' collectives failing: one clear error instead."""
     try:
         yield
-    except (RuntimeError, ValueError, dist.DistError) as e:  # ValueError: env:// rendezvous refused
+    except (RuntimeError, dist.DistError) as e:
         # gloo's "[.../pair.cc:553] Connection closed by peer ...": its first sentence, without the source path
         reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [type(e).__name__])[0]).split(". ")[0]
         raise stopped(f" while {what} ({reason})") from None

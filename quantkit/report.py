@@ -186,8 +186,9 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
     """Refuse, before the report directory is made, what would fail every point or the whole sweep."""
     from quantkit import calibration
 
+    from . import api
     from .config import QuantConfig
-    from .modelio import check_context, load
+    from .modelio import load
 
     if not todo:
         raise QuantkitError("the sweep has no points: name some of " + ", ".join(FAMILIES) + " in --methods, "
@@ -202,10 +203,8 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
                             "--calib-samples 1 or more and --calib-seqlen 2 or more")
     if calibrates:  # the text's faults (records, length), or the hub's default without the network: once here,
         # not in every point after the base was scored
-        m = load(settings.model or None)
-        check_context(m.module.config, settings.calib_seqlen, "--calib-seqlen")
-        text = calibration.load_text(settings.calib_data, tokenizer=m.tokenizer)
-        calibration.sample_windows(m.tokenizer, text, settings.calib_samples, settings.calib_seqlen)
+        api.calibration_windows(load(settings.model or None), settings.calib_data, settings.calib_samples,
+                                settings.calib_seqlen)
     elif settings.calib_data is not None:  # a setting of the report, even where this sweep does not use it
         calibration.load_text(settings.calib_data)
     if settings.tasks:
@@ -260,7 +259,8 @@ FIGURES = ("name", "format", "bytes", "bpw", "bpw_linear", "perplexity", "ppl_ra
 
 
 def read_point(path: Path) -> dict:
-    """A point's file, with what the table shows of it (a bare {"status": "ok"} was a KeyError there)."""
+    """A point's file, with what the table shows of it (a bare {"status": "ok"} from an earlier run was
+    a KeyError there; one of this sweep's points without them runs again)."""
     point = read_json(path)
     if not set(FIGURES if point.get("status") == "ok" else ("name", "status", "error")) <= point.keys():
         raise damaged(path)
@@ -340,9 +340,10 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         based["lm_eval"] = lm_scores(model, settings)
         write_json(out / "base.json", based)
 
-    def finished(p: Point) -> bool:  # measured by an earlier run, its lm-eval scores too
+    def finished(p: Point) -> bool:  # measured by an earlier run, its lm-eval scores too (else it runs again)
         done = out / "points" / f"{p.name}.json"
-        return done.exists() and (kept := read_point(done)).get("status") == "ok" and "lm_eval_error" not in kept
+        return done.exists() and (kept := read_json(done)).get("status") == "ok" and set(FIGURES) <= kept.keys() \
+            and "lm_eval_error" not in kept
 
     left = [p for p in todo if not finished(p)]
     began = time.monotonic()

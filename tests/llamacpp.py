@@ -21,9 +21,10 @@ TARGETS = ("llama-quantize", "llama-perplexity")
 
 def has_avx512() -> bool:
     try:
-        return "avx512f" in Path("/proc/cpuinfo").read_text().split()
+        flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return False
+    return {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"} <= flags  # what GGML_AVX512 compiles for
 
 
 # No native tuning, so a cached build runs on any x86-64 with the same vector unit: AVX-512 where this CPU

@@ -53,8 +53,8 @@ def test_quantize_then_eval_the_export(tiny_dir, tmp_path, monkeypatch, capsys):
 
 
 def test_a_quantization_refused_on_the_model_costs_no_before_perplexity(tiny_dir, tmp_path, monkeypatch, capsys):
-    """Checks that need the model (the AWQ layout's widths, an --imatrix file, rules) ran after the
-    "before" perplexity: on a 7B model a whole evaluation spent on a command then refused."""
+    """Checks that need the model (the AWQ layout's widths, an --imatrix file, rules), and --out's lock,
+    ran after the "before" perplexity: on a 7B model a whole evaluation spent on a command then refused."""
     (tmp_path / "rules.json").write_text('[{"match": "nothing", "bits": 8}]')
     for args, said in ((["--method", "awq", "--bits", 3, "--format", "awq", "--calib-data", VALID],
                         "4-bit weights only"), (["--rules", tmp_path / "rules.json"], "matches no linear")):
@@ -62,6 +62,12 @@ def test_a_quantization_refused_on_the_model_costs_no_before_perplexity(tiny_dir
                               "--eval-windows", 1, "--ctx", 64], capsys, monkeypatch)
         assert code == 2 and said in err[-1] and "before:" not in out, (out, err)
         assert not (tmp_path / "q").exists()
+    from quantkit import atomic
+
+    with atomic.locked(tmp_path / "q", "--out"):  # another job writing --out
+        code, out, err = cli(["quantize", tiny_dir, "--out", tmp_path / "q", "--eval-data", TEST, "--eval-windows", 1,
+                              "--ctx", 64], capsys, monkeypatch)
+    assert code == 2 and "being written by another quantkit process" in err[-1] and "before:" not in out, (out, err)
 
 
 def test_quantize_shows_progress(tiny_dir, tmp_path, monkeypatch, capsys):

@@ -177,13 +177,19 @@ def test_commands_of_one_process_are_refused_under_torchrun(tiny_dir, tmp_path, 
     assert list(tmp_path.iterdir()) == []
 
 
-def test_world_size_without_torchrun_is_refused(tiny_dir, tmp_path, capsys, monkeypatch):
-    """A process that inherited WORLD_SIZE from a torchrun or SLURM job printed torch's env:// traceback."""
+@pytest.mark.parametrize("env,said", [
+    ({}, "WORLD_SIZE=2 is set, but not RANK, MASTER_ADDR, MASTER_PORT"),
+    ({"RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "RANK='2' is not a process of a job of"),
+    ({"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, "MASTER_PORT='99999' is not a port")])
+def test_world_size_without_torchrun_is_refused(tiny_dir, tmp_path, capsys, monkeypatch, env, said):
+    """A process that inherited WORLD_SIZE from a torchrun or SLURM job printed torch's env:// traceback; a
+    rank outside the job waited for peers, a bad port was called another process stopped, to resume."""
     from .conftest import cli
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name, value in {"WORLD_SIZE": "2", **env}.items():
+        monkeypatch.setenv(name, value)
     code, _, err = cli(["quantize", tiny_dir, "--out", tmp_path / "q"], capsys, monkeypatch)
-    assert code == 2 and err[-1].startswith("error: WORLD_SIZE=2 is set, but not RANK, MASTER_ADDR, MASTER_PORT"), err
+    assert code == 2 and err[-1].startswith(f"error: {said}"), err
     assert not (tmp_path / "q").exists()
 
 
@@ -203,9 +209,18 @@ def test_a_process_whose_peers_never_join_says_so_and_exits(tiny_dir, tmp_path):
 
 
 def test_an_eval_text_only_the_first_process_reads_is_checked_in_every_process(tiny_dir, tmp_path):
-    """A missing --eval-data stopped rank 0 alone, and rank 1 then called it a stopped job to resume."""
+    """A missing --eval-data (or one too short) stopped rank 0 alone, and rank 1 then called it a stopped job
+    to resume."""
     job = torchrun(tiny_dir, "--method", "gptq", "--group-size", 32, "--calib-data", VALID, "--calib-samples", 16,
                    "--calib-seqlen", 64, "--eval-data", tmp_path / "none.txt", "--out", tmp_path / "q")
     errors = [line for line in job.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2 and all("none.txt: no such file" in e for e in errors), job.stderr[-3000:]
+    assert "resume" not in job.stderr and not (tmp_path / "q").exists()
+    # a fault the first process alone meets in scoring it: the other says so
+    (tmp_path / "short.txt").write_text("too short for a window")
+    job = torchrun(tiny_dir, "--method", "gptq", "--group-size", 32, "--calib-data", VALID, "--calib-samples", 16,
+                   "--calib-seqlen", 64, "--eval-data", tmp_path / "short.txt", "--ctx", 64, "--out", tmp_path / "q")
+    errors = [line for line in job.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and any("the first process of this torchrun job could not score the model" in e
+                                    for e in errors), job.stderr[-3000:]
     assert "resume" not in job.stderr and not (tmp_path / "q").exists()

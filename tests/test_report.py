@@ -113,6 +113,9 @@ def test_lm_eval_settings_reach_every_run_and_an_older_report_goes_on(tiny_dir, 
     (planted / "sitecustomize.py").write_text(RECORDER)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(planted), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("LM_EVAL_CALLS", str(calls))
+    import quantkit.api
+
+    monkeypatch.setattr(quantkit.api, "lm_eval", quantkit.api.lm_eval)  # put back after the test
     exec(RECORDER, {})  # this process's lm-eval: the base's
     common = ["report", tiny_dir, "--out", out, "--data", TEST, "--methods", "rtn", "--bits", "4", "--group-size", 32,
               "--windows", 1, "--ctx", 64, "--tasks", "dolly_mc", "--lm-eval-limit", 2]
@@ -248,20 +251,23 @@ def test_a_directory_that_is_not_a_report_is_not_written_into(tiny_dir, tmp_path
     assert code == 2 and err[-1].startswith(f"error: {out / 'settings.json'} is damaged")
 
 
-def test_a_point_file_without_its_figures_is_named_not_a_traceback(tiny_dir, tmp_path, capsys, monkeypatch):
+def test_a_point_file_without_its_figures_is_measured_again_or_named(tiny_dir, tmp_path, capsys, monkeypatch):
     """A point's file saying "ok" without the figures (another version's, a hand edit) was a KeyError in
-    the table; a failed one without its reason too."""
+    the table: one of the sweep's runs again, one from an earlier sweep is named; a failed one without
+    its reason too."""
     out = tmp_path / "report"
     args = ["report", tiny_dir, "--out", out, "--data", TEST, "--methods", "rtn", "--bits", "4", "--windows", 1,
             "--ctx", 64]
     assert cli(args, capsys, monkeypatch)[0] == 0
-    for name, kept in (("rtn-w4", {"name": "rtn-w4", "status": "ok"}),
-                       ("rtn-w8", {"name": "rtn-w8", "status": "failed"})):
-        point = out / "points" / f"{name}.json"
+    (out / "points" / "rtn-w4.json").write_text(json.dumps({"name": "rtn-w4", "status": "ok"}))
+    code, _, err = cli(args, capsys, monkeypatch)
+    assert code == 0 and "[1/1] rtn-w4" in "\n".join(err), err
+    assert json.loads((out / "points" / "rtn-w4.json").read_text())["perplexity"] > 1
+    for kept in ({"name": "rtn-w8", "status": "ok"}, {"name": "rtn-w8", "status": "failed"}):
+        point = out / "points" / "rtn-w8.json"
         point.write_text(json.dumps(kept))
         code, _, err = cli(args, capsys, monkeypatch)
         assert code == 2 and err[-1].startswith(f"error: {point} is damaged"), err
-        point.unlink()
 
 
 def test_the_windows_shown_are_the_ones_scored(tiny_dir, tmp_path, capsys, monkeypatch):

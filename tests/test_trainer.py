@@ -473,23 +473,31 @@ def test_train_then_quantize_in_one_command(tiny_dir, text, tmp_path):
 def test_train_then_quantize_killed_after_the_training_resumes(tiny_dir, text, tmp_path, capsys, monkeypatch, stage):
     """Killed in the merge or the quantization, the same command with --resume went nowhere ("a-merged already
     exists", or "nothing to resume": the adapter was finished): now it takes the finished adapter (and merge)
-    and goes on, the quantization from its last finished layer."""
+    and goes on, the quantization from its last finished layer. Once merged, the base may be gone (the
+    calibration text was checked against it, and the resume refused)."""
+    import shutil
+
     from quantkit import api, cli as cli_module
 
-    from .conftest import cli
+    from .conftest import VALID, cli
 
-    args = ["train", tiny_dir, "--data", text, "--steps", 2, "--seqlen", 32, "--batch-size", 2, "--rank", 4,
-            "--out", tmp_path / "a", "--quantize", "rtn", "--group-size", 32]
+    base = tmp_path / "base"
+    shutil.copytree(tiny_dir, base)
+    args = ["train", base, "--data", text, "--steps", 2, "--seqlen", 32, "--batch-size", 2, "--rank", 4,
+            "--out", tmp_path / "a", "--quantize", "gptq", "--group-size", 32, "--calib-data", VALID,
+            "--calib-samples", 8, "--calib-seqlen", 64]
     with monkeypatch.context() as killed:
         killed.setattr(cli_module.trainer if stage == "merge" else api, stage,
                        lambda *a, **kw: (_ for _ in ()).throw(KeyboardInterrupt))
         assert cli(args, capsys, monkeypatch)[0] == 130
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == \
-        ["a"] + ["a-merged"] * (stage == "quantize")
+        ["a"] + ["a-merged"] * (stage == "quantize") + ["base"]
+    if stage == "quantize":
+        shutil.rmtree(base)
     trained = (tmp_path / "a" / "adapter_model.safetensors").stat().st_mtime_ns
     monkeypatch.setattr(cli_module.trainer, "train", lambda *a, **kw: pytest.fail("trained again"))
     code, printed, err = cli([*args, "--resume"], capsys, monkeypatch)
     assert code == 0, err
     assert "a is a finished adapter: going on to " + ("merge and quantize" if stage == "merge" else "quantize") in printed
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a-merged", "a-rtn"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "base") == ["a", "a-gptq", "a-merged"]
     assert (tmp_path / "a" / "adapter_model.safetensors").stat().st_mtime_ns == trained
