@@ -383,10 +383,11 @@ def quantize(
                                 f"{distributed.world()} processes, and --calib-samples {calib_samples} gives {batches}: "
                                 f"pass --calib-samples {BATCH * distributed.world()} or more")
     if checked is not None:
-        with distributed.first_refuses("score the model before quantizing"):
+        with distributed.first_refuses(f"open {out}"):  # another job writing out: refused before checked, not after
             if out is not None and distributed.rank() == 0:
-                with locked(Path(out), "--out"):  # another job writing out: refused before the evaluation
+                with locked(Path(out), "--out"):
                     pass
+        with distributed.first_refuses("score the model before quantizing"):
             checked()
     if config.target_bpw is not None:  # from here on, a rule per group of linears, or a GGUF type per linear
         shapes = shapes_by_name(m.module)

@@ -161,12 +161,12 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
         calibration.chats(eval_data, calibration.load_text(eval_data, split="test"), m.tokenizer)
 
     def before() -> None:  # once the quantization's checks pass: from the path, as "after", the same device and dtype
-        if eval_data and distributed.rank() == 0:
+        if distributed.rank() == 0:
             show("before", api.evaluate(m.source, eval_data, "llamacpp", ctx, eval_windows))
 
     m = api.quantize(m, config, calib_data=calib_data, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
                      seed=seed, out=out, format=fmt, overwrite=overwrite, max_shard_size=max_shard_size, device=device,
-                     targets=targets, checked=before)
+                     targets=targets, checked=before if eval_data else None)
     if distributed.rank() != 0:  # under torchrun, rank 0 reports
         return
     click.echo(f"exported to {out}")
