@@ -3,7 +3,10 @@ kernel the interpreter accepts but the compiler rejects fails here. Run without 
 
     python tests/compile_kernels.py [capability ...]        # default: 90 (Hopper)
 """
+import multiprocessing
+import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -26,28 +29,34 @@ def compile_one(fn, types: dict, consts: dict, capability: int, warps: int = 4) 
     triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": warps, "num_stages": 3})
 
 
+def compile_layout(cap: int, layout: tuple) -> str:
+    fmt, bits, nested, group, order, w = layout
+    args = dict(zip(["w0", "w1", "w2", "w3", "w4"], w)) | {
+        "fparam": "fp32", "i0": "i32", "i1": "i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32"}
+    c = {"FMT": fmt, "BITS": bits, "NESTED": nested, "GROUP": group, "ORDER": order}
+    words = 32 % bits == 0 if fmt == GPTQ else group > 0  # as kernels.matmul decides
+    for dt in ("fp16", "bf16", "fp32"):
+        compile_one(jit.dequantize_kernel, args | {"out": f"*{dt}"}, c | {"BN": 32, "BK": 64, "WORDS": words}, cap)
+        io = args | {"x": f"*{dt}", "y": f"*{dt}", "part": "*fp32", "count": "*i32"}
+        for split in (False, True):
+            compile_one(jit.gemv_kernel, io, c | {"BN": 64, "BK": 64, "SPLIT": split, "WORDS": words}, cap)
+            if fmt == GPTQ and not order:  # the layout's GEMV tile and launch as matmul runs them
+                bn, bk = kernels.GEMV_TILE["gptq"]
+                compile_one(jit.gemv_kernel, io, c | {"BN": bn, "BK": bk, "SPLIT": split, "WORDS": words}, cap,
+                            kernels.GEMV_LAUNCH["gptq"].get("num_warps", 4))
+            tile = {"BM": 16, "BN": 128, "BK": 64} if split else {"BM": 64, "BN": 64, "BK": 32}  # split: few rows
+            if not order:  # the GEMM takes x reordered, and no ORDER
+                gemm = {key: v for key, v in c.items() if key != "ORDER"} | tile
+                compile_one(jit.gemm_kernel, io, gemm | {"UPCAST": False, "WORDS": words, "SPLIT": split,
+                                                         "PRECISION": "ieee" if dt == "fp32" else "tf32"}, cap)
+    return f"sm_{cap}: FMT {fmt}, {bits} bits, nested {nested}, group {group}, order {order}: compiled"
+
+
 def main(capabilities: list[int]) -> None:
-    for cap in capabilities:
-        for fmt, bits, nested, group, order, w in LAYOUTS:
-            args = dict(zip(["w0", "w1", "w2", "w3", "w4"], w)) | {
-                "fparam": "fp32", "i0": "i32", "i1": "i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32"}
-            c = {"FMT": fmt, "BITS": bits, "NESTED": nested, "GROUP": group, "ORDER": order}
-            words = 32 % bits == 0 if fmt == GPTQ else group > 0  # as kernels.matmul decides
-            for dt in ("fp16", "bf16", "fp32"):
-                compile_one(jit.dequantize_kernel, args | {"out": f"*{dt}"}, c | {"BN": 32, "BK": 64, "WORDS": words}, cap)
-                io = args | {"x": f"*{dt}", "y": f"*{dt}", "part": "*fp32", "count": "*i32"}
-                for split in (False, True):
-                    compile_one(jit.gemv_kernel, io, c | {"BN": 64, "BK": 64, "SPLIT": split, "WORDS": words}, cap)
-                    if fmt == GPTQ and not order:  # the layout's GEMV tile and launch as matmul runs them
-                        bn, bk = kernels.GEMV_TILE["gptq"]
-                        compile_one(jit.gemv_kernel, io, c | {"BN": bn, "BK": bk, "SPLIT": split, "WORDS": words}, cap,
-                                    kernels.GEMV_LAUNCH["gptq"].get("num_warps", 4))
-                    tile = {"BM": 16, "BN": 128, "BK": 64} if split else {"BM": 64, "BN": 64, "BK": 32}  # split: few rows
-                    if not order:  # the GEMM takes x reordered, and no ORDER
-                        gemm = {key: v for key, v in c.items() if key != "ORDER"} | tile
-                        compile_one(jit.gemm_kernel, io, gemm | {"UPCAST": False, "WORDS": words, "SPLIT": split,
-                                                                 "PRECISION": "ieee" if dt == "fp32" else "tf32"}, cap)
-            print(f"sm_{cap}: FMT {fmt}, {bits} bits, nested {nested}, group {group}, order {order}: compiled", flush=True)
+    # a process per core: each compile is single-threaded, and there are some 260 of them per capability
+    with ProcessPoolExecutor(os.cpu_count() or 1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for line in pool.map(compile_layout, *zip(*[(cap, layout) for cap in capabilities for layout in LAYOUTS])):
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

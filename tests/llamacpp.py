@@ -128,9 +128,15 @@ def quantize(src: Path, out: Path, kind: str, *flags: str) -> None:
     run("llama-quantize", *flags, str(src), str(out), kind, "2")
 
 
-def perplexity(model: Path, text: Path, windows: int, ctx: int = 512) -> float:
-    log = run("llama-perplexity", "-m", str(model), "-f", str(text), "-c", str(ctx), "--chunks", str(windows), "-t", "2")
+def perplexity(model: Path, text: Path, windows: int, ctx: int = 512, flags: tuple[str, ...] = ()) -> float:
+    log = run("llama-perplexity", "-m", str(model), "-f", str(text), "-c", str(ctx), "--chunks", str(windows), "-t", "2",
+              *flags)
     return float(re.search(r"Final estimate: PPL = ([0-9.]+)", log).group(1))
+
+
+# attention in float32, as transformers computes it: llama.cpp's default on the CPU is flash attention over
+# a float16 cache that sums the values in float16, which errs most where attention is spread wide
+F32_ATTENTION = ("-fa", "off", "-ctk", "f32", "-ctv", "f32")
 
 
 def save_base(model: Path, text: Path, logits: Path, windows: int, ctx: int = 512) -> None:
