@@ -139,15 +139,16 @@ def perplexity(model: Path, text: Path, windows: int, ctx: int = 512, flags: tup
 F32_ATTENTION = ("-fa", "off", "-ctk", "f32", "-ctv", "f32")
 
 
-def save_base(model: Path, text: Path, logits: Path, windows: int, ctx: int = 512) -> None:
+def save_base(model: Path, text: Path, logits: Path, windows: int, ctx: int = 512, flags: tuple[str, ...] = ()) -> None:
     """llama-perplexity --kl-divergence-base: the model's log-probabilities of the windows, saved."""
     run("llama-perplexity", "-m", str(model), "-f", str(text), "-c", str(ctx), "--chunks", str(windows), "-t", "2",
-        "--kl-divergence-base", str(logits))
+        "--kl-divergence-base", str(logits), *flags)
 
 
-def kl_divergence(model: Path, logits: Path) -> dict[str, float]:
+def kl_divergence(model: Path, logits: Path, flags: tuple[str, ...] = ()) -> dict[str, float]:
     """llama-perplexity --kl-divergence against a saved base: its summary figures."""
-    log = run("llama-perplexity", "-m", str(model), "-t", "2", "--kl-divergence-base", str(logits), "--kl-divergence")
+    log = run("llama-perplexity", "-m", str(model), "-t", "2", "--kl-divergence-base", str(logits), "--kl-divergence",
+              *flags)
 
     def figure(label: str) -> float:
         return float(re.search(label + r"\s*:\s*(-?[0-9.]+)", log).group(1))
