@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import os
 import sys
+from importlib import import_module
 from pathlib import Path
 
 from quantkit.atomic import check_apart
 from quantkit.config import CODEBOOK_METHODS, QuantConfig
 from quantkit.errors import QuantkitError, space_for
-from quantkit.modelio import stored_state
 
-from . import gguf
 from .shards import DEFAULT_MAX_SIZE, parse_size
 
 # safetensors: the GPTQ checkpoint layout for integer grids, bitsandbytes' 4-bit layout for NF4/FP4;
@@ -40,6 +39,8 @@ def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
         raise QuantkitError("--target-bpw mixes settings per linear in the safetensors (GPTQ), compressed-tensors "
                             f"and GGUF formats; the {fmt} layout holds one: use one of those formats")
     if fmt == "gguf":
+        from . import gguf
+
         gguf.check(module, qconfig.gguf_type)
     elif qconfig.target_bpw is not None:
         return  # the grids it chooses from are checked one by one (api.grids)
@@ -68,6 +69,10 @@ def expected_size(module, fmt: str, qconfig: QuantConfig, types: dict[str, str] 
     what fits): GGUF's tensor data exactly, from its types' blocks; the safetensors layouts each
     decoder linear at its bits plus a 16-bit scale per group (8 bits per block for NF4/FP4), every
     other tensor in 16 bits."""
+    from quantkit.modelio import stored_state
+
+    from . import gguf
+
     if fmt == "gguf":
         return sum(gguf.nbytes(shape, kind) for shape, kind in gguf.plan(module, types).values())
     total = 0
@@ -92,6 +97,8 @@ def open_writer(model, out: str | os.PathLike, fmt: str, qconfig: QuantConfig, o
     each 2-D weight's GGUF type by module name, for GGUF. Nothing is written before start()."""
     check_format(fmt, model.module, qconfig)
     if fmt == "gguf":
+        from . import gguf
+
         return gguf.Writer(model, out, qconfig.gguf_type, types, overwrite)
     if fmt == "awq":
         from . import awq as layout
@@ -117,6 +124,8 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
         raise QuantkitError(f"{model.source}: " + ("EXL2's linears mix widths, which only its own layout holds: export "
                             "it with format='exl2'" if mixed else "the EXL2 layout holds what an EXL2 quantization "
                             f"made, and this model is quantized as {model.qconfig.method}: quantize with format='exl2'"))
+    from quantkit.modelio import stored_state
+
     check_apart(out, [model.source])
     types = {name: qt.ggml for name, qt in model.tensors.items()} if fmt == "gguf" else None
     writer = open_writer(model, out, fmt, model.qconfig, overwrite, max_shard_size, types)
@@ -135,6 +144,14 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
     except BaseException:
         writer.abort()
         raise
+
+
+def __getattr__(name: str) -> object:
+    """exporters.gguf, imported when first read: its writer imports transformers, which the command
+    line's help and option checks do without."""
+    if name == "gguf":
+        return import_module(f"{__name__}.gguf")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["DEFAULT_MAX_SIZE", "FORMATS", "gguf", "check_format", "check_format_name", "expected_size", "export", "open_writer", "parse_size"]

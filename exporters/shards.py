@@ -17,15 +17,19 @@ import shutil
 import struct
 import zlib
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from quantkit.atomic import reopened
 from quantkit.errors import QuantkitError
 
-DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-          torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+if TYPE_CHECKING:
+    import torch
+
+# safetensors' names of torch's dtypes, by torch's name (torch itself is imported where a tensor is written:
+# the command line reads this module's sizes before it needs torch)
+DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+          "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
+          "float8_e5m2": "F8_E5M2"}
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 DEFAULT_MAX_SIZE = "5GB"
@@ -100,7 +104,10 @@ class ShardWriter:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.names:
             raise ValueError(f"tensor {name} written twice")
-        if tensor.dtype not in DTYPES:
+        import torch
+
+        kind = DTYPES.get(str(tensor.dtype).removeprefix("torch."))
+        if kind is None:
             raise QuantkitError(f"tensor {name} has dtype {tensor.dtype}, which safetensors cannot hold")
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         if self.entries and self.used + data.numel() > self.max_size:
@@ -109,7 +116,7 @@ class ShardWriter:
             self.spill = open(self.dir / f".spill-{len(self.shards)}", "w+b")
         self.spill.write(data.numpy().data)
         self.crc = zlib.crc32(data.numpy().data, self.crc)
-        self.entries[name] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape),
+        self.entries[name] = {"dtype": kind, "shape": list(tensor.shape),
                               "data_offsets": [self.used, self.used + data.numel()]}
         self.names.add(name)
         self.used += data.numel()

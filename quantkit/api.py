@@ -20,7 +20,7 @@ from quantkit.atomic import (check_apart, check_out, locked, partial_path, progr
 
 from . import blocks, consumers, distributed, measurement
 from . import rules as layer_rules
-from .config import UNWEIGHTED, QuantConfig, check_fields, refuse_unused
+from .config import DTYPES, UNWEIGHTED, QuantConfig, check_fields, refuse_unused
 from .errors import QuantkitError, ResumableError, space_for
 from .layers import GROUPS, LINEARS, fused, linear_shapes, shapes_by_name
 from .modelio import Checkpoint, GGUFCheckpoint, Model, check_context, fingerprint, linear_types, load
@@ -481,9 +481,6 @@ def default_device(given: object, device: str | None) -> str | None:
     if device is not None or isinstance(given, Model):
         return device
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def ready(model: Model | PathLike | None, packed: bool = True, device: str | None = None,

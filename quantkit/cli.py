@@ -10,18 +10,16 @@ from pathlib import Path
 
 import click
 
-from quantkit import calibration, exporters, trainer
-from quantkit.evals import kld
+from quantkit import exporters
 from quantkit.atomic import check_apart, check_out, size_on_disk
-from quantkit.trainer import TrainConfig
-from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECISIONS
+from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECISIONS, TrainConfig
 
-from . import api, consumers, distributed, launcher
+from . import consumers, launcher
 from . import report as report_
 from .command import export
-from .config import AWQ_LOSSES, METHODS, QuantConfig, refuse_unused
+from .config import AWQ_LOSSES, DTYPES, METHODS, QuantConfig, refuse_unused
 from .errors import QuantkitError, size
-from .modelio import load
+from .requant import DEFAULT_MIX
 
 
 def show(label: str, ppl) -> None:
@@ -36,12 +34,16 @@ def cli() -> None:
 
 
 def quiet() -> None:
-    """No warnings from transformers and bitsandbytes that a user cannot act on."""
+    """No warnings from transformers and bitsandbytes that a user cannot act on. Neither is imported
+    for this: help and bad options are answered without them (transformers reads its level from the
+    environment when first imported)."""
     import logging
 
-    from transformers.utils import logging as transformers_logging
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
 
-    transformers_logging.set_verbosity_error()
+        transformers_logging.set_verbosity_error()
     # bitsandbytes (imported by peft) warns at import that an optional kernel package is missing
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
@@ -121,7 +123,7 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     # options and output path first: a mistake there should not cost a model load
     refuse_unused(given_options(), options["method"], fmt, options["target_bpw"] is not None)
     if fmt == "gguf" and options["gguf_type"] is None:
-        options["gguf_type"] = exporters.gguf.DEFAULT_MIX
+        options["gguf_type"] = DEFAULT_MIX
     options["tensor_type"] = tuple(options["tensor_type"])
     options["rules"] = options["rules"] or ()
     imatrix = options.pop("imatrix")
@@ -149,6 +151,10 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
         if name in given and not eval_data:
             raise QuantkitError(f"{given[name]} sets the perplexity check that --eval-data turns on: add --eval-data "
                                 "FILE, or drop it")
+    # the libraries once the options are checked: a mistake in them is answered at once
+    from . import api, calibration, distributed
+    from .modelio import load
+
     api.device_of(device)
     if fmt != "gguf" and str(out).lower().endswith(".gguf"):  # else a directory named .gguf, holding safetensors
         raise QuantkitError(f"--out {out} names a GGUF file, and --format {fmt} writes a directory: add --format gguf, "
@@ -201,7 +207,7 @@ def given_options() -> dict[str, str]:
 @click.option("--json", "as_json", is_flag=True, help="end with one JSON line")
 @click.option("--dequantized", is_flag=True, help="a quantized export: evaluate a dequantized copy, not the packed model")
 @click.option("--device", help="cpu or cuda [cuda, in float16, when there is a GPU]")
-@click.option("--dtype", type=click.Choice(api.DTYPES), help="the activations' dtype [float16 on a GPU, float32 on "
+@click.option("--dtype", type=click.Choice(DTYPES), help="the activations' dtype [float16 on a GPU, float32 on "
               "the CPU]; on the CPU, where layers take few rows, bfloat16 runs 4-bit layers in torch's fused int4 matmul "
               "and float32 every layout in quantkit's compiled GEMV")
 def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_increase, max_kld, min_same_top,
@@ -214,6 +220,10 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_i
     given = [f"--{k.replace('_', '-')}" for k, v in limits.items() if v is not None]
     if base is None and (given or save_base):
         raise QuantkitError(f"{', '.join(given + ['--save-base'] * bool(save_base))} compare with a base model: add --base BASE")
+    from quantkit.evals import kld  # once the options are checked, as in quantize
+
+    from . import api
+
     kld.check_limits(**limits)
     if base is not None and protocol != "llamacpp":
         raise QuantkitError("--base compares under the llamacpp protocol (the second half of each window): drop --protocol")
@@ -258,6 +268,8 @@ def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, 
     """Run EleutherAI's lm-evaluation-harness tasks on MODEL (any model quantkit loads: float, a packed
     export, a .gguf file), through lm-eval's HFLM wrapper around the loaded model."""
     from quantkit.evals import harness
+
+    from . import api
 
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     limit = harness.documents(limit, f"--limit {limit}")
@@ -336,7 +348,7 @@ def report(model, out, data, methods, bits, gguf_types, exl2_bits, exl2_measured
         sys.exit(1)
 
 
-T = TrainConfig()  # the defaults shown in --help
+T = TrainConfig  # its fields' defaults, shown in --help (read from the class: nothing is checked or imported)
 
 
 @cli.command()
@@ -405,16 +417,22 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
     if quantize_method:
         refuse_unused({n: f for n, f in given.items() if n in ("bits", "group_size")}, quantize_method, fmt)
         exporters.check_format_name(fmt)  # before the training, not after it
-        if distributed.world() > 1 or launcher.launched() > 1:
+        if launcher.launched() > 1:
             raise QuantkitError("--quantize runs in one process: train under torchrun, then run quantkit merge and "
                                 "quantkit quantize")
         if fmt == "gguf" and gguf_type is None:
-            gguf_type = exporters.gguf.DEFAULT_MIX
+            gguf_type = DEFAULT_MIX
         qconfig = QuantConfig(method=quantize_method, bits=bits, group_size=group_size, gguf_type=gguf_type)
         if (flag := next((given[n] for n in calibrating if n in given), None)) and not qconfig.needs_calibration:
             raise QuantkitError(f"{flag} calibrates --quantize, and --quantize {quantize_method} quantizes without "
                                 "one: drop it (gptq and awq calibrate)")
         quantize_out = quantize_out or f"{out}-{quantize_method}{'.gguf' if fmt == 'gguf' else ''}"
+    # the libraries once the options are checked: a mistake in them is answered at once
+    from quantkit import trainer
+
+    from . import api, distributed
+    from .modelio import load
+
     # --resume after a kill in the merge or the quantization: the finished adapter (and merge) are taken as they are
     trained = bool(resume and quantize_method and os.path.isdir(out))
     merged_done = trained and os.path.isdir(merged)
@@ -464,6 +482,8 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
 def merge(adapter, out, base, onto_nf4, overwrite, max_shard_size) -> None:
     """Merge a LoRA ADAPTER (quantkit's or PEFT's) into its base in float32 and write a model
     directory in the base's dtype, ready for quantkit quantize."""
+    from quantkit import trainer
+
     check_out(out, overwrite, directory=True, inputs=[adapter, base])
     trainer.merge(adapter, out, base, onto_nf4=onto_nf4, overwrite=overwrite, max_shard_size=max_shard_size)
     click.echo(f"merged into {out} ({size(size_on_disk(Path(out)))})")

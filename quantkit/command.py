@@ -93,11 +93,11 @@ def main() -> None:
         if sys.argv[1:2] == ["export"]:
             export.main(sys.argv[2:], prog_name="quantkit export", standalone_mode=False)
         else:
-            from . import distributed
             from .cli import cli
 
             cli.main(standalone_mode=False)
-            distributed.finish()
+            if (job := sys.modules.get("quantkit.distributed")) is not None:  # imported by a command that ran a job
+                job.finish()
     except QuantkitError as e:
         close_bars()
         # under torchrun the first process's bar may be open on the same terminal: a line of its own

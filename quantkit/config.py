@@ -10,13 +10,12 @@ from dataclasses import asdict, dataclass, fields, replace
 from . import blocks
 from . import rules as layer_rules
 from .errors import QuantkitError
-from .qtensor import check_bits_group
-from .quantizers import nf4
 from .requant import check_mix
 
 METHODS = ("rtn", "gptq", "awq", "nf4", "fp4")
 CODEBOOK_METHODS = ("nf4", "fp4")  # 4-bit code tables in flat blocks, bitsandbytes' layout
 AWQ_LOSSES = ("block", "descent", "output")  # what judges AWQ's scale candidates (QuantConfig.awq_loss)
+DTYPES = ("float32", "bfloat16", "float16")  # the activations' dtypes evaluation runs in (api.ready)
 
 
 GPTQ_ONLY = ("damp", "act_order", "static_groups", "true_sequential", "group_aware")
@@ -139,6 +138,9 @@ class QuantConfig:
     rules: tuple[layer_rules.Rule, ...] = ()
 
     def __post_init__(self) -> None:
+        from .qtensor import check_bits_group  # here, not above: the command line reads METHODS without torch
+        from .quantizers import nf4
+
         check_types(self)
         if self.method not in METHODS:
             raise QuantkitError(f"unknown method {self.method!r}: use one of {', '.join(METHODS)}")

@@ -6,13 +6,14 @@ Each rule returns why its loader refuses the export, or None when it reads it.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from .config import CODEBOOK_METHODS, QuantConfig
 from .errors import QuantkitError
 from .layers import fused, linear_shapes
+
+if TYPE_CHECKING:
+    import torch
 
 TARGETS = ("vllm", "exllama", "transformers", "llama.cpp")
 

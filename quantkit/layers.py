@@ -2,9 +2,10 @@
 input they share, and the hooks that read those inputs."""
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Linears of a decoder layer, grouped by the input they share.
 GROUPS = (

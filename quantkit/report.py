@@ -21,13 +21,14 @@ import sys
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from . import atomic
 from .errors import QuantkitError
 from .requant import check_mix
+
+if TYPE_CHECKING:
+    import torch
 
 FAMILIES = ("rtn", "gptq", "awq", "nf4", "gguf", "exl2")
 BITS = (3, 4, 8)
@@ -122,6 +123,8 @@ def bits_per_weight(sizes: dict[str, int], params: int, linear_params: int) -> t
 
 def parameter_counts(module: torch.nn.Module) -> tuple[int, int]:
     """(every parameter once, the decoder linears' weights)."""
+    import torch
+
     total = sum(p.numel() for p in module.parameters())  # a tied weight is yielded once
     linear = sum(m.weight.numel() for n, m in module.named_modules()
                  if isinstance(m, torch.nn.Linear) and ".layers." in f".{n}")

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import QuantkitError, untrusted
-from .qtensor import check_bits_group, whole
 
 KEYS = ("match", "bits", "group_size", "skip")
 
@@ -39,6 +38,8 @@ def exact(names) -> str:
 
 def parse(entries: object, source: str) -> tuple[Rule, ...]:
     """Rules from a list of mappings, each checked; source names them in errors."""
+    from .qtensor import check_bits_group, whole  # here, not above: QuantConfig's field types are read without torch
+
     if not isinstance(entries, list) or not entries:
         raise QuantkitError(f"{source}: rules are a non-empty list of {{match, bits, group_size, skip}} entries: "
                             'write e.g. [{"match": "down_proj", "bits": 8}]')

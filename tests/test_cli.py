@@ -81,3 +81,39 @@ def test_device_cpu_with_an_index_is_the_cpu(tiny_dir, tmp_path, monkeypatch, ca
     run(["quantize", tiny_dir, "--method", "rtn", "--group-size", 32, "--device", "cpu:0", "--out", tmp_path / "q"],
         monkeypatch)
     assert (tmp_path / "q" / "config.json").is_file()
+
+
+
+def answered(args: list[list], modules: set[str]) -> tuple[list, list[str], str]:
+    """Each command line run in turn in one fresh interpreter: their exit codes (0 when main returns),
+    which of modules were imported by the end, and the error output."""
+    import subprocess
+
+    code = ("import sys\nfrom quantkit.command import main\ncodes = []\n"
+            f"for args in {[[str(a) for a in c] for c in args]!r}:\n"
+            "    sys.argv = ['quantkit', *args]\n"
+            "    try:\n        main()\n        codes.append(0)\n    except SystemExit as e:\n        codes.append(e.code)\n"
+            f"import json\nprint(json.dumps([codes, sorted(set({sorted(modules)!r}) & set(sys.modules))]))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    codes, imported = json.loads(run.stdout.splitlines()[-1])
+    return codes, imported, run.stderr
+
+
+def test_help_and_mistakes_in_options_are_answered_without_the_libraries(tmp_path):
+    """`quantkit --help`, every command's --help and an unknown or malformed option are answered before
+    torch is imported; options that contradict each other, or settings out of range, before transformers.
+    Both took about 10 s on a 2-core machine, where these answers take well under one and about 3 s."""
+    helps = [["--help"], ["--version"], *[[c, "--help"] for c in ("quantize", "eval", "lm-eval", "report", "train",
+                                                                   "merge", "export")]]
+    early = [["quantize", "--bogus"], ["quantize", "--bits", "4.5", "--out", tmp_path / "q"], ["eval", "--max-kld", "0.1"]]
+    codes, imported, err = answered(helps + early, {"torch", "transformers", "numpy"})
+    assert (codes, imported) == ([0] * len(helps) + [2] * len(early), []), err
+    late = [["quantize", "--method", "rtn", "--calib-samples", "8", "--out", tmp_path / "q"],
+            ["quantize", "--method", "nf4", "--block-size", "100", "--out", tmp_path / "q"],
+            ["train", "--data", VALID, "--out", tmp_path / "a", "--rank", "0"],
+            ["train", "--data", VALID, "--out", tmp_path / "a", "--bits", "3"]]
+    codes, imported, err = answered(late, {"transformers", "peft"})
+    assert (codes, imported) == ([2] * len(late), []), err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == len(late) and "Traceback" not in err, err

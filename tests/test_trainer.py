@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantkit.errors import QuantkitError
 from quantkit.trainer import TrainConfig, lora, merge, train
-from quantkit.trainer.merge import attach
+from quantkit.trainer.merging import attach
 
 from .conftest import TEST, VALID
 from .test_distributed import ROOT, one_process, torchrun
@@ -477,7 +477,7 @@ def test_train_then_quantize_killed_after_the_training_resumes(tiny_dir, text, t
     calibration text was checked against it, and the resume refused)."""
     import shutil
 
-    from quantkit import api, cli as cli_module
+    from quantkit import api, trainer
 
     from .conftest import VALID, cli
 
@@ -487,7 +487,7 @@ def test_train_then_quantize_killed_after_the_training_resumes(tiny_dir, text, t
             "--out", tmp_path / "a", "--quantize", "gptq", "--group-size", 32, "--calib-data", VALID,
             "--calib-samples", 8, "--calib-seqlen", 64]
     with monkeypatch.context() as killed:
-        killed.setattr(cli_module.trainer if stage == "merge" else api, stage,
+        killed.setattr(trainer if stage == "merge" else api, stage,
                        lambda *a, **kw: (_ for _ in ()).throw(KeyboardInterrupt))
         assert cli(args, capsys, monkeypatch)[0] == 130
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == \
@@ -495,7 +495,7 @@ def test_train_then_quantize_killed_after_the_training_resumes(tiny_dir, text, t
     if stage == "quantize":
         shutil.rmtree(base)
     trained = (tmp_path / "a" / "adapter_model.safetensors").stat().st_mtime_ns
-    monkeypatch.setattr(cli_module.trainer, "train", lambda *a, **kw: pytest.fail("trained again"))
+    monkeypatch.setattr(trainer, "train", lambda *a, **kw: pytest.fail("trained again"))
     code, printed, err = cli([*args, "--resume"], capsys, monkeypatch)
     assert code == 0, err
     assert "a is a finished adapter: going on to " + ("merge and quantize" if stage == "merge" else "quantize") in printed

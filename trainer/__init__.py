@@ -1,7 +1,15 @@
 """The companion trainer: LoRA / QLoRA fine-tuning whose adapters (PEFT's format) merge into the
-base and feed the quantization pipeline."""
-from .config import TrainConfig
-from .loop import TrainResult, train
-from .merge import merge
+base and feed the quantization pipeline.
 
-__all__ = ["TrainConfig", "TrainResult", "merge", "train"]
+The names below are imported on first use: the command line's help reads the settings (.config)
+without the training loop's libraries."""
+from importlib import import_module
+
+API = {"TrainConfig": ".config", "TrainResult": ".loop", "train": ".loop", "merge": ".merging"}
+__all__ = sorted(API)
+
+
+def __getattr__(name: str) -> object:
+    if name in API:
+        return getattr(import_module(API[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

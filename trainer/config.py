@@ -6,7 +6,6 @@ from dataclasses import asdict, dataclass, field
 
 from quantkit.config import check_types
 from quantkit.errors import QuantkitError
-from quantkit.quantizers import nf4
 
 METHODS = ("lora", "qlora")
 OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw")
@@ -43,10 +42,14 @@ class TrainConfig:
     eval_every: int = 50
     patience: int | None = None  # stop after this many evaluations without a better held-out loss
     save_every: int = 50
-    nf4_block: int = nf4.BLOCK  # QLoRA base: values per absmax block
+    nf4_block: int | None = None  # QLoRA base: values per absmax block [nf4.BLOCK, bitsandbytes' default]
 
     def __post_init__(self) -> None:
+        from quantkit.quantizers import nf4  # here, not above: the command line's help reads the defaults without torch
+
         check_types(self)
+        if self.nf4_block is None:
+            self.nf4_block = nf4.BLOCK
         # 0 from Python and 0.0 from the command line are one setting (the resume key hashes them)
         for name in ("alpha", "dropout", "lr", "weight_decay", "max_grad_norm", "eval_fraction", "epochs", "lora_plus"):
             if getattr(self, name) is not None:
