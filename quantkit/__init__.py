@@ -13,12 +13,18 @@ API = {"compare": ".api", "evaluate": ".api", "export": ".api", "lm_eval": ".api
 __all__ = sorted(API)
 
 
-def __getattr__(name: str) -> object:
-    if name in API:
-        return getattr(import_module(API[name], __name__), name)
-    try:  # a submodule (quantkit.api, ...) read as an attribute before anything imported it
-        return import_module(f".{name}", __name__)
+def lazy(package: str, names: dict[str, str], name: str) -> object:
+    """A package's attribute imported on first use: name from the module names maps it to, or else the
+    submodule name (read as an attribute before anything imported it)."""
+    if name in names:
+        return getattr(import_module(names[name], package), name)
+    try:
+        return import_module(f".{name}", package)
     except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.{name}":
+        if e.name != f"{package}.{name}":
             raise
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+        raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+
+
+def __getattr__(name: str) -> object:
+    return lazy(__name__, API, name)

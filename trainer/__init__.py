@@ -3,13 +3,11 @@ base and feed the quantization pipeline.
 
 The names below are imported on first use: the command line's help reads the settings (.config)
 without the training loop's libraries."""
-from importlib import import_module
+from quantkit import lazy
 
 API = {"TrainConfig": ".config", "TrainResult": ".loop", "train": ".loop", "merge": ".merging"}
 __all__ = sorted(API)
 
 
 def __getattr__(name: str) -> object:
-    if name in API:
-        return getattr(import_module(API[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return lazy(__name__, API, name)
