@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import os
 import sys
-from importlib import import_module
 from pathlib import Path
 
+from quantkit import lazy
 from quantkit.atomic import check_apart
 from quantkit.config import CODEBOOK_METHODS, QuantConfig
 from quantkit.errors import QuantkitError, space_for
@@ -147,11 +147,9 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
 
 
 def __getattr__(name: str) -> object:
-    """exporters.gguf, imported when first read: its writer imports transformers, which the command
-    line's help and option checks do without."""
-    if name == "gguf":
-        return import_module(f"{__name__}.gguf")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """A format's module (exporters.gguf, ...) imported when first read: gguf's writer imports transformers,
+    which the command line's help and option checks do without."""
+    return lazy(__name__, {}, name)
 
 
 __all__ = ["DEFAULT_MAX_SIZE", "FORMATS", "gguf", "check_format", "check_format_name", "expected_size", "export", "open_writer", "parse_size"]

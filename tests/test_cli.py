@@ -83,7 +83,6 @@ def test_device_cpu_with_an_index_is_the_cpu(tiny_dir, tmp_path, monkeypatch, ca
     assert (tmp_path / "q" / "config.json").is_file()
 
 
-
 def answered(args: list[list], modules: set[str]) -> tuple[list, list[str], str]:
     """Each command line run in turn in one fresh interpreter: their exit codes (0 when main returns),
     which of modules were imported by the end, and the error output."""
@@ -103,7 +102,7 @@ def answered(args: list[list], modules: set[str]) -> tuple[list, list[str], str]
 def test_help_and_mistakes_in_options_are_answered_without_the_libraries(tmp_path):
     """`quantkit --help`, every command's --help and an unknown or malformed option are answered before
     torch is imported; options that contradict each other, or settings out of range, before transformers.
-    Both took about 10 s on a 2-core machine, where these answers take well under one and about 3 s."""
+    Both took about 10 s on a 2-core machine, where these answers take well under one and about 4 s."""
     helps = [["--help"], ["--version"], *[[c, "--help"] for c in ("quantize", "eval", "lm-eval", "report", "train",
                                                                    "merge", "export")]]
     early = [["quantize", "--bogus"], ["quantize", "--bits", "4.5", "--out", tmp_path / "q"], ["eval", "--max-kld", "0.1"]]
