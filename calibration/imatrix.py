@@ -11,10 +11,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quantkit.errors import QuantkitError, untrusted
+from quantkit.errors import COMMAND_LINE, QuantkitError, option, untrusted
 from quantkit.requant import Header
 
-FIX = "give a file llama-imatrix wrote (GGUF or legacy .dat), or --imatrix alone to compute one from --calib-data"
+
+def fix() -> str:
+    """What to give instead of a file that holds no importance matrix."""
+    return (f"give a file llama-imatrix wrote (GGUF or legacy .dat), or {option('imatrix', True)} alone to compute one "
+            f"from {option('calib_data')}")
 
 
 def read_recorded(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str | int]]:
@@ -32,25 +36,25 @@ def parse(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int, list[s
     """(read_recorded's table, the chunk count, the datasets' names), the file checked."""
     path = Path(path)
     if path.is_dir():
-        raise QuantkitError(f"--imatrix {path}: a directory, not an importance matrix: put MODEL before "
-                            f"--imatrix, or {FIX}")
+        raise QuantkitError(f"{option('imatrix_file', str(path))}: a directory, not an importance matrix: "
+                            + ("put MODEL before --imatrix, or " if COMMAND_LINE.get() else "") + fix())
     if not path.exists():
-        raise QuantkitError(f"--imatrix {path}: no such file: {FIX}")
+        raise QuantkitError(f"{option('imatrix_file', str(path))}: no such file: {fix()}")
     if not path.is_file():
-        raise QuantkitError(f"--imatrix {path}: not a regular file: {FIX}")
+        raise QuantkitError(f"{option('imatrix_file', str(path))}: not a regular file: {fix()}")
     with open(path, "rb") as f:
         gguf_file = f.read(4) == b"GGUF"
     table, chunks, datasets = from_gguf(path) if gguf_file else legacy(path)
     if not table:
-        raise QuantkitError(f"{path}: no importance entries in it: {FIX}")
+        raise QuantkitError(f"{path}: no importance entries in it: {fix()}")
     bad = next((name for name, v in table.items() if not (torch.isfinite(v).all() and (v >= 0).all())), None)
     if bad is not None:
-        raise QuantkitError(f"{path}: the importance of {bad} is negative or not finite: {FIX}")
+        raise QuantkitError(f"{path}: the importance of {bad} is negative or not finite: {fix()}")
     return table, chunks, datasets
 
 
 def from_gguf(path: Path) -> tuple[dict[str, torch.Tensor], int, list[str]]:
-    with untrusted(path, "not a readable imatrix GGUF", FIX):
+    with untrusted(path, "not a readable imatrix GGUF", fix()):
         # quantkit's own reader: gguf-py's builds an object per element of every key-value array (200x
         # the file's size in memory for a long one)
         header = Header(path)
@@ -66,11 +70,11 @@ def from_gguf(path: Path) -> tuple[dict[str, torch.Tensor], int, list[str]]:
             name = key.removesuffix(".in_sum2")
             counts = tensors.get(f"{name}.counts")
             if counts is None or {t.type, counts.type} != {"F32"}:
-                raise QuantkitError(f"{path}: {name} needs F32 .in_sum2 and .counts tensors: {FIX}")
+                raise QuantkitError(f"{path}: {name} needs F32 .in_sum2 and .counts tensors: {fix()}")
             sums = header.array(t).reshape(-1)
             n = header.array(counts).reshape(-1)
             if n.size == 0 or sums.size % n.size:
-                raise QuantkitError(f"{path}: {name} has {sums.size} sums for {n.size} counts: {FIX}")
+                raise QuantkitError(f"{path}: {name} has {sums.size} sums for {n.size} counts: {fix()}")
             n = np.trunc(n + np.copysign(0.5, n)).astype(np.float32)  # counts are read with lround
             per_expert = sums.reshape(n.size, -1)
             values = np.where(n[:, None] > 0, per_expert / np.where(n > 0, n, 1)[:, None], np.float32(1))
@@ -85,19 +89,19 @@ def legacy(path: Path) -> tuple[dict[str, torch.Tensor], int, list[str]]:
     def take(n: int, what: str) -> bytes:
         nonlocal at
         if n < 0 or at + n > len(raw):
-            raise QuantkitError(f"{path}: cut short in {what} (byte {at} of {len(raw)}): {FIX}")
+            raise QuantkitError(f"{path}: cut short in {what} (byte {at} of {len(raw)}): {fix()}")
         at += n
         return raw[at - n:at]
 
     (entries,) = struct.unpack("<i", take(4, "the entry count"))
     if entries < 1:
-        raise QuantkitError(f"{path}: {entries} entries: {FIX}")
+        raise QuantkitError(f"{path}: {entries} entries: {fix()}")
     for i in range(entries):
         (length,) = struct.unpack("<i", take(4, f"entry {i}"))
         name = take(length, f"entry {i}'s name").split(b"\0")[0].decode(errors="replace")
         ncall, nval = struct.unpack("<ii", take(8, f"entry {i}"))
         if nval < 1:
-            raise QuantkitError(f"{path}: entry {name} has {nval} values: {FIX}")
+            raise QuantkitError(f"{path}: entry {name} has {nval} values: {fix()}")
         sums = np.frombuffer(take(4 * nval, f"entry {name}'s values"), dtype="<f4").astype(np.float32)
         table[name] = torch.from_numpy(sums / np.float32(ncall) if ncall > 0 else sums.copy())
     chunks, datasets = 0, []

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from quantkit import hub
-from quantkit.errors import QuantkitError, one_line
+from quantkit.errors import COMMAND_LINE, QuantkitError, one_line, option
 from quantkit.modelio import adds_bos
 
 from . import records
@@ -27,7 +27,6 @@ PACKED = {b"\x1f\x8b": "gzip-compressed: decompress it (gunzip) and pass the tex
 # byte-order marks of the wider Unicode encodings, UTF-32's first: it begins with UTF-16's
 WIDE = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16", b"\xfe\xff": "UTF-16"}
 TABLES = (".csv", ".tsv")
-OPTION = {"train": "--calib-data", "test": "--data or --eval-data"}  # where each split's text is given
 
 
 def load_text(source: str | os.PathLike | None = None, split: str = "train", tokenizer=None) -> str:
@@ -80,11 +79,18 @@ def chats(source: str | os.PathLike | None, text: str, tokenizer) -> str:
     return records.rendered(Path(source), text, tokenizer)
 
 
+def given(split: str) -> str:
+    """The option that gives a split's text: the calibration's, or an evaluation's."""
+    if split == "train":
+        return option("calib_data")
+    return f"{option('data')} or {option('eval_data')}" if COMMAND_LINE.get() else option("data")
+
+
 def hub_text(split: str) -> str:
     name, config = HUB_DATASET
     if Path(name).exists():  # datasets reads a local path of that name before the hub: other text, silently
         raise QuantkitError(f"./{name} exists, and the hub's {name} would be read from it: run from another directory, "
-                            f"or pass a local text file ({OPTION.get(split, '--data')})")
+                            f"or pass a local text file ({given(split)})")
     try:
         import datasets
 
@@ -93,7 +99,7 @@ def hub_text(split: str) -> str:
     except Exception as e:  # no network, no `datasets`, a hub error: all mean "use a local file"
         raise QuantkitError(
             f"could not load the default text to {PURPOSE.get(split, 'use')}, {name}/{config} {split}, from the hub "
-            f"({type(e).__name__}: {one_line(e)}): pass a local text file ({OPTION.get(split, '--data')}), or install "
+            f"({type(e).__name__}: {one_line(e)}): pass a local text file ({given(split)}), or install "
             "`datasets` and allow network access"
         ) from None
     return "\n\n".join(rows)  # how the GPTQ reference joins the rows
@@ -104,14 +110,15 @@ def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0) -> 
     the tokenizer puts BOS in front of a text, each window's first token is BOS, as in llama-imatrix's
     chunks and the evaluation's windows: the model is calibrated on what it runs on."""
     if n < 1 or seqlen < 2:
-        raise QuantkitError(f"{n} windows of {seqlen} tokens asked for: ask for at least 1 window (--calib-samples) "
-                            "of at least 2 tokens (--calib-seqlen)")
+        raise QuantkitError(f"{n} windows of {seqlen} tokens asked for: ask for at least 1 window "
+                            f"({option('calib_samples')}) of at least 2 tokens ({option('calib_seqlen')})")
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     slots = len(ids) // seqlen
     if slots < n:
         raise QuantkitError(
             f"calibration text has {len(ids)} tokens, too few for {n} windows of {seqlen} "
-            f"({n * seqlen} tokens): use a longer text, fewer samples (--calib-samples) or shorter windows (--calib-seqlen)"
+            f"({n * seqlen} tokens): use a longer text, fewer samples ({option('calib_samples')}) or shorter windows "
+            f"({option('calib_seqlen')})"
         )
     picks = sorted(random.Random(seed).sample(range(slots), n))
     windows = torch.stack([ids[i * seqlen : (i + 1) * seqlen] for i in picks])

@@ -8,7 +8,10 @@ import difflib
 import logging
 import math
 import os
+import random
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -16,7 +19,7 @@ from unittest import mock
 import torch
 
 from quantkit import hub
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, option
 from quantkit.modelio import check_context
 
 TASKS = Path(__file__).parent / "tasks"
@@ -50,6 +53,26 @@ def documents(limit: object, said: str) -> int | float | None:
     return int(limit) if limit >= 1 else limit  # lm-eval reads a float as a fraction
 
 
+@contextmanager
+def kept_state() -> Iterator[None]:
+    """Within: lm-eval may seed the caller's random number generators (it seeds them even when no seed
+    is given) and quiet its logger; after, they are as they were."""
+    import numpy as np
+
+    log = logging.getLogger("lm_eval")
+    level, states = log.level, (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
 def prepare(names: list[str], data_dir: str | os.PathLike | None = None) -> Tasks:
     """Check the task names and read the tasks' data (before any model loads)."""
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
@@ -58,7 +81,7 @@ def prepare(names: list[str], data_dir: str | os.PathLike | None = None) -> Task
     except ImportError:
         raise QuantkitError("lm-eval is not installed: pip install 'quantkit[eval]' (or pip install lm-eval)") from None
     if not names:
-        raise QuantkitError(f"no task given: pass --tasks, e.g. {','.join(LOCAL)}")
+        raise QuantkitError(f"no task given: pass {option('tasks')}, e.g. {','.join(LOCAL)}")
     # lm-eval's own index takes some 20 s to build: only when a task is not one of ours
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its notes (our tasks override its own) are not errors
     manager = TaskManager(include_path=str(TASKS), include_defaults=not set(names) <= set(LOCAL),
@@ -68,11 +91,11 @@ def prepare(names: list[str], data_dir: str | os.PathLike | None = None) -> Task
         if name not in known:
             close = difflib.get_close_matches(name, known, n=5, cutoff=0.6)
             hint = f"close names: {', '.join(close)}" if close else f"the local tasks are {', '.join(LOCAL)}"
-            raise QuantkitError(f"lm-eval knows no task {name!r} ({hint}): pass --tasks with task names "
+            raise QuantkitError(f"lm-eval knows no task {name!r} ({hint}): pass {option('tasks')} with task names "
                                 "(lm-eval ls tasks lists them)")
     if any(name in LOCAL for name in names) and not data_dir.is_dir():
-        raise QuantkitError(f"{data_dir}: no such directory, where the local tasks read their data: pass --data-dir "
-                            "or set QUANTKIT_DATA")
+        raise QuantkitError(f"{data_dir}: no such directory, where the local tasks read their data: pass "
+                            f"{option('data_dir')} or set QUANTKIT_DATA")
     try:  # read here first (run() reads again, from datasets' cache): a hub task without the network fails here
         with hub.reached():
             manager.load(names)
@@ -96,9 +119,9 @@ def run(tasks: Tasks, module: torch.nn.Module, tokenizer, limit: int | float | N
     from lm_eval.models.huggingface import HFLM
 
     if max_length is not None:  # lm-eval would run windows past the trained positions without a word
-        check_context(module.config, max_length, "--max-length")
+        check_context(module.config, max_length, "max_length")
     if chat and not getattr(tokenizer, "chat_template", None):
-        raise QuantkitError("the model's tokenizer has no chat template: drop --apply-chat-template")
+        raise QuantkitError(f"the model's tokenizer has no chat template: drop {option('chat')}")
     lm = rolling_in_one_bar(HFLM)(pretrained=module, tokenizer=tokenizer, batch_size=batch_size,
                                   max_length=max_length)
     seeds = {} if seed is None else {k: seed for k in ("random_seed", "numpy_random_seed", "torch_random_seed",
@@ -113,8 +136,8 @@ def run(tasks: Tasks, module: torch.nn.Module, tokenizer, limit: int | float | N
     except AssertionError as e:  # lm-eval's check that an answer fits the window
         if "max_length" not in (traceback.extract_tb(e.__traceback__)[-1].line or ""):
             raise
-        raise QuantkitError(f"an answer of {', '.join(tasks.names)} is longer than --max-length {lm.max_length} "
-                            "tokens: raise --max-length") from None
+        raise QuantkitError(f"an answer of {', '.join(tasks.names)} is longer than "
+                            f"{option('max_length', lm.max_length)} tokens: raise {option('max_length')}") from None
     return {task: metrics(values) for task, values in results["results"].items()}
 
 

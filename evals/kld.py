@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from quantkit.atomic import check_writable
-from quantkit.errors import QuantkitError, space_for
+from quantkit.errors import QuantkitError, option, space_for
 from quantkit.modelio import adds_bos
 
 from .perplexity import first_scored, window_logits
@@ -86,10 +86,10 @@ def check_save_path(path: str | os.PathLike) -> None:
     """Fail before any work when a base cannot be saved at path; only a saved base is replaced."""
     path = Path(path)
     if path.is_dir() or (path.exists() and not is_saved_base(path)):
-        raise QuantkitError(f"{path} exists and is not a saved base: choose another --save-base")
+        raise QuantkitError(f"{path} exists and is not a saved base: choose another {option('save_base')}")
     if not path.parent.is_dir():
-        raise QuantkitError(f"{path.parent}: no such directory: create it or choose another --save-base")
-    check_writable(path.parent, "--save-base")  # here, not after the base has loaded, and by this option's name
+        raise QuantkitError(f"{path.parent}: no such directory: create it or choose another {option('save_base')}")
+    check_writable(path.parent, "save_base")  # here, not after the base has loaded, and by this option's name
 
 
 def check_limits(max_ppl_increase: float | None = None, max_kld: float | None = None,
@@ -100,7 +100,7 @@ def check_limits(max_ppl_increase: float | None = None, max_kld: float | None = 
               "min_same_top": (min_same_top, 0, 1, "0.9")}
     for name, (v, low, high, example) in ranges.items():
         if v is not None and not low <= v <= high:
-            raise QuantkitError(f"--{name.replace('_', '-')} {v} is not a limit: pass a number from {low:g} "
+            raise QuantkitError(f"{option(name, v)} is not a limit: pass a number from {low:g} "
                                 f"{'up' if high == math.inf else f'to {high:g}'}, such as {example}")
 
 
@@ -148,7 +148,7 @@ class BaseFile:
             head = f.read(HEADER.size)
         if len(head) < HEADER.size or head[:8] != MAGIC:
             raise QuantkitError(f"{self.path}: not a saved base (llama.cpp's _logits_ layout): save one with "
-                                "--base MODEL --save-base FILE")
+                                f"{option('base', 'MODEL')} {option('save_base', 'FILE')}")
         _, self.ctx, self.n_vocab, self.n = HEADER.unpack(head)
         if self.ctx < 4 or self.n_vocab < 1 or self.n < 1:
             raise QuantkitError(f"{self.path}: corrupt saved base (context {self.ctx}, vocabulary {self.n_vocab}, "
@@ -299,11 +299,11 @@ class Divergence:
         out = []  # written as "not within": a NaN figure (broken logits) breaks every limit
         if max_ppl_increase is not None and not self.ppl_ratio - 1 <= max_ppl_increase:
             out.append(f"perplexity increase {self.ppl_ratio - 1:.4f} (PPL {self.perplexity:.4f} against the "
-                       f"base's {self.base_perplexity:.4f}) is above --max-ppl-increase {max_ppl_increase:g}")
+                       f"base's {self.base_perplexity:.4f}) is above {option('max_ppl_increase', max_ppl_increase)}")
         if max_kld is not None and not self.kld_mean <= max_kld:
-            out.append(f"mean KL divergence {self.kld_mean:.6f} is above --max-kld {max_kld:g}")
+            out.append(f"mean KL divergence {self.kld_mean:.6f} is above {option('max_kld', max_kld)}")
         if min_same_top is not None and not self.same_top >= min_same_top:
-            out.append(f"same top token {self.same_top:.4f} is below --min-same-top {min_same_top:g}")
+            out.append(f"same top token {self.same_top:.4f} is below {option('min_same_top', min_same_top)}")
         return out
 
     def report(self) -> str:
@@ -337,7 +337,7 @@ def save_base(module: torch.nn.Module, tokenizer, windows: torch.Tensor, path: s
     """Score windows (n, ctx) on the base model and save its log-probabilities at path (atomically)."""
     from quantkit.atomic import Staged
 
-    staged = Staged(path, overwrite=True, directory=False, option="--save-base")
+    staged = Staged(path, overwrite=True, directory=False, option="save_base")
     n, ctx = windows.shape
     needed = file_size(n, ctx, module.config.vocab_size)
     try:
@@ -360,14 +360,15 @@ def divergence(module: torch.nn.Module, tokenizer, windows: torch.Tensor, base: 
     """Score windows (n, ctx) on the model and compare each prediction with the saved base."""
     n, ctx = windows.shape
     if ctx != base.ctx:
-        raise QuantkitError(f"{base.path} was saved with a context of {base.ctx}, not {ctx}: pass --ctx {base.ctx}")
+        raise QuantkitError(f"{base.path} was saved with a context of {base.ctx}, not {ctx}: pass "
+                            f"{option('ctx', base.ctx)}")
     if n > base.n:
-        raise QuantkitError(f"{base.path} holds {base.n} windows, fewer than the {n} asked for: pass --max-windows "
-                            f"{base.n}, or save the base again with more")
+        raise QuantkitError(f"{base.path} holds {base.n} windows, fewer than the {n} asked for: pass "
+                            f"{option('max_windows', base.n)}, or save the base again with more")
     if not torch.equal(windows, base.windows[:n]):
         w, pos = divmod(int((windows != base.windows[:n]).flatten().nonzero()[0]), ctx)
         raise QuantkitError(f"{base.path} was saved from other tokens (window {w}, position {pos} differs): "
-                            "the text or the tokenizer is not the base's; pass the --data it was saved with")
+                            f"the text or the tokenizer is not the base's; pass the {option('data')} it was saved with")
     sums, i = Sums(), 0
     for logits, targets in window_logits(module, tokenizer, windows, "llamacpp", batch_size, progress, "divergence"):
         if logits.shape[-1] != base.n_vocab:

@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, option
 from quantkit.modelio import adds_bos, check_context
 
 PROTOCOLS = ("wikitext", "llamacpp")
@@ -55,7 +55,7 @@ def windows(tokenizer, text: str, protocol: str = "llamacpp", ctx: int = 512,
     if protocol not in PROTOCOLS:
         raise QuantkitError(f"unknown perplexity protocol {protocol!r}: use one of {', '.join(PROTOCOLS)}")
     if ctx < 2 or (protocol == "llamacpp" and ctx < 4):
-        raise QuantkitError(f"context {ctx} is too short: use --ctx 512 or another length of at least 4")
+        raise QuantkitError(f"context {ctx} is too short: use {option('ctx', 512)} or another length of at least 4")
     if max_windows is not None and max_windows < 1:
         raise QuantkitError(f"max_windows {max_windows} scores nothing: pass 1 or more, or None for every window")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -66,7 +66,8 @@ def windows(tokenizer, text: str, protocol: str = "llamacpp", ctx: int = 512,
     if max_windows is not None:
         n = min(n, max_windows)
     if n < 1:
-        raise QuantkitError(f"the text has {len(ids)} tokens, fewer than one window of {ctx}: use a longer text or a smaller --ctx")
+        raise QuantkitError(f"the text has {len(ids)} tokens, fewer than one window of {ctx}: use a longer text or a "
+                            f"smaller {option('ctx')}")
     return ids[: n * ctx].view(n, ctx).clone()
 
 
@@ -82,7 +83,7 @@ def window_logits(module: torch.nn.Module, tokenizer, windows: torch.Tensor, pro
     """(logits, targets) of the scored predictions, a batch of windows at a time: logits (b, t, vocab)
     in float32, targets (b, t). Under llamacpp the first token of a window becomes BOS when the
     tokenizer adds BOS."""
-    check_context(module.config, windows.shape[1], "--ctx")
+    check_context(module.config, windows.shape[1], "ctx")
     first = first_scored(protocol, windows.shape[1])
     bos = protocol == "llamacpp" and adds_bos(tokenizer)
     device = next(module.parameters()).device

@@ -8,7 +8,7 @@ from pathlib import Path
 from quantkit import lazy
 from quantkit.atomic import check_apart
 from quantkit.config import CODEBOOK_METHODS, QuantConfig
-from quantkit.errors import QuantkitError, space_for
+from quantkit.errors import QuantkitError, option, space_for
 
 from .shards import DEFAULT_MAX_SIZE, parse_size
 
@@ -27,17 +27,19 @@ def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
     """Refuse, before quantizing, a format that cannot hold this model quantized this way."""
     check_format_name(fmt)
     if (fmt == "gguf") != (qconfig.gguf_type is not None):
-        raise QuantkitError("a GGUF type goes with --format gguf and --format gguf needs one: pass both or neither")
+        raise QuantkitError(f"a GGUF type goes with {option('format', 'gguf')} and {option('format', 'gguf')} needs "
+                            f"one: pass both or neither ({option('gguf_type')})")
     if (fmt == "exl2") != (qconfig.exl2 is not None):
-        raise QuantkitError("--format exl2 takes a target bits per weight (--bits 4.125) and only it does: "
-                            "pass a whole --bits for the other formats")
+        raise QuantkitError(f"{option('format', 'exl2')} takes a target bits per weight ({option('exl2', 4.125)}) and "
+                            f"only it does: pass a whole {option('bits')} for the other formats")
     if qconfig.rules and fmt not in ("safetensors", "compressed-tensors"):
-        raise QuantkitError("--rules (or a checkpoint read with settings per linear) mixes settings per linear in the "
-                            f"safetensors (GPTQ) and compressed-tensors formats; quantkit writes one in the {fmt} "
-                            "layout: use one of those formats")
+        raise QuantkitError(f"{option('rules')} (or a checkpoint read with settings per linear) mixes settings per "
+                            f"linear in the safetensors (GPTQ) and compressed-tensors formats; quantkit writes one in "
+                            f"the {fmt} layout: use one of those formats")
     if qconfig.target_bpw is not None and fmt not in ("safetensors", "compressed-tensors", "gguf"):
-        raise QuantkitError("--target-bpw mixes settings per linear in the safetensors (GPTQ), compressed-tensors "
-                            f"and GGUF formats; the {fmt} layout holds one: use one of those formats")
+        raise QuantkitError(f"{option('target_bpw')} mixes settings per linear in the safetensors (GPTQ), "
+                            f"compressed-tensors and GGUF formats; the {fmt} layout holds one: use one of those "
+                            "formats")
     if fmt == "gguf":
         from . import gguf
 
@@ -52,7 +54,8 @@ def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
         from . import awq
 
         if qconfig.method in CODEBOOK_METHODS:
-            raise QuantkitError(f"the AWQ layout holds integer grids, not {qconfig.method}: use --format safetensors")
+            raise QuantkitError(f"the AWQ layout holds integer grids, not {qconfig.method}: use "
+                            f"{option('format', 'safetensors')}")
         awq.check(module, qconfig)
     elif fmt == "compressed-tensors":
         from . import compressed
@@ -117,6 +120,9 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
            max_shard_size: int | str = DEFAULT_MAX_SIZE, progress: bool = True) -> Path:
     """Write a quantized model held in memory; the safetensors layouts in shards of at most
     max_shard_size bytes of tensor data ("5GB", "500MiB", or an int). progress: say what was written."""
+    if model.qconfig is not None and not model.tensors and model.streamed_to is not None:
+        raise QuantkitError(f"this model's quantized layers were written to {model.streamed_to} and not kept in "
+                            "memory: that is its export; to write another format, quantize with keep=True")
     if model.qconfig is None or not model.tensors:
         raise QuantkitError("the model is not quantized: quantize it before exporting")
     mixed = any(qt.group_bits is not None for qt in model.tensors.values())  # EXL2's widths, mixed within linears

@@ -21,10 +21,11 @@ from quantkit.atomic import (check_apart, check_out, locked, partial_path, progr
 from . import blocks, consumers, distributed, measurement
 from . import rules as layer_rules
 from .config import DTYPES, UNWEIGHTED, QuantConfig, check_fields, refuse_unused
-from .errors import QuantkitError, ResumableError, space_for
+from .errors import Note, QuantkitError, ResumableError, option, space_for
 from .layers import GROUPS, LINEARS, fused, linear_shapes, shapes_by_name
 from .modelio import Checkpoint, GGUFCheckpoint, Model, check_context, fingerprint, linear_types, load
 from .pipeline import BATCH, Hessian, OtherFn, QuantizeFn, gather_hessians, quantize_layers
+from .qlinear import QuantLinear
 from .qtensor import QuantizedTensor
 from .requant import requantized_note
 from .quantizers import awq, exl2, ggml, gptq, nf4, rtn
@@ -134,7 +135,8 @@ def grids(m: Model, config: QuantConfig, format: str,
     kept = tuple(g for g in measurement.GRIDS if fits(g))
     what = f"the {format} format's grids" + (f" that {' and '.join(targets)} load{'s' * (len(targets) == 1)}" if targets else "")
     if not kept:
-        raise QuantkitError(f"--target-bpw: none of {what} fits this model: choose another --format or drop --for")
+        raise QuantkitError(f"{option('target_bpw')}: none of {what} fits this model: choose another "
+                            f"{option('format')} or drop {option('targets')}")
     measurement.check_target(shapes, config.target_bpw, kept, what)
     return kept
 
@@ -142,7 +144,7 @@ def grids(m: Model, config: QuantConfig, format: str,
 def calibration_windows(m: Model, data: PathLike | None, samples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
     """The calibration windows of m from data (WikiText-2 train from the hub by default): its faults
     (records, too little text, windows past the model's context) refused here, before any work."""
-    check_context(m.module.config, seqlen, "--calib-seqlen")
+    check_context(m.module.config, seqlen, "calib_seqlen")
     text = calibration.load_text(data, tokenizer=m.tokenizer)
     return calibration.sample_windows(m.tokenizer, text, samples, seqlen, seed)
 
@@ -214,7 +216,7 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
         with ExitStack() as held:
             with distributed.first_refuses(f"lock {path}"):
                 if path is not None and distributed.rank() == 0:
-                    held.enter_context(locked(path, "--measurement"))
+                    held.enter_context(locked(path, "measurement"))
             quantize_layers(m, None, windows, device=dev, writer=recorder, keep=False,
                             progress=progress and distributed.rank() == 0, resume=resume, layer_fn=measure,
                             desc=f"measuring {len(settings)} settings of each "
@@ -272,8 +274,8 @@ def device_of(device: str | torch.device | None) -> torch.device:
     if dev.type == "cpu":  # cpu:0 is the CPU (safetensors' reader takes no index)
         return torch.device("cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise QuantkitError("--device cuda, but torch sees no CUDA GPU: use --device cpu, or install a CUDA build "
-                            "of torch and check the driver and CUDA_VISIBLE_DEVICES")
+        raise QuantkitError(f"{option('device', 'cuda')}, but torch sees no CUDA GPU: use {option('device', 'cpu')}, "
+                            "or install a CUDA build of torch and check the driver and CUDA_VISIBLE_DEVICES")
     return dev
 
 
@@ -329,7 +331,7 @@ def quantize(
         config = replace(config, gguf_type=exporters.gguf.DEFAULT_MIX)
     for name, value in (("calib_samples", calib_samples), ("calib_seqlen", calib_seqlen), ("seed", seed)):
         whole(name, value)  # their ranges: where they are used, in the command line's words
-    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
     dev = device_of(device)
     distributed.init(dev)  # under torchrun: this process's part of the job
     keep = out is None if keep is None else keep
@@ -365,8 +367,8 @@ def quantize(
         if format != "gguf" and exporters.gguf.ROPE_FREQS in getattr(m.checkpoint, "infos", {}):
             # loading divided the frequencies by them; a config.json would say a plain rope
             raise QuantkitError(f"{m.source} holds Llama 3's rope as factors (rope_freqs.weight), which a {format} "
-                                "checkpoint's config cannot give: write it as GGUF (--format gguf), or quantize the "
-                                "model's Hugging Face directory")
+                                f"checkpoint's config cannot give: write it as GGUF ({option('format', 'gguf')}), or "
+                                "quantize the model's Hugging Face directory")
     if config.measurement is not None:
         measurement.check_path(config.measurement)
     if config.rules:
@@ -380,12 +382,12 @@ def quantize(
         batches = -(-calib_samples // BATCH)
         if config.method == "awq" and batches < distributed.world():  # a process without one has no statistics
             raise QuantkitError(f"AWQ needs a batch of calibration windows ({BATCH} each) in each of its "
-                                f"{distributed.world()} processes, and --calib-samples {calib_samples} gives {batches}: "
-                                f"pass --calib-samples {BATCH * distributed.world()} or more")
+                                f"{distributed.world()} processes, and {option('calib_samples', calib_samples)} gives "
+                                f"{batches}: pass {option('calib_samples', BATCH * distributed.world())} or more")
     if checked is not None:
         with distributed.first_refuses(f"open {out}"):  # another job writing out: refused before checked, not after
             if out is not None and distributed.rank() == 0:
-                with locked(Path(out), "--out"):
+                with locked(Path(out), "out"):
                     pass
         with distributed.first_refuses("score the model before quantizing"):
             checked()
@@ -394,7 +396,7 @@ def quantize(
         with ExitStack() as held:  # out's lock through the measurement: another job writing out is refused now
             with distributed.first_refuses(f"open {out}"):
                 if out is not None and distributed.rank() == 0:
-                    held.enter_context(locked(Path(out), "--out"))
+                    held.enter_context(locked(Path(out), "out"))
             config = spent(config, measured(m, config, windows, dev, progress, candidates, importance), shapes)
         if types is not None:
             types = gguf_types(m, config)
@@ -404,7 +406,7 @@ def quantize(
     again = rounded_again(m.checkpoint, {n: t for n, t in (types or {}).items()
                                          if config.method == "rtn" or n in exporters.gguf.TOP})
     if again and m.qconfig is None and distributed.rank() == 0:
-        print(requantized_note(m.source, again), file=sys.stderr)
+        warnings.warn(requantized_note(m.source, again), Note)
     settings = None  # EXL2's widths per linear, when measured
     resume = None
     if out is not None and not keep:  # saved beside the output: an interrupted run goes on
@@ -483,7 +485,7 @@ def default_device(given: object, device: str | None) -> str | None:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def ready(model: Model | PathLike | None, packed: bool = True, device: str | None = None,
+def ready(model: Model | PathLike | None, packed: bool | None = None, device: str | None = None,
           dtype: str | None = None) -> Model:
     """A model to score, with every weight in memory. From a path: a quantized checkpoint runs packed
     (its linears reading the exported tensors through quantkit.qlinear) unless packed=False, on device
@@ -496,12 +498,17 @@ def ready(model: Model | PathLike | None, packed: bool = True, device: str | Non
         raise QuantkitError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     if device is not None:
         device_of(device)  # before loading: a device torch cannot use is named, not a traceback
-    m = model if isinstance(model, Model) else load(model, packed=packed)
-    if not packed and m.qconfig is None and not m.gguf_types:
+    if isinstance(model, Model) and packed is not None and model.qconfig is not None and not model.gguf_types:
+        holds = any(isinstance(x, QuantLinear) for x in model.module.modules())
+        if holds != packed:  # a Model runs as it was made: packed cannot change it
+            raise QuantkitError(f"this Model holds {'packed' if holds else 'dequantized'} linears, and packed={packed} "
+                                f"asks for the other: load its export with packed={packed}, or leave packed out")
+    m = model if isinstance(model, Model) else load(model, packed=packed is not False)
+    if packed is False and m.qconfig is None and not m.gguf_types:
         raise QuantkitError(f"{m.source} is a float model: packed=False (--dequantized) evaluates a dequantized copy "
                             "of a quantized export, so drop it")
     if m.gguf_types and dtype not in (None, "float32"):
-        raise QuantkitError(f"a GGUF file is scored in llama.cpp's float32 arithmetic: drop --dtype {dtype}")
+        raise QuantkitError(f"a GGUF file is scored in llama.cpp's float32 arithmetic: drop {option('dtype', dtype)}")
     where = default_device(model, device)
 
     def runs_in(dev: torch.device) -> torch.dtype:  # float16 on a GPU, except a GGUF scored in llama.cpp's float32
@@ -530,13 +537,14 @@ def evaluate(
     ctx: int = 512,
     max_windows: int | None = None,
     progress: bool = True,
-    packed: bool = True,
+    packed: bool | None = None,
     device: str | None = None,
     dtype: str | None = None,
 ) -> evals.Perplexity:
     """Perplexity of a model (or a model path, or the embedded default) on a text file. A quantized
     checkpoint loaded from a path runs packed, its linears reading the exported tensors through
-    quantkit.qlinear (Triton on CUDA, torch on the CPU); packed=False evaluates a dequantized copy.
+    quantkit.qlinear (Triton on CUDA, torch on the CPU); packed=False evaluates a dequantized copy. A Model
+    passed in runs as it holds its linears (a packed given for it must agree).
     device, dtype: where and in what a model loaded from a path runs (default: CUDA, in float16, when
     there is a GPU; else float32); a Model passed in is moved only when one is given."""
     check_windows(ctx, max_windows)
@@ -555,7 +563,7 @@ def compare(
     max_windows: int | None = None,
     save_base: PathLike | None = None,
     progress: bool = True,
-    packed: bool = True,
+    packed: bool | None = None,
     device: str | None = None,
     dtype: str | None = None,
 ) -> evals.Divergence:
@@ -571,10 +579,11 @@ def compare(
         device_of(device)
     saved = base is not None and not isinstance(base, Model) and evals.kld.is_saved_base(base)
     if saved and save_base is not None:
-        raise QuantkitError(f"{base} is a saved base already: --save-base needs --base to be a model")
+        raise QuantkitError(f"{base} is a saved base already: {option('save_base')} needs {option('base')} to be a "
+                            "model")
     if save_base is not None:
         evals.kld.check_save_path(save_base)
-    m = model if isinstance(model, Model) else load(model, packed=packed)
+    m = model if isinstance(model, Model) else load(model, packed=packed is not False)
     text = calibration.chats(data, text, m.tokenizer)
     with tempfile.TemporaryDirectory(prefix="quantkit-base-") as tmp:
         if saved:
@@ -591,7 +600,7 @@ def compare(
             base_file = evals.BaseFile(path)
         n = base_file.n if max_windows is None else max_windows
         windows = evals.windows(m.tokenizer, text, "llamacpp", ctx, n)
-        m = ready(m, packed, default_device(model, device), dtype)
+        m = ready(m, packed if isinstance(model, Model) else None, default_device(model, device), dtype)
         with scoring(m):
             return evals.divergence(m.module, m.tokenizer, windows, base_file, progress=progress)
 
@@ -607,7 +616,7 @@ def write_base(base: Model, path: PathLike, text: str, ctx: int = 512, max_windo
 
 def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float | None = None,
             num_fewshot: int | None = None, batch_size: int = 4, max_length: int | None = None,
-            data_dir: PathLike | None = None, seed: int | None = None, packed: bool = True,
+            data_dir: PathLike | None = None, seed: int | None = None, packed: bool | None = None,
             device: str | None = None, chat: bool = False) -> dict[str, dict[str, float]]:
     """lm-eval's results by task for a model (a Model, a path, or the embedded default), run through
     lm-eval's HFLM wrapper around the loaded model. Local tasks (wikitext, dolly_mc) read data_dir.
@@ -615,16 +624,18 @@ def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float
     lm-eval's own); chat: prompts in the tokenizer's chat template."""
     from quantkit.evals import harness
 
-    tasks = [tasks] if isinstance(tasks, str) else list(tasks)
+    tasks = [tasks] if isinstance(tasks, str) else list(tasks or ())
     whole("batch_size", batch_size, 1)
     for name, value, least in (("max_length", max_length, 2), ("num_fewshot", num_fewshot, 0), ("seed", seed, 0)):
         if value is not None:
             whole(name, value, least)
     limit = harness.documents(limit, f"limit={limit!r}")
-    prepared = harness.prepare(tasks, data_dir)  # a wrong name or missing data fails before the model loads
-    m = ready(model, packed, device)
-    with scoring(m):
-        return harness.run(prepared, m.module, m.tokenizer, limit, num_fewshot, batch_size, max_length, seed, chat)
+    with harness.kept_state():  # a library call leaves the caller's seeds and loggers as they were
+        prepared = harness.prepare(tasks, data_dir)  # a wrong name or missing data fails before the model loads
+        m = ready(model, packed, device)
+        with scoring(m):
+            return harness.run(prepared, m.module, m.tokenizer, limit, num_fewshot, batch_size, max_length, seed,
+                               chat)
 
 
 def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: bool = False,
@@ -681,7 +692,8 @@ def export_gguf(model: Model, out: PathLike, gguf_type: str | None = None, overw
                  progress=progress)
         return Path(out)
     if gguf_type is not None:
-        raise QuantkitError(f"{model.source} is already quantized, so its grids decide the GGUF types: drop --gguf-type")
+        raise QuantkitError(f"{model.source} is already quantized, so its grids decide the GGUF types: drop "
+                            f"{option('gguf_type')}")
     tensors = {name: ggml.from_grid(qt, name) for name, qt in model.tensors.items()}
     kinds = sorted({qt.ggml for qt in tensors.values()})
     if len(kinds) != 1:

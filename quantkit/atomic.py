@@ -12,30 +12,32 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterable, Iterator, TextIO
 
+from quantkit import errors
 from quantkit.errors import QuantkitError, ResumableError
 
 
 def check_out(out: str | os.PathLike, overwrite: bool = False, directory: bool | None = None,
-              option: str = "--out", inputs: Iterable[str | os.PathLike | None] = ()) -> None:
+              option: str = "out", inputs: Iterable[str | os.PathLike | None] = ()) -> None:
     """Fail before any work when out cannot be written; directory: whether out is to be a directory (True)
-    or a file (False), where the caller knows; option: the command-line option that names out; inputs:
-    the paths the command reads (check_apart)."""
+    or a file (False), where the caller knows; option: the keyword that names out (errors.option spells it
+    as the caller does); inputs: the paths the command reads (check_apart)."""
     check_apart(out, inputs, option)  # first: --overwrite, which "already exists" suggests, cannot help
     out = Path(out)
     if out.name in ("", "..") or Path.cwd().resolve().is_relative_to(out.resolve()):  # '', '.', 'x/..', '/', ...
-        raise QuantkitError(f"{option} {str(out)!r} names no new file or directory: give the output a name of its "
-                            "own, such as out/model")
+        raise QuantkitError(f"{errors.option(option)} {str(out)!r} names no new file or directory: give the output a "
+                            "name of its own, such as out/model")
     if directory is False and out.is_dir():
-        raise QuantkitError(f"{out} is a directory, and this output is a file: choose another {option}, such as "
-                            f"{out / ('base.logits' if option == '--save-base' else 'model.gguf')}")
+        raise QuantkitError(f"{out} is a directory, and this output is a file: choose another {errors.option(option)}, "
+                            f"such as {out / ('base.logits' if option == 'save_base' else 'model.gguf')}")
     if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
-        raise QuantkitError(f"{out} already exists: choose another {option} or remove it (or pass --overwrite)")
+        raise QuantkitError(f"{out} already exists: choose another {errors.option(option)} or remove it (or pass "
+                            f"{errors.option('overwrite', True)})")
     if not out.parent.is_dir():
-        raise QuantkitError(f"{out.parent}: no such directory: create it or choose another {option}")
+        raise QuantkitError(f"{out.parent}: no such directory: create it or choose another {errors.option(option)}")
     check_writable(out.parent, option)
 
 
-def check_apart(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None], option: str = "--out") -> None:
+def check_apart(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None], option: str = "out") -> None:
     """Refuse an output that is, or holds, a path the command reads (inputs; None for none), or that
     would replace a file of an input directory (a model's weights, say): replacing it would delete what
     is being read (with --overwrite, a model directory and everything beside it)."""
@@ -45,17 +47,18 @@ def check_apart(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | Non
             continue
         i = Path(p).resolve()
         if o == i or i.is_relative_to(o):
-            raise QuantkitError(f"{option} {out} {'is' if o == i else 'holds'} {p}, which this command "
-                                f"reads: writing it would delete that; choose another {option}")
+            raise QuantkitError(f"{errors.option(option)} {out} {'is' if o == i else 'holds'} {p}, which this command "
+                                f"reads: writing it would delete that; choose another {errors.option(option)}")
         if o.is_file() and o.parent == i:
-            raise QuantkitError(f"{option} {out} would replace {o.name} in {p}, which this command reads: choose "
-                                f"another {option}")
+            raise QuantkitError(f"{errors.option(option)} {out} would replace {o.name} in {p}, which this command "
+                                f"reads: choose another {errors.option(option)}")
 
 
 def check_writable(directory: Path, option: str) -> None:
-    """Refuse, before any work, a directory this user cannot create files in (option names the path's option)."""
+    """Refuse, before any work, a directory this user cannot create files in (option: the path's keyword)."""
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise QuantkitError(f"{directory}: not writable by this user: choose another {option}, or make it writable")
+        raise QuantkitError(f"{directory}: not writable by this user: choose another {errors.option(option)}, or make "
+                            "it writable")
 
 
 def partial_path(out: str | os.PathLike) -> Path:
@@ -159,13 +162,13 @@ def lock(path: Path, option: str) -> tuple[Path, TextIO]:
             f = open_lock(lock_path)
         except OSError as e:  # /proc passes os.access as root, and takes no file
             raise QuantkitError(f"{path.parent}: cannot create files there ({e.strerror}): choose another "
-                                f"{option}") from None
+                                f"{errors.option(option)}") from None
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.close()
             raise QuantkitError(f"{path} is being written by another quantkit process: wait for it to "
-                                f"finish or choose another {option}") from None
+                                f"finish or choose another {errors.option(option)}") from None
         try:
             if os.stat(lock_path).st_ino == os.fstat(f.fileno()).st_ino:
                 return lock_path, f
@@ -188,7 +191,7 @@ def locked(path: Path, option: str) -> Iterator[None]:
 class Staged:
     """out (a directory, or a file) under construction at .{name}.partial beside it."""
 
-    def __init__(self, out: str | os.PathLike, overwrite: bool = False, directory: bool = True, option: str = "--out"):
+    def __init__(self, out: str | os.PathLike, overwrite: bool = False, directory: bool = True, option: str = "out"):
         check_out(out, overwrite, directory, option)
         self.out, self.directory, self.overwrite = Path(out), directory, overwrite
         self.path = partial_path(self.out)
@@ -216,7 +219,7 @@ class Staged:
             if not self.out.exists():
                 raise
             raise ResumableError(f"{self.out} appeared while this run was writing it: move it away (or pass "
-                                 "--overwrite) and run the same command again") from None
+                                 f"{errors.option('overwrite', True)}) and run the same command again") from None
 
     def commit(self, scratch: list[Path] = ()) -> Path:
         """Put the output in place; scratch: files under it that only a resumed run needs, removed once the

@@ -449,7 +449,7 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
             check_apart(merged, [*inputs, out])
         else:
             check_out(merged, overwrite, directory=True, inputs=[*inputs, out])
-        check_out(quantize_out, overwrite, directory=fmt != "gguf", option="--quantize-out",
+        check_out(quantize_out, overwrite, directory=fmt != "gguf", option="quantize_out",
                   inputs=[*inputs, out, merged])
     if trained:
         click.echo(f"{out} is a finished adapter: going on to {'quantize' if merged_done else 'merge and quantize'} it")

@@ -11,7 +11,7 @@ import warnings
 import click
 
 from . import launcher
-from .errors import QuantkitError, size
+from .errors import COMMAND_LINE, Note, QuantkitError, size
 
 
 @click.command()
@@ -70,7 +70,7 @@ ONE_PROCESS = ("export", "eval", "lm-eval", "report", "merge")  # under torchrun
 
 def warning_line(message, category, filename, lineno, line=None) -> str:
     """A warning as the command prints it: one line, without the source line that raised it."""
-    return f"warning: {message}\n"
+    return f"{'note' if issubclass(category, Note) else 'warning'}: {message}\n"
 
 
 def close_bars() -> None:
@@ -85,6 +85,7 @@ def close_bars() -> None:
 def main() -> None:
     signal.signal(signal.SIGTERM, terminated)
     warnings.formatwarning = warning_line
+    spelling = COMMAND_LINE.set(True)  # errors name the command line's flags
     try:
         if sys.argv[1:2] and sys.argv[1] in ONE_PROCESS and launcher.launched() > 1:
             raise QuantkitError(f"quantkit {sys.argv[1]} runs in one process, and under torchrun every process would run "
@@ -112,3 +113,5 @@ def main() -> None:
         ctx = getattr(e, "ctx", None)
         click.echo(f"error: {e.format_message()}{f' (see {ctx.command_path} --help)' if ctx else ''}", err=True)
         sys.exit(e.exit_code)
+    finally:
+        COMMAND_LINE.reset(spelling)  # the tests run it in their own process, then call the API

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import types
 import typing
@@ -9,7 +10,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from . import blocks
 from . import rules as layer_rules
-from .errors import QuantkitError
+from .errors import QuantkitError, option
 from .requant import check_mix
 
 METHODS = ("rtn", "gptq", "awq", "nf4", "fp4")
@@ -26,23 +27,23 @@ def refuse_unused(given: dict[str, str], method: str, fmt: str, target_bpw: bool
     """Refuse an option given that the method or format does not read: it would be ignored, and the
     export would not be what was asked for (--bits 8 with --format gguf writes the mix). given: the
     options' names, each as the user wrote it (the CLI's flags, the API's keywords)."""
+    as_method, as_format = option("method", method), option("format", fmt)
     for name, flag in given.items():
-        cli = flag.startswith("--")
-        as_method, as_format = (f"--method {method}", f"--format {fmt}") if cli else (f"method={method!r}", f"format={fmt!r}")
         if fmt == "exl2" and name in GRID_OPTIONS:
             raise QuantkitError(f"{flag} does not apply to {as_format}, whose measured mix of group sizes and bits "
                                 "per linear sets the grids: drop it")
         if target_bpw and name in ("bits", "group_size") and fmt != "exl2":
-            raise QuantkitError(f"{flag} does not apply with {'--target-bpw' if cli else 'target_bpw'}, which chooses "
+            raise QuantkitError(f"{flag} does not apply with {option('target_bpw')}, which chooses "
                                 "each linear's bits and group size: drop it")
         if fmt == "gguf" and name == "max_shard_size":
             raise QuantkitError(f"{flag} does not apply to {as_format}, which writes one file: drop it")
         if fmt != "gguf" and name == "gguf_type":
             raise QuantkitError(f"{flag} chooses a GGUF mix, and {as_format} is not GGUF: add "
-                                f"{'--format gguf' if cli else 'format=' + repr('gguf')}, or drop it")
+                                f"{option('format', 'gguf')}, or drop it")
         if fmt == "gguf" and name in ("bits", "block_size", *GRID_OPTIONS):
-            raise QuantkitError(f"{flag} does not apply to {as_format}, whose --gguf-type mix sets the blocks: drop it, "
-                                "or choose the types with --gguf-type and --tensor-type")
+            raise QuantkitError(f"{flag} does not apply to {as_format}, whose {option('gguf_type')} mix sets the "
+                                f"blocks: drop it, or choose the types with {option('gguf_type')} and "
+                                f"{option('tensor_type')}")
         if name in GPTQ_ONLY and method != "gptq" or name == "mse" and method not in ("rtn", "gptq") or \
                 name == "block_size" and method not in ("gptq", *CODEBOOK_METHODS) or \
                 name in ("group_size", "sym") and method in CODEBOOK_METHODS:
@@ -80,7 +81,7 @@ def fits(value, hint) -> bool:
         return any(fits(value, a) for a in typing.get_args(hint))
     if hint is type(None):
         return value is None
-    if hint in (bool, str):
+    if hint in (bool, str, os.PathLike):
         return isinstance(value, hint)
     if hint in (int, float):
         return isinstance(value, (int, float) if hint is float else int) and not isinstance(value, bool)
@@ -121,9 +122,9 @@ class QuantConfig:
     awq_loss: str | None = None
     gguf_type: str | None = None  # GGUF mix (Q4_K_M, Q8_0, ...): blocks of llama.cpp's types instead of our grids
     imatrix: bool = False  # GGUF with RTN: weight the block search by each input's mean square (calibration)
-    imatrix_file: str | None = None  # the same from llama.cpp's importance-matrix file (no calibration)
+    imatrix_file: str | os.PathLike | None = None  # the same from llama.cpp's importance-matrix file (no calibration)
     pure: bool = False  # GGUF: every tensor the mix's main type (llama-quantize --pure)
-    tensor_type: tuple[str, ...] = ()  # GGUF: PATTERN=TYPE overrides of the mix (llama-quantize --tensor-type)
+    tensor_type: tuple[str, ...] | str = ()  # GGUF: PATTERN=TYPE overrides of the mix (llama-quantize --tensor-type)
     exl2: float | None = None  # EXL2: the linears' target bits per weight, widths mixed within each (GPTQ fills it)
     # RTN and GPTQ: bits per weight of the decoder linears, spent by a measurement: in the GPTQ layout each group of
     # linears sharing an input gets the bits and group size (quantkit.measurement.GRIDS) that lose least overall;
@@ -131,17 +132,29 @@ class QuantConfig:
     target_bpw: float | None = None
     # EXL2 and target_bpw: the error of each block's output at each candidate setting, kept in
     # this file (read when it exists); EXL2 without one mixes the two widths nearest the target in every linear
-    measurement: str | None = None
+    measurement: str | os.PathLike | None = None
     head_bits: float | None = None  # EXL2: lm_head's bits per weight (ExLlamaV2's head_bits); default: float16
     # per-layer mixed precision (quantkit.rules): other bits or group size, or skip, by module name;
     # a rules file's path or a list of {match, bits, group_size, skip} mappings is read here
-    rules: tuple[layer_rules.Rule, ...] = ()
+    rules: tuple[layer_rules.Rule, ...] | list[dict] | str | os.PathLike = ()
 
     def __post_init__(self) -> None:
         from .qtensor import check_bits_group  # here, not above: the command line reads METHODS without torch
         from .quantizers import nf4
 
+        if isinstance(self.bits, float) and math.isfinite(self.bits) and not self.bits.is_integer():  # EXL2's --bits
+            raise QuantkitError(f"bits={self.bits} is not a whole number: the grids take whole bits; for an EXL2 "
+                                f"target of {self.bits} bits per weight pass exl2={self.bits} with format='exl2'")
+        for name in ("rules", "tensor_type"):  # None, as a pipeline's YAML or JSON settings give an empty one
+            if getattr(self, name) is None:
+                setattr(self, name, ())
         check_types(self)
+        self.imatrix_file, self.measurement = (None if p is None else os.fspath(p)
+                                               for p in (self.imatrix_file, self.measurement))
+        for name, what in (("tensor_type", "PATTERN=TYPE strings"), ("rules", "a rules file's path or rules")):
+            if not isinstance(getattr(self, name), (str, os.PathLike, list, tuple)):
+                raise QuantkitError(f"{name}={getattr(self, name)!r} is a {type(getattr(self, name)).__name__}, where "
+                                    f"{what} belong: pass {name} as a list of them")
         if self.method not in METHODS:
             raise QuantkitError(f"unknown method {self.method!r}: use one of {', '.join(METHODS)}")
         check_bits_group(self.bits, self.group_size)
@@ -152,11 +165,12 @@ class QuantConfig:
         if self.mse is None:
             self.mse = self.method == "gptq"
         if self.duo_scaling and self.method != "awq":
-            raise QuantkitError("duo scaling is an AWQ option: use it with --method awq")
+            raise QuantkitError(f"duo scaling is an AWQ option: use it with {option('method', 'awq')}")
         if self.awq_loss is not None and self.awq_loss not in AWQ_LOSSES:
             raise QuantkitError(f"unknown AWQ loss {self.awq_loss!r}: use one of {', '.join(AWQ_LOSSES)}")
         if self.awq_loss is not None and self.method != "awq":
-            raise QuantkitError("--awq-loss chooses how AWQ judges its scales: use it with --method awq")
+            raise QuantkitError(f"{option('awq_loss')} chooses how AWQ judges its scales: use it with "
+                                f"{option('method', 'awq')}")
         if self.method == "awq" and self.awq_loss is None:
             self.awq_loss = "output" if self.bits >= 4 else "descent"
         if self.block_size is None:
@@ -164,9 +178,10 @@ class QuantConfig:
         if self.method in CODEBOOK_METHODS:
             nf4.check(self.method, self.block_size)
             if self.bits != 4:
-                raise QuantkitError(f"{self.method} is a 4-bit type, not {self.bits}-bit: use --bits 4 or another method")
+                raise QuantkitError(f"{self.method} is a 4-bit type, not {self.bits}-bit: use {option('bits', 4)} or "
+                                    "another method")
         elif self.double_quant:
-            raise QuantkitError("double quantization is for --method nf4 or fp4")
+            raise QuantkitError(f"double quantization is for {option('method', 'nf4', 'fp4')}")
         if not 0 < self.damp < 1:
             raise QuantkitError(f"damping {self.damp} is out of range: use a fraction such as 0.01")
         if self.act_order and self.group_aware:
@@ -174,47 +189,54 @@ class QuantConfig:
         if self.gguf_type is not None:  # the name llama-quantize's mixes go by, whatever case or alias was given
             self.gguf_type = check_mix(self.gguf_type)
         if self.gguf_type is not None and self.method not in ("rtn", "gptq"):
-            raise QuantkitError(f"GGUF types are filled by RTN or GPTQ, not {self.method}: use --method rtn or gptq")
+            raise QuantkitError(f"GGUF types are filled by RTN or GPTQ, not {self.method}: use "
+                                f"{option('method', 'rtn', 'gptq')}")
         if self.imatrix_file is not None and not str(self.imatrix_file):  # the API's; the command line's "" is imatrix
             raise QuantkitError("imatrix_file is empty: give the path of llama-imatrix's file, or imatrix=True to "
                                 "compute the importance from the calibration text")
         if self.weighted and (self.gguf_type is None or self.method != "rtn"):
-            raise QuantkitError("--imatrix weights GGUF round-to-nearest: use it with --method rtn --format gguf"
+            raise QuantkitError(f"{option('imatrix')} weights GGUF round-to-nearest: use it with "
+                                f"{option('method', 'rtn')} {option('format', 'gguf')}"
                                 + (" (GPTQ always weighs by the Hessian)" if self.method == "gptq" else ""))
         if self.imatrix and self.imatrix_file:
             raise QuantkitError("an importance matrix is computed from calibration or read from a file, not both: "
-                                "pass --imatrix alone or --imatrix FILE")
+                                f"pass {option('imatrix', True)} alone or {option('imatrix_file', 'FILE')}")
         if self.pure and self.gguf_type is None:
-            raise QuantkitError("--pure chooses GGUF types: use it with --format gguf")
+            raise QuantkitError(f"{option('pure')} chooses GGUF types: use it with {option('format', 'gguf')}")
         self.tensor_type = (self.tensor_type,) if isinstance(self.tensor_type, str) else tuple(self.tensor_type)
         if self.tensor_type and self.gguf_type in (None, *blocks.FLOAT_TYPES):
-            raise QuantkitError("--tensor-type overrides the types of a quantized GGUF mix: use it with --format gguf "
-                                "and a --gguf-type such as Q4_K_M")
+            raise QuantkitError(f"{option('tensor_type')} overrides the types of a quantized GGUF mix: use it with "
+                                f"{option('format', 'gguf')} and a {option('gguf_type')} such as Q4_K_M")
         if self.weighted and self.target_bpw is None and self.gguf_type in UNWEIGHTED and \
                 all(t.rpartition("=")[2].upper() in UNWEIGHTED for t in self.tensor_type):
-            raise QuantkitError(f"--imatrix weights the block search of quantized GGUF types, and {self.gguf_type} "
-                                "has none that takes it: drop --imatrix, or choose a mix such as Q4_K_M")
+            raise QuantkitError(f"{option('imatrix')} weights the block search of quantized GGUF types, and "
+                                f"{self.gguf_type} has none that takes it: drop {option('imatrix')}, or choose a mix "
+                                "such as Q4_K_M")
         if self.exl2 is not None and self.method != "gptq":
-            raise QuantkitError(f"EXL2 is filled by GPTQ, not {self.method}: use --method gptq")
+            raise QuantkitError(f"EXL2 is filled by GPTQ, not {self.method}: use {option('method', 'gptq')}")
         if self.head_bits is not None and self.exl2 is None:
-            raise QuantkitError("--head-bits quantizes the output head of an EXL2 export: use it with --format exl2")
+            raise QuantkitError(f"{option('head_bits')} quantizes the output head of an EXL2 export: use it with "
+                                f"{option('format', 'exl2')}")
         if self.target_bpw is not None:
             if self.method not in ("rtn", "gptq") or self.exl2 is not None:
-                raise QuantkitError("--target-bpw spends bits on RTN and GPTQ grids (the safetensors, "
-                                    "compressed-tensors and GGUF formats): for EXL2 pass the target as --bits")
+                raise QuantkitError(f"{option('target_bpw')} spends bits on RTN and GPTQ grids (the safetensors, "
+                                    "compressed-tensors and GGUF formats): for EXL2 pass the target as "
+                                    f"{option('exl2')}")
             if self.rules:
-                raise QuantkitError("--target-bpw writes its own rules (in GGUF, --tensor-type overrides) from the "
-                                    "measurement: pass --rules or --target-bpw, not both")
+                raise QuantkitError(f"{option('target_bpw')} writes its own rules (in GGUF, {option('tensor_type')} "
+                                    f"overrides) from the measurement: pass {option('rules')} or "
+                                    f"{option('target_bpw')}, not both")
             if self.tensor_type:
-                raise QuantkitError("--target-bpw writes its own --tensor-type overrides from the measurement: pass "
-                                    "--tensor-type or --target-bpw, not both")
+                raise QuantkitError(f"{option('target_bpw')} writes its own {option('tensor_type')} overrides from the "
+                                    f"measurement: pass {option('tensor_type')} or {option('target_bpw')}, not both")
             if self.gguf_type in blocks.FLOAT_TYPES:
-                raise QuantkitError(f"--target-bpw chooses quantized block types, and the mix {self.gguf_type} is "
-                                    "float: pass a quantized --gguf-type such as Q4_K_M (it types the embedding and "
-                                    "output)")
+                raise QuantkitError(f"{option('target_bpw')} chooses quantized block types, and the mix "
+                                    f"{self.gguf_type} is float: pass a quantized {option('gguf_type')} such as Q4_K_M "
+                                    "(it types the embedding and output)")
         if self.measurement is not None and self.exl2 is None and self.target_bpw is None:
-            raise QuantkitError("--measurement chooses mixed settings against a target: use it with --target-bpw, or "
-                                "with --format exl2 and a target such as --bits 4.125")
+            raise QuantkitError(f"{option('measurement')} chooses mixed settings against a target: use it with "
+                                f"{option('target_bpw')}, or with {option('format', 'exl2')} and a target such as "
+                                f"{option('exl2', 4.125)}")
         if self.block_size < 1:
             raise QuantkitError(f"block size {self.block_size} is invalid: use a positive number of columns such as 128")
         if isinstance(self.rules, (str, os.PathLike)):
@@ -223,8 +245,9 @@ class QuantConfig:
             self.rules = layer_rules.parse(list(self.rules), "rules")
         self.rules = tuple(self.rules)
         if self.rules and (self.method not in ("rtn", "gptq") or self.gguf_type is not None or self.exl2 is not None):
-            raise QuantkitError("--rules mixes bits and group sizes of RTN and GPTQ grids in the safetensors and "
-                                "compressed-tensors formats: for GGUF use --tensor-type, for EXL2 its measurement")
+            raise QuantkitError(f"{option('rules')} mixes bits and group sizes of RTN and GPTQ grids in the "
+                                "safetensors and compressed-tensors formats: for GGUF use "
+                                f"{option('tensor_type')}, for EXL2 its measurement")
 
     def for_linear(self, name: str) -> QuantConfig | None:
         """The settings of one linear under the rules (the first that matches); None: left in float."""

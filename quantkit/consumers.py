@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
 from .config import CODEBOOK_METHODS, QuantConfig
-from .errors import QuantkitError
+from .errors import QuantkitError, option
 from .layers import fused, linear_shapes
 
 if TYPE_CHECKING:
@@ -172,16 +172,17 @@ def check_targets(e: Export, targets: tuple[str, ...]) -> None:
     """Refuse, before quantizing, an export that no loader of each named target reads."""
     for target in targets:
         if target not in TARGETS:
-            raise QuantkitError(f"unknown consumer {target!r} for --for: use one of {', '.join(TARGETS)}")
+            raise QuantkitError(f"unknown consumer {target!r} for {option('targets')}: use one of {', '.join(TARGETS)}")
         mine = [(c, why) for c, why in verdicts(e) if c.target == target]
         if not mine:
             readers = sorted({c.format for c in CONSUMERS if c.target == target} - {"bitsandbytes"})
             raise QuantkitError(f"{target} does not read the {layout(e.format, e.method)} format as quantkit writes "
-                                f"it: use --format {' or '.join(readers)}" + (" with --method rtn or gptq"
-                                                                               if e.method in CODEBOOK_METHODS else ""))
+                                f"it: use {option('format', *readers)}"
+                                + (f" with {option('method', 'rtn', 'gptq')}" if e.method in CODEBOOK_METHODS else ""))
         if all(why is not None for _, why in mine):
             reasons = "; ".join(f"{c.name} refuses {why}" for c, why in mine)
-            raise QuantkitError(f"{target} cannot load this export: {reasons}: change those settings or drop --for")
+            raise QuantkitError(f"{target} cannot load this export: {reasons}: change those settings or drop "
+                                f"{option('targets')}")
 
 
 def summary(e: Export) -> list[str]:

@@ -1,6 +1,7 @@
 import errno
 import shutil
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 
@@ -9,6 +10,32 @@ class QuantkitError(Exception):
 
     The CLI prints it as one line and exits with status 2.
     """
+
+
+# True while the command line runs: options are named as its flags (--calib-seqlen 4096), else as the
+# API's keywords (calib_seqlen=4096)
+COMMAND_LINE: ContextVar[bool] = ContextVar("COMMAND_LINE", default=False)
+# the flags not named after their keyword
+FLAGS = {"imatrix_file": "--imatrix", "targets": "--for", "exl2": "--bits", "chat": "--apply-chat-template"}
+
+
+def option(name: str, value: object = ..., *values: object) -> str:
+    """An option as its caller writes it: option("method", "awq") is --method awq on the command line and
+    method='awq' in the API; option("pure", True) is --pure or pure=True, option("pure") --pure or pure;
+    further values are a choice of them."""
+    if COMMAND_LINE.get():
+        flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+        if value is ... or value is True:
+            return flag
+        return f"{flag} " + " or ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in (value, *values))
+    if value is ...:
+        return name
+    # a float as %g: a limit of 1.0 reads as 1
+    return " or ".join(f"{name}={v:g}" if isinstance(v, float) else f"{name}={v!r}" for v in (value, *values))
+
+
+class Note(UserWarning):
+    """Advice on a choice that works but costs something; the command line prints it as `note:`."""
 
 
 class ResumableError(QuantkitError):

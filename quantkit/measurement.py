@@ -35,7 +35,7 @@ from tqdm import tqdm
 from . import distributed
 from . import blocks
 from .atomic import check_writable
-from .errors import QuantkitError, untrusted
+from .errors import QuantkitError, option, untrusted
 from .layers import GROUPS, LINEARS, on_device
 from .modelio import Model
 from .pipeline import QuantizeFn, capture_inputs, digest, run_layer
@@ -243,10 +243,11 @@ def check_path(path: str | os.PathLike) -> None:
     """Refuse, before any work, a measurement path that can be neither read nor written."""
     path = Path(path)
     if path.is_dir():
-        raise QuantkitError(f"{path} is a directory: pass --measurement a file name, such as {path / 'measurement.json'}")
+        raise QuantkitError(f"{path} is a directory: pass {option('measurement')} a file name, such as "
+                            f"{path / 'measurement.json'}")
     if not path.exists() and not path.parent.is_dir():
-        raise QuantkitError(f"{path.parent}: no such directory: create it or choose another --measurement")
-    check_writable(path.parent, "--measurement")  # the file, and its progress beside it
+        raise QuantkitError(f"{path.parent}: no such directory: create it or choose another {option('measurement')}")
+    check_writable(path.parent, "measurement")  # the file, and its progress beside it
 
 
 def described(settings: tuple) -> list[dict]:
@@ -274,22 +275,22 @@ def read(path: str | os.PathLike, key: str, shapes: dict[str, tuple[int, int]], 
          settings: tuple) -> dict[str, list[float]]:
     """The errors of a saved measurement, checked to be of this model, calibration and candidates."""
     path = Path(path)
-    with untrusted(path, "not a measurement file", "pass the file a quantkit run with --measurement saved, or a new "
-                   "path to measure into"):
+    with untrusted(path, "not a measurement file", f"pass the file a quantkit run with {option('measurement')} saved, "
+                   "or a new path to measure into"):
         body = json.loads(path.read_text())
         if isinstance(body, dict) and str(body.get("format")).startswith("quantkit-exl2-measurement/"):
             raise QuantkitError(f"{path} was measured by an older quantkit (errors relative to the hidden state): "
-                                "measure again into a new --measurement path")
+                                f"measure again into a new {option('measurement')} path")
         if not isinstance(body, dict) or body.get("format") != FORMAT:
             raise ValueError(f"its format is not {FORMAT}")
         if body.get("candidates") != described(settings):
             raise QuantkitError(f"{path} was measured over other candidate settings (another format, method or quantkit "
-                                "version): measure again into a new --measurement path")
+                                f"version): measure again into a new {option('measurement')} path")
         if body.get("key") != key:
             raise QuantkitError(f"{path} is the measurement of another model, calibration or quantizer settings "
                                 f"({body.get('model')}), or of calibration windows an older quantkit made otherwise: "
-                                "measure this one into a new --measurement path, or calibrate and quantize as that "
-                                "run did")
+                                f"measure this one into a new {option('measurement')} path, or calibrate and quantize "
+                                "as that run did")
         entries = body["units"]
         errors = {}
         for unit, linears in grouped(shapes, units).items():

@@ -23,6 +23,7 @@ from accelerate.utils import set_module_tensor_to_device
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from .config import QuantConfig
+from . import errors
 from .errors import QuantkitError, space_for, untrusted
 from .qtensor import QuantizedTensor
 from .requant import ARCHS as GGUF_ARCHS
@@ -351,14 +352,15 @@ def cache_dir() -> Path:
 
 def check_context(config, tokens: int, option: str) -> None:
     """Refuse windows longer than the model's context (its positions past it were never trained, so the
-    Hessians or the perplexity would say nothing); a rope scaling's factor extends it."""
+    Hessians or the perplexity would say nothing); a rope scaling's factor extends it. option: the
+    keyword that set the length."""
     limit = getattr(config, "max_position_embeddings", None)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if limit and "original_max_position_embeddings" not in rope:  # else the scaled length is limit already
         limit = int(limit * max(1.0, float(rope.get("factor") or 1.0)))
     if limit and tokens > limit:
-        raise QuantkitError(f"{option} {tokens} is longer than the model's context of {limit} tokens: use "
-                            f"{option} {limit} or less")
+        raise QuantkitError(f"{errors.option(option, tokens)} is longer than the model's context of {limit} tokens: "
+                            f"use {errors.option(option, limit)} or less")
 
 
 def check_architecture(model_type: str, source: str) -> None:
@@ -391,7 +393,8 @@ def load(path: str | os.PathLike | None = None, packed: bool = False) -> Model:
         from quantkit.evals.kld import is_saved_base
 
         if is_saved_base(p):
-            raise QuantkitError(f"{p} is a saved base (log-probabilities, not a model): pass it as --base")
+            raise QuantkitError(f"{p} is a saved base (log-probabilities, not a model): pass it as "
+                                f"{errors.option('base')}")
         return load_gguf(p)
     return load_dir(p, packed)
 

@@ -472,8 +472,9 @@ def quantize_layers(
     map_large_blocks()
     state = load_progress(*resume) if resume and not keep else None
     if state is not None and writer is not None and not writer.resumable(state["writer"]):
-        print(f"ignoring progress file {resume[0]}: the partial output it describes is gone or changed",
-              file=sys.stderr)
+        if distributed.rank() == 0:  # under torchrun, one process speaks for the job
+            print(f"ignoring progress file {resume[0]}: the partial output it describes is gone or changed",
+                  file=sys.stderr)
         state = None
     at = state["next_layer"] if state else 0
     if distributed.agree(at, "min") != distributed.agree(at, "max"):
@@ -485,7 +486,8 @@ def quantize_layers(
             if batches is not None else None
         if writer is not None:
             writer.start(state["writer"])
-        print(f"resuming after layer {start}/{n} from {resume[0]}", file=sys.stderr)
+        if distributed.rank() == 0:
+            print(f"resuming after layer {start}/{n} from {resume[0]}", file=sys.stderr)
     else:
         if writer is not None:
             writer.start(None)

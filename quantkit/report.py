@@ -223,7 +223,7 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
         raise QuantkitError(f"{out} holds other files, not a quantkit report: choose another --out")
     if out.exists() and not out.is_dir():
         raise QuantkitError(f"{out} is a file: --out names the report's directory; choose another")
-    atomic.check_writable(next(d for d in [out, *out.parents] if d.exists()), "--out")  # where mkdir starts
+    atomic.check_writable(next(d for d in [out, *out.parents] if d.exists()), "out")  # where mkdir starts
 
 
 def duration(seconds: float) -> str:

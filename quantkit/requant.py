@@ -12,6 +12,7 @@ import os
 import re
 import struct
 import sys
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from tqdm import tqdm
 
 from . import blocks
 from .atomic import Staged, write_behind
-from .errors import QuantkitError, space_for
+from .errors import Note, QuantkitError, space_for
 from .gguf_constants import GGML_QUANT_VERSION, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, LlamaFileType
 
 if TYPE_CHECKING:
@@ -335,7 +336,7 @@ def type_name(path: Path, tensor: str, kind: int) -> str:
 
 def requantized_note(src: str | os.PathLike, kinds: list[str]) -> str:
     """What requantizing weights of these quantized types costs (export and quantize say it alike)."""
-    return (f"note: {src} holds weights already quantized ({', '.join(kinds)}): requantized, they keep that "
+    return (f"{src} holds weights already quantized ({', '.join(kinds)}): requantized, they keep that "
             "rounding error and add the new type's; requantize from an F16 or F32 file where you have one")
 
 
@@ -434,7 +435,7 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
     types = choose(weights, mix, layers, gqa, pure, overrides=overrides)
     again = sorted({t.type for t in h.tensors if t.type not in blocks.FLOAT_TYPES and types.get(t.name, t.type) != t.type})
     if again:  # llama-quantize asks for --allow-requantize
-        print(requantized_note(src, again), file=sys.stderr)
+        warnings.warn(requantized_note(src, again), Note)
     head, offsets = header_bytes(h, types, mix)
     total = len(head) + sum(pad(nbytes(t.dims, types.get(t.name, t.type)), h.alignment) for t in h.tensors)
     staged = Staged(out, overwrite, directory=False)

@@ -392,5 +392,5 @@ def test_awq_loss_defaults_by_width_for_awq_only():
     assert quantkit.QuantConfig(method="awq", bits=3).awq_loss == "descent"
     assert quantkit.QuantConfig(method="awq", bits=3, awq_loss="block").awq_loss == "block"
     assert quantkit.QuantConfig(method="gptq").awq_loss is None
-    with pytest.raises(QuantkitError, match="use it with --method awq"):
+    with pytest.raises(QuantkitError, match="use it with method='awq'"):
         quantkit.QuantConfig(method="gptq", awq_loss="block")

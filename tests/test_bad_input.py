@@ -192,6 +192,55 @@ def test_a_model_quantized_or_converted_in_memory_is_not_quantized_again(tiny_di
     assert (tmp_path / "q.gguf").is_file()
 
 
+def test_the_api_as_a_pipeline_calls_it(tiny_dir, tmp_path):
+    """Paths as pathlib.Path in every setting that takes one, and None where a pipeline's YAML gives null
+    for no settings (refused, or a TypeError); a Model streamed to its export, and a packed= that a
+    Model passed in cannot follow, named for what they are ("not quantized"; packed ignored)."""
+    import quantkit
+
+    c = quantkit.QuantConfig(gguf_type="Q4_0", imatrix_file=tmp_path / "x.imatrix", rules=None, tensor_type=None)
+    assert c.imatrix_file == str(tmp_path / "x.imatrix") and c.rules == () and c.tensor_type == ()
+    c = quantkit.QuantConfig(method="gptq", target_bpw=3.5, measurement=tmp_path / "m.json")
+    assert c.measurement == str(tmp_path / "m.json")
+    streamed = quantkit.quantize(tiny_dir, method="rtn", group_size=32, targets=None, out=tmp_path / "q",
+                                 progress=False)
+    with pytest.raises(quantkit.QuantkitError, match="written to .* and not kept in memory: that is its export"):
+        quantkit.export(streamed, tmp_path / "again")
+    packed = quantkit.load(tmp_path / "q", packed=True)
+    with pytest.raises(quantkit.QuantkitError, match="holds packed linears, and packed=False asks for the other"):
+        quantkit.evaluate(packed, TEST, ctx=64, max_windows=1, packed=False, progress=False)
+    kept = quantkit.quantize(str(tiny_dir), method="rtn", group_size=32, progress=False)
+    with pytest.raises(quantkit.QuantkitError, match="holds dequantized linears, and packed=True asks for the other"):
+        quantkit.compare(kept, tiny_dir, TEST, ctx=64, max_windows=1, packed=True, progress=False)
+    assert quantkit.evaluate(packed, TEST, ctx=64, max_windows=1, packed=True, progress=False).perplexity == \
+        pytest.approx(quantkit.evaluate(kept, TEST, ctx=64, max_windows=1, progress=False).perplexity, rel=1e-4)
+
+
+def test_errors_name_options_as_the_caller_wrote_them(tiny_dir, capsys, monkeypatch, tmp_path):
+    """The API's errors named the command line's flags: EXL2's advice (--bits 4.125) could not be
+    followed there (bits=4.125 is refused: the keyword is exl2), nor --for (targets) looked up."""
+    import quantkit
+
+    calibration = dict(calib_data=VALID, calib_samples=2)
+    for call, flags, api, cli_ in [
+        (dict(calibration, method="gptq", group_size=32, calib_seqlen=4096), ["--method", "gptq", "--calib-data", VALID, "--calib-seqlen", 4096],
+         "calib_seqlen=4096 is longer than the model's context of 512 tokens: use calib_seqlen=512 or less",
+         "--calib-seqlen 4096 is longer than the model's context of 512 tokens: use --calib-seqlen 512 or less"),
+        (dict(method="rtn", group_size=32, targets=("onnx",)), ["--group-size", 32, "--for", "onnx"],
+         "unknown consumer 'onnx' for targets", "unknown consumer 'onnx' for --for"),
+        (dict(method="rtn", pure=True), ["--pure"], "pure chooses GGUF types: use it with format='gguf'",
+         "--pure chooses GGUF types: use it with --format gguf")]:
+        with pytest.raises(quantkit.QuantkitError, match=re.escape(api)):
+            quantkit.quantize(str(tiny_dir), out=tmp_path / "q", progress=False, **call)
+        code, err = run(["quantize", tiny_dir, "--out", tmp_path / "q", *flags], capsys, monkeypatch)
+        assert code == 2 and cli_ in err, err
+    with pytest.raises(quantkit.QuantkitError, match=re.escape("format='exl2' takes a target bits per weight "
+                                                               "(exl2=4.125)")):
+        quantkit.quantize(str(tiny_dir), method="gptq", format="exl2", out=tmp_path / "q", progress=False,
+                          **calibration)
+    assert not (tmp_path / "q").exists()
+
+
 @pytest.mark.parametrize("out,args,match", [
     ("taken", ["--format", "gguf"], "taken is a directory, and this output is a file"),  # an empty directory
     (".", [], "--out '.' names no new file or directory"),
@@ -325,7 +374,12 @@ def edit_quantization_config(path, change: dict) -> None:
                                           ({"bits": True}, "bits=True is a bool, where int belongs"),
                                           ({"group_size": 32.0}, "group_size=32.0 is a float, where int belongs"),
                                           # accepted, then read as the directory "."
-                                          ({"imatrix_file": "", "gguf_type": "Q4_0"}, "imatrix_file is empty")])
+                                          ({"imatrix_file": "", "gguf_type": "Q4_0"}, "imatrix_file is empty"),
+                                          # EXL2's target is the command line's --bits, and exl2= in the API
+                                          ({"bits": 4.125}, "for an EXL2 target of 4.125 bits per weight pass "
+                                                            "exl2=4.125 with format='exl2'"),
+                                          ({"rules": 5}, "rules=5 is a int, where a rules file's path or rules"),
+                                          ({"tensor_type": 5, "gguf_type": "Q4_0"}, "tensor_type=5 is a int")])
 def test_settings_through_the_api_that_are_not_whole(fields, match):
     """QuantConfig(bits=4.0) passed `in (2, 3, 4, 8)` and broke the packing with a TypeError."""
     from quantkit import QuantConfig, QuantkitError

@@ -158,7 +158,7 @@ def test_no_network_is_told_at_once(monkeypatch):
     monkeypatch.setattr(time, "sleep", sleeps.append)
     for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(QuantkitError, match=r"pass a local text file \(--calib-data\)"):
+    with pytest.raises(QuantkitError, match=r"pass a local text file \(calib_data\)"):
         load_text(None)
     assert sleeps == []
 

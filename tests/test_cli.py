@@ -9,6 +9,16 @@ from quantkit.command import main
 from .conftest import TEST, VALID, cli
 
 
+def test_a_note_is_a_note_line():
+    """quantkit's advice (errors.Note, a warning an API caller can filter) reaches the command line's
+    stderr as one `note:` line, other warnings as `warning:` lines."""
+    from quantkit.command import warning_line
+    from quantkit.errors import Note
+
+    assert warning_line(Note("x costs y"), Note, "f.py", 1) == "note: x costs y\n"
+    assert warning_line(UserWarning("z"), UserWarning, "f.py", 1) == "warning: z\n"
+
+
 def run(args, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
     main()
@@ -64,7 +74,7 @@ def test_a_quantization_refused_on_the_model_costs_no_before_perplexity(tiny_dir
         assert not (tmp_path / "q").exists()
     from quantkit import atomic
 
-    with atomic.locked(tmp_path / "q", "--out"):  # another job writing --out
+    with atomic.locked(tmp_path / "q", "out"):  # another job writing --out
         code, out, err = cli(["quantize", tiny_dir, "--out", tmp_path / "q", "--eval-data", TEST, "--eval-windows", 1,
                               "--ctx", 64], capsys, monkeypatch)
     assert code == 2 and "being written by another quantkit process" in err[-1] and "before:" not in out, (out, err)

@@ -224,9 +224,9 @@ def test_a_measurement_another_process_is_making_is_left_to_it(tiny_dir, tmp_pat
 
     progress = tmp_path / ".m.json.progress-measurement.pt"
     progress.write_bytes(b"the first run's")
-    lock_path, held = lock(tmp_path / "m.json", "--measurement")
+    lock_path, held = lock(tmp_path / "m.json", "measurement")
     with pytest.raises(quantkit.QuantkitError, match="m.json is being written by another quantkit process: wait for it "
-                                                     "to finish or choose another --measurement"):
+                                                     "to finish or choose another measurement"):
         quantkit.quantize(str(tiny_dir), method="gptq", format="exl2", exl2=4.0, **CALIB, progress=False,
                           measurement=str(tmp_path / "m.json"), out=tmp_path / "q")
     held.close()

@@ -2,6 +2,7 @@
 part is judged by llama.cpp itself (llama-quantize's bytes, llama-perplexity's scores)."""
 
 import re
+import warnings
 
 import gguf
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import quantkit
-from quantkit.errors import QuantkitError, size
+from quantkit.errors import Note, QuantkitError, size
 from quantkit.exporters import gguf as G
 from quantkit.quantizers import ggml, rtn
 
@@ -217,6 +218,14 @@ def embedded(tmp_path_factory):
     return Embedded(tmp_path_factory.mktemp("gguf"))
 
 
+def noted(run):
+    """run()'s result, and the notes (quantkit's advice, a warning category of its own) it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run()
+    return result, [str(w.message) for w in caught if issubclass(w.category, Note)]
+
+
 def tensors(path):
     return {t.name: (t.tensor_type.name, np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(path).tensors}
 
@@ -356,10 +365,10 @@ def test_requantize_refuses_values_llama_quantize_refuses(float_ggufs, tmp_path,
     # requantized as llama-quantize --allow-requantize does, with a word on what that costs (the 1e6 above
     # would overflow Q4_0's scales, and is refused there)
     requantize(float_ggufs[0], tmp_path / "clean-q8.gguf", "Q8_0", progress=False)
-    code, _, err = cli(["export", tmp_path / "clean-q8.gguf", "--out", tmp_path / "q4.gguf", "--gguf-type", "Q4_0"],
-                       capsys, monkeypatch)
+    (code, _, err), said = noted(lambda: cli(["export", tmp_path / "clean-q8.gguf", "--out", tmp_path / "q4.gguf",
+                                              "--gguf-type", "Q4_0"], capsys, monkeypatch))
     assert code == 0, err
-    assert [line for line in err if line.startswith("note: ")][0].find("already quantized (Q8_0)") > 0
+    assert said[0].find("already quantized (Q8_0)") > 0
 
 
 def test_too_little_space_is_the_last_line(tmp_path, capsys, monkeypatch):
@@ -683,9 +692,9 @@ def test_a_gguf_keeps_its_metadata_through_quantize(float_ggufs, tmp_path, capsy
     src = by_name(float_ggufs[1], tmp_path / "src.gguf", more_keys, drop=("general.name",))
     requantized, quantized = tmp_path / "requantized.gguf", tmp_path / "quantized.gguf"
     assert cli(["export", src, "--out", requantized, "--gguf-type", "Q8_0"], capsys, monkeypatch)[0] == 0
-    code, _, err = cli(["quantize", src, "--format", "gguf", "--gguf-type", "Q8_0", "--out", quantized], capsys,
-                       monkeypatch)
-    assert code == 0 and not [line for line in err if line.startswith("note: ")], err  # from F16: nothing to say
+    (code, _, err), said = noted(lambda: cli(["quantize", src, "--format", "gguf", "--gguf-type", "Q8_0", "--out",
+                                              quantized], capsys, monkeypatch))
+    assert code == 0 and not said, err  # from F16: nothing to say
     quantkit.api.export_gguf(quantkit.load(src), tmp_path / "api.gguf", "Q8_0", progress=False)
     want = key_values(requantized)
     assert want["general.name"] == "Tiny Model" and want["tokenizer.chat_template.tool_use"] == "{{ tools }}"
@@ -753,9 +762,9 @@ def test_quantizing_a_quantized_gguf_says_so_as_export_does(float_ggufs, tmp_pat
     from quantkit.requant import requantize, requantized_note
 
     q8 = requantize(float_ggufs[1], tmp_path / "q8.gguf", "Q8_0", progress=False)
-    code, _, err = cli(["quantize", q8, "--format", "gguf", "--gguf-type", "Q4_0", "--out", tmp_path / "q4.gguf"],
-                       capsys, monkeypatch)
-    assert code == 0 and [line for line in err if line.startswith("note: ")] == [requantized_note(q8, ["Q8_0"])], err
+    (code, _, err), said = noted(lambda: cli(["quantize", q8, "--format", "gguf", "--gguf-type", "Q4_0", "--out",
+                                              tmp_path / "q4.gguf"], capsys, monkeypatch))
+    assert code == 0 and said == [requantized_note(q8, ["Q8_0"])], err
 
 
 def test_quantizing_a_gguf_keeps_the_blocks_already_of_their_type(float_ggufs, tmp_path, capsys, monkeypatch):
@@ -769,7 +778,8 @@ def test_quantizing_a_gguf_keeps_the_blocks_already_of_their_type(float_ggufs, t
     source = tensors(q4)
     for mix in ("Q4_K_M", "Q5_K_M"):
         out, theirs = tmp_path / f"ours-{mix}.gguf", tmp_path / f"export-{mix}.gguf"
-        code, _, err = cli(["quantize", q4, "--format", "gguf", "--gguf-type", mix, "--out", out], capsys, monkeypatch)
+        (code, _, err), said = noted(lambda: cli(["quantize", q4, "--format", "gguf", "--gguf-type", mix, "--out", out],
+                                                 capsys, monkeypatch))
         assert code == 0, err
         ours = tensors(out)
         assert tensors(requantize(q4, theirs, mix, progress=False)) == ours
@@ -777,7 +787,7 @@ def test_quantizing_a_gguf_keeps_the_blocks_already_of_their_type(float_ggufs, t
         assert [n for n in kept if ours[n] != source[n]] == []
         again = sorted({source[n][0] for n in ours if n not in kept})
         assert again == ([] if mix == "Q4_K_M" else ["Q4_K"])  # Q6_K stays Q6_K in Q5_K_M
-        assert [line for line in err if line.startswith("note: ")] == ([requantized_note(q4, again)] if again else [])
+        assert said == ([requantized_note(q4, again)] if again else [])
     m = quantkit.load(q4)
     m.materialize()
     with torch.no_grad():

@@ -87,6 +87,27 @@ def test_seeds_are_lm_evals_unless_given(tiny_dir, monkeypatch):
     assert not any(k in seen[0] for k in keys) and all(seen[1][k] == 7 for k in keys)
 
 
+def test_the_callers_seeds_and_logger_are_left_as_they_were(tiny_dir):
+    """lm-eval seeds random, numpy and torch even when no seed is given (numpy's and torch's to 1234), and
+    quantkit quieted lm-eval's logger for good: a pipeline's draws after an evaluation were the same each run."""
+    import logging
+    import random
+
+    import numpy as np
+
+    log = logging.getLogger("lm_eval")
+    level = log.level
+    try:
+        log.setLevel(logging.INFO)
+        torch.manual_seed(999), random.seed(999), np.random.seed(999)
+        want = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+        quantkit.lm_eval(tiny_dir, ["wikitext"], limit=1, device="cpu")
+        assert torch.equal(torch.get_rng_state(), want[0]) and random.getstate() == want[1]
+        assert (np.random.get_state()[1] == want[2]).all() and log.level == logging.INFO
+    finally:
+        log.setLevel(level)
+
+
 def test_refusals(tiny_dir, tmp_path, capsys, monkeypatch):
     refused(["lm-eval", tiny_dir, "--tasks", "wikitxt"], capsys, monkeypatch,
             "lm-eval knows no task 'wikitxt' (close names: wikitext")

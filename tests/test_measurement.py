@@ -342,7 +342,7 @@ def test_the_output_is_locked_through_the_measurement(tiny_dir, tmp_path, monkey
 
     def tries_the_lock(*args, **kwargs):
         try:
-            atomic.lock(tmp_path / "q", "--out")[1].close()
+            atomic.lock(tmp_path / "q", "out")[1].close()
             seen.append("free")
         except QuantkitError:
             seen.append("held")

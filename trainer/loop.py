@@ -335,7 +335,7 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
         raise QuantkitError(f"{m.source}: train on a float model directory (safetensors), not a GGUF file or a "
                             "quantized export: adapters are merged into the original weights")
     names = lora.check(m.module, config)
-    check_context(m.module.config, config.seqlen, "--seqlen")
+    check_context(m.module.config, config.seqlen, "seqlen")
     data_file, eval_file = Path(data), Path(eval_data) if eval_data else None
     if eval_file is not None and config.eval_fraction not in (0, TrainConfig.eval_fraction):
         raise QuantkitError(f"--eval-fraction {config.eval_fraction:g} holds out part of --data, and --eval-data gives "
