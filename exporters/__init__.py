@@ -55,7 +55,7 @@ def check_format(fmt: str, module, qconfig: QuantConfig) -> None:
 
         if qconfig.method in CODEBOOK_METHODS:
             raise QuantkitError(f"the AWQ layout holds integer grids, not {qconfig.method}: use "
-                            f"{option('format', 'safetensors')}")
+                                f"{option('format', 'safetensors')}")
         awq.check(module, qconfig)
     elif fmt == "compressed-tensors":
         from . import compressed
