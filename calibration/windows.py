@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import shlex
@@ -105,6 +106,28 @@ def hub_text(split: str) -> str:
     return "\n\n".join(rows)  # how the GPTQ reference joins the rows
 
 
+TOKENIZED: dict[tuple[str, str], torch.Tensor] = {}  # the last few texts' ids, by tokenizer and text
+KEPT = 8  # a WikiText-2 file is about 2.4 MB of ids
+
+
+def token_ids(tokenizer, text: str) -> torch.Tensor:
+    """The text's token ids without special tokens (LongTensor [n]). A run tokenizes the same text more
+    than once (calibration and its evaluation, the base and the model compared with it), seconds for a
+    WikiText-2 file each time: a fast tokenizer's last KEPT results are kept, by the tokenizer's own
+    definition (a copy of it loaded again hits) and the text's digest."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a slow (Python) tokenizer has no definition to key on
+        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    definition = f"{type(tokenizer).__qualname__}|{getattr(tokenizer, 'split_special_tokens', None)}|{backend.to_str()}"
+    key = (hashlib.sha256(definition.encode()).hexdigest(),
+           hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest())
+    if key not in TOKENIZED:
+        if len(TOKENIZED) >= KEPT:
+            del TOKENIZED[next(iter(TOKENIZED))]  # the oldest
+        TOKENIZED[key] = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    return TOKENIZED[key].clone()  # the caller's to change
+
+
 def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0) -> torch.Tensor:
     """n non-overlapping windows of seqlen tokens at seeded random places: LongTensor [n, seqlen]. When
     the tokenizer puts BOS in front of a text, each window's first token is BOS, as in llama-imatrix's
@@ -112,7 +135,7 @@ def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0) -> 
     if n < 1 or seqlen < 2:
         raise QuantkitError(f"{n} windows of {seqlen} tokens asked for: ask for at least 1 window "
                             f"({option('calib_samples')}) of at least 2 tokens ({option('calib_seqlen')})")
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    ids = token_ids(tokenizer, text)
     slots = len(ids) // seqlen
     if slots < n:
         raise QuantkitError(

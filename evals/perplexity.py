@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
+from quantkit.calibration import token_ids
 from quantkit.errors import QuantkitError, option
 from quantkit.modelio import adds_bos, check_context
 
@@ -58,10 +59,9 @@ def windows(tokenizer, text: str, protocol: str = "llamacpp", ctx: int = 512,
         raise QuantkitError(f"context {ctx} is too short: use {option('ctx', 512)} or another length of at least 4")
     if max_windows is not None and max_windows < 1:
         raise QuantkitError(f"max_windows {max_windows} scores nothing: pass 1 or more, or None for every window")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = token_ids(tokenizer, text)
     if adds_bos(tokenizer):  # one BOS for the whole text, as tokenizer(text) and llama-perplexity give it
-        ids = [tokenizer.bos_token_id] + ids
-    ids = torch.tensor(ids, dtype=torch.long)
+        ids = torch.cat([torch.tensor([tokenizer.bos_token_id]), ids])
     n = len(ids) // ctx
     if max_windows is not None:
         n = min(n, max_windows)

@@ -296,6 +296,7 @@ def quantize(
     progress: bool = True,
     targets: tuple[str, ...] = (),
     checked: Callable[[], None] | None = None,
+    alone: bool = False,
     **options,
 ) -> Model:
     """Quantize a model (a Model, a path, or None for the embedded one) with config, or with
@@ -310,7 +311,10 @@ def quantize(
     "500MiB" or bytes).
     targets: consumers (vllm, exllama, transformers, llama.cpp) that must be able to load the export,
     from their documented limits (quantkit.consumers). Every check that can fail runs before the long
-    work starts; then checked() is called, if given (the command line's "before" perplexity)."""
+    work starts; then checked() is called, if given (the command line's "before" perplexity).
+    Under torchrun, or in a torch.distributed process group the caller made, every process makes the
+    same call and takes its share of the work; alone=True quantizes in this process by itself (a
+    pipeline calling quantize on one rank of its own job)."""
     if config is not None and options:
         raise QuantkitError("pass a QuantConfig or its fields as keywords, not both")
     check_fields(QuantConfig, config, options, "quantize")
@@ -333,148 +337,154 @@ def quantize(
         whole(name, value)  # their ranges: where they are used, in the command line's words
     targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
     dev = device_of(device)
-    distributed.init(dev)  # under torchrun: this process's part of the job
-    keep = out is None if keep is None else keep
-    if not keep and out is None:
-        raise QuantkitError("keep=False writes the quantized layers to out and drops them from memory: pass out")
-    if out is not None:
-        check_out(out, overwrite, directory=format != "gguf",
-                  inputs=[calib_data, None if isinstance(model, Model) else model])
-        exporters.parse_size(max_shard_size)
-    if isinstance(model, Model):
-        check_float(model)
-    m = model if isinstance(model, Model) else load(model)
-    if out is not None:
-        check_apart(out, [m.source])
-    types = None
-    if config.gguf_type is not None:
-        exporters.gguf.check(m.module, config.gguf_type)
-        types = gguf_types(m, config)
-    importance, m.imatrix = None, {}
-    if config.imatrix_file is not None:
-        importance, m.imatrix = calibration.imatrix.read_recorded(config.imatrix_file)
-        columns = {exporters.gguf.gguf_name(f"{n}.weight"): m.module.get_submodule(n).weight.shape[1] for n in types}
-        calibration.imatrix.check(importance, config.imatrix_file, columns)
-        # llama-imatrix leaves out the embedding (and the output, without --process-output): the layers' count
-        weighted = [exporters.gguf.gguf_name(f"{n}.weight") for n, t in types.items() if t not in UNWEIGHTED]
-        missing = [key for key in weighted if key.startswith("blk.") and key not in importance]
-        if missing and distributed.rank() == 0:
-            warnings.warn(f"{config.imatrix_file} has no entry for {len(missing)} of the model's "
-                          f"{sum(key.startswith('blk.') for key in weighted)} layer weights ({missing[0]}, ...): they "
-                          "are quantized without importance; use the imatrix computed for this model")
-    if out is not None:
-        exporters.check_format(format, m.module, config)
-        if format != "gguf" and exporters.gguf.ROPE_FREQS in getattr(m.checkpoint, "infos", {}):
-            # loading divided the frequencies by them; a config.json would say a plain rope
-            raise QuantkitError(f"{m.source} holds Llama 3's rope as factors (rope_freqs.weight), which a {format} "
-                                f"checkpoint's config cannot give: write it as GGUF ({option('format', 'gguf')}), or "
-                                "quantize the model's Hugging Face directory")
-    if config.measurement is not None:
-        measurement.check_path(config.measurement)
-    if config.rules:
-        layer_rules.check(config.rules, [name for name, _, _ in linear_shapes(m.module)])
-    candidates = grids(m, config, format, targets) if config.target_bpw is not None else None
-    if targets:
-        consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
-    windows = None
-    if config.needs_calibration:
-        windows = calibration_windows(m, calib_data, calib_samples, calib_seqlen, seed)
-        batches = -(-calib_samples // BATCH)
-        if config.method == "awq" and batches < distributed.world():  # a process without one has no statistics
-            raise QuantkitError(f"AWQ needs a batch of calibration windows ({BATCH} each) in each of its "
-                                f"{distributed.world()} processes, and {option('calib_samples', calib_samples)} gives "
-                                f"{batches}: pass {option('calib_samples', BATCH * distributed.world())} or more")
-    if checked is not None:
-        with distributed.first_refuses(f"open {out}"):  # another job writing out: refused before checked, not after
-            if out is not None and distributed.rank() == 0:
-                with locked(Path(out), "out"):
-                    pass
-        with distributed.first_refuses("score the model before quantizing"):
-            checked()
-    if config.target_bpw is not None:  # from here on, a rule per group of linears, or a GGUF type per linear
-        shapes = shapes_by_name(m.module)
-        with ExitStack() as held:  # out's lock through the measurement: another job writing out is refused now
-            with distributed.first_refuses(f"open {out}"):
-                if out is not None and distributed.rank() == 0:
-                    held.enter_context(locked(Path(out), "out"))
-            config = spent(config, measured(m, config, windows, dev, progress, candidates, importance), shapes)
-        if types is not None:
+    with distributed.joined(not alone):
+        distributed.init(dev)  # under torchrun: this process's part of the job
+        keep = out is None if keep is None else keep
+        if not keep and out is None:
+            raise QuantkitError("keep=False writes the quantized layers to out and drops them from memory: pass out")
+        if out is not None:
+            check_out(out, overwrite, directory=format != "gguf",
+                      inputs=[calib_data, None if isinstance(model, Model) else model])
+            exporters.parse_size(max_shard_size)
+        if isinstance(model, Model):
+            check_float(model)
+        m = model if isinstance(model, Model) else load(model)
+        if out is not None:
+            check_apart(out, [m.source])
+        types = None
+        if config.gguf_type is not None:
+            exporters.gguf.check(m.module, config.gguf_type)
             types = gguf_types(m, config)
+        importance, m.imatrix = None, {}
+        if config.imatrix_file is not None:
+            importance, m.imatrix = calibration.imatrix.read_recorded(config.imatrix_file)
+            columns = {exporters.gguf.gguf_name(f"{n}.weight"): m.module.get_submodule(n).weight.shape[1]
+                       for n in types}
+            calibration.imatrix.check(importance, config.imatrix_file, columns)
+            # llama-imatrix leaves out the embedding (and the output, without --process-output): the layers' count
+            weighted = [exporters.gguf.gguf_name(f"{n}.weight") for n, t in types.items() if t not in UNWEIGHTED]
+            missing = [key for key in weighted if key.startswith("blk.") and key not in importance]
+            if missing and distributed.rank() == 0:
+                warnings.warn(f"{config.imatrix_file} has no entry for {len(missing)} of the model's "
+                              f"{sum(key.startswith('blk.') for key in weighted)} layer weights ({missing[0]}, ...): "
+                              "they are quantized without importance; use the imatrix computed for this model")
+        if out is not None:
+            exporters.check_format(format, m.module, config)
+            if format != "gguf" and exporters.gguf.ROPE_FREQS in getattr(m.checkpoint, "infos", {}):
+                # loading divided the frequencies by them; a config.json would say a plain rope
+                raise QuantkitError(f"{m.source} holds Llama 3's rope as factors (rope_freqs.weight), which a "
+                                    f"{format} checkpoint's config cannot give: write it as GGUF "
+                                    f"({option('format', 'gguf')}), or quantize the model's Hugging Face directory")
+        if config.measurement is not None:
+            measurement.check_path(config.measurement)
+        if config.rules:
+            layer_rules.check(config.rules, [name for name, _, _ in linear_shapes(m.module)])
+        candidates = grids(m, config, format, targets) if config.target_bpw is not None else None
         if targets:
             consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
-    # RTN keeps a GGUF source's blocks of the type they get; the embedding and output matrix are RTN's always
-    again = rounded_again(m.checkpoint, {n: t for n, t in (types or {}).items()
-                                         if config.method == "rtn" or n in exporters.gguf.TOP})
-    if again and m.qconfig is None and distributed.rank() == 0:
-        warnings.warn(requantized_note(m.source, again), Note)
-    settings = None  # EXL2's widths per linear, when measured
-    resume = None
-    if out is not None and not keep:  # saved beside the output: an interrupted run goes on
-        run = f"{fingerprint(m.source)}|{config}|{format}|{max_shard_size}|{dev.type}|{distributed.world()}"
-        key = hashlib.sha256(run.encode() + inputs_bytes(windows, importance)).hexdigest()
-        resume = (progress_path(out, distributed.rank() if distributed.world() > 1 else None), key)
-    m.losses = {}
-    def awq_layer(i, layer, batches):  # AWQ quantizes a layer whole: scales, folding, clipping
-        return awq.quantize_layer(layer, batches, bits=config.bits, group_size=config.group_size, sym=config.sym,
-                                  duo=config.duo_scaling, prefix=f"model.layers.{i}.", loss=config.awq_loss)
+        windows = None
+        if config.needs_calibration:
+            windows = calibration_windows(m, calib_data, calib_samples, calib_seqlen, seed)
+            batches = -(-calib_samples // BATCH)
+            if config.method == "awq" and batches < distributed.world():  # a process without one has no statistics
+                raise QuantkitError(f"AWQ needs a batch of calibration windows ({BATCH} each) in each of its "
+                                    f"{distributed.world()} processes, and "
+                                    f"{option('calib_samples', calib_samples)} gives {batches}: pass "
+                                    f"{option('calib_samples', BATCH * distributed.world())} or more")
+        if checked is not None:
+            with distributed.first_refuses(f"open {out}"):  # another job writing out: refused before checked, not after
+                if out is not None and distributed.rank() == 0:
+                    with locked(Path(out), "out"):
+                        pass
+            with distributed.first_refuses("score the model before quantizing"):
+                checked()
+        if config.target_bpw is not None:  # from here on, a rule per group of linears, or a GGUF type per linear
+            shapes = shapes_by_name(m.module)
+            with ExitStack() as held:  # out's lock through the measurement: another job writing out is refused now
+                with distributed.first_refuses(f"open {out}"):
+                    if out is not None and distributed.rank() == 0:
+                        held.enter_context(locked(Path(out), "out"))
+                config = spent(config, measured(m, config, windows, dev, progress, candidates, importance), shapes)
+            if types is not None:
+                types = gguf_types(m, config)
+            if targets:
+                consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
+        # RTN keeps a GGUF source's blocks of the type they get; the embedding and output matrix are RTN's always
+        again = rounded_again(m.checkpoint, {n: t for n, t in (types or {}).items()
+                                             if config.method == "rtn" or n in exporters.gguf.TOP})
+        if again and m.qconfig is None and distributed.rank() == 0:
+            warnings.warn(requantized_note(m.source, again), Note)
+        settings = None  # EXL2's widths per linear, when measured
+        resume = None
+        if out is not None and not keep:  # saved beside the output: an interrupted run goes on
+            run = f"{fingerprint(m.source)}|{config}|{format}|{max_shard_size}|{dev.type}|{distributed.world()}"
+            key = hashlib.sha256(run.encode() + inputs_bytes(windows, importance)).hexdigest()
+            resume = (progress_path(out, distributed.rank() if distributed.world() > 1 else None), key)
+        m.losses = {}
+        def awq_layer(i, layer, batches):  # AWQ quantizes a layer whole: scales, folding, clipping
+            return awq.quantize_layer(layer, batches, bits=config.bits, group_size=config.group_size, sym=config.sym,
+                                      duo=config.duo_scaling, prefix=f"model.layers.{i}.", loss=config.awq_loss)
 
-    read = {n.removesuffix(".weight") for n, p in m.module.named_parameters() if not p.is_meta}
+        read = {n.removesuffix(".weight") for n, p in m.module.named_parameters() if not p.is_meta}
 
-    def kept(name: str, w: torch.Tensor) -> QuantizedTensor | None:  # what is read now is the source's
-        return kept_blocks(m.checkpoint, name, types[name], w, check=name in read)
+        def kept(name: str, w: torch.Tensor) -> QuantizedTensor | None:  # what is read now is the source's
+            return kept_blocks(m.checkpoint, name, types[name], w, check=name in read)
 
-    def other(name: str, w: torch.Tensor) -> QuantizedTensor | None:  # GGUF: the embedding and output matrix too
-        if name == "lm_head" and config.head_bits is not None:  # EXL2's head, on the device (minutes on a CPU)
-            return exl2.quantize_head(w.to(dev), config.head_bits, config.damp, config.block_size).to("cpu")
-        if types is None or name not in types:
-            return None
-        if (q := kept(name, w)) is not None:
-            return q
-        key = exporters.gguf.gguf_name(f"{name}.weight")
-        return ggml.quantize(w, types[name], importance.get(key) if importance is not None else None)
+        def other(name: str, w: torch.Tensor) -> QuantizedTensor | None:  # GGUF: the embedding and output matrix too
+            if name == "lm_head" and config.head_bits is not None:  # EXL2's head, on the device (minutes on a CPU)
+                return exl2.quantize_head(w.to(dev), config.head_bits, config.damp, config.block_size).to("cpu")
+            if types is None or name not in types:
+                return None
+            if (q := kept(name, w)) is not None:
+                return q
+            key = exporters.gguf.gguf_name(f"{name}.weight")
+            return ggml.quantize(w, types[name], importance.get(key) if importance is not None else None)
 
-    writes = out is not None and distributed.rank() == 0  # under torchrun, rank 0 writes
-    with distributed.first_refuses(f"open {out}"):  # its lock: another job may be writing it
-        writer = exporters.open_writer(m, out, format, config, overwrite, max_shard_size, types) if writes else None
-    # the space check counts what a killed run of the same command wrote already
-    needed = exporters.expected_size(m.module, format, config, types) - size_on_disk(partial_path(out)) if writes else 0
-    try:
-        # under torchrun the other processes write only their progress, beside out
-        with space_for(out, needed if writes else None, "the export" if writes else "this process's progress",
-                       "run the same command again: it resumes after the last finished layer") if out is not None \
-                else nullcontext():
-            if config.exl2 is not None and config.measurement is not None:
-                settings = measured(m, config, windows, dev, progress, exl2.CANDIDATES)
-            # RTN's --target-bpw calibrated its measurement only
-            m.tensors = quantize_layers(m, quantizer(config, m.losses, types, importance, settings, kept),
-                                        windows if config.needs_calibration else None,
-                                        sequential=config.true_sequential, device=dev, writer=writer,
-                                        other=other if writes or keep else None, keep=keep,
-                                        progress=progress and distributed.rank() == 0, resume=resume,
-                                        layer_fn=awq_layer if config.method == "awq" else None)
-            if writer is not None:
-                writer.close()
-                if progress:
-                    print(writer.summary, file=sys.stderr)
-            distributed.agree(0, "min", "writing the output")  # every process keeps its progress until it is complete
-    except BaseException as e:
-        # what a resumed run needs stays, unless the input is at fault: running again would fail the same way
-        resumable = resume is not None and bool(progress_files(Path(out))) and not (
-            isinstance(e, QuantkitError) and not isinstance(e, ResumableError))
-        if writer is not None:  # the process holding the output's lock clears every process's progress
-            writer.abort(keep=resumable)
-        if isinstance(e, KeyboardInterrupt) and resumable and distributed.rank() == 0:  # Ctrl-C, SIGTERM
-            print(f"stopped: the finished layers are kept beside {out} ({resume[0].name}): run the same command to "
-                  "go on from them", file=sys.stderr)
-        raise
-    if resume is not None:
-        resume[0].unlink(missing_ok=True)
-    if types is not None and keep:  # evaluate() then scores with llama.cpp's arithmetic, as it scores the file
-        m.gguf_types = linear_types(m.module, {exporters.gguf.gguf_name(f"{n}.weight"): t for n, t in types.items()})
-    m.qconfig = config
-    if not keep and m.checkpoint is not None:
-        m.streamed_to = str(out)
-    return m
+        writes = out is not None and distributed.rank() == 0  # under torchrun, rank 0 writes
+        with distributed.first_refuses(f"open {out}"):  # its lock: another job may be writing it
+            writer = exporters.open_writer(m, out, format, config, overwrite, max_shard_size, types) if writes else None
+        # the space check counts what a killed run of the same command wrote already
+        needed = (exporters.expected_size(m.module, format, config, types) - size_on_disk(partial_path(out))
+                  if writes else 0)
+        try:
+            # under torchrun the other processes write only their progress, beside out
+            with space_for(out, needed if writes else None, "the export" if writes else "this process's progress",
+                           "run the same command again: it resumes after the last finished layer") if out is not None \
+                    else nullcontext():
+                if config.exl2 is not None and config.measurement is not None:
+                    settings = measured(m, config, windows, dev, progress, exl2.CANDIDATES)
+                # RTN's --target-bpw calibrated its measurement only
+                m.tensors = quantize_layers(m, quantizer(config, m.losses, types, importance, settings, kept),
+                                            windows if config.needs_calibration else None,
+                                            sequential=config.true_sequential, device=dev, writer=writer,
+                                            other=other if writes or keep else None, keep=keep,
+                                            progress=progress and distributed.rank() == 0, resume=resume,
+                                            layer_fn=awq_layer if config.method == "awq" else None)
+                if writer is not None:
+                    writer.close()
+                    if progress:
+                        print(writer.summary, file=sys.stderr)
+                # every process keeps its progress until it is complete
+                distributed.agree(0, "min", "writing the output")
+        except BaseException as e:
+            # what a resumed run needs stays, unless the input is at fault: running again would fail the same way
+            resumable = resume is not None and bool(progress_files(Path(out))) and not (
+                isinstance(e, QuantkitError) and not isinstance(e, ResumableError))
+            if writer is not None:  # the process holding the output's lock clears every process's progress
+                writer.abort(keep=resumable)
+            if isinstance(e, KeyboardInterrupt) and resumable and distributed.rank() == 0:  # Ctrl-C, SIGTERM
+                print(f"stopped: the finished layers are kept beside {out} ({resume[0].name}): run the same command to "
+                      "go on from them", file=sys.stderr)
+            raise
+        if resume is not None:
+            resume[0].unlink(missing_ok=True)
+        if types is not None and keep:  # evaluate() then scores with llama.cpp's arithmetic, as it scores the file
+            m.gguf_types = linear_types(m.module, {exporters.gguf.gguf_name(f"{n}.weight"): t
+                                                   for n, t in types.items()})
+        m.qconfig = config
+        if not keep and m.checkpoint is not None:
+            m.streamed_to = str(out)
+        return m
 
 
 def default_device(given: object, device: str | None) -> str | None:

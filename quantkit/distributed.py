@@ -12,6 +12,7 @@ import re
 import sys
 import threading
 from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import timedelta
 from typing import Iterator, TypeVar
 
@@ -24,12 +25,27 @@ from .errors import QuantkitError, ResumableError
 T = TypeVar("T")
 
 
+# False while a process works by itself inside a process group (quantize(alone=True))
+JOINS: ContextVar[bool] = ContextVar("JOINS", default=True)
+
+
 def world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return dist.get_world_size() if JOINS.get() and dist.is_initialized() else 1
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return dist.get_rank() if JOINS.get() and dist.is_initialized() else 0
+
+
+@contextmanager
+def joined(joins: bool) -> Iterator[None]:
+    """Inside, this process takes part in its torchrun job or process group, or not (joins=False: it
+    works alone, and every function here acts as in a single process)."""
+    token = JOINS.set(joins)
+    try:
+        yield
+    finally:
+        JOINS.reset(token)
 
 
 JOIN_S = 300  # a job's processes start together: one not there by then is not coming
@@ -40,7 +56,7 @@ def init(device: torch.device) -> None:
     inherited WORLD_SIZE without the rest of torchrun's variables is refused; one whose peers do not
     join within JOIN_S says so and exits, where it waited 30 minutes, deaf to SIGTERM."""
     size = launcher.launched()
-    if size < 2 or dist.is_initialized():
+    if size < 2 or dist.is_initialized() or not JOINS.get():
         return
     launcher.check(size)
     if device.type == "cuda":

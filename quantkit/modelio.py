@@ -774,7 +774,5 @@ def default_model_dir() -> Path:
 
     if ready(target):
         return target
-    import gguf
-
-    needed = sum(int(t.n_elements) for t in gguf.GGUFReader(default_gguf()).tensors) * 4  # float32
+    needed = sum(math.prod(t.shape) for t in gguf_header(default_gguf())[1].tensors) * 4  # float32
     return fill_cache(target, write, ready, needed)

@@ -103,9 +103,9 @@ class Settings:
 def tensor_bytes(path: Path) -> dict[str, int]:
     """Bytes of each tensor of an export (safetensors shards or a GGUF file)."""
     if path.suffix == ".gguf":
-        import gguf
+        from .modelio import gguf_header
 
-        return {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+        return {t.name: t.nbytes for t in gguf_header(path)[1].tensors}
     out = {}
     for shard in sorted(path.glob("*.safetensors")):
         with open(shard, "rb") as f:  # an 8-byte length, then the JSON header with each tensor's byte range

@@ -137,6 +137,36 @@ def tiny256(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny256") / "model", hidden=256, intermediate=512)
 
 
+@pytest.fixture(scope="session")
+def embedded_ppl4() -> float:
+    """The embedded float model's perplexity on TEST's first 4 windows: the reference several tests move from."""
+    import quantkit
+
+    return quantkit.evaluate(None, TEST, max_windows=4, progress=False).perplexity
+
+
+def gguf_tensors(path) -> dict[str, tuple[str, bytes]]:
+    """Each tensor of a GGUF file: its type's name and its bytes. The table comes from the header alone
+    (quantkit.modelio.gguf_header; gguf-py's reader spends about 5 s parsing a 49k-token vocabulary
+    first), checked to tile the data section up to the file's end, so that no byte goes uncompared;
+    test_gguf pins it to gguf-py's reader."""
+    import gguf
+    import numpy as np
+
+    from quantkit.modelio import gguf_header
+
+    header = gguf_header(Path(path))[1]
+    data = np.memmap(path, np.uint8, mode="r")
+    out, end = {}, header.data_start
+    for t in sorted(header.tensors, key=lambda t: t.offset):
+        start = header.data_start + t.offset
+        assert 0 <= start - end < 32, (path, t.name, start, end)  # only the alignment's padding between
+        end = start + t.nbytes
+        out[t.name] = gguf.GGMLQuantizationType(t.ggml_type).name, data[start:end].tobytes()
+    assert 0 <= len(data) - end < 32 and len(out) == len(header.tensors), (path, len(data), end)
+    return out
+
+
 def autogptq_quantlinear():
     return autogptq("nn_modules.qlinear.qlinear_cuda_old").QuantLinear
 

@@ -175,3 +175,24 @@ def test_records_are_evaluated_as_the_model_sees_them(chat_dir, tmp_path):
     got, want = (quantkit.evaluate(str(chat_dir), tmp_path / name, ctx=128, max_windows=2, progress=False)
                  for name in ("d.jsonl", "d.txt"))
     assert got.perplexity == want.perplexity and got.tokens == want.tokens
+
+
+def test_a_text_is_tokenized_once_per_tokenizer(tiny_dir, monkeypatch):
+    """Calibration, evaluation and the base of a comparison each tokenized the whole text again (seconds a
+    WikiText-2 file): token_ids keeps the last few results, found again by a copy of the same tokenizer and
+    never by another tokenizer or text; what it returns is the caller's to change."""
+    from quantkit.calibration import windows
+
+    monkeypatch.setattr(windows, "TOKENIZED", {})
+    tok, again = load_tokenizer(tiny_dir), load_tokenizer(tiny_dir)
+    text = VALID.read_text()[:20_000]
+    ids = windows.token_ids(tok, text)
+    assert torch.equal(ids, torch.tensor(tok(text, add_special_tokens=False)["input_ids"]))
+    ids[:] = -1
+    assert torch.equal(windows.token_ids(again, text), torch.tensor(tok(text, add_special_tokens=False)["input_ids"]))
+    assert len(windows.TOKENIZED) == 1  # the copy hit
+    other = tokenizer_adding_bos(tiny_dir)  # another definition: the same vocabulary with a BOS template
+    assert len(windows.token_ids(other, text)) and len(windows.TOKENIZED) == 2
+    for i in range(windows.KEPT):
+        windows.token_ids(tok, text[i:])
+    assert len(windows.TOKENIZED) == windows.KEPT

@@ -21,7 +21,7 @@ def torchrun(*args, script=("-m", "quantkit"), command="quantize") -> subprocess
     # torchrun polls its workers every second here, so the survivor has time to report before it is stopped
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
            "--monitor-interval", "1",
-           *script, command, *map(str, args)]
+           *script, *([command] if command else []), *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
@@ -99,6 +99,17 @@ def test_a_process_that_dies_stops_the_job_and_the_same_command_resumes(tiny_dir
     whole = one_process(tiny_dir, *args[:-1], tmp_path / "whole")
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert files(tmp_path / "q") == files(tmp_path / "whole")
+
+
+def test_a_pipelines_own_process_group(tiny_dir, tmp_path):
+    """A pipeline that made its own process group and called quantize on rank 0 alone waited forever (30
+    minutes, then a timeout) for the other ranks to join its collectives; alone=True quantizes in that one
+    process. Called on every rank, quantize shares the work over the caller's group, and writes what the
+    one process wrote (as test_two_processes_write_what_one_writes checks under quantize's own group)."""
+    job = torchrun(tiny_dir, VALID, tmp_path, script=(str(ROOT / "tests" / "torchrun_pipeline.py"),), command=None)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alone", "every"]
+    assert files(tmp_path / "every") == files(tmp_path / "alone")
 
 
 def test_awq_with_fewer_batches_than_processes_is_refused_before_the_work(tiny_dir, tmp_path, monkeypatch):

@@ -47,14 +47,14 @@ def test_gguf_tokenizer_splits_digits_like_llama_cpp():
     assert not tok("a")["input_ids"][0] == tok.bos_token_id  # add_bos_token is false
 
 
-def test_rtn_export_of_the_embedded_model(tmp_path):
+def test_rtn_export_of_the_embedded_model(tmp_path, embedded_ppl4):
     q = quantkit.quantize(None, bits=4, group_size=128, sym=True, out=tmp_path / "q", keep=True, progress=False)
     name = "model.layers.0.self_attn.q_proj"
     assert q.tensors[name].n_groups == 5  # 576 = 4.5 x 128: the last group holds 64 columns
     back = quantkit.load(tmp_path / "q")
     for n, qt in q.tensors.items():
         assert torch.equal(back.module.get_submodule(n).weight, qt.dequantize()), n
-    base = quantkit.evaluate(None, TEST, max_windows=4, progress=False).perplexity
+    base = embedded_ppl4
     ours = quantkit.evaluate(q, TEST, max_windows=4, progress=False).perplexity
     reloaded = quantkit.evaluate(back, TEST, max_windows=4, progress=False).perplexity
     assert base < ours < 2 * base

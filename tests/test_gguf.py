@@ -15,7 +15,7 @@ from quantkit.errors import Note, QuantkitError, size
 from quantkit.exporters import gguf as G
 from quantkit.quantizers import ggml, rtn
 
-from .conftest import TEST, VALID, cli, loaded, make_tiny, refused
+from .conftest import TEST, VALID, cli, gguf_tensors, loaded, make_tiny, refused
 
 QUANTIZED = ggml.LEGACY_TYPES + ggml.K_TYPES
 
@@ -200,6 +200,15 @@ class Embedded:
         self.dir, self.files = directory, {}
         quantkit.api.export_gguf(quantkit.load(), self.dir / "f32.gguf", "F32", progress=False)
 
+    def llama_quantized(self, mix: str, *flags: str):
+        """llama-quantize's file of the F32 file in the mix (with flags), made once."""
+        from . import llamacpp
+
+        theirs = self.dir / f"lq-{mix}{''.join(flags)}.gguf"
+        if not theirs.exists():
+            llamacpp.quantize(self.dir / "f32.gguf", theirs, mix, *flags)
+        return theirs
+
     def quantized(self, mix: str, pure: bool):
         """Our file of the mix and the quantized model it holds."""
         if (mix, pure) not in self.files:
@@ -226,21 +235,14 @@ def noted(run):
     return result, [str(w.message) for w in caught if issubclass(w.category, Note)]
 
 
-def tensors(path):
-    return {t.name: (t.tensor_type.name, np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(path).tensors}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mix,pure", [("Q8_0", False), ("Q4_0", False), ("Q4_1", False), ("Q4_K_M", False),
                                       ("Q2_K", False), ("Q3_K_M", True), ("Q5_K_M", True), ("Q6_K", False)])
 def test_bytes_equal_llama_quantize(embedded, mix, pure):
     """From the same F32 input, every tensor's type and bytes equal llama-quantize's: the legacy types
     and the K-quants (llama.cpp's searches, float32 sums in its order), the mix's choices and fallbacks."""
-    from . import llamacpp
-
-    theirs = embedded.dir / f"lq-{mix}.gguf"
-    llamacpp.quantize(embedded.dir / "f32.gguf", theirs, mix, *(["--pure"] if pure else []))
-    a, b = tensors(embedded.quantized(mix, pure)[0]), tensors(theirs)
+    theirs = embedded.llama_quantized(mix, *(["--pure"] if pure else []))
+    a, b = gguf_tensors(embedded.quantized(mix, pure)[0]), gguf_tensors(theirs)
     assert a.keys() == b.keys()
     assert [k for k in a if a[k] != b[k]] == []
 
@@ -250,12 +252,9 @@ def test_bytes_equal_llama_quantize(embedded, mix, pure):
 def test_requantized_file_is_llama_quantizes(embedded, tmp_path, capsys, monkeypatch, mix):
     """quantkit export of a GGUF file (quantkit.requant, the compiled quantizer) writes the file
     llama-quantize writes from it, byte for byte: metadata, tensor order, every block."""
-    from . import llamacpp
-
-    src, ours, theirs = embedded.dir / "f32.gguf", tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
-    llamacpp.quantize(src, theirs, mix)
+    src, ours = embedded.dir / "f32.gguf", tmp_path / "ours.gguf"
     assert cli(["export", src, "--out", ours, "--gguf-type", mix], capsys, monkeypatch)[0] == 0
-    assert ours.read_bytes() == theirs.read_bytes()
+    assert ours.read_bytes() == embedded.llama_quantized(mix).read_bytes()
 
 
 @pytest.mark.slow
@@ -264,10 +263,9 @@ def test_requantized_f16_file_is_llama_quantizes(embedded, tmp_path, capsys, mon
     """From an F16 file (ours, itself llama-quantize's F16 of the F32 file, byte for byte): the same."""
     from . import llamacpp
 
-    f16, theirs_f16 = tmp_path / "f16.gguf", tmp_path / "theirs-f16.gguf"
+    f16 = tmp_path / "f16.gguf"
     assert cli(["export", embedded.dir / "f32.gguf", "--out", f16, "--gguf-type", "F16"], capsys, monkeypatch)[0] == 0
-    llamacpp.quantize(embedded.dir / "f32.gguf", theirs_f16, "F16")
-    assert f16.read_bytes() == theirs_f16.read_bytes()
+    assert f16.read_bytes() == embedded.llama_quantized("F16").read_bytes()
     llamacpp.quantize(f16, tmp_path / "theirs.gguf", mix)
     assert cli(["export", f16, "--out", tmp_path / "ours.gguf", "--gguf-type", mix], capsys, monkeypatch)[0] == 0
     assert (tmp_path / "ours.gguf").read_bytes() == (tmp_path / "theirs.gguf").read_bytes()
@@ -523,7 +521,7 @@ def test_q4_1_export_reproduces_the_shipped_file(embedded):
     are the shipped ones."""
     from quantkit.modelio import default_gguf
 
-    ours, shipped = tensors(embedded.quantized("Q4_1", False)[0]), tensors(default_gguf())
+    ours, shipped = gguf_tensors(embedded.quantized("Q4_1", False)[0]), gguf_tensors(default_gguf())
     assert ours.keys() == shipped.keys()
     assert [k for k in ours if ours[k] != shipped[k]] == []
 
@@ -661,9 +659,11 @@ def test_tensor_type_bytes_equal_llama_quantize(tiny256, tmp_path, mix, override
                       *[a for o in overrides for a in ("--tensor-type", o)])
     quantkit.quantize(tiny256, method="rtn", format="gguf", gguf_type=mix, tensor_type=tuple(overrides),
                       out=tmp_path / "ours.gguf", progress=False)
-    ours, theirs = tensors(tmp_path / "ours.gguf"), tensors(tmp_path / "theirs.gguf")
+    ours, theirs = gguf_tensors(tmp_path / "ours.gguf"), gguf_tensors(tmp_path / "theirs.gguf")
     assert ours.keys() == theirs.keys()
     assert [k for k in ours if ours[k] != theirs[k]] == []
+    for path, read in ((tmp_path / "ours.gguf", ours), (tmp_path / "theirs.gguf", theirs)):  # the tests' reader
+        assert read == {t.name: (t.tensor_type.name, np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(path).tensors}
     plain = G.tensor_types(quantkit.load(tiny256).module, mix)["model.layers.1.mlp.down_proj"]
     assert ours["blk.1.ffn_down.weight"][0] != plain  # the overrides changed what the mix would give
 
@@ -702,7 +702,7 @@ def test_a_gguf_keeps_its_metadata_through_quantize(float_ggufs, tmp_path, capsy
         {k: v for k, v in key_values(src).items() if k not in ("general.file_type", "general.quantization_version")}
     for out in (quantized, tmp_path / "api.gguf"):
         assert key_values(out) == want, out
-        assert tensors(out) == tensors(requantized), out
+        assert gguf_tensors(out) == gguf_tensors(requantized), out
     assert quantkit.load(tmp_path / "api.gguf").tokenizer("Hello 123")["input_ids"] == \
         quantkit.load(src).tokenizer("Hello 123")["input_ids"]
 
@@ -775,14 +775,14 @@ def test_quantizing_a_gguf_keeps_the_blocks_already_of_their_type(float_ggufs, t
     from quantkit.requant import requantize, requantized_note
 
     q4 = requantize(float_ggufs[1], tmp_path / "q4.gguf", "Q4_K_M", progress=False)
-    source = tensors(q4)
+    source = gguf_tensors(q4)
     for mix in ("Q4_K_M", "Q5_K_M"):
         out, theirs = tmp_path / f"ours-{mix}.gguf", tmp_path / f"export-{mix}.gguf"
         (code, _, err), said = noted(lambda: cli(["quantize", q4, "--format", "gguf", "--gguf-type", mix, "--out", out],
                                                  capsys, monkeypatch))
         assert code == 0, err
-        ours = tensors(out)
-        assert tensors(requantize(q4, theirs, mix, progress=False)) == ours
+        ours = gguf_tensors(out)
+        assert gguf_tensors(requantize(q4, theirs, mix, progress=False)) == ours
         kept = [n for n in ours if ours[n][0] == source[n][0]]
         assert [n for n in kept if ours[n] != source[n]] == []
         again = sorted({source[n][0] for n in ours if n not in kept})
@@ -793,7 +793,7 @@ def test_quantizing_a_gguf_keeps_the_blocks_already_of_their_type(float_ggufs, t
     with torch.no_grad():
         m.module.model.layers[1].mlp.down_proj.weight.neg_()
     quantkit.quantize(m, method="rtn", format="gguf", gguf_type="Q4_K_M", out=tmp_path / "changed.gguf", progress=False)
-    changed = tensors(tmp_path / "changed.gguf")
+    changed = gguf_tensors(tmp_path / "changed.gguf")
     assert [n for n in changed if changed[n] != source[n]] == ["blk.1.ffn_down.weight"]
 
 
@@ -837,8 +837,8 @@ def test_export_requantizes_with_pure_and_tensor_types(float_ggufs, tmp_path, ca
                    monkeypatch)[0] == 0
         assert cli(["quantize", f16, "--format", "gguf", "--gguf-type", "Q4_K_M", *options, "--out", quantized,
                     "--overwrite"], capsys, monkeypatch)[0] == 0
-        assert tensors(exported) == tensors(quantized)
-        kinds = {name: kind for name, (kind, _) in tensors(exported).items() if name.startswith("blk.")}
+        assert gguf_tensors(exported) == gguf_tensors(quantized)
+        kinds = {name: kind for name, (kind, _) in gguf_tensors(exported).items() if name.startswith("blk.")}
         if options == ["--pure"]:
             assert set(kinds.values()) == {"Q4_K", "F32"}, kinds  # the norms stay float
         else:

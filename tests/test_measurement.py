@@ -7,7 +7,6 @@ bad input is refused."""
 import json
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -21,7 +20,7 @@ from quantkit.exporters.gptq import override
 from quantkit.measurement import GGUF_TYPES, GRIDS, Grid
 from quantkit.quantizers import rtn
 
-from .conftest import TEST, VALID, loaded, refused
+from .conftest import TEST, VALID, gguf_tensors, loaded, refused
 
 CALIB = dict(calib_data=VALID, calib_samples=16, calib_seqlen=64)
 
@@ -220,10 +219,6 @@ def test_an_older_measurement_is_refused(tiny_dir, tmp_path, capsys, monkeypatch
     refused(["quantize", str(tiny_dir), "--method", "gptq", "--target-bpw", "4", "--calib-data", str(VALID),
              "--calib-samples", "16", "--calib-seqlen", "64", "--measurement", str(old), "--out", str(tmp_path / "q")],
             capsys, monkeypatch, "measured by an older quantkit")
-
-
-def gguf_tensors(path) -> dict[str, tuple[str, bytes]]:
-    return {t.name: (t.tensor_type.name, np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(path).tensors}
 
 
 def gguf_linears(path) -> dict[str, tuple[str, int, int]]:

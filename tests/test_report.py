@@ -9,15 +9,24 @@ import pytest
 from .conftest import DATA, TEST, VALID, cli, make_tiny
 
 
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    """TEST's first 200 kB, where every window scored here lies: each point's process reads its text whole."""
+    head = TEST.read_text()[:200_000]
+    path = tmp_path_factory.mktemp("text") / TEST.name
+    path.write_text(head[: head.rindex("\n") + 1])
+    return path
+
+
 def both(args, capsys, monkeypatch) -> tuple[int, str]:
     """The exit status, and what the command printed: its progress (stderr), then its result (stdout)."""
     code, out, err = cli(args, capsys, monkeypatch)
     return code, "\n".join([*err, out])
 
 
-def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
+def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch, text):
     out = tmp_path / "report"
-    common = ["report", tiny_dir, "--out", out, "--data", TEST, "--calib-data", VALID, "--calib-samples", 4,
+    common = ["report", tiny_dir, "--out", out, "--data", text, "--calib-data", VALID, "--calib-samples", 4,
               "--methods", "rtn,nf4,gguf,exl2", "--bits", "4", "--gguf-types", "Q8_0", "--exl2-bits", "4.0,9",
               "--group-size", 32,
               "--tasks", "dolly_mc", "--lm-eval-limit", 4, "--ctx", 128]
@@ -39,7 +48,7 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
     md = (out / "report.md").read_text()
     assert "| dolly_mc:acc | dolly_mc:acc_norm |" in md
     base = r["base"]["lm_eval"]["dolly_mc"]  # the float model's scores head the table, with standard errors
-    assert f"| base (float) |" in md and f"| {base['acc']:.4f} ± {base['acc_stderr']:.4f} |" in md
+    assert "| base (float) |" in md and f"| {base['acc']:.4f} ± {base['acc_stderr']:.4f} |" in md
     rtn = by_name["rtn-w4"]["lm_eval"]["dolly_mc"]
     assert f"| {rtn['acc_norm']:.4f} ± {rtn['acc_norm_stderr']:.4f} |" in md
     assert all(f"| {name} |" in md for name in by_name) and "failed: error: 9.0 bits per weight is outside" in md
@@ -57,7 +66,7 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
                                             "the report)")
 
     # another sweep with the same settings: its points join the report's, none is dropped from it
-    code, printed = both(["report", tiny_dir, "--out", out, "--data", TEST, "--calib-data", VALID, "--calib-samples",
+    code, printed = both(["report", tiny_dir, "--out", out, "--data", text, "--calib-data", VALID, "--calib-samples",
                             4, "--methods", "rtn", "--bits", "4,8,8", "--group-size", 32, "--tasks", "dolly_mc",
                             "--lm-eval-limit", 4, "--ctx", 128, "--windows", 3], capsys, monkeypatch)
     names = [p["name"] for p in json.loads((out / "report.json").read_text())["points"]]
@@ -65,7 +74,7 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
     assert "[2/2] rtn-w8" in printed and "also in the report, from earlier runs" in printed
 
 
-def test_a_point_whose_lm_eval_fails_keeps_its_figures(tiny_dir, tmp_path, capsys, monkeypatch):
+def test_a_point_whose_lm_eval_fails_keeps_its_figures(tiny_dir, tmp_path, capsys, monkeypatch, text):
     """lm-eval failing in a point took the point's size, perplexity and divergence with it (recorded as failed,
     measured for nothing); now they stand, the table and the exit status name the missing scores, and the same
     command runs the point again. The fault is planted in the point's own process by a sitecustomize."""
@@ -77,7 +86,7 @@ def test_a_point_whose_lm_eval_fails_keeps_its_figures(tiny_dir, tmp_path, capsy
         "    raise RuntimeError('the harness broke\\nits traceback')\n"
         "quantkit.api.lm_eval = broken\n")
     out = tmp_path / "report"
-    args = ["report", tiny_dir, "--out", out, "--data", TEST, "--methods", "rtn", "--bits", "4", "--group-size", 32,
+    args = ["report", tiny_dir, "--out", out, "--data", text, "--methods", "rtn", "--bits", "4", "--group-size", 32,
             "--windows", 1, "--ctx", 64, "--tasks", "dolly_mc", "--lm-eval-limit", 2]
     with monkeypatch.context() as planting:
         planting.setenv("PYTHONPATH", os.pathsep.join([str(planted), os.environ.get("PYTHONPATH", "")]))
@@ -102,7 +111,7 @@ quantkit.api.lm_eval = recorded
 """
 
 
-def test_lm_eval_settings_reach_every_run_and_an_older_report_goes_on(tiny_dir, tmp_path, capsys, monkeypatch):
+def test_lm_eval_settings_reach_every_run_and_an_older_report_goes_on(tiny_dir, tmp_path, capsys, monkeypatch, text):
     """report ran lm-eval with its defaults only: each task's few-shot count, the model's context, plain
     prompts, the default data directory. Now the base and every point take the report's. A report begun
     before these settings existed goes on with the same command (they are its defaults), and is refused
@@ -117,7 +126,7 @@ def test_lm_eval_settings_reach_every_run_and_an_older_report_goes_on(tiny_dir, 
 
     monkeypatch.setattr(quantkit.api, "lm_eval", quantkit.api.lm_eval)  # put back after the test
     exec(RECORDER, {})  # this process's lm-eval: the base's
-    common = ["report", tiny_dir, "--out", out, "--data", TEST, "--methods", "rtn", "--bits", "4", "--group-size", 32,
+    common = ["report", tiny_dir, "--out", out, "--data", text, "--methods", "rtn", "--bits", "4", "--group-size", 32,
               "--windows", 1, "--ctx", 64, "--tasks", "dolly_mc", "--lm-eval-limit", 2]
     lm = ["--lm-eval-fewshot", 1, "--lm-eval-max-length", 64, "--lm-eval-chat", "--lm-eval-data-dir", DATA]
     code, _, err = cli([*common, *lm], capsys, monkeypatch)
@@ -164,12 +173,13 @@ def test_a_point_ends_with_the_report_killed_under_it(tiny_dir, tmp_path):
     assert not Path(f"/proc/{point}").exists() or Path(f"/proc/{point}/stat").read_text().split()[2] == "Z"
 
 
-def test_a_model_rewritten_at_its_path_is_not_reported_on_with_the_old_points(tiny_dir, tmp_path, capsys, monkeypatch):
+def test_a_model_rewritten_at_its_path_is_not_reported_on_with_the_old_points(tiny_dir, tmp_path, capsys, monkeypatch,
+                                                                             text):
     """The points and the base of a report belong to the weights they were made from: the same command
     after the model at that path changed is refused, not answered from the old results."""
     model, out = tmp_path / "m", tmp_path / "report"
     shutil.copytree(tiny_dir, model)
-    args = ["report", model, "--out", out, "--data", TEST, "--methods", "rtn", "--bits", "4", "--group-size", 32,
+    args = ["report", model, "--out", out, "--data", text, "--methods", "rtn", "--bits", "4", "--group-size", 32,
             "--windows", 1, "--ctx", 64]
     assert cli(args, capsys, monkeypatch)[0] == 0
     shutil.rmtree(model)
@@ -178,9 +188,10 @@ def test_a_model_rewritten_at_its_path_is_not_reported_on_with_the_old_points(ti
     assert code == 2 and err[-1].startswith(f"error: {out} holds a report of other settings")
 
 
-def test_a_report_whose_every_point_failed_still_draws_its_charts(tiny_dir, tmp_path, capsys, monkeypatch, recwarn):
+def test_a_report_whose_every_point_failed_still_draws_its_charts(tiny_dir, tmp_path, capsys, monkeypatch, recwarn,
+                                                                  text):
     out = tmp_path / "report"
-    code, printed = both(["report", tiny_dir, "--out", out, "--data", TEST, "--methods", "exl2", "--exl2-bits", "9",
+    code, printed = both(["report", tiny_dir, "--out", out, "--data", text, "--methods", "exl2", "--exl2-bits", "9",
                             "--calib-data", VALID, "--windows", 1, "--ctx", 64], capsys, monkeypatch)
     assert code == 1 and "failed: exl2-9" in printed
     assert (out / "kld.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -211,20 +222,20 @@ def test_a_report_whose_every_point_failed_still_draws_its_charts(tiny_dir, tmp_
     (["--methods", "gguf", "--bits", "4"], "--bits sets the awq, gptq, rtn points, and --methods has none"),
     (["--methods", "rtn", "--lm-eval-limit", 5], "--lm-eval-limit sets the lm-eval runs, and there are no --tasks"),
 ])
-def test_bad_settings_are_refused_before_the_report_is_made(tiny_dir, tmp_path, capsys, monkeypatch, args, match):
+def test_bad_settings_are_refused_before_the_report_is_made(tiny_dir, tmp_path, capsys, monkeypatch, args, match, text):
     """Settings that every point, or the base, would fail on: one error line, and no report directory
     left to block the corrected command."""
     out = tmp_path / "report"
-    code, _, err = cli(["report", tiny_dir, "--out", out, "--data", TEST, "--windows", 2, *args], capsys, monkeypatch)
+    code, _, err = cli(["report", tiny_dir, "--out", out, "--data", text, "--windows", 2, *args], capsys, monkeypatch)
     assert code == 2 and err[-1].startswith("error: ") and match in err[-1], err
     assert not out.exists()
 
 
-def test_exl2_points_share_one_measurement(tiny_dir, tmp_path, capsys, monkeypatch):
+def test_exl2_points_share_one_measurement(tiny_dir, tmp_path, capsys, monkeypatch, text):
     """--exl2-measured: the first EXL2 point measures into OUT/exl2-measurement.json, the next reads
     it; each meets its target."""
     out = tmp_path / "report"
-    args = ["report", tiny_dir, "--out", out, "--data", TEST, "--calib-data", VALID, "--calib-samples", 4,
+    args = ["report", tiny_dir, "--out", out, "--data", text, "--calib-data", VALID, "--calib-samples", 4,
             "--methods", "exl2", "--exl2-bits", "3.0,4.0", "--exl2-measured", "--windows", 2, "--ctx", 128]
     code, _, _ = cli(args, capsys, monkeypatch)
     points = json.loads((out / "report.json").read_text())["points"]
@@ -237,12 +248,12 @@ def test_exl2_points_share_one_measurement(tiny_dir, tmp_path, capsys, monkeypat
     assert points[0]["kld_mean"] > points[1]["kld_mean"]
 
 
-def test_a_directory_that_is_not_a_report_is_not_written_into(tiny_dir, tmp_path, capsys, monkeypatch):
+def test_a_directory_that_is_not_a_report_is_not_written_into(tiny_dir, tmp_path, capsys, monkeypatch, text):
     """Its report.md was replaced without --overwrite; a damaged settings.json was a traceback."""
     out = tmp_path / "notes"
     out.mkdir()
     (out / "report.md").write_text("mine")
-    args = ["report", tiny_dir, "--out", out, "--data", TEST, "--methods", "rtn", "--bits", "4", "--windows", 1,
+    args = ["report", tiny_dir, "--out", out, "--data", text, "--methods", "rtn", "--bits", "4", "--windows", 1,
             "--ctx", 64]
     code, _, err = cli(args, capsys, monkeypatch)
     assert code == 2 and "holds other files, not a quantkit report" in err[-1] and (out / "report.md").read_text() == "mine"
@@ -251,12 +262,12 @@ def test_a_directory_that_is_not_a_report_is_not_written_into(tiny_dir, tmp_path
     assert code == 2 and err[-1].startswith(f"error: {out / 'settings.json'} is damaged")
 
 
-def test_a_point_file_without_its_figures_is_measured_again_or_named(tiny_dir, tmp_path, capsys, monkeypatch):
+def test_a_point_file_without_its_figures_is_measured_again_or_named(tiny_dir, tmp_path, capsys, monkeypatch, text):
     """A point's file saying "ok" without the figures (another version's, a hand edit) was a KeyError in
     the table: one of the sweep's runs again, one from an earlier sweep is named; a failed one without
     its reason too."""
     out = tmp_path / "report"
-    args = ["report", tiny_dir, "--out", out, "--data", TEST, "--methods", "rtn", "--bits", "4", "--windows", 1,
+    args = ["report", tiny_dir, "--out", out, "--data", text, "--methods", "rtn", "--bits", "4", "--windows", 1,
             "--ctx", 64]
     assert cli(args, capsys, monkeypatch)[0] == 0
     (out / "points" / "rtn-w4.json").write_text(json.dumps({"name": "rtn-w4", "status": "ok"}))

@@ -149,7 +149,7 @@ def test_the_warmup_steps_from_its_first_step(tiny_dir, text, tmp_path):
     one = train(tiny_dir, data=text, out=tmp_path / "one", steps=1, rank=4, lr=1e-2, **SHORT)
     assert one.log[0]["lr"] == 1e-2
     assert all(t.abs().max() > 0 for k, t in load_file(tmp_path / "one" / lora.WEIGHTS).items() if "lora_B" in k)
-    with pytest.warns(UserWarning, match="--warmup 10 is not shorter than the run's 4 steps"):
+    with pytest.warns(UserWarning, match="warmup=10 is not shorter than the run's 4 steps"):
         short = train(tiny_dir, data=text, out=tmp_path / "short", steps=4, rank=4, lr=1e-2, **SHORT)
     assert [r["lr"] for r in short.log] == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2])
     run = train(tiny_dir, data=text, out=tmp_path / "run", steps=6, warmup=2, rank=4, lr=1e-2, **SHORT)

@@ -139,11 +139,11 @@ def test_bad_rank(tiny_dir, text, capsys, monkeypatch, tmp_path, rank, match):
 
 
 @pytest.mark.parametrize("args,match", [
-    (["--max-grad-norm", 0], "--max-grad-norm 0.0 is invalid: use a positive norm"),  # zeroed every gradient
-    (["--max-grad-norm", -1], "--max-grad-norm -1.0 is invalid"),  # flipped them: the held-out loss rose
+    (["--max-grad-norm", 0], "--max-grad-norm 0 is invalid: use a positive norm"),  # zeroed every gradient
+    (["--max-grad-norm", -1], "--max-grad-norm -1 is invalid"),  # flipped them: the held-out loss rose
     (["--max-grad-norm", "nan"], "--max-grad-norm nan is invalid"),  # an adapter of NaNs, exit 0
     (["--weight-decay", -0.1], "--weight-decay -0.1 is invalid: use 0 or"),  # torch's ValueError: a traceback
-    (["--alpha", 0], "--alpha 0.0 is invalid: use a positive number"),  # scale 0: B never moved
+    (["--alpha", 0], "--alpha 0 is invalid: use a positive number"),  # scale 0: B never moved
     (["--patience", 0], "--patience 0 is invalid: use a number of evaluations"),  # stopped at the first one
     (["--patience", 2], "--patience stops on the held-out loss, and there is no held-out data"),  # FAST: none
     (["--seqlen", 1024], "--seqlen 1024 is longer than the model's context of 512 tokens"),  # trained past it
@@ -283,6 +283,30 @@ def test_merge_onto_nf4_with_a_damaged_log(adapter, capsys, monkeypatch, tmp_pat
 
 def test_resume_with_nothing_to_resume(tiny_dir, text, capsys, monkeypatch, tmp_path):
     train_fails(tiny_dir, text, capsys, monkeypatch, tmp_path, "nothing to resume", "--resume")
+
+
+def test_the_api_names_its_keywords(adapter, tiny_dir, text, tmp_path):
+    """Through quantkit.train and merge, the trainer's errors named the command line's flags (--max-grad-norm
+    0.0, --patience, --eval-data, --resume, --onto-nf4), which a Python caller does not have; now its keywords,
+    as quantize's errors do. The command line's spelling of the same mistakes is checked above."""
+    from quantkit.errors import QuantkitError
+    from quantkit.trainer import merge
+
+    common = dict(data=text, out=tmp_path / "out", steps=1, seqlen=32, batch_size=2, rank=4, progress=False)
+    for extra, match in [
+        (dict(max_grad_norm=0), "max_grad_norm=0 is invalid: use a positive norm"),
+        (dict(steps=2, epochs=1.0), "steps and epochs both set the run's length"),
+        (dict(target="qkv"), "target='qkv' matches no linear of this model"),
+        (dict(eval_fraction=0, patience=2), "patience stops on the held-out loss, and there is no held-out data: "
+                                            "pass eval_data or a positive eval_fraction, or drop patience"),
+        (dict(resume=True), "run without resume=True"),
+    ]:
+        with pytest.raises(QuantkitError, match=re.escape(match)):
+            train(str(tiny_dir), **{**common, **extra})
+    with pytest.raises(QuantkitError, match=re.escape("and onto_nf4=True merges into the NF4-rounded base QLoRA "
+                                                      "trains against: drop onto_nf4=True")):
+        merge(adapter, tmp_path / "merged", onto_nf4=True, progress=False)
+    assert left(tmp_path) == [] and left(tmp_path, "merged") == []
 
 
 @pytest.fixture
@@ -425,7 +449,7 @@ def test_replies_cut_at_seqlen_are_told(chat_dir, tmp_path):
     long = {"messages": [{"role": "user", "content": "Count."},
                          {"role": "assistant", "content": " ".join(["one two three"] * 40)}]}
     data = jsonl(tmp_path / "d.JSONL", CHAT, long, long)  # any spelling of the suffix is JSON lines
-    with pytest.warns(UserWarning, match=r"^2 records of .* have their last reply cut at --seqlen 64 tokens"):
+    with pytest.warns(UserWarning, match=r"^2 records of .* have their last reply cut at seqlen=64 tokens: raise seqlen "):
         examples = dataset.read(data, tok, 64)
     assert len(examples) == 3 and examples[1].scored > 0
     with warnings.catch_warnings():

@@ -5,7 +5,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from quantkit.config import check_types
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, option
 
 METHODS = ("lora", "qlora")
 OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw")
@@ -63,46 +63,46 @@ class TrainConfig:
         if isinstance(self.target, str):
             self.target = [t for t in self.target.split(",") if t]
         if not self.target:
-            raise QuantkitError("no --target modules: name some (q_proj,v_proj) or use all-linear")
+            raise QuantkitError(f"no {option('target')} modules: name some (q_proj,v_proj) or use all-linear")
         if self.rank < 1:
-            raise QuantkitError(f"rank {self.rank} is invalid: use a positive rank such as 16")
+            raise QuantkitError(f"{option('rank', self.rank)} is invalid: use a positive rank such as 16")
         if not 0 <= self.dropout < 1:
-            raise QuantkitError(f"dropout {self.dropout} is out of range: use a fraction in [0, 1)")
+            raise QuantkitError(f"{option('dropout', self.dropout)} is out of range: use a fraction in [0, 1)")
         if self.lora_plus is not None and self.lora_plus <= 0:
-            raise QuantkitError(f"--lora-plus {self.lora_plus} is invalid: use a positive ratio such as 16")
+            raise QuantkitError(f"{option('lora_plus', self.lora_plus)} is invalid: use a positive ratio such as 16")
         if self.seqlen < 2:  # a window of one token predicts nothing: every loss would be 0/0
-            raise QuantkitError(f"--seqlen {self.seqlen} leaves no token to predict: use 2 or more, such as 256")
+            raise QuantkitError(f"{option('seqlen', self.seqlen)} leaves no token to predict: use 2 or more, such as 256")
         if self.steps is not None and self.epochs is not None:
-            raise QuantkitError("--steps and --epochs both set the run's length: pass one of them")
+            raise QuantkitError(f"{option('steps')} and {option('epochs')} both set the run's length: pass one of them")
         for name in ("batch_size", "grad_accum", "eval_every", "save_every"):
             if getattr(self, name) < 1:
-                raise QuantkitError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: use a positive number")
+                raise QuantkitError(f"{option(name, getattr(self, name))} is invalid: use a positive number")
         if self.steps is not None and self.steps < 1 or self.epochs is not None and not self.epochs > 0:
-            raise QuantkitError("--steps and --epochs must be positive")
+            raise QuantkitError(f"{option('steps')} and {option('epochs')} must be positive")
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise QuantkitError(f"learning rate {self.lr} is invalid: use a positive number such as 2e-4")
+            raise QuantkitError(f"learning rate {option('lr', self.lr)} is invalid: use a positive number such as 2e-4")
         if not (self.alpha > 0 and math.isfinite(self.alpha)):  # 0: the adapter adds nothing and never trains
-            raise QuantkitError(f"--alpha {self.alpha} is invalid: use a positive number such as 32")
+            raise QuantkitError(f"{option('alpha', self.alpha)} is invalid: use a positive number such as 32")
         if not self.max_grad_norm > 0:  # 0 zeroes every gradient, a negative one flips it, NaN poisons it
-            raise QuantkitError(f"--max-grad-norm {self.max_grad_norm} is invalid: use a positive norm such as 1.0 "
+            raise QuantkitError(f"{option('max_grad_norm', self.max_grad_norm)} is invalid: use a positive norm such as 1.0 "
                                 "(inf: no clipping)")
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
-            raise QuantkitError(f"--weight-decay {self.weight_decay} is invalid: use 0 or a small positive number such "
+            raise QuantkitError(f"{option('weight_decay', self.weight_decay)} is invalid: use 0 or a small positive number such "
                                 "as 0.01")
         if self.patience is not None and self.patience < 1:  # 0 would stop at the first evaluation
-            raise QuantkitError(f"--patience {self.patience} is invalid: use a number of evaluations, 1 or more")
+            raise QuantkitError(f"{option('patience', self.patience)} is invalid: use a number of evaluations, 1 or more")
         if not 0 <= self.eval_fraction < 1:
-            raise QuantkitError(f"--eval-fraction {self.eval_fraction} is out of range: use a fraction such as 0.05")
+            raise QuantkitError(f"{option('eval_fraction', self.eval_fraction)} is out of range: use a fraction such as 0.05")
         if self.warmup < 0:
-            raise QuantkitError(f"--warmup {self.warmup} is invalid: use a number of steps, 0 or more")
+            raise QuantkitError(f"{option('warmup', self.warmup)} is invalid: use a number of steps, 0 or more")
         if not 0 <= self.seed < 2**32:  # the data order's generators take seed * 100003 + epoch in 64 bits
-            raise QuantkitError(f"--seed {self.seed} is out of range: use a number from 0 to {2**32 - 1}")
+            raise QuantkitError(f"{option('seed', self.seed)} is out of range: use a number from 0 to {2**32 - 1}")
         if self.fsdp and self.method == "qlora":
-            raise QuantkitError("--fsdp shards a float base; QLoRA's NF4 base is not sharded: use --method lora with "
-                                "--fsdp, or QLoRA without it")
+            raise QuantkitError(f"{option('fsdp')} shards a float base; QLoRA's NF4 base is not sharded: use "
+                                f"{option('method', 'lora')} with {option('fsdp')}, or QLoRA without it")
         if self.fsdp and self.optimizer != "adamw":
-            raise QuantkitError(f"--optimizer {self.optimizer} cannot step sharded parameters (bitsandbytes has no "
-                                "FSDP support): use --optimizer adamw with --fsdp")
+            raise QuantkitError(f"{option('optimizer', self.optimizer)} cannot step sharded parameters (bitsandbytes "
+                                f"has no FSDP support): use {option('optimizer', 'adamw')} with {option('fsdp')}")
         nf4.check("nf4", self.nf4_block)
 
     @property

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from quantkit.calibration import read_file
+from quantkit.calibration import read_file, token_ids
 from quantkit.calibration.records import chat_text, check_template, is_records, messages_of, parse
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, option
 
 IGNORE = -100  # label of an unscored token (torch's cross-entropy ignore_index)
 
@@ -40,11 +40,11 @@ def read(path: str | os.PathLike, tokenizer, seqlen: int) -> list[Example]:
 def windows(p: Path, text: str, tokenizer, seqlen: int) -> list[Example]:
     """Language modelling: the text tokenized once, cut into windows of seqlen tokens (the last
     partial one dropped)."""
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.int64)
+    ids = token_ids(tokenizer, text)
     n = ids.numel() // seqlen
     if n == 0:
-        raise QuantkitError(f"{p} is too short: {ids.numel()} tokens, not one window of --seqlen {seqlen}: "
-                            "pass more text or a smaller --seqlen")
+        raise QuantkitError(f"{p} is too short: {ids.numel()} tokens, not one window of {option('seqlen', seqlen)}: "
+                            f"pass more text or a smaller {option('seqlen')}")
     return [Example(w, w.clone()) for w in ids[: n * seqlen].view(n, seqlen)]
 
 
@@ -59,12 +59,12 @@ def records(p: Path, text: str, tokenizer, seqlen: int) -> list[Example]:
         else:
             cut += 1
     if not out:
-        raise QuantkitError(f"{p}: no record has a reply within --seqlen {seqlen} tokens: raise --seqlen")
+        raise QuantkitError(f"{p}: no record has a reply within {option('seqlen', seqlen)} tokens: raise {option('seqlen')}")
     if cut:
-        warnings.warn(f"{cut} records of {p} have no reply within --seqlen {seqlen} tokens and were skipped")
+        warnings.warn(f"{cut} records of {p} have no reply within {option('seqlen', seqlen)} tokens and were skipped")
     if short:  # the end of the turn is never learnt from these
-        warnings.warn(f"{short} records of {p} have their last reply cut at --seqlen {seqlen} tokens: raise --seqlen "
-                      "to train on them whole")
+        warnings.warn(f"{short} records of {p} have their last reply cut at {option('seqlen', seqlen)} tokens: raise "
+                      f"{option('seqlen')} to train on them whole")
     return out
 
 
@@ -105,7 +105,7 @@ def split(examples: list[Example], fraction: float, seed: int) -> tuple[list[Exa
     n = max(1, round(fraction * len(examples)))
     if n >= len(examples):
         raise QuantkitError(f"{len(examples)} examples are too few to hold out {fraction:.0%}: pass more data, "
-                            "--eval-data, or --eval-fraction 0")
+                            f"{option('eval_data')}, or {option('eval_fraction', 0)}")
     return [examples[i] for i in sorted(order[n:])], [examples[i] for i in sorted(order[:n])]
 
 

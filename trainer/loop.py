@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from quantkit import distributed
 from quantkit.api import device_of
-from quantkit.errors import QuantkitError, ResumableError, free_space, size, space_for, untrusted
+from quantkit.errors import QuantkitError, ResumableError, free_space, option, size, space_for, untrusted
 from quantkit.atomic import Staged, fsync, partial_path, remove
 from quantkit.config import check_fields
 from quantkit.modelio import Model, check_context, fingerprint, load
@@ -149,7 +149,7 @@ def optimizer(config: TrainConfig, layers: dict, device: torch.device) -> torch.
     if config.optimizer == "paged_adamw":
         if device.type != "cuda":
             raise QuantkitError("paged AdamW pages its state between GPU and CPU memory, so it needs a GPU: use "
-                                "--optimizer adamw or adamw8bit on the CPU")
+                                f"{option('optimizer', 'adamw', 'adamw8bit')} on the CPU")
         return bnb.optim.PagedAdamW(groups, **kw)
     return bnb.optim.AdamW8bit(groups, **kw)
 
@@ -244,7 +244,7 @@ class Checkpoints:
                 needed = len(blob) + sum(t.nbytes for t in tensors(state))
                 raise ResumableError(f"out of disk space saving the checkpoint of step {state['step']} in {tmp.parent} "
                                      f"(about {size(needed)}, {size(free_space(tmp.parent))} free; {kept}): free some "
-                                     "space and run again with --resume") from None
+                                     f"space and run again with {option('resume', True)}") from None
             raise
         if self.path.exists():
             remove(self.old)
@@ -267,7 +267,7 @@ class Checkpoints:
 
     def load(self) -> dict:
         path = self.latest()
-        with untrusted(path, "the checkpoint is damaged", "run again without --resume"):
+        with untrusted(path, "the checkpoint is damaged", f"run again without {option('resume', True)}"):
             state = read_progress(path / "state.pt")
             missing = sorted(STATE_KEYS - state.keys()) if isinstance(state, dict) else ["every key"]
             if missing:
@@ -305,8 +305,8 @@ def plot(path: Path, log: list[dict], evals: list[dict], title: str) -> None:
 def diverged(checkpoints: Checkpoints, what: str) -> None:
     """Stop a run whose loss or gradients are no longer finite, saying where to go on from."""
     saved = checkpoints.latest()
-    where = (f"the last good checkpoint (step {checkpoints.load()['step']}) is in {saved}: lower --lr, or "
-             "resume from it") if saved else "no checkpoint was saved yet: lower --lr"
+    where = (f"the last good checkpoint (step {checkpoints.load()['step']}) is in {saved}: lower {option('lr')}, or "
+             "resume from it") if saved else f"no checkpoint was saved yet: lower {option('lr')}"
     raise QuantkitError(f"{what}: {where}")
 
 
@@ -324,11 +324,11 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
     distributed.init(dev)
     rank, world = distributed.rank(), distributed.world()
     if config.fsdp and world < 2:
-        raise QuantkitError("--fsdp shards the model over the processes of a torchrun job: launch with torchrun "
-                            "--nproc-per-node N, or train without --fsdp")
+        raise QuantkitError(f"{option('fsdp', True)} shards the model over the processes of a torchrun job: launch "
+                            f"with torchrun --nproc-per-node N, or train without {option('fsdp', True)}")
     if config.batch_size % world:
         raise QuantkitError(f"a batch of {config.batch_size} does not split over {world} processes: use a "
-                            f"--batch-size that is a multiple of {world}")
+                            f"{option('batch_size')} that is a multiple of {world}")
     amp = autocast_dtype(config.precision, dev)
     m = model if isinstance(model, Model) else load(model)
     if m.checkpoint is None or m.tensors:
@@ -338,21 +338,22 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
     check_context(m.module.config, config.seqlen, "seqlen")
     data_file, eval_file = Path(data), Path(eval_data) if eval_data else None
     if eval_file is not None and config.eval_fraction not in (0, TrainConfig.eval_fraction):
-        raise QuantkitError(f"--eval-fraction {config.eval_fraction:g} holds out part of --data, and --eval-data gives "
-                            "the held-out data instead: drop one of them")
+        raise QuantkitError(f"{option('eval_fraction', config.eval_fraction)} holds out part of {option('data')}, and "
+                            f"{option('eval_data')} gives the held-out data instead: drop one of them")
     examples = dataset.read(data_file, m.tokenizer, config.seqlen)
     if eval_file is not None:
         train_set, held_out = examples, dataset.read(eval_file, m.tokenizer, config.seqlen)
     else:
         train_set, held_out = dataset.split(examples, config.eval_fraction, config.seed)
     if config.patience is not None and not held_out:
-        raise QuantkitError("--patience stops on the held-out loss, and there is no held-out data: pass --eval-data or "
-                            "a positive --eval-fraction, or drop --patience")
+        raise QuantkitError(f"{option('patience')} stops on the held-out loss, and there is no held-out data: pass "
+                            f"{option('eval_data')} or a positive {option('eval_fraction')}, or drop {option('patience')}")
     per_step = config.batch_size * config.grad_accum
     total = config.steps or max(1, math.ceil((config.epochs or 1) * len(train_set) / per_step))
     if config.warmup >= total > 1 and rank == 0:
-        warnings.warn(f"--warmup {config.warmup} is not shorter than the run's {total} steps: the learning rate rises "
-                      "through the whole run, reaches --lr at its last step and never decays: pass a smaller --warmup")
+        warnings.warn(f"{option('warmup', config.warmup)} is not shorter than the run's {total} steps: the learning "
+                      f"rate rises through the whole run, reaches {option('lr')} at its last step and never decays: pass "
+                      f"a smaller {option('warmup')}")
     key = hashlib.sha256(json.dumps({
         "weights": fingerprint(m.source), "data": digest(data_file), "eval": digest(eval_file),
         "config": {k: v for k, v in config.to_dict().items() if k not in SAME_RUN}}, sort_keys=True).encode()).hexdigest()
@@ -361,8 +362,10 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
     checkpoints = Checkpoints(partial)
     if resume and checkpoints.latest() is None:
         raise QuantkitError(f"nothing to resume: {out} exists and no checkpoint of a run writing it is left (the run "
-                            "finished): use it, or train again without --resume, with --overwrite or another --out" if Path(out).exists() else
-                            f"nothing to resume: no checkpoint of a run writing {out} (in {partial}): run without --resume")
+                            f"finished): use it, or train again without {option('resume', True)}, with "
+                            f"{option('overwrite', True)} or another {option('out')}" if Path(out).exists() else
+                            f"nothing to resume: no checkpoint of a run writing {out} (in {partial}): run without "
+                            f"{option('resume', True)}")
     staged = Staged(out, overwrite) if rank == 0 else None
     state = None
     try:
@@ -370,7 +373,7 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
             state = checkpoints.load()
             if state["key"] != key:
                 raise QuantkitError(f"the checkpoint in {partial} is of another run (a different model, data or "
-                                    "settings): resume with the command that started it, or choose another --out")
+                                    f"settings): resume with the command that started it, or choose another {option('out')}")
             if rank == 0:
                 print(f"resuming after step {len(state['log'])}/{total} from {checkpoints.latest()}", file=sys.stderr)
         else:
@@ -378,15 +381,17 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
             if kept is not None:  # hours of training, not to be lost to a missed flag
                 ours = kept["key"] == key
                 raise QuantkitError(f"{partial} holds the checkpoint of step {kept['step']} of " + (
-                    "this run: add --resume to go on from it" if ours else "another run writing it (a different model, "
-                    "data or settings): go on with that run's command and --resume") + ", or pass --overwrite to start over")
+                    f"this run: add {option('resume', True)} to go on from it" if ours else "another run writing it (a "
+                    f"different model, data or settings): go on with that run's command and {option('resume', True)}")
+                    + f", or pass {option('overwrite', True)} to start over")
             if staged is not None:
                 staged.fresh()
         result, adapter = run(m, config, names, train_set=train_set, held_out=held_out, total=total, dev=dev,
                               amp=amp, checkpoints=checkpoints, state=state, key=key, progress=progress,
                               callback=callback)
         if rank == 0:
-            with space_for(out, None, "the adapter", "run again with --resume (the last checkpoint holds every step)"):
+            with space_for(out, None, "the adapter", f"run again with {option('resume', True)} (the last checkpoint holds "
+                           "every step)"):
                 write(partial, m, config, result, adapter)
             checkpoints.clear()
             staged.commit()
@@ -398,7 +403,7 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
         kept = checkpoints.intact() if isinstance(e, KeyboardInterrupt) and rank == 0 else None
         if kept is not None:  # Ctrl-C or SIGTERM: where to go on from
             print(f"stopped: the checkpoint of step {kept['step']} is in {checkpoints.latest()}: run the same command "
-                  "with --resume to go on from it", file=sys.stderr)
+                  f"with {option('resume', True)} to go on from it", file=sys.stderr)
         raise
 
 

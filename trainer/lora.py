@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save as serialize
 
-from quantkit.errors import QuantkitError, untrusted
+from quantkit.errors import QuantkitError, option, untrusted
 from quantkit.layers import LINEARS
 from quantkit.qlinear import NF4Linear, QuantLinear
 from quantkit.quantizers import nf4
@@ -123,7 +123,7 @@ def targets(module: torch.nn.Module, target: list[str]) -> list[str]:
     missing = [t for t in target if not any(n == t or n.endswith("." + t) for n in linears)]
     if missing:
         kinds = sorted({n.split(".")[-1] for n in linears})
-        raise QuantkitError(f"--target {','.join(missing)} matches no linear of this model: use all-linear or some "
+        raise QuantkitError(f"{option('target', ','.join(missing))} matches no linear of this model: use all-linear or some "
                             f"of {', '.join(kinds)}")
     return found
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from quantkit.errors import QuantkitError, untrusted
+from quantkit.errors import QuantkitError, option, untrusted
 from quantkit.atomic import Staged, check_apart
 from quantkit.exporters.shards import DEFAULT_MAX_SIZE, INDEX, ShardWriter
 from quantkit.modelio import Model, load
@@ -46,17 +46,19 @@ def read(adapter: str | os.PathLike, onto_nf4: bool = False) -> tuple[TrainConfi
             config.nf4_block = int(trained["nf4_block"])
         lora_trained = trained.get("method") == "lora"  # a damaged log (not a mapping) is named by untrusted
     if onto_nf4 and lora_trained:
-        raise QuantkitError(f"{adapter} was trained with LoRA on the float base (its {LOG} says so), and --onto-nf4 "
-                            "merges into the NF4-rounded base QLoRA trains against: drop --onto-nf4")
+        raise QuantkitError(f"{adapter} was trained with LoRA on the float base (its {LOG} says so), and "
+                            f"{option('onto_nf4', True)} merges into the NF4-rounded base QLoRA trains against: drop "
+                            f"{option('onto_nf4', True)}")
     return config, cfg, tensors
 
 
 def base_of(cfg: dict, base: str | os.PathLike | None, adapter) -> Model:
     named = cfg.get("base_model_name_or_path")
     if not (base or named):
-        raise QuantkitError(f"{adapter}: the adapter names no base model: pass --base MODEL")
+        raise QuantkitError(f"{adapter}: the adapter names no base model: pass {option('base', 'MODEL')}")
     if not Path(base or named).exists():
-        raise QuantkitError(f"{base or named}: the adapter's base model is not here: pass --base with its directory")
+        raise QuantkitError(f"{base or named}: the adapter's base model is not here: pass {option('base')} with its "
+                            "directory")
     if base and named and not same_model(base, named):
         # same shapes pass every check below, so a wrong base of the same architecture would merge silently
         warnings.warn(f"{adapter} was trained on {named}; merging it into {base} as asked")
@@ -85,8 +87,8 @@ def fitted(m: Model, config: TrainConfig, tensors: dict[str, torch.Tensor], adap
         try:
             linear = m.module.get_submodule(name)
         except AttributeError:
-            raise QuantkitError(f"{adapter}: the adapter has {name}, which the base model lacks: pass the --base it "
-                                "was trained on") from None
+            raise QuantkitError(f"{adapter}: the adapter has {name}, which the base model lacks: pass the "
+                                f"{option('base')} it was trained on") from None
         if not isinstance(linear, torch.nn.Linear):  # PEFT's LoRA on an embedding (lora_embedding_A)
             raise QuantkitError(f"{adapter}: the adapter has LoRA on {name}, not a linear layer ({type(linear).__name__}): "
                                 "quantkit reads LoRA on linear layers only: use PEFT for this adapter")
@@ -97,7 +99,7 @@ def fitted(m: Model, config: TrainConfig, tensors: dict[str, torch.Tensor], adap
         got = {k: tuple(v.shape) for k, v in parts.items()}
         if a is None or b is None or got != want:
             raise QuantkitError(f"{adapter}: {name}'s adapter tensors are {got}, but this base needs {want}: pass the "
-                                "--base it was trained on")
+                                f"{option('base')} it was trained on")
     return by_linear
 
 
