@@ -108,24 +108,27 @@ def hub_text(split: str) -> str:
 
 TOKENIZED: dict[tuple[str, str], torch.Tensor] = {}  # the last few texts' ids, by tokenizer and text
 KEPT = 8  # a WikiText-2 file is about 2.4 MB of ids
+LARGEST = 4_000_000  # characters: a training corpus is not held twice (most of a GB of ids each)
 
 
 def token_ids(tokenizer, text: str) -> torch.Tensor:
     """The text's token ids without special tokens (LongTensor [n]). A run tokenizes the same text more
     than once (calibration and its evaluation, the base and the model compared with it), seconds for a
     WikiText-2 file each time: a fast tokenizer's last KEPT results are kept, by the tokenizer's own
-    definition (a copy of it loaded again hits) and the text's digest."""
+    definition (a copy of it loaded again hits) and the text's digest; texts up to LARGEST characters."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:  # a slow (Python) tokenizer has no definition to key on
+    if backend is None or len(text) > LARGEST:  # a slow (Python) tokenizer has no definition to key on
         return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     definition = f"{type(tokenizer).__qualname__}|{getattr(tokenizer, 'split_special_tokens', None)}|{backend.to_str()}"
     key = (hashlib.sha256(definition.encode()).hexdigest(),
            hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest())
-    if key not in TOKENIZED:
-        if len(TOKENIZED) >= KEPT:
-            del TOKENIZED[next(iter(TOKENIZED))]  # the oldest
-        TOKENIZED[key] = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    return TOKENIZED[key].clone()  # the caller's to change
+    ids = TOKENIZED.get(key)
+    if ids is None:
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        while len(TOKENIZED) >= KEPT:
+            TOKENIZED.pop(next(iter(TOKENIZED), None), None)  # the oldest (another thread may take it first)
+        TOKENIZED[key] = ids
+    return ids.clone()  # the caller's to change
 
 
 def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0) -> torch.Tensor:

@@ -148,22 +148,24 @@ def embedded_ppl4() -> float:
 def gguf_tensors(path) -> dict[str, tuple[str, bytes]]:
     """Each tensor of a GGUF file: its type's name and its bytes. The table comes from the header alone
     (quantkit.modelio.gguf_header; gguf-py's reader spends about 5 s parsing a 49k-token vocabulary
-    first), checked to tile the data section up to the file's end, so that no byte goes uncompared;
-    test_gguf pins it to gguf-py's reader."""
+    first), checked to tile the data section up to the file's end with zeros between, so that no
+    byte goes unchecked; test_gguf pins it to gguf-py's reader."""
     import gguf
     import numpy as np
 
     from quantkit.modelio import gguf_header
 
-    header = gguf_header(Path(path))[1]
+    metadata, header = gguf_header(Path(path))
+    align = metadata.get("general.alignment", 32)
     data = np.memmap(path, np.uint8, mode="r")
     out, end = {}, header.data_start
     for t in sorted(header.tensors, key=lambda t: t.offset):
         start = header.data_start + t.offset
-        assert 0 <= start - end < 32, (path, t.name, start, end)  # only the alignment's padding between
+        assert 0 <= start - end < align and not data[end:start].any(), (path, t.name, start, end)  # zero padding
         end = start + t.nbytes
         out[t.name] = gguf.GGMLQuantizationType(t.ggml_type).name, data[start:end].tobytes()
-    assert 0 <= len(data) - end < 32 and len(out) == len(header.tensors), (path, len(data), end)
+    assert 0 <= len(data) - end < align and not data[end:].any(), (path, len(data), end)
+    assert len(out) == len(header.tensors), path
     return out
 
 

@@ -193,6 +193,13 @@ def test_a_text_is_tokenized_once_per_tokenizer(tiny_dir, monkeypatch):
     assert len(windows.TOKENIZED) == 1  # the copy hit
     other = tokenizer_adding_bos(tiny_dir)  # another definition: the same vocabulary with a BOS template
     assert len(windows.token_ids(other, text)) and len(windows.TOKENIZED) == 2
+    split = load_tokenizer(tiny_dir)
+    split.split_special_tokens = True  # set outside the backend: "<|endoftext|>" becomes ordinary text
+    marked = text + "<|endoftext|>"
+    assert torch.equal(windows.token_ids(split, marked),
+                       torch.tensor(split(marked, add_special_tokens=False)["input_ids"]))
+    assert not torch.equal(windows.token_ids(split, marked), windows.token_ids(tok, marked))
+    first = next(iter(windows.TOKENIZED))
     for i in range(windows.KEPT):
         windows.token_ids(tok, text[i:])
-    assert len(windows.TOKENIZED) == windows.KEPT
+    assert len(windows.TOKENIZED) == windows.KEPT and first not in windows.TOKENIZED

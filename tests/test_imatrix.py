@@ -12,8 +12,8 @@ import quantkit
 from quantkit.calibration import imatrix
 from quantkit.exporters.gguf import gguf_name
 
-from .conftest import cli, make_tiny, refused
-from .test_gguf import tensors
+from .conftest import cli, gguf_tensors, make_tiny, refused
+
 
 NCALL = 7  # chunks the importance was "measured" on
 
@@ -162,7 +162,7 @@ def test_bytes_equal_llama_quantize_with_the_same_file(tiny, tmp_path, layout, m
     quantkit.quantize(tiny, method="rtn", format="gguf", gguf_type=mix, imatrix_file=str(path),
                       out=tmp_path / "ours.gguf", progress=False)
     quantkit.quantize(tiny, method="rtn", format="gguf", gguf_type=mix, out=tmp_path / "plain.gguf", progress=False)
-    ours, theirs, plain = (tensors(tmp_path / f"{n}.gguf") for n in ("ours", "theirs", "plain"))
+    ours, theirs, plain = (gguf_tensors(tmp_path / f"{n}.gguf") for n in ("ours", "theirs", "plain"))
     assert ours.keys() == theirs.keys()
     assert [k for k in ours if ours[k] != theirs[k]] == []
     assert [k for k in ours if k.startswith("blk.") and ours[k] != plain[k]]
@@ -189,7 +189,7 @@ def test_the_file_records_the_importance_matrix(tiny, tmp_path):
     quantkit.quantize(str(tmp_path / "a.gguf"), method="rtn", format="gguf", gguf_type="Q4_K_M",
                       imatrix_file=str(tmp_path / "m.gguf"), out=tmp_path / "b.gguf", progress=False)
     assert recorded(tmp_path / "b.gguf") == want | {"quantize.imatrix.file": str(tmp_path / "m.gguf")}
-    assert tensors(tmp_path / "b.gguf")["blk.0.attn_q.weight"][0] == "Q4_K"
+    assert gguf_tensors(tmp_path / "b.gguf")["blk.0.attn_q.weight"][0] == "Q4_K"
     quantkit.quantize(tiny, method="rtn", format="gguf", gguf_type="Q4_0", out=tmp_path / "plain.gguf", progress=False)
     assert recorded(tmp_path / "plain.gguf") == {}
     # quantized in memory, then exported: the record is the model's, the file is not read again

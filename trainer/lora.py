@@ -240,9 +240,15 @@ def read(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def config_of(cfg: dict) -> TrainConfig:
-    """The TrainConfig an adapter's PEFT config describes (LoRA settings only)."""
+    """The TrainConfig an adapter's PEFT config describes (LoRA settings only). Settings no adapter has
+    are a ValueError in PEFT's names: TrainConfig's own refusal would name train's options."""
     target = cfg.get("target_modules") or ["all-linear"]
     if isinstance(target, str):
         target = [target]
-    return TrainConfig(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), dropout=float(cfg.get("lora_dropout") or 0),
-                       target=list(target), dora=bool(cfg.get("use_dora")), rslora=bool(cfg.get("use_rslora")))
+    try:
+        return TrainConfig(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]),
+                           dropout=float(cfg.get("lora_dropout") or 0), target=list(target),
+                           dora=bool(cfg.get("use_dora")), rslora=bool(cfg.get("use_rslora")))
+    except QuantkitError:
+        raise ValueError(f"r={cfg['r']}, lora_alpha={cfg['lora_alpha']}, lora_dropout={cfg.get('lora_dropout')} "
+                         "are not LoRA settings") from None

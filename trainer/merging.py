@@ -55,7 +55,7 @@ def read(adapter: str | os.PathLike, onto_nf4: bool = False) -> tuple[TrainConfi
 def base_of(cfg: dict, base: str | os.PathLike | None, adapter) -> Model:
     named = cfg.get("base_model_name_or_path")
     if not (base or named):
-        raise QuantkitError(f"{adapter}: the adapter names no base model: pass {option('base', 'MODEL')}")
+        raise QuantkitError(f"{adapter}: the adapter names no base model: pass {option('base')} (its directory)")
     if not Path(base or named).exists():
         raise QuantkitError(f"{base or named}: the adapter's base model is not here: pass {option('base')} with its "
                             "directory")
