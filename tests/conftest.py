@@ -139,10 +139,11 @@ def tiny256(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def embedded_ppl4() -> float:
-    """The embedded float model's perplexity on TEST's first 4 windows: the reference several tests move from."""
+    """The embedded float model's perplexity on TEST's first 4 windows: the reference several tests move from,
+    scored where their quantized Models are (a Model stays on the CPU; a path would go to a GPU)."""
     import quantkit
 
-    return quantkit.evaluate(None, TEST, max_windows=4, progress=False).perplexity
+    return quantkit.evaluate(quantkit.load(), TEST, max_windows=4, progress=False).perplexity
 
 
 def gguf_tensors(path) -> dict[str, tuple[str, bytes]]:
