@@ -114,20 +114,25 @@ LARGEST = 4_000_000  # characters: a training corpus is not held twice (most of 
 def token_ids(tokenizer, text: str) -> torch.Tensor:
     """The text's token ids without special tokens (LongTensor [n]). A run tokenizes the same text more
     than once (calibration and its evaluation, the base and the model compared with it), seconds for a
-    WikiText-2 file each time: a fast tokenizer's last KEPT results are kept, by the tokenizer's own
+    WikiText-2 file each time: a fast tokenizer's KEPT most recently used results are kept, by its own
     definition (a copy of it loaded again hits) and the text's digest; texts up to LARGEST characters."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or len(text) > LARGEST:  # a slow (Python) tokenizer has no definition to key on
         return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    definition = f"{type(tokenizer).__qualname__}|{getattr(tokenizer, 'split_special_tokens', None)}|{backend.to_str()}"
+    try:
+        definition = backend.to_str()
+    except Exception:  # a backend with a Python-side part (a custom pre-tokenizer) does not serialize
+        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    kind = type(tokenizer)
+    definition = f"{kind.__module__}.{kind.__qualname__}|{getattr(tokenizer, 'split_special_tokens', None)}|{definition}"
     key = (hashlib.sha256(definition.encode()).hexdigest(),
            hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest())
-    ids = TOKENIZED.get(key)
+    ids = TOKENIZED.pop(key, None)  # a hit goes back to the end: the least recently used goes first
     if ids is None:
         ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
         while len(TOKENIZED) >= KEPT:
-            TOKENIZED.pop(next(iter(TOKENIZED), None), None)  # the oldest (another thread may take it first)
-        TOKENIZED[key] = ids
+            TOKENIZED.pop(next(iter(TOKENIZED), None), None)  # another thread may take it first
+    TOKENIZED[key] = ids
     return ids.clone()  # the caller's to change
 
 

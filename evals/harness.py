@@ -33,6 +33,9 @@ class Tasks:
     manager: object  # lm-eval's TaskManager, with the local tasks
 
 
+MANAGERS: dict[tuple[bool, str], object] = {}  # lm-eval's TaskManager by (with its own tasks, data_dir)
+
+
 def default_data_dir() -> Path:
     """$QUANTKIT_DATA, else ../shared/data from the working directory (the README's layout), else the
     shared data beside this checkout (an editable install run from elsewhere)."""
@@ -82,10 +85,12 @@ def prepare(names: list[str], data_dir: str | os.PathLike | None = None) -> Task
         raise QuantkitError("lm-eval is not installed: pip install 'quantkit[eval]' (or pip install lm-eval)") from None
     if not names:
         raise QuantkitError(f"no task given: pass {option('tasks')}, e.g. {','.join(LOCAL)}")
-    # lm-eval's own index takes some 20 s to build: only when a task is not one of ours
+    # lm-eval's own index takes some 20 s to build: only when a task is not one of ours, and once a process
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its notes (our tasks override its own) are not errors
-    manager = TaskManager(include_path=str(TASKS), include_defaults=not set(names) <= set(LOCAL),
-                          metadata={"data_dir": str(data_dir)})
+    key = (not set(names) <= set(LOCAL), str(data_dir))
+    if key not in MANAGERS:  # a manager holds the index alone: load() builds new tasks from it every time
+        MANAGERS[key] = TaskManager(include_path=str(TASKS), include_defaults=key[0], metadata={"data_dir": key[1]})
+    manager = MANAGERS[key]
     known = set(manager.all_tasks)
     for name in names:
         if name not in known:

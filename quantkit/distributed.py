@@ -40,7 +40,8 @@ def rank() -> int:
 @contextmanager
 def joined(joins: bool) -> Iterator[None]:
     """Inside, this process takes part in its torchrun job or process group, or not (joins=False: it
-    works alone, and every function here acts as in a single process)."""
+    works alone, and every function here but finish acts as in a single process). The setting is the
+    calling thread's: a thread started inside begins with the default (joins)."""
     token = JOINS.set(joins)
     try:
         yield
@@ -55,8 +56,10 @@ def init(device: torch.device) -> None:
     """Join the torchrun job this process was launched in, if any (WORLD_SIZE > 1). A process that
     inherited WORLD_SIZE without the rest of torchrun's variables is refused; one whose peers do not
     join within JOIN_S says so and exits, where it waited 30 minutes, deaf to SIGTERM."""
+    if not JOINS.get():  # quantize(alone=True): this process's environment is its pipeline's business
+        return
     size = launcher.launched()
-    if size < 2 or dist.is_initialized() or not JOINS.get():
+    if size < 2 or dist.is_initialized():
         return
     launcher.check(size)
     if device.type == "cuda":

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from quantkit.errors import QuantkitError
+
 from .conftest import VALID
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,14 +104,32 @@ def test_a_process_that_dies_stops_the_job_and_the_same_command_resumes(tiny_dir
 
 
 def test_a_pipelines_own_process_group(tiny_dir, tmp_path):
-    """A pipeline that made its own process group and called quantize on rank 0 alone waited forever (30
-    minutes, then a timeout) for the other ranks to join its collectives; alone=True quantizes in that one
-    process. Called on every rank, quantize shares the work over the caller's group, and writes what the
-    one process wrote (as test_two_processes_write_what_one_writes checks under quantize's own group)."""
+    """A pipeline that made its own process group and called quantize or train on rank 0 alone waited
+    forever (30 minutes, then a timeout) for the other ranks to join its collectives; alone=True works in
+    that one process. Called on every rank, quantize shares the work over the caller's group, and writes
+    what the one process wrote (as test_two_processes_write_what_one_writes checks under quantize's own
+    group)."""
     job = torchrun(tiny_dir, VALID, tmp_path, script=(str(ROOT / "tests" / "torchrun_pipeline.py"),), command=None)
     assert job.returncode == 0, job.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["alone", "every"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "alone", "every"]
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     assert files(tmp_path / "every") == files(tmp_path / "alone")
+
+
+def test_a_process_working_alone_ignores_its_environment_and_joins_again_after(monkeypatch):
+    """alone=True refused a WORLD_SIZE its pipeline set for its own launcher; joined(False) ends with
+    its block, an error included, so the command line's rank checks after it see the job again."""
+    import torch
+    from quantkit import distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "several")
+    with pytest.raises(ValueError), distributed.joined(False):
+        distributed.init(torch.device("cpu"))  # nothing to join, nothing read
+        assert distributed.world() == 1 and not distributed.JOINS.get()
+        raise ValueError
+    assert distributed.JOINS.get()
+    with pytest.raises(QuantkitError, match="WORLD_SIZE='several'"):
+        distributed.init(torch.device("cpu"))
 
 
 def test_awq_with_fewer_batches_than_processes_is_refused_before_the_work(tiny_dir, tmp_path, monkeypatch):

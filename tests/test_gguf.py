@@ -205,8 +205,10 @@ class Embedded:
         from . import llamacpp
 
         theirs = self.dir / f"lq-{mix}{''.join(flags)}.gguf"
-        if not theirs.exists():
-            llamacpp.quantize(self.dir / "f32.gguf", theirs, mix, *flags)
+        if not theirs.exists():  # a run that failed part way leaves no file for the next test to take
+            part = theirs.with_suffix(".part.gguf")
+            llamacpp.quantize(self.dir / "f32.gguf", part, mix, *flags)
+            part.rename(theirs)
         return theirs
 
     def quantized(self, mix: str, pure: bool):

@@ -200,3 +200,24 @@ def test_the_data_directory_is_found_as_the_help_says(tmp_path, monkeypatch):
     assert harness.default_data_dir() == DATA.resolve()
     monkeypatch.setenv("QUANTKIT_DATA", str(tmp_path / "mine"))
     assert harness.default_data_dir() == tmp_path / "mine"
+
+
+def test_the_task_index_is_built_once_a_process(monkeypatch):
+    """lm-eval's index of its own tasks took some 20 s to build on every call that named one (a pipeline
+    scoring several models, each refusal of a misspelt name): the manager is kept, and each call still
+    gets tasks of its own."""
+    import lm_eval.tasks
+
+    built = []
+
+    class Counted(lm_eval.tasks.TaskManager):
+        def __init__(self, **kwargs):
+            built.append(kwargs["include_defaults"])
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Counted)
+    monkeypatch.setattr(harness, "MANAGERS", {})
+    first, second = harness.prepare(["wikitext"], DATA), harness.prepare(["wikitext"], DATA)
+    assert built == [False] and first.manager is second.manager
+    task = first.manager.load(["wikitext"])["tasks"]["wikitext"]
+    assert task is not second.manager.load(["wikitext"])["tasks"]["wikitext"]

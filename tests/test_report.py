@@ -11,10 +11,11 @@ from .conftest import DATA, TEST, VALID, cli, make_tiny
 
 @pytest.fixture(scope="module")
 def text(tmp_path_factory) -> Path:
-    """TEST's first 200 kB, where every window scored here lies: each point's process reads its text whole."""
-    head = TEST.read_text()[:200_000]
+    """TEST's first 200,000 characters, where every window scored here lies: each point's process reads
+    its text whole."""
+    head = TEST.read_text(encoding="utf-8")[:200_000]
     path = tmp_path_factory.mktemp("text") / TEST.name
-    path.write_text(head[: head.rindex("\n") + 1])
+    path.write_text(head[: head.rindex("\n") + 1], encoding="utf-8")
     return path
 
 

@@ -133,7 +133,7 @@ def test_target_that_matches_nothing(tiny_dir, text, capsys, monkeypatch, tmp_pa
 
 @pytest.mark.parametrize("rank,match", [
     (0, "rank 0 is invalid: use a positive rank"),
-    (64, "larger than model.layers.0.self_attn.k_proj (32x64): use a rank of at most 32")])  # k_proj: 64 -> 32
+    (64, "--rank 64 is larger than model.layers.0.self_attn.k_proj (32x64): use a rank of at most 32")])  # k_proj: 64 -> 32
 def test_bad_rank(tiny_dir, text, capsys, monkeypatch, tmp_path, rank, match):
     train_fails(tiny_dir, text, capsys, monkeypatch, tmp_path, match, "--rank", rank)
 
@@ -300,6 +300,9 @@ def test_the_api_names_its_keywords(adapter, tiny_dir, text, tmp_path):
         (dict(eval_fraction=0, patience=2), "patience stops on the held-out loss, and there is no held-out data: "
                                             "pass eval_data or a positive eval_fraction, or drop patience"),
         (dict(resume=True), "run without resume=True"),
+        (dict(rank=64), "rank=64 is larger than model.layers.0.self_attn.k_proj"),
+        (dict(method="qlora", fsdp=True), "fsdp=True shards a float base; QLoRA's NF4 base is not sharded: use "
+                                          "method='lora' with fsdp=True"),
     ]:
         with pytest.raises(QuantkitError, match=re.escape(match)):
             train(str(tiny_dir), **{**common, **extra})

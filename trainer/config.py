@@ -98,11 +98,11 @@ class TrainConfig:
         if not 0 <= self.seed < 2**32:  # the data order's generators take seed * 100003 + epoch in 64 bits
             raise QuantkitError(f"{option('seed', self.seed)} is out of range: use a number from 0 to {2**32 - 1}")
         if self.fsdp and self.method == "qlora":
-            raise QuantkitError(f"{option('fsdp')} shards a float base; QLoRA's NF4 base is not sharded: use "
-                                f"{option('method', 'lora')} with {option('fsdp')}, or QLoRA without it")
+            raise QuantkitError(f"{option('fsdp', True)} shards a float base; QLoRA's NF4 base is not sharded: use "
+                                f"{option('method', 'lora')} with {option('fsdp', True)}, or QLoRA without it")
         if self.fsdp and self.optimizer != "adamw":
             raise QuantkitError(f"{option('optimizer', self.optimizer)} cannot step sharded parameters (bitsandbytes "
-                                f"has no FSDP support): use {option('optimizer', 'adamw')} with {option('fsdp')}")
+                                f"has no FSDP support): use {option('optimizer', 'adamw')} with {option('fsdp', True)}")
         nf4.check("nf4", self.nf4_block)
 
     @property

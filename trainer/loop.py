@@ -313,98 +313,102 @@ def diverged(checkpoints: Checkpoints, what: str) -> None:
 def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | None = None, *,
           data: str | os.PathLike, out: str | os.PathLike, eval_data: str | os.PathLike | None = None,
           resume: bool = False, overwrite: bool = False, device: str | torch.device | None = None,
-          progress: bool = True, callback: Callable[[dict], None] | None = None, **fields) -> TrainResult:
+          progress: bool = True, callback: Callable[[dict], None] | None = None, alone: bool = False,
+          **fields) -> TrainResult:
     """Fine-tune model (a directory, or by default the embedded model) with LoRA or QLoRA on data
     and write the adapter to out in PEFT's format, with its log and loss plot. config, or its fields
     by keyword. callback(record) is called after every step. resume: go on from the checkpoint a
-    killed run of the same command left."""
+    killed run of the same command left. Under torchrun, or in a process group the caller made, every
+    process makes the same call and trains on its share of each batch; alone=True trains in this
+    process by itself (a pipeline calling train on one rank of its own job)."""
     check_fields(TrainConfig, config, fields, "train")
     config = replace(config, **fields) if config is not None else TrainConfig(**fields)
     dev = device_of(device)
-    distributed.init(dev)
-    rank, world = distributed.rank(), distributed.world()
-    if config.fsdp and world < 2:
-        raise QuantkitError(f"{option('fsdp', True)} shards the model over the processes of a torchrun job: launch "
-                            f"with torchrun --nproc-per-node N, or train without {option('fsdp', True)}")
-    if config.batch_size % world:
-        raise QuantkitError(f"a batch of {config.batch_size} does not split over {world} processes: use a "
-                            f"{option('batch_size')} that is a multiple of {world}")
-    amp = autocast_dtype(config.precision, dev)
-    m = model if isinstance(model, Model) else load(model)
-    if m.checkpoint is None or m.tensors:
-        raise QuantkitError(f"{m.source}: train on a float model directory (safetensors), not a GGUF file or a "
-                            "quantized export: adapters are merged into the original weights")
-    names = lora.check(m.module, config)
-    check_context(m.module.config, config.seqlen, "seqlen")
-    data_file, eval_file = Path(data), Path(eval_data) if eval_data else None
-    if eval_file is not None and config.eval_fraction not in (0, TrainConfig.eval_fraction):
-        raise QuantkitError(f"{option('eval_fraction', config.eval_fraction)} holds out part of {option('data')}, and "
-                            f"{option('eval_data')} gives the held-out data instead: drop one of them")
-    examples = dataset.read(data_file, m.tokenizer, config.seqlen)
-    if eval_file is not None:
-        train_set, held_out = examples, dataset.read(eval_file, m.tokenizer, config.seqlen)
-    else:
-        train_set, held_out = dataset.split(examples, config.eval_fraction, config.seed)
-    if config.patience is not None and not held_out:
-        raise QuantkitError(f"{option('patience')} stops on the held-out loss, and there is no held-out data: pass "
-                            f"{option('eval_data')} or a positive {option('eval_fraction')}, or drop {option('patience')}")
-    per_step = config.batch_size * config.grad_accum
-    total = config.steps or max(1, math.ceil((config.epochs or 1) * len(train_set) / per_step))
-    if config.warmup >= total > 1 and rank == 0:
-        warnings.warn(f"{option('warmup', config.warmup)} is not shorter than the run's {total} steps: the learning "
-                      f"rate rises through the whole run, reaches {option('lr')} at its last step and never decays: pass "
-                      f"a smaller {option('warmup')}")
-    key = hashlib.sha256(json.dumps({
-        "weights": fingerprint(m.source), "data": digest(data_file), "eval": digest(eval_file),
-        "config": {k: v for k, v in config.to_dict().items() if k not in SAME_RUN}}, sort_keys=True).encode()).hexdigest()
-
-    partial = partial_path(out)  # every process reads the checkpoint; only rank 0 holds the lock
-    checkpoints = Checkpoints(partial)
-    if resume and checkpoints.latest() is None:
-        raise QuantkitError(f"nothing to resume: {out} exists and no checkpoint of a run writing it is left (the run "
-                            f"finished): use it, or train again without {option('resume', True)}, with "
-                            f"{option('overwrite', True)} or another {option('out')}" if Path(out).exists() else
-                            f"nothing to resume: no checkpoint of a run writing {out} (in {partial}): run without "
-                            f"{option('resume', True)}")
-    staged = Staged(out, overwrite) if rank == 0 else None
-    state = None
-    try:
-        if resume:
-            state = checkpoints.load()
-            if state["key"] != key:
-                raise QuantkitError(f"the checkpoint in {partial} is of another run (a different model, data or "
-                                    f"settings): resume with the command that started it, or choose another {option('out')}")
-            if rank == 0:
-                print(f"resuming after step {len(state['log'])}/{total} from {checkpoints.latest()}", file=sys.stderr)
+    with distributed.joined(not alone):
+        distributed.init(dev)
+        rank, world = distributed.rank(), distributed.world()
+        if config.fsdp and world < 2:
+            raise QuantkitError(f"{option('fsdp', True)} shards the model over the processes of a torchrun job: launch "
+                                f"with torchrun --nproc-per-node N, or train without {option('fsdp', True)}")
+        if config.batch_size % world:
+            raise QuantkitError(f"a batch of {config.batch_size} does not split over {world} processes: use a "
+                                f"{option('batch_size')} that is a multiple of {world}")
+        amp = autocast_dtype(config.precision, dev)
+        m = model if isinstance(model, Model) else load(model)
+        if m.checkpoint is None or m.tensors:
+            raise QuantkitError(f"{m.source}: train on a float model directory (safetensors), not a GGUF file or a "
+                                "quantized export: adapters are merged into the original weights")
+        names = lora.check(m.module, config)
+        check_context(m.module.config, config.seqlen, "seqlen")
+        data_file, eval_file = Path(data), Path(eval_data) if eval_data else None
+        if eval_file is not None and config.eval_fraction not in (0, TrainConfig.eval_fraction):
+            raise QuantkitError(f"{option('eval_fraction', config.eval_fraction)} holds out part of {option('data')}, and "
+                                f"{option('eval_data')} gives the held-out data instead: drop one of them")
+        examples = dataset.read(data_file, m.tokenizer, config.seqlen)
+        if eval_file is not None:
+            train_set, held_out = examples, dataset.read(eval_file, m.tokenizer, config.seqlen)
         else:
-            kept = None if overwrite else checkpoints.intact()
-            if kept is not None:  # hours of training, not to be lost to a missed flag
-                ours = kept["key"] == key
-                raise QuantkitError(f"{partial} holds the checkpoint of step {kept['step']} of " + (
-                    f"this run: add {option('resume', True)} to go on from it" if ours else "another run writing it (a "
-                    f"different model, data or settings): go on with that run's command and {option('resume', True)}")
-                    + f", or pass {option('overwrite', True)} to start over")
-            if staged is not None:
-                staged.fresh()
-        result, adapter = run(m, config, names, train_set=train_set, held_out=held_out, total=total, dev=dev,
-                              amp=amp, checkpoints=checkpoints, state=state, key=key, progress=progress,
-                              callback=callback)
-        if rank == 0:
-            with space_for(out, None, "the adapter", f"run again with {option('resume', True)} (the last checkpoint holds "
-                           "every step)"):
-                write(partial, m, config, result, adapter)
-            checkpoints.clear()
-            staged.commit()
-        result.out = str(out)
-        return result
-    except BaseException as e:
-        if staged is not None:  # a checkpoint stays for --resume; a run that saved none leaves nothing
-            staged.abort(keep=checkpoints.latest() is not None)
-        kept = checkpoints.intact() if isinstance(e, KeyboardInterrupt) and rank == 0 else None
-        if kept is not None:  # Ctrl-C or SIGTERM: where to go on from
-            print(f"stopped: the checkpoint of step {kept['step']} is in {checkpoints.latest()}: run the same command "
-                  f"with {option('resume', True)} to go on from it", file=sys.stderr)
-        raise
+            train_set, held_out = dataset.split(examples, config.eval_fraction, config.seed)
+        if config.patience is not None and not held_out:
+            raise QuantkitError(f"{option('patience')} stops on the held-out loss, and there is no held-out data: pass "
+                                f"{option('eval_data')} or a positive {option('eval_fraction')}, or drop {option('patience')}")
+        per_step = config.batch_size * config.grad_accum
+        total = config.steps or max(1, math.ceil((config.epochs or 1) * len(train_set) / per_step))
+        if config.warmup >= total > 1 and rank == 0:
+            warnings.warn(f"{option('warmup', config.warmup)} is not shorter than the run's {total} steps: the learning "
+                          f"rate rises through the whole run, reaches {option('lr')} at its last step and never decays: pass "
+                          f"a smaller {option('warmup')}")
+        key = hashlib.sha256(json.dumps({
+            "weights": fingerprint(m.source), "data": digest(data_file), "eval": digest(eval_file),
+            "config": {k: v for k, v in config.to_dict().items() if k not in SAME_RUN}}, sort_keys=True).encode()).hexdigest()
+
+        partial = partial_path(out)  # every process reads the checkpoint; only rank 0 holds the lock
+        checkpoints = Checkpoints(partial)
+        if resume and checkpoints.latest() is None:
+            raise QuantkitError(f"nothing to resume: {out} exists and no checkpoint of a run writing it is left (the run "
+                                f"finished): use it, or train again without {option('resume', True)}, with "
+                                f"{option('overwrite', True)} or another {option('out')}" if Path(out).exists() else
+                                f"nothing to resume: no checkpoint of a run writing {out} (in {partial}): run without "
+                                f"{option('resume', True)}")
+        staged = Staged(out, overwrite) if rank == 0 else None
+        state = None
+        try:
+            if resume:
+                state = checkpoints.load()
+                if state["key"] != key:
+                    raise QuantkitError(f"the checkpoint in {partial} is of another run (a different model, data or "
+                                        f"settings): resume with the command that started it, or choose another {option('out')}")
+                if rank == 0:
+                    print(f"resuming after step {len(state['log'])}/{total} from {checkpoints.latest()}", file=sys.stderr)
+            else:
+                kept = None if overwrite else checkpoints.intact()
+                if kept is not None:  # hours of training, not to be lost to a missed flag
+                    ours = kept["key"] == key
+                    raise QuantkitError(f"{partial} holds the checkpoint of step {kept['step']} of " + (
+                        f"this run: add {option('resume', True)} to go on from it" if ours else "another run writing it (a "
+                        f"different model, data or settings): go on with that run's command and {option('resume', True)}")
+                        + f", or pass {option('overwrite', True)} to start over")
+                if staged is not None:
+                    staged.fresh()
+            result, adapter = run(m, config, names, train_set=train_set, held_out=held_out, total=total, dev=dev,
+                                  amp=amp, checkpoints=checkpoints, state=state, key=key, progress=progress,
+                                  callback=callback)
+            if rank == 0:
+                with space_for(out, None, "the adapter", f"run again with {option('resume', True)} (the last checkpoint holds "
+                               "every step)"):
+                    write(partial, m, config, result, adapter)
+                checkpoints.clear()
+                staged.commit()
+            result.out = str(out)
+            return result
+        except BaseException as e:
+            if staged is not None:  # a checkpoint stays for --resume; a run that saved none leaves nothing
+                staged.abort(keep=checkpoints.latest() is not None)
+            kept = checkpoints.intact() if isinstance(e, KeyboardInterrupt) and rank == 0 else None
+            if kept is not None:  # Ctrl-C or SIGTERM: where to go on from
+                print(f"stopped: the checkpoint of step {kept['step']} is in {checkpoints.latest()}: run the same command "
+                      f"with {option('resume', True)} to go on from it", file=sys.stderr)
+            raise
 
 
 def run(m: Model, config: TrainConfig, names: list[str], *, train_set: list[dataset.Example],

@@ -133,9 +133,10 @@ def check(module: torch.nn.Module, config: TrainConfig) -> list[str]:
     names = targets(module, config.target)
     for name in names:
         base = module.get_submodule(name)
-        if not config.rank <= min(base.in_features, base.out_features):
-            raise QuantkitError(f"rank {config.rank} is larger than {name} ({base.out_features}x{base.in_features}): "
-                                f"use a rank of at most {min(base.in_features, base.out_features)}")
+        most = min(base.in_features, base.out_features)
+        if not config.rank <= most:
+            raise QuantkitError(f"{option('rank', config.rank)} is larger than {name} ({base.out_features}x"
+                                f"{base.in_features}): use a rank of at most {most}")
     return names
 
 
@@ -227,7 +228,8 @@ def read(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     """An adapter directory (ours or PEFT's): its config as a dict and its tensors under PEFT's names."""
     d = Path(directory)
     if not (d / CONFIG).is_file() or not (d / WEIGHTS).is_file():
-        raise QuantkitError(f"{d}: no {CONFIG} and {WEIGHTS}: pass a LoRA adapter directory (quantkit train --out)")
+        raise QuantkitError(f"{d}: no {CONFIG} and {WEIGHTS}: pass a LoRA adapter directory (what quantkit train "
+                            "--out or train(out=...) wrote)")
     with untrusted(d, "the adapter is damaged", "train it again or restore it"):
         cfg = json.loads((d / CONFIG).read_text())
         tensors = load_file(d / WEIGHTS)
