@@ -26,10 +26,16 @@ def read_recorded(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dic
     the key-values llama-quantize records of the importance matrix it used (quantize.imatrix.*): the
     path as given, the first dataset, the entry count, and the chunks it was computed on)."""
     table, chunks, datasets = parse(path)
-    return table, {"quantize.imatrix.file": str(path)[:127],
-                   **({"quantize.imatrix.dataset": datasets[0][:127]} if datasets else {}),
-                   "quantize.imatrix.entries_count": len(table),
-                   **({"quantize.imatrix.chunks_count": chunks} if chunks > 0 else {})}
+    return table, record(str(path), datasets[0] if datasets else None, len(table), chunks)
+
+
+def record(file: str | None, dataset: str | None, entries: int, chunks: int) -> dict[str, str | int]:
+    """llama-quantize's key-values of the importance matrix a file was quantized with (quantize.imatrix.*,
+    strings cut to 127 characters); file None for one computed from the calibration text."""
+    return {**({"quantize.imatrix.file": file[:127]} if file is not None else {}),
+            **({"quantize.imatrix.dataset": dataset[:127]} if dataset else {}),
+            "quantize.imatrix.entries_count": entries,
+            **({"quantize.imatrix.chunks_count": chunks} if chunks > 0 else {})}
 
 
 def parse(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int, list[str]]:

@@ -12,7 +12,7 @@ import quantkit
 from quantkit.calibration import imatrix
 from quantkit.exporters.gguf import gguf_name
 
-from .conftest import cli, gguf_tensors, make_tiny, refused
+from .conftest import VALID, cli, gguf_tensors, make_tiny, refused
 
 
 NCALL = 7  # chunks the importance was "measured" on
@@ -177,7 +177,8 @@ def recorded(path) -> dict:
 
 def test_the_file_records_the_importance_matrix(tiny, tmp_path):
     """llama-quantize records the file, its dataset, entries and chunks (quantize.imatrix.*); quantkit's
-    file recorded nothing. From a model directory and from a GGUF, whose own record is replaced."""
+    file recorded nothing. From a model directory and from a GGUF, whose own record is replaced, and for
+    an importance computed here."""
     table = importance(tiny)
     write_legacy(tmp_path / "m.dat", table)
     want = {"quantize.imatrix.file": str(tmp_path / "m.dat"), "quantize.imatrix.dataset": "test",
@@ -198,3 +199,10 @@ def test_the_file_records_the_importance_matrix(tiny, tmp_path):
     (tmp_path / "m.dat").unlink()
     quantkit.export(m, tmp_path / "c.gguf", "gguf", progress=False)
     assert recorded(tmp_path / "c.gguf") == want
+    # computed from the calibration text (recorded nothing before): no file to name; the text, every
+    # layer's linears, the windows
+    quantkit.quantize(tiny, method="rtn", format="gguf", gguf_type="Q4_0", imatrix=True, calib_data=VALID,
+                      calib_samples=3, calib_seqlen=32, out=tmp_path / "d.gguf", progress=False)
+    assert recorded(tmp_path / "d.gguf") == {"quantize.imatrix.dataset": str(VALID),
+                                             "quantize.imatrix.entries_count": len(table),
+                                             "quantize.imatrix.chunks_count": 3}
