@@ -46,8 +46,10 @@ def read_file(source: str | os.PathLike, purpose: str = "use") -> str:
     p = Path(source)
     if p.is_dir():
         raise QuantkitError(f"{p} is a directory: pass a text file (or JSON lines of chats) to {purpose}")
-    if not p.is_file():
+    if not p.exists():
         raise QuantkitError(f"{p}: no such file: pass an existing text file")
+    if not p.is_file():  # /dev/null, <(zcat text.gz): read more than once, or nothing at all
+        raise QuantkitError(f"{p} is not a regular file (a pipe or a device): write the text to a file and pass that")
     if p.suffix.lower() in TABLES:
         raise QuantkitError(f"{p}: a table, which would be read as text with its commas and quotes: write its text "
                             "column as a text file, or its rows as JSON lines (.jsonl)")

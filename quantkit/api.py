@@ -20,7 +20,7 @@ from quantkit.atomic import (check_apart, check_out, locked, partial_path, progr
 
 from . import blocks, consumers, distributed, measurement
 from . import rules as layer_rules
-from .config import DTYPES, UNWEIGHTED, QuantConfig, check_fields, refuse_unused
+from .config import DTYPES, UNWEIGHTED, QuantConfig, check_fields, check_arguments, refuse_unused
 from .errors import Note, QuantkitError, ResumableError, option, space_for
 from .layers import GROUPS, LINEARS, fused, linear_shapes, shapes_by_name
 from .modelio import Checkpoint, GGUFCheckpoint, Model, check_context, fingerprint, linear_types, load
@@ -315,6 +315,7 @@ def quantize(
     Under torchrun, or in a torch.distributed process group the caller made, every process makes the
     same call and takes its share of the work; alone=True quantizes in this process by itself (a
     pipeline calling quantize on one rank of its own job)."""
+    check_arguments(quantize, locals())
     if config is not None and options:
         raise QuantkitError("pass a QuantConfig or its fields as keywords, not both")
     check_fields(QuantConfig, config, options, "quantize")
@@ -561,6 +562,7 @@ def evaluate(
     passed in runs as it holds its linears (a packed given for it must agree).
     device, dtype: where and in what a model loaded from a path runs (default: CUDA, in float16, when
     there is a GPU; else float32); a Model passed in is moved only when one is given."""
+    check_arguments(evaluate, locals())
     check_windows(ctx, max_windows)
     text = calibration.load_text(data, split="test")  # before the model loads
     m = ready(model, packed, device, dtype)
@@ -587,6 +589,7 @@ def compare(
     llama-perplexity --kl-divergence-base), which skips running the base. One model is in memory at a
     time: the base's log-probabilities go to disk (save_base, or a temporary file) first. dtype: both
     models run in it (as in evaluate)."""
+    check_arguments(compare, locals())
     check_windows(ctx, max_windows)
     text = calibration.load_text(data, split="test")
     if device is not None:
@@ -636,6 +639,7 @@ def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float
     lm-eval's HFLM wrapper around the loaded model. Local tasks (wikitext, dolly_mc) read data_dir.
     limit: documents per task, or below 1 a fraction of each; seed: every seed lm-eval takes (None:
     lm-eval's own); chat: prompts in the tokenizer's chat template."""
+    check_arguments(lm_eval, locals())
     from quantkit.evals import harness
 
     tasks = [tasks] if isinstance(tasks, str) else list(tasks or ())
@@ -657,6 +661,7 @@ def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: 
     """Write a Model quantized in memory (quantize with keep=True) to out in format; the path written
     (and, with progress, what it holds on stderr). A model on disk needs no export: quantize it with
     out, or requantize a GGUF with export_gguf."""
+    check_arguments(export, locals())
     if not isinstance(model, Model):
         raise QuantkitError(f"export writes a Model quantized in memory, not a {type(model).__name__}: quantize the "
                             "model with out (or keep=True, then export that)")
@@ -699,6 +704,7 @@ def export_gguf(model: Model, out: PathLike, gguf_type: str | None = None, overw
                 progress: bool = True) -> Path:
     """GGUF of a model: a quantized checkpoint whose grids are GGUF blocks keeps its codes (the other
     weights in F16); a float model is rounded to nearest in gguf_type (F16 by default)."""
+    check_arguments(export_gguf, locals())
     if not model.tensors:  # a copy, so that model stays the float model
         quantize(Model(model.module, model.tokenizer, model.source, gguf_types=model.gguf_types,
                        checkpoint=model.checkpoint),

@@ -32,9 +32,18 @@ def check_out(out: str | os.PathLike, overwrite: bool = False, directory: bool |
     if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
         raise QuantkitError(f"{out} already exists: choose another {errors.option(option)} or remove it (or pass "
                             f"{errors.option('overwrite', True)})")
+    if overwrite and directory is not False and out.is_dir() and not any((out / f).is_file() for f in OURS):
+        held = sorted(p.name for p in out.iterdir())
+        if held:  # --out models --overwrite, meant models/m: replacing it would delete every model beside
+            raise QuantkitError(f"{out} holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''} and is not a model "
+                                f"or adapter directory, which {errors.option('overwrite', True)} replaces: choose "
+                                f"another {errors.option(option)}, such as {out / 'model'}, or empty it yourself")
     if not out.parent.is_dir():
         raise QuantkitError(f"{out.parent}: no such directory: create it or choose another {errors.option(option)}")
     check_writable(out.parent, option)
+
+
+OURS = ("config.json", "adapter_config.json")  # a model directory (any format's export), an adapter
 
 
 def check_apart(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None], option: str = "out") -> None:

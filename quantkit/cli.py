@@ -452,6 +452,10 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
         check_out(quantize_out, overwrite, directory=fmt != "gguf", option="quantize_out",
                   inputs=[*inputs, out, merged])
     if trained:
+        if model is None or os.path.exists(model):  # a base gone since the merge cannot be told apart
+            from quantkit.trainer.loop import check_finished
+
+            check_finished(out, model, config, data, eval_data)
         click.echo(f"{out} is a finished adapter: going on to {'quantize' if merged_done else 'merge and quantize'} it")
     else:
         result = trainer.train(model, config, data=data, out=out, eval_data=eval_data, resume=resume,

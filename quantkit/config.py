@@ -93,6 +93,19 @@ def describe(hint) -> str:
     return " or ".join("None" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
 
 
+def check_arguments(fn, arguments: dict) -> None:
+    """Refuse an argument of fn declared a path (str or os.PathLike) or a bool, maybe None, given
+    something else: out=5 was a TypeError from pathlib, packed="no" was taken as True. (A model argument
+    is load's to check: it names what to pass.)"""
+    for name, hint in typing.get_type_hints(fn).items():
+        args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        if (os.PathLike in args or bool in args) and set(args) <= {str, os.PathLike, bool, type(None)} \
+                and name in arguments and not isinstance(arguments[name], args):
+            what = " (a path as str or pathlib.Path)" if os.PathLike in args else ""
+            raise QuantkitError(f"{name}={arguments[name]!r} is a {type(arguments[name]).__name__}, where "
+                                f"{describe(hint)} belongs: pass {name} as one{what}")
+
+
 UNWEIGHTED = (*blocks.FLOAT_TYPES, "Q8_0")  # GGUF types whose blocks take no importance
 
 

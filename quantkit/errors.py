@@ -88,7 +88,20 @@ def space_for(path, needed: int | None, what: str, then: str):
     try:
         yield
     except OSError as e:
-        if e.errno != errno.ENOSPC:
-            raise
-        raise ResumableError(f"out of disk space writing {path}: {need}, {size(free_space(path))} is free now: "
-                             f"free some space and {then}") from None
+        if e.errno in NO_ROOM:
+            raise ResumableError(f"out of disk space{' (quota)' if e.errno == errno.EDQUOT else ''} writing {path}: "
+                                 f"{need}, {size(free_space(path))} is free now: free some space and {then}") from None
+        if e.errno in REFUSED:
+            raise ResumableError(refused(e, path, then)) from None
+        raise
+
+
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or the user's quota of a shared one (a cluster's usual way)
+# the file system refused a write: a file over its (or ulimit's) largest, a failing disk, one gone read-only
+REFUSED = (errno.EFBIG, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def refused(e: OSError, path, then: str) -> str:
+    """One line for a write the file system refused (e.errno in REFUSED)."""
+    return (f"could not write {e.filename or path} ({e.strerror}): what was finished is kept: write it elsewhere, "
+            f"or fix that and {then}")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from . import atomic
-from .errors import QuantkitError
+from .errors import QuantkitError, space_for
 from .requant import check_mix
 
 if TYPE_CHECKING:
@@ -232,9 +232,12 @@ def duration(seconds: float) -> str:
 
 def write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with atomic.created(tmp) as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with atomic.created(tmp) as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:  # none left by a write that failed
+        tmp.unlink(missing_ok=True)
 
 
 def write_json(path: Path, value) -> None:
@@ -378,9 +381,10 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         echo(f"also in the report, from earlier runs into {out}: {', '.join(earlier)}")
     result = {"settings": asdict(settings), "base": read_json(out / "base.json"),
               "points": [read_point(out / "points" / f"{n}.json") for n in names + earlier]}
-    write_json(out / "report.json", result)
-    write_text(out / "report.md", table(result))
-    plot(result, out)
+    with space_for(out, None, "the report's tables and plots", "run the same command again (its points are kept)"):
+        write_json(out / "report.json", result)
+        write_text(out / "report.md", table(result))
+        plot(result, out)
     lock.close()
     return result
 
@@ -516,9 +520,12 @@ def plot(r: dict, out: Path) -> None:
             ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: it hid points and labels
         fig.tight_layout()
         tmp = out / f".{name}.tmp.png"
-        fig.savefig(tmp, dpi=120)
-        plt.close(fig)
-        os.replace(tmp, out / name)
+        try:
+            fig.savefig(tmp, dpi=120)
+            os.replace(tmp, out / name)
+        finally:  # a disk that filled leaves no part of a plot
+            plt.close(fig)
+            tmp.unlink(missing_ok=True)
 
 
 LABEL_OFFSETS = [(5, 4), (5, -10), (5, 14), (5, -20), (5, 24), (5, -30), (5, 34), (5, -40)]  # points from the dot

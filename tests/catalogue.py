@@ -151,6 +151,7 @@ CATALOGUE = {
     # eval
     "eval: data missing": Bad("eval {model} --data {tmp}/nope.txt", "no such file"),
     "eval: data empty": Bad("eval {model} --data {tmp}/empty.txt", "is empty"),
+    "eval: data a device": Bad("eval {model} --data /dev/null", "/dev/null is not a regular file (a pipe or a device)"),
     "eval: text shorter than a window": Bad("eval {model} --data {text} --ctx 4096", "fewer than one window"),
     "eval: --dequantized on a float model": Bad("eval {model} --data {text} --dequantized", "is a float model"),
     "eval: context 0": Bad("eval {model} --data {text} --ctx 0", "ctx"),

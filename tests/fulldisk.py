@@ -3,8 +3,8 @@
     unshare --user --map-root-user --mount python -m tests.fulldisk ROOT
 
 mounts a tmpfs at ROOT/disk and, for each writer (a sharded GPTQ export, a streamed GGUF, a
-checkpoint replaced with --overwrite, a training checkpoint, a saved base, the embedded model's
-cache entry), runs the command on a disk too small for it and prints one JSON line: the exit
+checkpoint replaced with --overwrite, a training checkpoint, a merged model, a saved base, the
+embedded model's cache entry), runs the command on a disk too small for it and prints one JSON line: the exit
 status, the error line, what was left on the disk, and whether the same command, run again once
 there is space, wrote what a run on a roomy disk writes. The checks are tests/test_fulldisk.py's."""
 from __future__ import annotations
@@ -103,6 +103,10 @@ def main() -> None:
     def previous(disk: Path) -> None:  # a good export to be replaced
         assert cli(*gptq, "--out", disk / "q")[0] == 0
 
+    adapter = root / "adapter"
+    if not adapter.exists():
+        assert cli(*train, "--out", adapter, "--steps", 1)[0] == 0
+
     cases = [
         # too small from the start: refused before any work
         lambda: case("quantize-refused", disk, roomy, lambda d: [*gptq, "--out", d / "q"], "q", 16 * 1024),
@@ -116,6 +120,8 @@ def main() -> None:
         # room for the first checkpoint, not for the second beside it
         lambda: case("train-checkpoint", disk, roomy, lambda d: [*train, "--out", d / "adapter"], "adapter",
                      800 * 1024, rerun=["--resume"]),
+        # the largest file of a fine-tune's way to a quantized model: a whole float model
+        lambda: case("merge", disk, roomy, lambda d: ["merge", adapter, "--out", d / "m"], "m", 64 * 1024),
         lambda: case("save-base", disk, roomy, lambda d: ["eval", model, "--base", model, "--data", TEST, "--ctx", 64,
                                                           "--max-windows", 64, "--save-base", d / "base.logits"],
                      "base.logits", 64 * 1024),

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+import quantkit
 from quantkit.command import main
 
 from .conftest import TEST, VALID, cli, make_tiny, stopping_saves
@@ -386,6 +387,26 @@ def test_settings_through_the_api_that_are_not_whole(fields, match):
 
     with pytest.raises(QuantkitError, match=match):
         QuantConfig(method="rtn", **fields)
+
+
+@pytest.mark.parametrize("call,match", [
+    # TypeErrors from pathlib, a traceback away from the keyword
+    (lambda m, t: quantkit.quantize(m, out=5), "out=5 is a int, where str or PathLike or None belongs"),
+    (lambda m, t: quantkit.evaluate(m, 123), "data=123 is a int, where str or PathLike or None belongs"),
+    (lambda m, t: quantkit.compare(m, m, t, save_base=7), "save_base=7 is a int"),
+    (lambda m, t: quantkit.trainer.train(m, data=None, out="a"), "data=None is a NoneType, where str or PathLike"),
+    (lambda m, t: quantkit.trainer.merge(m, 5), "out=5 is a int, where str or PathLike belongs"),
+    # taken as True
+    (lambda m, t: quantkit.load(m, packed="no"), "packed='no' is a str, where bool belongs"),
+    (lambda m, t: quantkit.evaluate(m, t, packed="no"), "packed='no' is a str, where bool or None belongs"),
+    (lambda m, t: quantkit.quantize(m, out="q", alone="no"), "alone='no' is a str, where bool belongs")])
+def test_api_arguments_of_another_type(tiny_dir, tmp_path, call, match):
+    """A path or a switch of the wrong type is one QuantkitError naming the keyword, before any work."""
+    text = tmp_path / "t.txt"
+    text.write_text("some text " * 100)
+    with pytest.raises(quantkit.QuantkitError, match=re.escape(match)):
+        call(str(tiny_dir), text)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.txt"]
 
 
 @pytest.mark.parametrize("method,change,match", [

@@ -89,6 +89,11 @@ def test_existing_output_is_not_overwritten_by_default(tiny_dir, tmp_path):
     (tmp_path / "q" / "keep").write_text("mine")
     with pytest.raises(QuantkitError, match="already exists"):
         quantkit.export(m, tmp_path / "q")
+    # overwrite replaces a model directory, not one of other things (--out models, meant models/m)
+    with pytest.raises(QuantkitError, match="q holds keep and is not a model or adapter directory, which "
+                                            "overwrite=True replaces: choose another out, such as .*q/model"):
+        quantkit.export(m, tmp_path / "q", overwrite=True)
+    (tmp_path / "q" / "config.json").write_text("{}")  # a previous export, say
     quantkit.export(m, tmp_path / "q", overwrite=True)
     assert not (tmp_path / "q" / "keep").exists() and (tmp_path / "q" / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]

@@ -25,7 +25,7 @@ def test_full_disk(tmp_path):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     cases = {c["case"]: c for c in map(json.loads, [s for s in run.stdout.splitlines() if s.startswith("{")])}
     assert set(cases) == {"quantize-refused", "quantize-midway", "gguf-midway", "overwrite", "train-checkpoint",
-                          "save-base", "cache"}
+                          "merge", "save-base", "cache"}
     for c in cases.values():
         where, name = c["path"].rsplit("/", 1)  # the output, or the partial one a checkpoint goes into
         assert c["code"] == 2 and c["line"].startswith("error: "), c
@@ -41,3 +41,36 @@ def test_full_disk(tmp_path):
     assert "resumes" in cases["gguf-midway"]["line"] and cases["gguf-midway"]["left"]  # its progress stays
     # the cache: the GGUF it fits is complete, the float entry it does not fit was never begun
     assert [n for n in cases["cache"]["left"] if not n.endswith(".lock")] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+
+
+@pytest.mark.parametrize("source", ["model", "gguf"])
+def test_a_write_the_file_system_refuses_is_one_line(tiny_dir, tmp_path, source):
+    """Only a full disk was one line: a quota (a cluster's usual way to run out), a file over the largest
+    the file system or ulimit takes, a failing disk gave a traceback. Here ulimit's (EFBIG: Python ignores
+    SIGXFSZ), writing a GGUF from a model directory and from a GGUF; the same command resumes once it
+    can write."""
+    import resource
+
+    import quantkit
+
+    src = tiny_dir
+    if source == "gguf":
+        src = tmp_path / "f32.gguf"
+        quantkit.api.export_gguf(quantkit.load(tiny_dir), src, "F32", progress=False)
+    command = [sys.executable, "-m", "quantkit", "export", src, "--gguf-type", "F16"]
+    whole = subprocess.run([*command, "--out", tmp_path / "whole.gguf"], capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    limit = (tmp_path / "whole.gguf").stat().st_size // 2
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    cut = subprocess.run([*command, "--out", tmp_path / "out.gguf"], capture_output=True, text=True,
+                         preexec_fn=small_files)
+    lines = cut.stderr.replace("\r", "\n").strip().splitlines()
+    assert cut.returncode == 2 and "Traceback" not in cut.stderr, cut.stderr[-3000:]
+    assert lines[-1].startswith(f"error: could not write {tmp_path / 'out.gguf'}") and "(File too large)" in lines[-1]
+    assert "run " in lines[-1] and not (tmp_path / "out.gguf").exists()
+    again = subprocess.run([*command, "--out", tmp_path / "out.gguf"], capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (tmp_path / "out.gguf").read_bytes() == (tmp_path / "whole.gguf").read_bytes()

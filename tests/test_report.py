@@ -199,6 +199,33 @@ def test_a_report_whose_every_point_failed_still_draws_its_charts(tiny_dir, tmp_
     assert not [w for w in recwarn if "No artists" in str(w.message)]
 
 
+def test_a_disk_that_fills_while_the_plots_are_drawn(tiny_dir, tmp_path, capsys, monkeypatch, text):
+    """The points fitted and the plots did not: a traceback from matplotlib, a part of a PNG left. Now one
+    line, no part left, and the same command draws them once there is room."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    out = tmp_path / "report"
+    args = ["report", tiny_dir, "--out", out, "--data", text, "--methods", "exl2", "--exl2-bits", "9",
+            "--calib-data", VALID, "--windows", 1, "--ctx", 64]  # a point that fails at once: the plots still come
+    real = Figure.savefig
+
+    def full(self, path, **kwargs):
+        Path(path).write_bytes(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    code, printed = both(args, capsys, monkeypatch)
+    last = printed.strip().splitlines()[-1]
+    assert code == 2 and last.startswith(f"error: out of disk space writing {out}") and "Traceback" not in printed
+    assert "run the same command again (its points are kept)" in last
+    assert sorted(p.name for p in out.glob("*.png")) == [] and not list(out.glob(".*.tmp*"))
+    monkeypatch.setattr(Figure, "savefig", real)
+    code, printed = both(args, capsys, monkeypatch)
+    assert code == 1 and (out / "kld.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("args,match", [
     (["--methods", "rtn", "--bits", "5"], "unsupported bit width 5"),
     (["--methods", "gguf", "--gguf-types", "Q9"], "unknown GGUF type 'Q9' in --gguf-types"),

@@ -496,6 +496,9 @@ def test_train_then_quantize_killed_after_the_training_resumes(tiny_dir, text, t
         shutil.rmtree(base)
     trained = (tmp_path / "a" / "adapter_model.safetensors").stat().st_mtime_ns
     monkeypatch.setattr(trainer, "train", lambda *a, **kw: pytest.fail("trained again"))
+    if stage == "merge":  # another run's command (it went on from this adapter, as if it were its own)
+        code, _, err = cli([*args, "--resume", "--lr", "1e-3"], capsys, monkeypatch)
+        assert code == 2 and err[-1].startswith("error: ") and "is the finished adapter of another run" in err[-1]
     code, printed, err = cli([*args, "--resume"], capsys, monkeypatch)
     assert code == 0, err
     assert "a is a finished adapter: going on to " + ("merge and quantize" if stage == "merge" else "quantize") in printed

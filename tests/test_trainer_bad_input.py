@@ -178,6 +178,42 @@ def test_merge_onto_another_base(adapter, capsys, monkeypatch, tmp_path):
     assert line.endswith("pass the --base it was trained on") and left(tmp_path) == []
 
 
+def test_a_gguf_base_is_refused_before_the_work(adapter, tiny_dir, text, capsys, monkeypatch, tmp_path):
+    """A GGUF file passed the float-directory check (its checkpoint is one): train --quantize then failed
+    with a traceback after training and merging every layer, and merge after merging them."""
+    import quantkit
+
+    gguf = tmp_path / "base.gguf"
+    quantkit.api.export_gguf(quantkit.load(tiny_dir), gguf, "F32", progress=False)
+    train_fails(gguf, text, capsys, monkeypatch, tmp_path, "train on a float model directory (safetensors), not a "
+                "GGUF file", "--quantize", "rtn")
+    fails(["merge", adapter, "--base", gguf, "--out", tmp_path / "out"], capsys, monkeypatch,
+          "merge into a float model directory (safetensors), not a GGUF file")
+    assert left(tmp_path) == []
+
+
+def test_the_adapter_names_its_base_from_anywhere(tiny_dir, tmp_path, monkeypatch):
+    """A base given relative to the working directory was recorded so: merge run from elsewhere found no
+    base, or another model of that name there, and merged into it without a word."""
+    import json
+
+    from quantkit.trainer import merge
+
+    (tmp_path / "train.txt").write_text(VALID.read_text()[:5000])
+    monkeypatch.chdir(tiny_dir.parent)
+    train(tiny_dir.name, data=tmp_path / "train.txt", out=tmp_path / "adapter", steps=1, seqlen=32, batch_size=2,
+          rank=4, eval_fraction=0, progress=False)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        str(tiny_dir)
+    make_tiny(tmp_path / tiny_dir.name, seed=1)  # another model of that name, where merge runs
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        merged = merge(tmp_path / "adapter", tmp_path / "merged", progress=False)
+    want = merge(tmp_path / "adapter", tmp_path / "want", base=tiny_dir, progress=False)
+    assert (merged / "model.safetensors").read_bytes() == (want / "model.safetensors").read_bytes()
+
+
 def test_merge_onto_a_base_of_the_same_shapes_warns(adapter, tiny_dir, tmp_path):
     from quantkit.trainer import merge
 

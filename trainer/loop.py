@@ -5,7 +5,6 @@ batches, with the same losses. Under torchrun each process takes a share of ever
 the adapter's gradients are summed: the same global batch, the same losses."""
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
@@ -25,10 +24,11 @@ from tqdm import tqdm
 
 from quantkit import distributed
 from quantkit.api import device_of
-from quantkit.errors import QuantkitError, ResumableError, free_space, option, size, space_for, untrusted
+from quantkit.errors import (NO_ROOM, REFUSED, QuantkitError, ResumableError, free_space, option, refused, size,
+                             space_for, untrusted)
 from quantkit.atomic import Staged, fsync, partial_path, remove
-from quantkit.config import check_fields
-from quantkit.modelio import Model, check_context, fingerprint, load
+from quantkit.config import check_fields, check_arguments
+from quantkit.modelio import GGUFCheckpoint, Model, check_context, fingerprint, load
 from quantkit.pipeline import free_memory, map_large_blocks, peak_memory, read_progress, save_progress
 
 from . import dataset, lora
@@ -66,6 +66,27 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 
 def digest(path: Path | None) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path is not None else None
+
+
+def run_key(source: str, config: TrainConfig, data: Path, eval_data: Path | None) -> str:
+    """What a run's checkpoints and its finished adapter are of: the base's files, the data, the settings
+    that change the result."""
+    return hashlib.sha256(json.dumps({
+        "weights": fingerprint(source), "data": digest(data), "eval": digest(eval_data),
+        "config": {k: v for k, v in config.to_dict().items() if k not in SAME_RUN}}, sort_keys=True).encode()).hexdigest()
+
+
+def check_finished(out: str | os.PathLike, model: str | os.PathLike | None, config: TrainConfig,
+                   data: str | os.PathLike, eval_data: str | os.PathLike | None) -> None:
+    """Refuse to go on from out's finished adapter (train --resume --quantize after a kill in the merge or
+    the quantization) unless this command trained it; an adapter whose log holds no key is taken."""
+    with untrusted(Path(out) / LOG, "the adapter's training log is damaged",
+                   f"train it again with {option('overwrite', True)}"):
+        kept = json.loads((Path(out) / LOG).read_text()).get("key")
+    if kept is not None and kept != run_key(load(model).source, config, Path(data), Path(eval_data) if eval_data else None):
+        raise QuantkitError(f"{out} is the finished adapter of another run (a different model, data or settings): go "
+                            f"on with that run's command and {option('resume', True)}, or pass {option('overwrite', True)} "
+                            "to train again")
 
 
 def build(m: Model, config: TrainConfig, names: list[str], device: torch.device, dtype: torch.dtype) -> dict:
@@ -240,11 +261,15 @@ class Checkpoints:
             remove(tmp)
             previous = self.load()["step"] if self.latest() else None
             kept = f"the checkpoint of step {previous} is kept" if previous is not None else "no earlier checkpoint"
-            if e.errno == errno.ENOSPC:
+            again = f"run again with {option('resume', True)}"
+            if e.errno in NO_ROOM:
                 needed = len(blob) + sum(t.nbytes for t in tensors(state))
                 raise ResumableError(f"out of disk space saving the checkpoint of step {state['step']} in {tmp.parent} "
                                      f"(about {size(needed)}, {size(free_space(tmp.parent))} free; {kept}): free some "
-                                     f"space and run again with {option('resume', True)}") from None
+                                     f"space and {again}") from None
+            if e.errno in REFUSED:
+                raise ResumableError(f"saving the checkpoint of step {state['step']} ({kept}): "
+                                     + refused(e, tmp, again)) from None
             raise
         if self.path.exists():
             remove(self.old)
@@ -321,6 +346,7 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
     killed run of the same command left. Under torchrun, or in a process group the caller made, every
     process makes the same call and trains on its share of each batch; alone=True trains in this
     process by itself (a pipeline calling train on one rank of its own job)."""
+    check_arguments(train, locals())
     check_fields(TrainConfig, config, fields, "train")
     config = replace(config, **fields) if config is not None else TrainConfig(**fields)
     dev = device_of(device)
@@ -335,7 +361,7 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
                                 f"{option('batch_size')} that is a multiple of {world}")
         amp = autocast_dtype(config.precision, dev)
         m = model if isinstance(model, Model) else load(model)
-        if m.checkpoint is None or m.tensors:
+        if m.checkpoint is None or m.tensors or isinstance(m.checkpoint, GGUFCheckpoint):
             raise QuantkitError(f"{m.source}: train on a float model directory (safetensors), not a GGUF file or a "
                                 "quantized export: adapters are merged into the original weights")
         names = lora.check(m.module, config)
@@ -358,9 +384,7 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
             warnings.warn(f"{option('warmup', config.warmup)} is not shorter than the run's {total} steps: the learning "
                           f"rate rises through the whole run, reaches {option('lr')} at its last step and never decays: pass "
                           f"a smaller {option('warmup')}")
-        key = hashlib.sha256(json.dumps({
-            "weights": fingerprint(m.source), "data": digest(data_file), "eval": digest(eval_file),
-            "config": {k: v for k, v in config.to_dict().items() if k not in SAME_RUN}}, sort_keys=True).encode()).hexdigest()
+        key = run_key(m.source, config, data_file, eval_file)
 
         partial = partial_path(out)  # every process reads the checkpoint; only rank 0 holds the lock
         checkpoints = Checkpoints(partial)
@@ -396,7 +420,7 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
             if rank == 0:
                 with space_for(out, None, "the adapter", f"run again with {option('resume', True)} (the last checkpoint holds "
                                "every step)"):
-                    write(partial, m, config, result, adapter)
+                    write(partial, m, config, result, adapter, key)
                 checkpoints.clear()
                 staged.commit()
             result.out = str(out)
@@ -556,10 +580,13 @@ def run(m: Model, config: TrainConfig, names: list[str], *, train_set: list[data
     return result, lora.adapter_state(layers)
 
 
-def write(directory: Path, m: Model, config: TrainConfig, result: TrainResult, adapter: dict[str, torch.Tensor]) -> None:
-    """The adapter, the log and the loss plot."""
-    lora.save(directory, m.module, adapter, config, m.source)
-    log = {"config": config.to_dict(), **{k: v for k, v in result.to_dict().items() if k != "out"}}
+def write(directory: Path, m: Model, config: TrainConfig, result: TrainResult, adapter: dict[str, torch.Tensor],
+          key: str) -> None:
+    """The adapter, the log (with the run's key) and the loss plot."""
+    # a relative path would name another model from another directory
+    base = os.path.abspath(m.source) if os.path.exists(m.source) else m.source
+    lora.save(directory, m.module, adapter, config, base)
+    log = {"config": config.to_dict(), "key": key, **{k: v for k, v in result.to_dict().items() if k != "out"}}
     (directory / LOG).write_text(json.dumps(log, indent=1) + "\n")
     plot(directory / PLOT, result.log, result.evals, f"{config.method}{' + DoRA' if config.dora else ''} "
          f"r{config.rank} on {Path(m.source).name}")

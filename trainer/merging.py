@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from quantkit.errors import QuantkitError, option, untrusted
+from quantkit.config import check_arguments
+from quantkit.errors import QuantkitError, option, space_for, untrusted
 from quantkit.atomic import Staged, check_apart
 from quantkit.exporters.shards import DEFAULT_MAX_SIZE, INDEX, ShardWriter
-from quantkit.modelio import Model, load
+from quantkit.modelio import GGUFCheckpoint, Model, load
 from quantkit.pipeline import write_other
 
 from . import lora
@@ -59,13 +60,13 @@ def base_of(cfg: dict, base: str | os.PathLike | None, adapter) -> Model:
     if not Path(base or named).exists():
         raise QuantkitError(f"{base or named}: the adapter's base model is not here: pass {option('base')} with its "
                             "directory")
+    m = load(base or named)
+    if m.checkpoint is None or m.tensors or isinstance(m.checkpoint, GGUFCheckpoint):
+        raise QuantkitError(f"{base or named}: merge into a float model directory (safetensors), not a GGUF file or a "
+                            "quantized export")
     if base and named and not same_model(base, named):
         # same shapes pass every check below, so a wrong base of the same architecture would merge silently
         warnings.warn(f"{adapter} was trained on {named}; merging it into {base} as asked")
-    base = base or named
-    m = load(base)
-    if m.checkpoint is None or m.tensors:
-        raise QuantkitError(f"{base}: merge into a float model directory (safetensors), not a GGUF file or a quantized export")
     return m
 
 
@@ -108,6 +109,7 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
           progress: bool = True) -> Path:
     """Write base + adapter to out as a model directory (safetensors shards in the base's dtype, its
     config and tokenizer files). base: the adapter config's base_model_name_or_path by default."""
+    check_arguments(merge, locals())
     config, cfg, tensors = read(adapter, onto_nf4)
     m = base_of(cfg, base, adapter)
     check_apart(out, [adapter, m.source])
@@ -116,23 +118,25 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
         raise QuantkitError(f"{adapter}: the adapter changes lm_head, which this model ties to its embedding, so it "
                             "cannot be merged into one weight: use the adapter unmerged (PEFT), or train without lm_head")
     dtype = m.checkpoint.dtype
+    needed = sum(f.stat().st_size for f in set(m.checkpoint.where.values()))  # the base's shards, in its dtype
     staged = Staged(out, overwrite)
     try:
-        directory = staged.fresh()
-        writer = ShardWriter(directory, max_shard_size)
-        for i in tqdm(range(len(m.layers)), unit="layer", desc="merging", disable=not progress):
-            prefix = f"model.layers.{i}"
-            merge_part(m, prefix, by_linear, config=config, onto_nf4=onto_nf4, writer=writer, dtype=dtype)
-        for prefix in ("model.embed_tokens", "model.norm", "lm_head"):
-            if prefix in by_linear:  # PEFT can target lm_head (fitted: only linears have adapters)
+        with space_for(out, needed, "the merged model", "merge again"):
+            directory = staged.fresh()
+            writer = ShardWriter(directory, max_shard_size)
+            for i in tqdm(range(len(m.layers)), unit="layer", desc="merging", disable=not progress):
+                prefix = f"model.layers.{i}"
                 merge_part(m, prefix, by_linear, config=config, onto_nf4=onto_nf4, writer=writer, dtype=dtype)
-            else:
-                write_other(m, prefix, writer, None, keep=False)
-        writer.close()
-        for f in Path(m.source).iterdir():
-            if f.is_file() and f.suffix in SIDE_FILES and f.name != INDEX:
-                shutil.copy2(f, directory / f.name)
-        return staged.commit(writer.scratch())
+            for prefix in ("model.embed_tokens", "model.norm", "lm_head"):
+                if prefix in by_linear:  # PEFT can target lm_head (fitted: only linears have adapters)
+                    merge_part(m, prefix, by_linear, config=config, onto_nf4=onto_nf4, writer=writer, dtype=dtype)
+                else:
+                    write_other(m, prefix, writer, None, keep=False)
+            writer.close()
+            for f in Path(m.source).iterdir():
+                if f.is_file() and f.suffix in SIDE_FILES and f.name != INDEX:
+                    shutil.copy2(f, directory / f.name)
+            return staged.commit(writer.scratch())
     except BaseException:
         staged.abort()
         raise
@@ -156,6 +160,7 @@ def merge_part(m: Model, prefix: str, by_linear: dict[str, dict[str, torch.Tenso
 def attach(model: str | os.PathLike | Model | None, adapter: str | os.PathLike, onto_nf4: bool = False) -> Model:
     """model (whole, in float32) with adapter's LoRA layers in place, unmerged: for evaluating an
     adapter, ours or PEFT's, as it trained (onto_nf4: on the NF4 base QLoRA trained against)."""
+    check_arguments(attach, locals())
     config, cfg, tensors = read(adapter, onto_nf4)
     m = model if isinstance(model, Model) else load(model)
     by_linear = fitted(m, config, tensors, adapter)
