@@ -105,5 +105,6 @@ def chat_text(turns: list[dict], tokenizer, where: str, **kw) -> str:
 def rendered(p: Path, text: str, tokenizer) -> str:
     """Every record of the file as its chat template writes it, one after another: text to calibrate on
     that looks like what the model will be given, not like JSON."""
-    check_template(p, tokenizer)
-    return "".join(chat_text(messages_of(record, where, reply=False), tokenizer, where) for where, record in parse(p, text))
+    chats = [(where, messages_of(record, where, reply=False)) for where, record in parse(p, text)]
+    check_template(p, tokenizer)  # after the records: a file of {"text": ...} is named as not chats first
+    return "".join(chat_text(turns, tokenizer, where) for where, turns in chats)

@@ -118,6 +118,10 @@ def test_a_byte_order_mark_is_not_read_as_data(chat_dir, tmp_path):
 def test_records_without_a_chat_template(tiny_dir, capsys, monkeypatch, tmp_path):
     train_fails(tiny_dir, jsonl(tmp_path / "data.jsonl", CHAT, CHAT), capsys, monkeypatch, tmp_path,
                 "need the tokenizer's chat template and this model's tokenizer has none: use a model with one")
+    # pretraining's {"text": ...} lines are not chats: said so, not that the model lacks a template
+    train_fails(tiny_dir, jsonl(tmp_path / "text.jsonl", {"text": "hi"}), capsys, monkeypatch, tmp_path,
+                "line 1: a record needs messages, instruction and response (or output), or prompt and completion; "
+                "this one has text")
 
 
 def test_chat_without_an_assistant_turn(chat_dir, capsys, monkeypatch, tmp_path):

@@ -49,10 +49,11 @@ def windows(p: Path, text: str, tokenizer, seqlen: int) -> list[Example]:
 
 
 def records(p: Path, text: str, tokenizer, seqlen: int) -> list[Example]:
-    check_template(p, tokenizer)
+    chats = [(where, messages_of(record, where)) for where, record in parse(p, text)]
+    check_template(p, tokenizer)  # after the records: a file of {"text": ...} is named as not chats first
     out, cut, short = [], 0, 0
-    for where, record in parse(p, text):
-        example, whole = render(messages_of(record, where), tokenizer, seqlen, where)
+    for where, msgs in chats:
+        example, whole = render(msgs, tokenizer, seqlen, where)
         if example.scored:
             out.append(example)
             short += not whole
