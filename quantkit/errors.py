@@ -103,5 +103,6 @@ REFUSED = (errno.EFBIG, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM)
 
 def refused(e: OSError, path, then: str) -> str:
     """One line for a write the file system refused (e.errno in REFUSED)."""
-    return (f"could not write {e.filename or path} ({e.strerror}): what was finished is kept: write it elsewhere, "
-            f"or fix that and {then}")
+    where = f"{e.filename}: " if e.filename and str(e.filename) != str(path) else ""  # a file of its own, or one read
+    return (f"could not write {path} ({where}{e.strerror}): what was finished is kept: write it elsewhere, or fix "
+            f"that and {then}")
