@@ -387,9 +387,10 @@ def quantize(
         if config.needs_calibration:
             windows = calibration_windows(m, calib_data, calib_samples, calib_seqlen, seed)
             if config.imatrix:  # computed from the windows: recorded as a file's is, with no file to name
-                layers = sum(exporters.gguf.gguf_name(f"{n}.weight").startswith("blk.") for n in types)
+                # entries: the layers' linears, as llama-imatrix counts them
+                entries = sum(exporters.gguf.gguf_name(f"{n}.weight").startswith("blk.") for n in types)
                 text = calib_data if calib_data is not None else "{}/{} train".format(*calibration.windows.HUB_DATASET)
-                m.imatrix = calibration.imatrix.record(None, str(text), layers, len(windows))
+                m.imatrix = calibration.imatrix.record(None, str(text), entries, len(windows))
             batches = -(-calib_samples // BATCH)
             if config.method == "awq" and batches < distributed.world():  # a process without one has no statistics
                 raise QuantkitError(f"AWQ needs a batch of calibration windows ({BATCH} each) in each of its "

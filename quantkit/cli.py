@@ -102,7 +102,7 @@ def quiet() -> None:
               "head_bits; rounded onto its grid without calibration) [kept in float16]")
 @click.option("--for", "targets", multiple=True,
               help=f"refuse, before quantizing, settings this consumer cannot load: {', '.join(consumers.TARGETS)}")
-@click.option("--overwrite", is_flag=True, help="replace --out if it exists")
+@click.option("--overwrite", is_flag=True, help="replace --out if it exists (a file, or a model or adapter directory)")
 @click.option("--max-shard-size", default=exporters.DEFAULT_MAX_SIZE, show_default=True,
               help="safetensors: the largest shard, e.g. 5GB or 500MiB; more than one come with an index")
 @click.option("--calib-data", type=click.Path(), help="text file to calibrate on, or .jsonl/.json chat or instruction "
@@ -390,7 +390,7 @@ T = TrainConfig  # its fields' defaults, shown in --help (read from the class: n
 @click.option("--save-every", type=int, default=T.save_every, show_default=True, help="steps between checkpoints")
 @click.option("--resume", is_flag=True, help="go on from the checkpoint a stopped run of this command left (with "
                                               "--quantize: or from its merge or quantization)")
-@click.option("--overwrite", is_flag=True, help="replace --out if it exists")
+@click.option("--overwrite", is_flag=True, help="replace --out if it exists (a file, or a model or adapter directory)")
 @click.option("--device", help="cuda or cpu [cuda when there is a GPU]")
 @click.option("--quantize", "quantize_method", type=click.Choice(METHODS),
               help="then merge the adapter into the base (OUT-merged) and quantize that with this method")
@@ -481,7 +481,7 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
 @click.option("--out", required=True, type=click.Path(), help="the merged model directory")
 @click.option("--base", help="the base model [the adapter config's base_model_name_or_path]")
 @click.option("--onto-nf4", is_flag=True, help="merge into the NF4-rounded base QLoRA trained against")
-@click.option("--overwrite", is_flag=True, help="replace --out if it exists")
+@click.option("--overwrite", is_flag=True, help="replace --out if it exists (a file, or a model or adapter directory)")
 @click.option("--max-shard-size", default=exporters.DEFAULT_MAX_SIZE, show_default=True)
 def merge(adapter, out, base, onto_nf4, overwrite, max_shard_size) -> None:
     """Merge a LoRA ADAPTER (quantkit's or PEFT's) into its base in float32 and write a model

@@ -94,16 +94,23 @@ def describe(hint) -> str:
 
 
 def check_arguments(fn, arguments: dict) -> None:
-    """Refuse an argument of fn declared a path (str or os.PathLike) or a bool, maybe None, given
-    something else: out=5 was a TypeError from pathlib, packed="no" was taken as True. (A model argument
-    is load's to check: it names what to pass.)"""
+    """Refuse an argument of fn declared a path (str or os.PathLike) given something else, or declared
+    a bool given text or a path: out=5 was a TypeError from pathlib, packed="no" was taken as True (a
+    number or numpy's bool is taken as one). None only where it is declared. A model argument is load's
+    to check: it names what to pass."""
     for name, hint in typing.get_type_hints(fn).items():
-        args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-        if (os.PathLike in args or bool in args) and set(args) <= {str, os.PathLike, bool, type(None)} \
-                and name in arguments and not isinstance(arguments[name], args):
-            what = " (a path as str or pathlib.Path)" if os.PathLike in args else ""
-            raise QuantkitError(f"{name}={arguments[name]!r} is a {type(arguments[name]).__name__}, where "
-                                f"{describe(hint)} belongs: pass {name} as one{what}")
+        args = set(typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,))
+        if name not in arguments or (arguments[name] is None and type(None) in args):
+            continue
+        value = arguments[name]
+        if os.PathLike in args and args <= {str, os.PathLike, type(None)}:
+            bad, what = not isinstance(value, (str, os.PathLike)), " (a path as str or pathlib.Path)"
+        elif bool in args and args <= {bool, type(None)}:
+            bad, what = value is None or isinstance(value, (str, bytes, os.PathLike)), ""
+        else:
+            continue
+        if bad:
+            raise QuantkitError(f"{name}={value!r} is not {describe(hint)}: pass {name} as one{what}")
 
 
 UNWEIGHTED = (*blocks.FLOAT_TYPES, "Q8_0")  # GGUF types whose blocks take no importance

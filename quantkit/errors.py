@@ -76,11 +76,23 @@ def free_space(path) -> int:
     return shutil.disk_usage(path).free
 
 
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or the user's quota of a shared one (a cluster's usual way)
+# the file system refused a write: a file over its (or ulimit's) largest, a failing disk, one gone read-only
+REFUSED = (errno.EFBIG, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def refused(e: OSError, path, then: str) -> str:
+    """One line for a write the file system refused (e.errno in REFUSED)."""
+    where = f"{e.filename}: " if e.filename and str(e.filename) != str(path) else ""  # a file of its own, or one read
+    return f"could not write {path} ({where}{e.strerror}): fix that and {then}"
+
+
 @contextmanager
 def space_for(path, needed: int | None, what: str, then: str):
     """Around writing path (needed bytes more, about, when known): refuses at once when the disk has
-    less free, and turns running out of space while writing into one line naming path and the sizes.
-    Both are ResumableErrors, so that what a run finished stays; then: what to do once there is space."""
+    less free, and turns running out of space while writing into one line naming path and the sizes,
+    as it does a write the file system refuses (REFUSED). All are ResumableErrors, so that what a run
+    finished stays; then: what to do once there is space (or the write can be made)."""
     free = free_space(path)
     need = f"{what} needs about {size(needed)}" if needed is not None else f"{what} did not fit"
     if needed is not None and free < needed:
@@ -95,14 +107,3 @@ def space_for(path, needed: int | None, what: str, then: str):
             raise ResumableError(refused(e, path, then)) from None
         raise
 
-
-NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or the user's quota of a shared one (a cluster's usual way)
-# the file system refused a write: a file over its (or ulimit's) largest, a failing disk, one gone read-only
-REFUSED = (errno.EFBIG, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM)
-
-
-def refused(e: OSError, path, then: str) -> str:
-    """One line for a write the file system refused (e.errno in REFUSED)."""
-    where = f"{e.filename}: " if e.filename and str(e.filename) != str(path) else ""  # a file of its own, or one read
-    return (f"could not write {path} ({where}{e.strerror}): what was finished is kept: write it elsewhere, or fix "
-            f"that and {then}")

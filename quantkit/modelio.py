@@ -377,8 +377,8 @@ def load(path: str | os.PathLike | None = None, packed: bool = False) -> Model:
     if path is not None and not isinstance(path, (str, os.PathLike)):  # a transformers model object, say
         raise QuantkitError(f"a {type(path).__name__} is not a model path: pass a model directory (a transformers model: "
                             "save_pretrained it first), a .gguf file, or a quantkit Model")
-    if not isinstance(packed, bool):  # "no" would be taken as True
-        raise QuantkitError(f"packed={packed!r} is a {type(packed).__name__}, where bool belongs: pass True or False")
+    if isinstance(packed, (str, bytes, os.PathLike)) or packed is None:  # "no" would be taken as True
+        raise QuantkitError(f"packed={packed!r} is not bool: pass True or False")
     p = Path(path) if path is not None else default_model_dir()
     if not p.exists():
         hint = " (models are not fetched from the hub: download it first, e.g. with huggingface-cli download)" \

@@ -391,22 +391,26 @@ def test_settings_through_the_api_that_are_not_whole(fields, match):
 
 @pytest.mark.parametrize("call,match", [
     # TypeErrors from pathlib, a traceback away from the keyword
-    (lambda m, t: quantkit.quantize(m, out=5), "out=5 is a int, where str or PathLike or None belongs"),
-    (lambda m, t: quantkit.evaluate(m, 123), "data=123 is a int, where str or PathLike or None belongs"),
-    (lambda m, t: quantkit.compare(m, m, t, save_base=7), "save_base=7 is a int"),
-    (lambda m, t: quantkit.trainer.train(m, data=None, out="a"), "data=None is a NoneType, where str or PathLike"),
-    (lambda m, t: quantkit.trainer.merge(m, 5), "out=5 is a int, where str or PathLike belongs"),
+    (lambda m, t, d: quantkit.quantize(m, out=5), "out=5 is not str or PathLike or None: pass out as one (a path"),
+    (lambda m, t, d: quantkit.evaluate(m, 123), "data=123 is not str or PathLike or None"),
+    (lambda m, t, d: quantkit.compare(m, m, t, save_base=7), "save_base=7 is not str or PathLike or None"),
+    (lambda m, t, d: quantkit.trainer.train(m, data=None, out=d / "a"), "data=None is not str or PathLike: pass data"),
+    (lambda m, t, d: quantkit.trainer.merge(m, 5), "out=5 is not str or PathLike: pass out as one"),
     # taken as True
-    (lambda m, t: quantkit.load(m, packed="no"), "packed='no' is a str, where bool belongs"),
-    (lambda m, t: quantkit.evaluate(m, t, packed="no"), "packed='no' is a str, where bool or None belongs"),
-    (lambda m, t: quantkit.quantize(m, out="q", alone="no"), "alone='no' is a str, where bool belongs")])
+    (lambda m, t, d: quantkit.load(m, packed="no"), "packed='no' is not bool: pass True or False"),
+    (lambda m, t, d: quantkit.evaluate(m, t, packed="no"), "packed='no' is not bool or None: pass packed as one"),
+    (lambda m, t, d: quantkit.quantize(m, out=d / "q", alone="no"), "alone='no' is not bool: pass alone as one")])
 def test_api_arguments_of_another_type(tiny_dir, tmp_path, call, match):
-    """A path or a switch of the wrong type is one QuantkitError naming the keyword, before any work."""
+    """A path or a switch of the wrong type is one QuantkitError naming the keyword, before any work; a
+    number or numpy's bool is a switch."""
+    import numpy as np
+
     text = tmp_path / "t.txt"
     text.write_text("some text " * 100)
     with pytest.raises(quantkit.QuantkitError, match=re.escape(match)):
-        call(str(tiny_dir), text)
+        call(str(tiny_dir), text, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.txt"]
+    assert quantkit.load(str(tiny_dir), packed=np.False_).tensors == {}  # argparse's counts, numpy's settings
 
 
 @pytest.mark.parametrize("method,change,match", [

@@ -25,7 +25,7 @@ def test_full_disk(tmp_path):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     cases = {c["case"]: c for c in map(json.loads, [s for s in run.stdout.splitlines() if s.startswith("{")])}
     assert set(cases) == {"quantize-refused", "quantize-midway", "gguf-midway", "overwrite", "train-checkpoint",
-                          "merge", "save-base", "cache"}
+                          "merge", "merge-midway", "save-base", "cache"}
     for c in cases.values():
         where, name = c["path"].rsplit("/", 1)  # the output, or the partial one a checkpoint goes into
         assert c["code"] == 2 and c["line"].startswith("error: "), c
@@ -39,6 +39,8 @@ def test_full_disk(tmp_path):
     assert cases["overwrite"]["left"] == ["q"]  # the previous export, as it was ("intact")
     assert "is kept" in cases["train-checkpoint"]["line"]  # the first checkpoint stays for --resume
     assert "resumes" in cases["gguf-midway"]["line"] and cases["gguf-midway"]["left"]  # its progress stays
+    assert cases["merge"]["line"].startswith(f"error: {cases['merge']['path']}: the merged model needs about")
+    assert cases["merge-midway"]["line"].startswith("error: out of disk space writing")  # past the check before
     # the cache: the GGUF it fits is complete, the float entry it does not fit was never begun
     assert [n for n in cases["cache"]["left"] if not n.endswith(".lock")] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
 
@@ -47,8 +49,8 @@ def test_full_disk(tmp_path):
 def test_a_write_the_file_system_refuses_is_one_line(tiny_dir, tmp_path, source):
     """Only a full disk was one line: a quota (a cluster's usual way to run out), a file over the largest
     the file system or ulimit takes, a failing disk gave a traceback. Here ulimit's (EFBIG: Python ignores
-    SIGXFSZ), writing a GGUF from a model directory and from a GGUF; the same command resumes once it
-    can write."""
+    SIGXFSZ), writing a GGUF from a model directory (streamed: it resumes after its last finished layer)
+    and from a GGUF (requantized whole: it starts over); the same command then writes the whole file."""
     import resource
 
     import quantkit
@@ -70,7 +72,10 @@ def test_a_write_the_file_system_refuses_is_one_line(tiny_dir, tmp_path, source)
     lines = cut.stderr.replace("\r", "\n").strip().splitlines()
     assert cut.returncode == 2 and "Traceback" not in cut.stderr, cut.stderr[-3000:]
     assert lines[-1].startswith(f"error: could not write {tmp_path / 'out.gguf'}") and "(File too large)" in lines[-1]
-    assert "run " in lines[-1] and not (tmp_path / "out.gguf").exists()
+    assert not (tmp_path / "out.gguf").exists()
+    streamed = source == "model"
+    assert ("resumes after the last finished layer" in lines[-1]) == streamed
+    assert (tmp_path / ".out.gguf.progress.pt").is_file() == streamed  # what a resumed run goes on from
     again = subprocess.run([*command, "--out", tmp_path / "out.gguf"], capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-2000:]
     assert (tmp_path / "out.gguf").read_bytes() == (tmp_path / "whole.gguf").read_bytes()

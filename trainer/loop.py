@@ -79,14 +79,17 @@ def run_key(source: str, config: TrainConfig, data: Path, eval_data: Path | None
 def check_finished(out: str | os.PathLike, model: str | os.PathLike | None, config: TrainConfig,
                    data: str | os.PathLike, eval_data: str | os.PathLike | None) -> None:
     """Refuse to go on from out's finished adapter (train --resume --quantize after a kill in the merge or
-    the quantization) unless this command trained it; an adapter whose log holds no key is taken."""
-    with untrusted(Path(out) / LOG, "the adapter's training log is damaged",
-                   f"train it again with {option('overwrite', True)}"):
-        kept = json.loads((Path(out) / LOG).read_text()).get("key")
+    the quantization) unless this command trained it; an adapter without a log, or whose log holds no
+    key (written before logs held one), is taken."""
+    again = f"drop {option('resume', True)} and pass {option('overwrite', True)} to train again"
+    log = Path(out) / LOG
+    if not log.is_file():
+        return
+    with untrusted(log, "the adapter's training log is damaged", again):
+        kept = json.loads(log.read_text()).get("key")
     if kept is not None and kept != run_key(load(model).source, config, Path(data), Path(eval_data) if eval_data else None):
         raise QuantkitError(f"{out} is the finished adapter of another run (a different model, data or settings): go "
-                            f"on with that run's command and {option('resume', True)}, or pass {option('overwrite', True)} "
-                            "to train again")
+                            f"on with that run's command, or {again}")
 
 
 def build(m: Model, config: TrainConfig, names: list[str], device: torch.device, dtype: torch.dtype) -> dict:
@@ -261,7 +264,7 @@ class Checkpoints:
             remove(tmp)
             previous = self.load()["step"] if self.latest() else None
             kept = f"the checkpoint of step {previous} is kept" if previous is not None else "no earlier checkpoint"
-            again = f"run again with {option('resume', True)}"
+            again = f"run again with {option('resume', True)}" if previous is not None else "run the same command again"
             if e.errno in NO_ROOM:
                 needed = len(blob) + sum(t.nbytes for t in tensors(state))
                 raise ResumableError(f"out of disk space saving the checkpoint of step {state['step']} in {tmp.parent} "
@@ -269,7 +272,7 @@ class Checkpoints:
                                      f"space and {again}") from None
             if e.errno in REFUSED:
                 raise ResumableError(f"saving the checkpoint of step {state['step']} ({kept}): "
-                                     + refused(e, tmp, again)) from None
+                                     + refused(e, tmp.parent, again)) from None
             raise
         if self.path.exists():
             remove(self.old)
