@@ -3,6 +3,7 @@ status 2, no traceback; nothing left behind by a run that saved no checkpoint, a
 that was saved survives for --resume."""
 import errno
 import json
+import os
 import re
 import shutil
 import sys
@@ -407,17 +408,19 @@ def test_error_after_the_progress_bar(tiny_dir, text, capsys, monkeypatch, tmp_p
     fails(train_6(tmp_path, tiny_dir, text), capsys, monkeypatch, "the training loss became nan")
 
 
-@pytest.mark.parametrize("writer,nth,step,kept", [
-    ("state.pt", 1, 2, "no earlier checkpoint"),
-    ("state.pt", 2, 4, "the checkpoint of step 2 is kept"),
-    ("adapter", 3, 4, "the checkpoint of step 2 is kept"),
+@pytest.mark.parametrize("writer,nth,step,kept,code", [
+    ("state.pt", 1, 2, "no earlier checkpoint", errno.ENOSPC),
+    ("state.pt", 2, 4, "the checkpoint of step 2 is kept", errno.ENOSPC),
+    ("adapter", 3, 4, "the checkpoint of step 2 is kept", errno.ENOSPC),
+    ("state.pt", 2, 4, "the checkpoint of step 2 is kept", errno.EFBIG),  # a traceback before
 ])
 def test_out_of_disk_space_while_checkpointing(tiny_dir, text, quiet, capsys, monkeypatch, tmp_path, writer, nth,
-                                               step, kept):
+                                               step, kept, code):
     """The disk fills up writing state.pt (torch.save: the nth call) or the adapter (its fsync, the
-    first of two per checkpoint: the 3rd is the second checkpoint's adapter)."""
+    first of two per checkpoint: the 3rd is the second checkpoint's adapter); or the file system refuses
+    the file. --resume is named where a checkpoint is kept (without one, it would find nothing)."""
     owner, name = {"state.pt": (loop.torch, "save"), "adapter": (loop.os, "fsync")}[writer]
-    error = OSError(errno.ENOSPC, "No space left on device")
+    error = OSError(code, os.strerror(code))
     real, calls = getattr(owner, name), []
 
     def write(*a, **kw):
@@ -427,10 +430,16 @@ def test_out_of_disk_space_while_checkpointing(tiny_dir, text, quiet, capsys, mo
         return real(*a, **kw)
 
     monkeypatch.setattr(owner, name, write)
-    line = fails(train_6(tmp_path, tiny_dir, text), capsys, monkeypatch,
-                 f"out of disk space saving the checkpoint of step {step} in {tmp_path / '.out.partial'} (about ")
-    assert re.search(rf"\(about [\d.]+ kB, [\d.]+ GB free; {kept}\): free some space and run again with --resume",
-                     line), line
+    again = "run the same command again" if nth == 1 else "run again with --resume"
+    partial = tmp_path / ".out.partial"
+    if code == errno.ENOSPC:
+        line = fails(train_6(tmp_path, tiny_dir, text), capsys, monkeypatch,
+                     f"out of disk space saving the checkpoint of step {step} in {partial} (about ")
+        assert re.search(rf"\(about [\d.]+ kB, [\d.]+ GB free; {kept}\): free some space and {again}$", line), line
+    else:
+        fails(train_6(tmp_path, tiny_dir, text), capsys, monkeypatch,
+              f"saving the checkpoint of step {step} ({kept}): could not write {partial} (File too large): fix that "
+              f"and {again}")
     if nth == 1:  # no checkpoint saved: nothing left
         assert left(tmp_path) == []
     else:
