@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from accelerate.utils import set_module_tensor_to_device
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from .config import QuantConfig
+from .config import QuantConfig, check_arguments
 from . import errors
 from .errors import QuantkitError, space_for, untrusted
 from .qtensor import QuantizedTensor
@@ -66,6 +66,13 @@ class Model:
     @property
     def layers(self) -> torch.nn.ModuleList:
         return self.module.model.layers
+
+    @property
+    def float_directory(self) -> bool:
+        """Whether the weights are read from a float safetensors directory: not a GGUF file (its
+        checkpoint is one too), not a quantized export, not a Model made in memory."""
+        return isinstance(self.checkpoint, Checkpoint) and not isinstance(self.checkpoint, GGUFCheckpoint) \
+            and not self.tensors
 
     def materialize(self, prefix: str = "", device: str | torch.device = "cpu",
                     dtype: torch.dtype | None = torch.float32) -> torch.nn.Module:
@@ -377,8 +384,7 @@ def load(path: str | os.PathLike | None = None, packed: bool = False) -> Model:
     if path is not None and not isinstance(path, (str, os.PathLike)):  # a transformers model object, say
         raise QuantkitError(f"a {type(path).__name__} is not a model path: pass a model directory (a transformers model: "
                             "save_pretrained it first), a .gguf file, or a quantkit Model")
-    if isinstance(packed, (str, bytes, os.PathLike)) or packed is None:  # "no" would be taken as True
-        raise QuantkitError(f"packed={packed!r} is not bool: pass True or False")
+    check_arguments(load, locals())  # packed="no" would be taken as True
     p = Path(path) if path is not None else default_model_dir()
     if not p.exists():
         hint = " (models are not fetched from the hub: download it first, e.g. with huggingface-cli download)" \

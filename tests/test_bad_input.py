@@ -397,7 +397,7 @@ def test_settings_through_the_api_that_are_not_whole(fields, match):
     (lambda m, t, d: quantkit.trainer.train(m, data=None, out=d / "a"), "data=None is not str or PathLike: pass data"),
     (lambda m, t, d: quantkit.trainer.merge(m, 5), "out=5 is not str or PathLike: pass out as one"),
     # taken as True
-    (lambda m, t, d: quantkit.load(m, packed="no"), "packed='no' is not bool: pass True or False"),
+    (lambda m, t, d: quantkit.load(m, packed="no"), "packed='no' is not bool: pass packed as one"),
     (lambda m, t, d: quantkit.evaluate(m, t, packed="no"), "packed='no' is not bool or None: pass packed as one"),
     (lambda m, t, d: quantkit.quantize(m, out=d / "q", alone="no"), "alone='no' is not bool: pass alone as one")])
 def test_api_arguments_of_another_type(tiny_dir, tmp_path, call, match):

@@ -28,7 +28,7 @@ from quantkit.errors import (NO_ROOM, REFUSED, QuantkitError, ResumableError, fr
                              space_for, untrusted)
 from quantkit.atomic import Staged, fsync, partial_path, remove
 from quantkit.config import check_fields, check_arguments
-from quantkit.modelio import GGUFCheckpoint, Model, check_context, fingerprint, load
+from quantkit.modelio import Model, check_context, fingerprint, load
 from quantkit.pipeline import free_memory, map_large_blocks, peak_memory, read_progress, save_progress
 
 from . import dataset, lora
@@ -364,7 +364,7 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
                                 f"{option('batch_size')} that is a multiple of {world}")
         amp = autocast_dtype(config.precision, dev)
         m = model if isinstance(model, Model) else load(model)
-        if m.checkpoint is None or m.tensors or isinstance(m.checkpoint, GGUFCheckpoint):
+        if not m.float_directory:
             raise QuantkitError(f"{m.source}: train on a float model directory (safetensors), not a GGUF file or a "
                                 "quantized export: adapters are merged into the original weights")
         names = lora.check(m.module, config)

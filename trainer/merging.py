@@ -17,7 +17,7 @@ from quantkit.config import check_arguments
 from quantkit.errors import QuantkitError, option, space_for, untrusted
 from quantkit.atomic import Staged, check_apart
 from quantkit.exporters.shards import DEFAULT_MAX_SIZE, INDEX, ShardWriter
-from quantkit.modelio import GGUFCheckpoint, Model, load
+from quantkit.modelio import Model, load
 from quantkit.pipeline import write_other
 
 from . import lora
@@ -61,7 +61,7 @@ def base_of(cfg: dict, base: str | os.PathLike | None, adapter) -> Model:
         raise QuantkitError(f"{base or named}: the adapter's base model is not here: pass {option('base')} with its "
                             "directory")
     m = load(base or named)
-    if m.checkpoint is None or m.tensors or isinstance(m.checkpoint, GGUFCheckpoint):
+    if not m.float_directory:
         raise QuantkitError(f"{base or named}: merge into a float model directory (safetensors), not a GGUF file or a "
                             "quantized export")
     if base and named and not same_model(base, named):
