@@ -117,6 +117,12 @@ def fingerprint(source: str | os.PathLike) -> str:
     return f"{p}|" + ";".join(f"{f.name}:{st.st_size}:{st.st_mtime_ns}" for f in sorted(set(files)) for st in [f.stat()])
 
 
+def stamp(f: Path) -> tuple[int, int, int]:
+    """What tells a file from another written at its path: inode, size and time of change."""
+    st = f.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def shard_files(path: Path) -> list[Path]:
     """A safetensors checkpoint's files: those its index names (each checked to be there), else every
     one in the directory. Where there is an index, other files beside it (a stray model.safetensors)
@@ -162,6 +168,7 @@ class Checkpoint:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.keys: dict[str, str] = {}  # name -> the file's own key, where they differ
         files = shard_files(path)
+        self.stats = {f: stamp(f) for f in files}
         index = weight_map(path) if (path / "model.safetensors.index.json").is_file() else None
         for f in files:
             if not os.access(f, os.R_OK):  # else "corrupt or truncated" when read
@@ -187,10 +194,23 @@ class Checkpoint:
                 for table in (self.where, self.dtypes, self.shapes):
                     table[name] = table.pop(key)
 
+    def unchanged(self, f: Path) -> None:
+        """Refuse to read f once it is not the file it was when loaded: the weights read before and after
+        would be of two models (each read opens its file afresh)."""
+        try:
+            now = stamp(f)
+        except OSError:
+            now = None
+        if now != self.stats[f]:
+            raise QuantkitError(f"{f} changed or went after the model was loaded (rewritten while this run reads it): what it "
+                                "read would mix two models; run the command again once nothing writes the model's files")
+
     def same(self, a: str, b: str) -> bool:
         """Whether tensors a and b hold the same values, compared a slice of rows at a time."""
         if self.shapes[a] != self.shapes[b]:
             return False
+        self.unchanged(self.where[a])
+        self.unchanged(self.where[b])
         rows = max(1, 2**24 // max(1, math.prod(self.shapes[a][1:])))
         with reading(self.where[a]), safe_open(str(self.where[a]), "pt") as fa, \
                 reading(self.where[b]), safe_open(str(self.where[b]), "pt") as fb:
@@ -237,6 +257,7 @@ class Checkpoint:
         return out
 
     def tensor(self, key: str, device: str | torch.device) -> torch.Tensor:
+        self.unchanged(self.where[key])
         try:  # mapped for one tensor at a time: its pages count as the process's memory while mapped
             with safe_open(str(self.where[key]), "pt", device=str(device)) as sf:
                 return sf.get_tensor(self.keys.get(key, key))
@@ -255,9 +276,10 @@ class GGUFCheckpoint(Checkpoint):
         from quantkit.exporters.gguf import NAMES, TOP
 
         self.path, self.heads = path, heads
+        self.stats = {path: stamp(path)}
         self.infos = {t.name: t for t in header.tensors}
         self.data_start = header.data_start
-        size = path.stat().st_size
+        size = self.stats[path][1]
         hf = {g: h for h, g in TOP.items()} | {g: f"model.layers.{{}}.{h}" for h, g in NAMES.items()}
         self.where: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -308,6 +330,7 @@ class GGUFCheckpoint(Checkpoint):
         import numpy as np
 
         info = self.infos[name]
+        self.unchanged(self.path)
         return gguf.GGMLQuantizationType(info.ggml_type).name, \
             np.memmap(self.path, np.uint8, "r", self.data_start + info.offset, (info.nbytes,))
 

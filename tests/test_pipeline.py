@@ -1,4 +1,5 @@
 import json
+import os
 import shutil
 
 import pytest
@@ -6,7 +7,9 @@ import torch
 
 import quantkit
 from quantkit.calibration import load_text, sample_windows
+from quantkit.errors import QuantkitError
 from quantkit.layers import GROUPS, LINEARS
+from quantkit.modelio import Model
 from quantkit.pipeline import quantize_layers
 from quantkit.quantizers import rtn
 
@@ -187,6 +190,42 @@ def test_a_model_rewritten_at_the_same_path_is_not_resumed_from(tmp_path, monkey
     assert "ignoring progress file" in capsys.readouterr().err
     got, want = files(tmp_path / "q"), files(tmp_path / "want")
     assert got == want  # config.json too: it names no source path
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_a_model_rewritten_while_it_is_read_stops_the_run(tmp_path, monkeypatch, fmt):
+    """The model's file replaced by another model's after layer 0 is quantized (each read opens the
+    file afresh, so the rest would come from the new one): the run stops with one error naming the
+    file and writes nothing; run again, it starts afresh and writes what a run on the new model writes."""
+    make_tiny(tmp_path / "other", seed=1)
+    make_tiny(tmp_path / "m", seed=0)
+    if fmt == "gguf":  # each model as an F32 GGUF file, quantized to a mix of llama.cpp's types
+        for name in ("other", "m"):
+            quantkit.api.export_gguf(quantkit.load(tmp_path / name), tmp_path / f"{name}.gguf", "F32", progress=False)
+        source, other, file = tmp_path / "m.gguf", tmp_path / "other.gguf", tmp_path / "m.gguf"
+        kw, out, want = dict(gguf_type="Q4_K_M", format="gguf"), tmp_path / "q.gguf", tmp_path / "want.gguf"
+    else:
+        source, other, file = tmp_path / "m", tmp_path / "other", tmp_path / "m" / "model.safetensors"
+        kw = dict(method="gptq", bits=4, group_size=32, calib_data=VALID, calib_samples=4, calib_seqlen=48)
+        out, want = tmp_path / "q", tmp_path / "want"
+    quantkit.quantize(str(other), out=want, progress=False, **kw)
+    real, rewritten = Model.release, []
+
+    def rewrites_the_model_after_layer_0(self, prefix):
+        real(self, prefix)
+        if prefix == "model.layers.0":
+            shutil.copy(other / file.name if other.is_dir() else other, tmp_path / "copy")
+            os.replace(tmp_path / "copy", file)
+            rewritten.append(True)
+
+    monkeypatch.setattr(Model, "release", rewrites_the_model_after_layer_0)
+    with pytest.raises(QuantkitError, match="changed or went after the model was loaded") as e:
+        quantkit.quantize(str(source), out=out, progress=False, **kw)
+    assert rewritten and str(file) in str(e.value)
+    assert not out.exists()
+    monkeypatch.undo()
+    quantkit.quantize(str(source), out=out, progress=False, **kw)
+    assert (files(out) == files(want)) if out.is_dir() else out.read_bytes() == want.read_bytes()
 
 
 def test_another_runs_progress_is_not_used(tiny_dir, tmp_path, capsys):
