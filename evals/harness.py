@@ -174,10 +174,15 @@ def rolling_in_one_bar(hflm: type) -> type:
 
 
 def metrics(values: dict) -> dict[str, float]:
-    """lm-eval's 'metric,filter' keys as plain metric names; aliases and non-numbers dropped."""
+    """lm-eval's 'metric,filter' keys as metric names, with the filter as metric[filter] where there is
+    one (a task scored through two, gsm8k's strict-match and flexible-extract, keeps both);
+    aliases and non-numbers dropped."""
     out = {}
     for key, value in values.items():
-        name = key.split(",")[0]
+        name, _, filtered = key.partition(",")
+        if filtered not in ("", "none"):
+            stem = name.removesuffix("_stderr")
+            name = f"{stem}[{filtered}]{name[len(stem):]}"
         if isinstance(value, (int, float)) and not isinstance(value, bool) and name != "alias":
             out[name] = value if name == "sample_len" else float(value)  # a count stays a count
     return out

@@ -26,7 +26,7 @@ from quantkit.atomic import check_writable
 from quantkit.errors import QuantkitError, option, space_for
 from quantkit.modelio import adds_bos
 
-from .perplexity import first_scored, window_logits
+from .perplexity import exp, first_scored, ran_in, window_logits
 
 MAGIC = b"_logits_"
 HEADER = struct.Struct("<8sIii")
@@ -183,7 +183,7 @@ class BaseFile:
         """The base's perplexity of its windows, from the saved rows."""
         targets = self.windows[:, first_scored("llamacpp", self.ctx) + 1:]
         nll = sum(-self.logprobs(i).double().gather(-1, targets[i, :, None]).sum().item() for i in range(self.n))
-        return math.exp(nll / targets.numel())
+        return exp(nll / targets.numel())
 
 
 @dataclass
@@ -208,7 +208,7 @@ class Sums:
                         ("same_top", logits.argmax(-1) == base.argmax(-1))):
             getattr(self, name).append(v.numpy())
 
-    def result(self, windows: int, ctx: int) -> Divergence:
+    def result(self, windows: int, ctx: int, dtype: str, device: str) -> Divergence:
         nll, nll_base, kld, dp, top = (np.concatenate(getattr(self, k)).astype(np.float64)
                                        for k in ("nll", "nll_base", "kld", "delta_p", "same_top"))
         n = len(nll)
@@ -216,17 +216,17 @@ class Sums:
         ln_b, ln_b_unc = mean_unc(nll_base)
         cov = float(np.mean(nll * nll_base) - nll.mean() * nll_base.mean()) / (n - 1) if n >= 10 else 0.0
         ln_ratio_unc = math.sqrt(max(ln_q_unc ** 2 + ln_b_unc ** 2 - 2 * cov, 0.0))
-        ppl, ppl_base = math.exp(ln_q), math.exp(ln_b)
+        ppl, ppl_base = exp(ln_q), exp(ln_b)
         kld_mean, kld_unc = mean_unc(kld)
         dp_mean, dp_unc = mean_unc(dp)
         mse, mse_unc = mean_unc(dp ** 2)
         rms = math.sqrt(mse)
         same = float(top.mean())
         return Divergence(
-            perplexity=ppl, perplexity_unc=ppl * ln_q_unc, base_perplexity=ppl_base,
-            base_perplexity_unc=ppl_base * ln_b_unc,
+            perplexity=ppl, perplexity_unc=ppl * ln_q_unc if ln_q_unc else 0.0, base_perplexity=ppl_base,
+            base_perplexity_unc=ppl_base * ln_b_unc if ln_b_unc else 0.0,
             ln_ratio=ln_q - ln_b, ln_ratio_unc=ln_ratio_unc,
-            ppl_ratio=math.exp(ln_q - ln_b), ppl_ratio_unc=math.exp(ln_q - ln_b) * ln_ratio_unc,
+            ppl_ratio=exp(ln_q - ln_b), ppl_ratio_unc=exp(ln_q - ln_b) * ln_ratio_unc if ln_ratio_unc else 0.0,
             ppl_correlation=cov / (ln_q_unc * ln_b_unc) if ln_q_unc * ln_b_unc > 0 else 0.0,
             kld_mean=kld_mean, kld_unc=kld_unc, kld_median=float(np.median(kld)),
             kld_max=float(kld.max()), kld_min=float(kld.min()),
@@ -236,7 +236,7 @@ class Sums:
             delta_p_percentiles={p: float(np.percentile(dp, p)) for p in DELTA_P_PERCENTILES},
             delta_p_rms=rms, delta_p_rms_unc=0.5 / rms * mse_unc if rms > 0 else 0.0,
             same_top=same, same_top_unc=math.sqrt(same * (1 - same) / (n - 1)) if n > 1 else 0.0,
-            tokens=n, windows=windows, ctx=ctx)
+            tokens=n, windows=windows, ctx=ctx, dtype=dtype, device=device)
 
 
 def mean_unc(values: np.ndarray) -> tuple[float, float]:
@@ -281,6 +281,8 @@ class Divergence:
     tokens: int
     windows: int
     ctx: int
+    dtype: str  # what the model computed in, and where (the base's are the saved base's)
+    device: str
 
     def to_dict(self) -> dict:
         """Flat: the percentiles as kld_p99, kld_p99_9, delta_p_p1, ..."""
@@ -377,4 +379,4 @@ def divergence(module: torch.nn.Module, tokenizer, windows: torch.Tensor, base: 
         for lg, tg in zip(logits.cpu(), targets.cpu()):
             sums.add(lg, base.logprobs(i), tg)
             i += 1
-    return sums.result(n, ctx)
+    return sums.result(n, ctx, *ran_in(module))

@@ -30,9 +30,17 @@ class Perplexity:
     windows: int
     protocol: str
     ctx: int
+    dtype: str  # what the model computed in, and where (ran_in)
+    device: str
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def ran_in(module: torch.nn.Module) -> tuple[str, str]:
+    """The float dtype and the device type a model computes in: a figure depends on them."""
+    p = next(p for p in module.parameters() if p.is_floating_point())
+    return str(p.dtype).removeprefix("torch."), p.device.type
 
 
 @contextmanager
@@ -89,17 +97,36 @@ def window_logits(module: torch.nn.Module, tokenizer, windows: torch.Tensor, pro
     device = next(module.parameters()).device
     began = time.monotonic()
     with tqdm(total=len(windows), desc=desc, unit="window", disable=not progress) as bar:
-        for batch in windows.split(batch_size):
+        for b, batch in enumerate(windows.split(batch_size)):
             inputs = batch.clone()
             if bos:
                 inputs[:, 0] = tokenizer.bos_token_id
             # the head computes only the scored positions' logits (half the window's under llamacpp)
             out = module(inputs.to(device), use_cache=False, logits_to_keep=windows.shape[1] - first)
             logits = out.logits[:, :-1].float()
+            finite(logits, b * batch_size, len(windows), out.logits.dtype)
             yield logits, batch[:, first + 1:].to(logits.device)
             bar.set_postfix_str(f"{(bar.n + len(batch)) * windows.shape[1] / (time.monotonic() - began):.0f} tok/s",
                                 refresh=False)
             bar.update(len(batch))
+
+
+def finite(logits: torch.Tensor, first: int, n: int, dtype: torch.dtype) -> None:
+    """Refuse a batch of windows (from window first of n) whose logits hold NaN or Inf: no figure
+    (and no saved base) computed from them means anything."""
+    bad = ~torch.isfinite(logits).all(-1).all(-1)
+    if bad.any():
+        at = first + int(bad.nonzero()[0]) + 1
+        cause = "it overflows float16: score it in float32 or bfloat16 " \
+            f"({option('dtype', 'float32')})" if dtype == torch.float16 else \
+            f"the model is broken (its weights or activations overflow {str(dtype).removeprefix('torch.')}): score " \
+            "the float model to tell whether its quantization did it"
+        raise QuantkitError(f"the model's logits are not finite (NaN or Inf) in window {at} of {n}: {cause}")
+
+
+def exp(x: float) -> float:
+    """e**x, inf past float64's range (a broken model's perplexity fails a gate, not the program)."""
+    return math.exp(x) if x < 709.78 else math.inf
 
 
 def perplexity(
@@ -118,4 +145,4 @@ def perplexity(
         for lg, tg in zip(logits, targets):  # a window at a time: its float64 copy is a quarter of a batch's
             nll -= torch.log_softmax(lg.double(), dim=-1).gather(-1, tg[:, None]).sum().item()
         count += targets.numel()
-    return Perplexity(math.exp(nll / count), count, len(w), protocol, ctx)
+    return Perplexity(exp(nll / count), count, len(w), protocol, ctx, *ran_in(module))

@@ -520,9 +520,7 @@ def ready(model: Model | PathLike | None, packed: bool | None = None, device: st
             raise QuantkitError(f"this Model holds {'packed' if holds else 'dequantized'} linears, and packed={packed} "
                                 f"asks for the other: load its export with packed={packed}, or leave packed out")
     m = model if isinstance(model, Model) else load(model, packed=packed is not False)
-    if packed is False and m.qconfig is None and not m.gguf_types:
-        raise QuantkitError(f"{m.source} is a float model: packed=False (--dequantized) evaluates a dequantized copy "
-                            "of a quantized export, so drop it")
+    check_dequantized(m, packed)
     if m.gguf_types and dtype not in (None, "float32"):
         raise QuantkitError(f"a GGUF file is scored in llama.cpp's float32 arithmetic: drop {option('dtype', dtype)}")
     where = default_device(model, device)
@@ -537,6 +535,12 @@ def ready(model: Model | PathLike | None, packed: bool | None = None, device: st
         dev = torch.device(where) if where is not None else next(m.module.parameters()).device
         m.module.to(dev, runs_in(dev))
     return m
+
+
+def check_dequantized(m: Model, packed: bool | None) -> None:
+    if packed is False and m.qconfig is None and not m.gguf_types:
+        raise QuantkitError(f"{m.source} is a float model: packed=False (--dequantized) evaluates a dequantized copy "
+                            "of a quantized export, so drop it")
 
 
 def scoring(m: Model, protocol: str = "llamacpp"):
@@ -602,6 +606,7 @@ def compare(
     if save_base is not None:
         evals.kld.check_save_path(save_base)
     m = model if isinstance(model, Model) else load(model, packed=packed is not False)
+    check_dequantized(m, packed)  # before the base is scored
     text = calibration.chats(data, text, m.tokenizer)
     with tempfile.TemporaryDirectory(prefix="quantkit-base-") as tmp:
         if saved:

@@ -23,7 +23,8 @@ from .requant import DEFAULT_MIX
 
 
 def show(label: str, ppl) -> None:
-    click.echo(f"{label}: perplexity {ppl.perplexity:.4f} ({ppl.protocol}, ctx {ppl.ctx}, {ppl.windows} windows, {ppl.tokens} tokens)")
+    click.echo(f"{label}: perplexity {ppl.perplexity:.4f} ({ppl.protocol}, ctx {ppl.ctx}, {ppl.windows} windows, "
+               f"{ppl.tokens} tokens, {ppl.dtype} on {ppl.device})")
 
 
 @click.group()
@@ -231,16 +232,17 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_i
         ppl = api.evaluate(model, data, protocol, ctx, max_windows, packed=not dequantized, device=device, dtype=dtype)
         show(model or "embedded model", ppl)
         if as_json:
-            click.echo(json.dumps({**ppl.to_dict(), "model": model}))
+            click.echo(json.dumps({**ppl.to_dict(), "model": model, "data": data}))
         return
     d = api.compare(model, base, data, ctx, max_windows, save_base, packed=not dequantized, device=device,
                     dtype=dtype)
-    click.echo(f"{model or 'embedded model'} against {base}: {d.windows} windows of {d.ctx}, {d.tokens} predictions")
+    click.echo(f"{model or 'embedded model'} against {base}: {d.windows} windows of {d.ctx}, {d.tokens} predictions, "
+               f"{d.dtype} on {d.device}")
     click.echo(d.report())
     if save_base:
         click.echo(f"base log-probabilities saved to {save_base} ({size(size_on_disk(Path(save_base)))})")
     if as_json:
-        click.echo(json.dumps({**d.to_dict(), "model": model, "base": base}))
+        click.echo(json.dumps({**d.to_dict(), "model": model, "base": base, "data": data}))
     failed = d.failures(**limits)
     if failed:
         click.echo(f"fail: {'; '.join(failed)}", err=True)

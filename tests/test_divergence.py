@@ -119,6 +119,7 @@ def test_cli_json_and_gate(quant_dir, tiny_dir, tmp_path, capsys, monkeypatch):
     result = json.loads(out.strip().splitlines()[-1])
     assert code == 0 and "Mean    KLD" in out and "Same top p" in out
     assert {"perplexity", "base_perplexity", "kld_mean", "kld_p99", "same_top", "delta_p_rms"} <= result.keys()
+    assert (result["dtype"], result["device"], result["data"]) == ("float32", "cpu", str(TEST))  # what it depends on
     increase = result["perplexity"] / result["base_perplexity"] - 1
     assert increase > 0 and saved.is_file()
     reused = ["eval", quant_dir, "--base", saved, "--data", TEST, "--ctx", CTX]
@@ -138,6 +139,8 @@ def test_refusals(quant_dir, tiny_dir, tmp_path, capsys, monkeypatch):
     refused([*base, "--max-kld", 0.1], capsys, monkeypatch, "--max-kld compare with a base model: add --base")
     refused([*base, "--save-base", tmp_path / "b"], capsys, monkeypatch, "--save-base compare with a base")
     refused([*base, "--base", tiny_dir, "--protocol", "wikitext"], capsys, monkeypatch, "drop --protocol")
+    refused(["eval", tiny_dir, "--base", tiny_dir, "--data", TEST, "--dequantized"], capsys, monkeypatch,
+            "is a float model: packed=False (--dequantized) evaluates a dequantized copy")  # it was ignored
     (tmp_path / "notes.txt").write_text("mine")
     refused([*base, "--base", tiny_dir, "--save-base", tmp_path / "notes.txt"], capsys, monkeypatch,
             "is not a saved base: choose another --save-base")
@@ -162,6 +165,42 @@ def test_refusals(quant_dir, tiny_dir, tmp_path, capsys, monkeypatch):
     for bad in (data[:-2], data[:10], data[:8] + b"\xff" * 16 + data[24:]):
         saved.write_bytes(bad)
         refused([*with_saved, "--data", TEST], capsys, monkeypatch, str(saved))
+
+
+@pytest.fixture(scope="module")
+def hot_dir(tiny_dir, tmp_path_factory):
+    """The tiny model with its final norm 3e6 times larger: logits so peaked that the mean loss per
+    token passes e**709 in float32, and overflows float16 (as a broken scale would make them)."""
+    from safetensors.torch import load_file, save_file
+
+    hot = shutil.copytree(tiny_dir, tmp_path_factory.mktemp("hot") / "model")
+    weights = load_file(hot / "model.safetensors")
+    weights["model.norm.weight"] *= 3e6
+    save_file(weights, hot / "model.safetensors", metadata={"format": "pt"})
+    return hot
+
+
+def test_a_perplexity_past_floats_range_is_inf_and_fails_the_gate(hot_dir, tiny_dir, capsys, monkeypatch):
+    """e**(mean loss) overflowed: a traceback and exit 1, a gate's failure code, with no figure printed."""
+    args = ["--data", TEST, "--ctx", CTX, "--max-windows", 2, "--json"]
+    code, out, _ = cli(["eval", hot_dir, *args], capsys, monkeypatch)
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["perplexity"] == math.inf
+    code, out, err = cli(["eval", hot_dir, "--base", tiny_dir, *args, "--max-ppl-increase", 0.05], capsys, monkeypatch)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert code == 1 and result["ppl_ratio"] == math.inf and math.isfinite(result["base_perplexity"])
+    assert err[-1].startswith("fail: perplexity increase inf") and "Mean    KLD" in out
+
+
+def test_logits_that_are_not_finite_are_refused_and_no_base_is_saved(hot_dir, tiny_dir, tmp_path, capsys, monkeypatch):
+    """NaN logits (float16 overflowing) gave "perplexity nan" and exit 0, and a saved base that every
+    later use called corrupt; now one line names the window and the fix."""
+    args = ["--data", TEST, "--ctx", CTX, "--max-windows", 2, "--dtype", "float16"]
+    why = "logits are not finite (NaN or Inf) in window 1 of 2: it overflows float16: score it in float32 or " \
+          "bfloat16 (--dtype float32)"
+    refused(["eval", hot_dir, *args], capsys, monkeypatch, why)
+    refused(["eval", tiny_dir, "--base", hot_dir, *args, "--save-base", tmp_path / "base.logits"], capsys, monkeypatch,
+            why)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_summary_statistics_follow_llama_cpp():

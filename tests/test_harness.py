@@ -221,3 +221,14 @@ def test_the_task_index_is_built_once_a_process(monkeypatch):
     assert built == [False] and first.manager is second.manager
     task = first.manager.load(["wikitext"])["tasks"]["wikitext"]
     assert task is not second.manager.load(["wikitext"])["tasks"]["wikitext"]
+
+
+def test_the_scores_of_each_filter_are_kept_apart():
+    """A task scored through two filters (gsm8k: strict-match, flexible-extract) keeps both scores,
+    each with its own standard error; the filter "none" is left out of the names."""
+    got = harness.metrics({"alias": "gsm8k", "exact_match,strict-match": 0.1, "exact_match_stderr,strict-match": 0.01,
+                           "exact_match,flexible-extract": 0.3, "exact_match_stderr,flexible-extract": 0.02,
+                           "acc,none": 0.5, "sample_len": 8})
+    assert got == {"exact_match[strict-match]": 0.1, "exact_match[strict-match]_stderr": 0.01,
+                   "exact_match[flexible-extract]": 0.3, "exact_match[flexible-extract]_stderr": 0.02,
+                   "acc": 0.5, "sample_len": 8}
