@@ -110,6 +110,21 @@ def power_of_two_groups(e: Export) -> str | None:
     return None if g == -1 or g & (g - 1) == 0 else f"group size {g} (it takes powers of two)"
 
 
+def groups_in(*sizes: int) -> Callable[[Export], str | None]:
+    """GPTQModel's kernels (BaseQuantLinear._validate): a group size of the kernel's list, or a
+    linear's whole input (one group)."""
+    def rule(e: Export) -> str | None:
+        bad = [k for _, k in e.shapes if e.group_size not in sizes and e.group_size != k]
+        return f"group size {e.group_size} (it takes {', '.join(map(str, sizes[1:]))} or per channel)" if bad else None
+    return rule
+
+
+def raw_zeros(e: Export) -> str | None:
+    """ExLlamaV2 turns gptq_v2's zero points (asymmetric exports) into v1's by subtracting 1 from each
+    whole int32 word of them: a zero point of 0 borrows from its neighbour (both read wrong, no error)."""
+    return None if e.sym else "asymmetric weights (its conversion of their zero points misreads a zero point of 0)"
+
+
 def no_g_idx(e: Export) -> str | None:
     return "act-order with a g_idx (use --static-groups)" if e.g_idx else None
 
@@ -133,14 +148,15 @@ CONSUMERS = (
     # vLLM's gptq and awq create_weights: "The input size is not aligned with the quantized weight shape"
     Consumer("vLLM gptq", "vllm", "safetensors", (bits_in(2, 3, 4, 8), k_divisible), "slow kernel, float16 only",
              (unfused,)),
-    Consumer("transformers + GPTQModel (torch kernel)", "transformers", "safetensors", (bits_in(2, 3, 4, 8),),
+    Consumer("transformers + GPTQModel (torch kernel)", "transformers", "safetensors",
+             (bits_in(2, 3, 4, 8), groups_in(-1, 16, 32, 64, 128, 256, 512, 1024)),
              "backend=\"torch\"; float16/bfloat16", (base_setting,)),
-    Consumer("GPTQModel default CPU kernel", "transformers", "safetensors", (bits_in(4), k_divisible), "",
-             (base_setting,)),
-    Consumer("ExLlamaV2", "exllama", "safetensors", (bits_in(4), power_of_two_groups)),
+    Consumer("GPTQModel default CPU kernel", "transformers", "safetensors",
+             (bits_in(4), groups_in(-1, 16, 32, 64, 128), k_divisible), "", (base_setting,)),
+    Consumer("ExLlamaV2", "exllama", "safetensors", (bits_in(4), power_of_two_groups, raw_zeros)),
     Consumer("vLLM awq_marlin", "vllm", "awq", (marlin,)),
     Consumer("vLLM awq", "vllm", "awq", (k_divisible,), "float16"),
-    Consumer("transformers + GPTQModel (AWQ)", "transformers", "awq"),
+    Consumer("transformers + GPTQModel (AWQ)", "transformers", "awq", (groups_in(-1, 16, 32, 64, 128),)),
     Consumer("vLLM compressed-tensors (Marlin)", "vllm", "compressed-tensors",
              (bits_in(4, 8), lambda e: None if e.sym or e.bits == 4 else "asymmetric 8-bit weights", marlin, no_g_idx),
              whole=(unfused,)),

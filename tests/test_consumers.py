@@ -39,6 +39,23 @@ def test_a_7b_shape_fits_marlin_and_what_breaks_it():
     assert ct["transformers + compressed-tensors (dequantized at load)"] is None
 
 
+def test_gptqmodel_s_group_sizes_and_exllama_s_zero_points():
+    """GPTQModel refuses a group size outside each kernel's list unless it is a linear's whole input
+    (48 and 256 were listed as loading); ExLlamaV2 misreads gptq_v2's zero points of 0, so no
+    asymmetric GPTQ export is listed for it."""
+    g48, g256 = (verdict(Export("safetensors", "gptq", 4, g, True, False, LLAMA_7B)) for g in (48, 256))
+    assert "group size 48 (it takes 16, 32, 64, 128, 256, 512, 1024" in g48["transformers + GPTQModel (torch kernel)"]
+    assert g256["transformers + GPTQModel (torch kernel)"] is None
+    assert "group size 256 (it takes 16, 32, 64, 128 or per channel)" in g256["GPTQModel default CPU kernel"]
+    awq = {g: verdict(Export("awq", "awq", 4, g, False, False, LLAMA_7B))["transformers + GPTQModel (AWQ)"]
+           for g in (48, 128, 256)}
+    assert awq[128] is None and "group size 48" in awq[48] and "group size 256" in awq[256]
+    one_group = ((4096, 4096),)  # group 4096 is this linear's whole input
+    assert verdict(Export("awq", "awq", 4, 4096, False, False, one_group))["transformers + GPTQModel (AWQ)"] is None
+    sym, asym = (verdict(Export("safetensors", "gptq", 4, 128, s, False, LLAMA_7B))["ExLlamaV2"] for s in (True, False))
+    assert sym is None and "misreads a zero point of 0" in asym
+
+
 def test_each_format_lists_its_own_loaders():
     def names(fmt, method):
         return {c.name for c, _ in consumers.verdicts(Export(fmt, method, 4, 128, True, False, LLAMA_7B))}
