@@ -543,9 +543,10 @@ def check_dequantized(m: Model, packed: bool | None) -> None:
                             "of a quantized export, so drop it")
 
 
-def scoring(m: Model, protocol: str = "llamacpp"):
-    """Within: the model computes as its consumer does (a GGUF's linears with llama.cpp's arithmetic)."""
-    if protocol == "llamacpp" and m.gguf_types:
+def scoring(m: Model):
+    """Within: the model computes as its consumer does (a GGUF's linears with llama.cpp's arithmetic,
+    under either protocol: the same file is the same model)."""
+    if m.gguf_types:
         return evals.llamacpp_arithmetic(m.module, m.gguf_types)
     return nullcontext()
 
@@ -572,7 +573,7 @@ def evaluate(
     text = calibration.load_text(data, split="test")  # before the model loads
     m = ready(model, packed, device, dtype)
     text = calibration.chats(data, text, m.tokenizer)
-    with scoring(m, protocol):  # a GGUF's blocks, scored with llama.cpp's arithmetic
+    with scoring(m):  # a GGUF's blocks, scored with llama.cpp's arithmetic
         return evals.perplexity(m.module, m.tokenizer, text, protocol, ctx, max_windows, progress=progress)
 
 

@@ -165,7 +165,7 @@ def run_point(spec: dict) -> dict:
               "perplexity": d.perplexity, "perplexity_unc": d.perplexity_unc, "ppl_ratio": d.ppl_ratio,
               "ppl_ratio_unc": d.ppl_ratio_unc, "kld_mean": d.kld_mean, "kld_mean_unc": d.kld_unc,
               "kld_p99": d.kld_percentiles[99.0], "same_top": d.same_top, "same_top_unc": d.same_top_unc,
-              "delta_p_rms": d.delta_p_rms,
+              "delta_p_rms": d.delta_p_rms, "dtype": d.dtype, "device": d.device,  # what it was scored in
               "quantize_s": seconds, "peak_rss": peak}
     if s.tasks:
         try:
@@ -443,7 +443,9 @@ def table(r: dict) -> str:
     lines = [f"Model {s['model'] or 'embedded SmolLM2-135M-Instruct'}: {base['bytes'] / 2**20:.1f} MiB, base perplexity "
              f"{base['perplexity']:.4f} on {scored_windows(r)} windows of {s['ctx']} tokens of {Path(s['data']).name}; "
              f"group size {s['group_size']}.{calib}{lm} bpw: the file's bits per parameter; bpw linears: the decoder "
-             "linears' tensors over their weights (no embedding, head or norms). KLD in nats; ± one standard error.",
+             "linears' tensors over their weights (no embedding, head or norms). KLD in nats; ± one standard error "
+             "as llama-perplexity computes it, tokens taken as independent (the tokens of a window are not: "
+             "read small differences with care).",
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if "lm_eval" in base:  # the float model's scores, for the points' to be read against
         lines.append("| " + " | ".join(["base (float)", "", f"{base['bytes'] / 2**20:.1f}", "", "",
@@ -462,6 +464,13 @@ def table(r: dict) -> str:
             f"{p['quantize_s']:.1f}", f"{p['peak_rss'] / 2**30:.2f}"]) + " |")
     lines += [f"\n{p['name']}: lm-eval failed ({p['lm_eval_error']}); its scores are missing, the same command runs "
               "it again" for p in r["points"] if "lm_eval_error" in p]
+    scored = {}  # a report resumed on another machine: its points scored in other arithmetic
+    for p in r["points"]:
+        if "dtype" in p:
+            scored.setdefault(f"{p['dtype']} on {p['device']}", []).append(p["name"])
+    if len(scored) > 1:
+        lines.append("\nThe points were scored in different arithmetic, so their figures differ by more than the "
+                     "quantization: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in scored.items()))
     return "\n".join(lines) + "\n"
 
 

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import quantkit
+from quantkit import evals
 from quantkit.errors import Note, QuantkitError, size
 from quantkit.exporters import gguf as G
 from quantkit.quantizers import ggml, rtn
@@ -348,6 +349,22 @@ def float_ggufs(tiny256, tmp_path_factory):
     quantkit.api.export_gguf(quantkit.load(tiny256), d / "f32.gguf", "F32", progress=False)
     quantkit.api.export_gguf(quantkit.load(tiny256), d / "f16.gguf", "F16", progress=False)
     return d / "f32.gguf", d / "f16.gguf"
+
+
+def test_a_gguf_scores_with_llama_cpp_s_arithmetic_under_either_protocol(float_ggufs, tmp_path):
+    """Under --protocol wikitext a GGUF was scored without llama.cpp's rounding of the activations:
+    the same file, two models, depending on the protocol."""
+    q4 = tmp_path / "q4.gguf"
+    quantkit.quantize(str(float_ggufs[0]), method="rtn", gguf_type="Q4_0", format="gguf", out=q4, progress=False)
+    text = TEST.read_text()[:30000]
+    (tmp_path / "text.txt").write_text(text)
+    got = quantkit.evaluate(q4, tmp_path / "text.txt", "wikitext", ctx=128, max_windows=3, progress=False).perplexity
+    m = quantkit.load(q4)
+    m.materialize()
+    with evals.llamacpp_arithmetic(m.module, m.gguf_types):
+        want = evals.perplexity(m.module, m.tokenizer, text, "wikitext", 128, 3, progress=False).perplexity
+    plain = evals.perplexity(m.module, m.tokenizer, text, "wikitext", 128, 3, progress=False).perplexity
+    assert got == want and plain != want
 
 
 def test_requantize_refuses_values_llama_quantize_refuses(float_ggufs, tmp_path, capsys, monkeypatch):
@@ -791,6 +808,7 @@ def test_quantizing_a_gguf_keeps_the_blocks_already_of_their_type(float_ggufs, t
         assert again == ([] if mix == "Q4_K_M" else ["Q4_K"])  # Q6_K stays Q6_K in Q5_K_M
         assert said == ([requantized_note(q4, again)] if again else [])
     m = quantkit.load(q4)
+    m.materialize()
     m.materialize()
     with torch.no_grad():
         m.module.model.layers[1].mlp.down_proj.weight.neg_()
