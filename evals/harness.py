@@ -22,6 +22,8 @@ from quantkit import hub
 from quantkit.errors import QuantkitError, option
 from quantkit.modelio import check_context
 
+from .perplexity import overflow
+
 TASKS = Path(__file__).parent / "tasks"
 LOCAL = tuple(sorted(p.stem for p in TASKS.glob("*.yaml")))
 
@@ -164,10 +166,11 @@ def rolling_in_one_bar(hflm: type) -> type:
                 self.bar = None
 
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
-            if self.bar is None:
-                return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
-            scores = super()._loglikelihood_tokens(requests, True, override_bs)
-            self.bar.update(len(requests))
+            scores = super()._loglikelihood_tokens(requests, disable_tqdm or self.bar is not None, override_bs)
+            if any(math.isnan(logprob) for logprob, _ in scores):  # every score after would be lm-eval's NaN
+                raise QuantkitError(f"the model's log-likelihoods are NaN: {overflow(self.model.dtype)}")
+            if self.bar is not None:
+                self.bar.update(len(requests))
             return scores
 
     return OneBar

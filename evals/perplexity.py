@@ -117,11 +117,15 @@ def finite(logits: torch.Tensor, first: int, n: int, dtype: torch.dtype) -> None
     bad = ~torch.isfinite(logits).all(-1).all(-1)
     if bad.any():
         at = first + int(bad.nonzero()[0]) + 1
-        cause = "it overflows float16: score it in float32 or bfloat16 " \
-            f"({option('dtype', 'float32')})" if dtype == torch.float16 else \
-            f"the model is broken (its weights or activations overflow {str(dtype).removeprefix('torch.')}): score " \
-            "the float model to tell whether its quantization did it"
-        raise QuantkitError(f"the model's logits are not finite (NaN or Inf) in window {at} of {n}: {cause}")
+        raise QuantkitError(f"the model's logits are not finite (NaN or Inf) in window {at} of {n}: {overflow(dtype)}")
+
+
+def overflow(dtype: torch.dtype) -> str:
+    """Why a model computing in dtype gives logits that are not finite, and what to do."""
+    if dtype == torch.float16:
+        return f"it overflows float16: run it in float32 or bfloat16 ({option('dtype', 'float32')})"
+    return f"the model is broken (its weights or activations overflow {str(dtype).removeprefix('torch.')}): " \
+        "score the float model to tell whether its quantization did it"
 
 
 def exp(x: float) -> float:

@@ -641,11 +641,11 @@ def write_base(base: Model, path: PathLike, text: str, ctx: int = 512, max_windo
 def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float | None = None,
             num_fewshot: int | None = None, batch_size: int = 4, max_length: int | None = None,
             data_dir: PathLike | None = None, seed: int | None = None, packed: bool | None = None,
-            device: str | None = None, chat: bool = False) -> dict[str, dict[str, float]]:
+            device: str | None = None, chat: bool = False, dtype: str | None = None) -> dict[str, dict[str, float]]:
     """lm-eval's results by task for a model (a Model, a path, or the embedded default), run through
     lm-eval's HFLM wrapper around the loaded model. Local tasks (wikitext, dolly_mc) read data_dir.
     limit: documents per task, or below 1 a fraction of each; seed: every seed lm-eval takes (None:
-    lm-eval's own); chat: prompts in the tokenizer's chat template."""
+    lm-eval's own); chat: prompts in the tokenizer's chat template; device, dtype: as in evaluate."""
     check_arguments(lm_eval, locals())
     from quantkit.evals import harness
 
@@ -657,7 +657,7 @@ def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float
     limit = harness.documents(limit, f"limit={limit!r}")
     with harness.kept_state():  # a library call leaves the caller's seeds and loggers as they were
         prepared = harness.prepare(tasks, data_dir)  # a wrong name or missing data fails before the model loads
-        m = ready(model, packed, device)
+        m = ready(model, packed, device, dtype)
         with scoring(m):
             return harness.run(prepared, m.module, m.tokenizer, limit, num_fewshot, batch_size, max_length, seed,
                                chat)

@@ -265,8 +265,9 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_i
 @click.option("--json", "as_json", is_flag=True, help="end with one JSON line: the results by task")
 @click.option("--dequantized", is_flag=True, help="a quantized export: evaluate a dequantized copy, not the packed model")
 @click.option("--device", help="cpu or cuda [cuda, in float16, when there is a GPU]")
+@click.option("--dtype", type=click.Choice(DTYPES), help="the activations' dtype [float16 on a GPU, float32 on the CPU]")
 def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, seed, chat, as_json, dequantized,
-            device) -> None:
+            device, dtype) -> None:
     """Run EleutherAI's lm-evaluation-harness tasks on MODEL (any model quantkit loads: float, a packed
     export, a .gguf file), through lm-eval's HFLM wrapper around the loaded model."""
     from quantkit.evals import harness
@@ -277,7 +278,7 @@ def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, 
     limit = harness.documents(limit, f"--limit {limit}")
     results = api.lm_eval(model, names, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size,
                           max_length=max_length, data_dir=data_dir, seed=seed, chat=chat, packed=not dequantized,
-                          device=device)
+                          device=device, dtype=dtype)
     for task, values in results.items():
         shown = ", ".join(f"{k} {v:.4f}" + (f" ± {values[k + '_stderr']:.4f}" if k + "_stderr" in values else "")
                           for k, v in values.items() if not k.endswith("_stderr") and k != "sample_len")

@@ -1,4 +1,5 @@
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,18 @@ def make_tiny(path: Path, hidden: int = 64, intermediate: int = 128, layers: int
                          **{"tie_word_embeddings": True, **cfg})
     LlamaForCausalLM(config).save_pretrained(path)
     tiny_tokenizer(path)
+    return path
+
+
+def make_hot(model: Path, path: Path) -> Path:
+    """A copy of model with its final norm 3e6 times larger: logits so peaked that the mean loss per
+    token passes e**709 in float32, and that overflow float16 (as a broken scale would make them)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, path)
+    weights = load_file(path / "model.safetensors")
+    weights["model.norm.weight"] *= 3e6
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return path
 
 

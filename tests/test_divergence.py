@@ -12,7 +12,7 @@ import torch
 
 import quantkit
 from quantkit import evals
-from .conftest import TEST, VALID, cli, loaded, make_tiny, refused, tiny_tokenizer
+from .conftest import TEST, VALID, cli, loaded, make_hot, make_tiny, refused, tiny_tokenizer
 
 CTX, WINDOWS = 128, 6
 
@@ -169,15 +169,7 @@ def test_refusals(quant_dir, tiny_dir, tmp_path, capsys, monkeypatch):
 
 @pytest.fixture(scope="module")
 def hot_dir(tiny_dir, tmp_path_factory):
-    """The tiny model with its final norm 3e6 times larger: logits so peaked that the mean loss per
-    token passes e**709 in float32, and overflows float16 (as a broken scale would make them)."""
-    from safetensors.torch import load_file, save_file
-
-    hot = shutil.copytree(tiny_dir, tmp_path_factory.mktemp("hot") / "model")
-    weights = load_file(hot / "model.safetensors")
-    weights["model.norm.weight"] *= 3e6
-    save_file(weights, hot / "model.safetensors", metadata={"format": "pt"})
-    return hot
+    return make_hot(tiny_dir, tmp_path_factory.mktemp("hot") / "model")
 
 
 def test_a_perplexity_past_floats_range_is_inf_and_fails_the_gate(hot_dir, tiny_dir, capsys, monkeypatch):
@@ -195,7 +187,7 @@ def test_logits_that_are_not_finite_are_refused_and_no_base_is_saved(hot_dir, ti
     """NaN logits (float16 overflowing) gave "perplexity nan" and exit 0, and a saved base that every
     later use called corrupt; now one line names the window and the fix."""
     args = ["--data", TEST, "--ctx", CTX, "--max-windows", 2, "--dtype", "float16"]
-    why = "logits are not finite (NaN or Inf) in window 1 of 2: it overflows float16: score it in float32 or " \
+    why = "logits are not finite (NaN or Inf) in window 1 of 2: it overflows float16: run it in float32 or " \
           "bfloat16 (--dtype float32)"
     refused(["eval", hot_dir, *args], capsys, monkeypatch, why)
     refused(["eval", tiny_dir, "--base", hot_dir, *args, "--save-base", tmp_path / "base.logits"], capsys, monkeypatch,

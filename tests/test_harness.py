@@ -14,7 +14,7 @@ from quantkit import evals
 from quantkit.evals import harness
 from quantkit.evals.tasks import local
 
-from .conftest import DATA, cli, refused
+from .conftest import DATA, cli, make_hot, refused
 
 pytest.importorskip("lm_eval")
 
@@ -232,3 +232,10 @@ def test_the_scores_of_each_filter_are_kept_apart():
     assert got == {"exact_match[strict-match]": 0.1, "exact_match[strict-match]_stderr": 0.01,
                    "exact_match[flexible-extract]": 0.3, "exact_match[flexible-extract]_stderr": 0.02,
                    "acc": 0.5, "sample_len": 8}
+
+
+def test_log_likelihoods_that_are_nan_stop_the_run(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A model overflowing float16 scored NaN on every document, and lm-eval reported its accuracy."""
+    hot = make_hot(tiny_dir, tmp_path / "hot")
+    refused(["lm-eval", hot, "--tasks", "dolly_mc", "--limit", 2, "--dtype", "float16"], capsys, monkeypatch,
+            "the model's log-likelihoods are NaN: it overflows float16: run it in float32 or bfloat16 (--dtype float32)")
