@@ -538,6 +538,7 @@ def ready(model: Model | PathLike | None, packed: bool | None = None, device: st
 
 
 def check_dequantized(m: Model, packed: bool | None) -> None:
+    """Refuse packed=False (--dequantized) for a model with nothing to dequantize."""
     if packed is False and m.qconfig is None and not m.gguf_types:
         raise QuantkitError(f"{m.source} is a float model: packed=False (--dequantized) evaluates a dequantized copy "
                             "of a quantized export, so drop it")

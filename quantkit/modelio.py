@@ -202,8 +202,9 @@ class Checkpoint:
         except OSError:
             now = None
         if now != self.stats[f]:
-            raise QuantkitError(f"{f} changed or went after the model was loaded (rewritten while this run reads it): what it "
-                                "read would mix two models; run the command again once nothing writes the model's files")
+            raise QuantkitError(f"{f} changed or went after the model was loaded (rewritten while this run reads it): "
+                                "what it read would mix two models; run the command again (or load the model again) "
+                                "once nothing writes its files")
 
     def same(self, a: str, b: str) -> bool:
         """Whether tensors a and b hold the same values, compared a slice of rows at a time."""
@@ -599,6 +600,7 @@ def load_gguf(path: Path) -> Model:
 
     from quantkit.exporters.gguf import ROPE_FREQS
 
+    loaded = stamp(path)  # the file the header is read from: one replaced after is refused at the first read
     with untrusted(path, "not a readable GGUF file, corrupt or truncated", "re-download or re-export it"):
         metadata, header = gguf_header(path)
         names = tuple(t.name for t in header.tensors)
@@ -612,6 +614,7 @@ def load_gguf(path: Path) -> Model:
     # llama.cpp's converter interleaves llama's q/k rope halves; qwen2's and qwen3's ropes take them as they are
     heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
     checkpoint = GGUFCheckpoint(path, header, heads if arch == "llama" else {})
+    checkpoint.stats[path] = loaded
     module = skeleton(cfg, checkpoint, path)
     if ROPE_FREQS in names:  # Llama 3's rope: each rotary frequency divided by its factor
         rotary = module.model.rotary_emb

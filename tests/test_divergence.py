@@ -113,7 +113,8 @@ def test_rows_keep_sixteen_nats_as_llama_cpp_does():
 
 
 def test_cli_json_and_gate(quant_dir, tiny_dir, tmp_path, capsys, monkeypatch):
-    args = ["eval", quant_dir, "--base", tiny_dir, "--data", TEST, "--ctx", CTX, "--max-windows", WINDOWS]
+    args = ["eval", quant_dir, "--base", tiny_dir, "--data", TEST, "--ctx", CTX, "--max-windows", WINDOWS,
+            "--device", "cpu"]
     saved = tmp_path / "base.logits"
     code, out, _ = cli([*args, "--save-base", saved, "--json"], capsys, monkeypatch)
     result = json.loads(out.strip().splitlines()[-1])
@@ -174,7 +175,7 @@ def hot_dir(tiny_dir, tmp_path_factory):
 
 def test_a_perplexity_past_floats_range_is_inf_and_fails_the_gate(hot_dir, tiny_dir, capsys, monkeypatch):
     """e**(mean loss) overflowed: a traceback and exit 1, a gate's failure code, with no figure printed."""
-    args = ["--data", TEST, "--ctx", CTX, "--max-windows", 2, "--json"]
+    args = ["--data", TEST, "--ctx", CTX, "--max-windows", 2, "--json", "--device", "cpu"]  # float32
     code, out, _ = cli(["eval", hot_dir, *args], capsys, monkeypatch)
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["perplexity"] == math.inf
     code, out, err = cli(["eval", hot_dir, "--base", tiny_dir, *args, "--max-ppl-increase", 0.05], capsys, monkeypatch)

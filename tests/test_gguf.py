@@ -358,7 +358,8 @@ def test_a_gguf_scores_with_llama_cpp_s_arithmetic_under_either_protocol(float_g
     quantkit.quantize(str(float_ggufs[0]), method="rtn", gguf_type="Q4_0", format="gguf", out=q4, progress=False)
     text = TEST.read_text()[:30000]
     (tmp_path / "text.txt").write_text(text)
-    got = quantkit.evaluate(q4, tmp_path / "text.txt", "wikitext", ctx=128, max_windows=3, progress=False).perplexity
+    got = quantkit.evaluate(q4, tmp_path / "text.txt", "wikitext", ctx=128, max_windows=3, progress=False,
+                            device="cpu").perplexity
     m = quantkit.load(q4)
     m.materialize()
     with evals.llamacpp_arithmetic(m.module, m.gguf_types):

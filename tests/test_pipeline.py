@@ -228,6 +228,29 @@ def test_a_model_rewritten_while_it_is_read_stops_the_run(tmp_path, monkeypatch,
     assert (files(out) == files(want)) if out.is_dir() else out.read_bytes() == want.read_bytes()
 
 
+def test_a_gguf_replaced_while_its_header_is_read_is_refused_at_the_first_read(tiny_dir, tmp_path, monkeypatch):
+    """The file is stamped before its header is read: one replaced in between gave the other file's
+    weights at the header's offsets, with no error."""
+    from quantkit import modelio
+
+    for name, seed in (("m", 0), ("other", 1)):
+        quantkit.api.export_gguf(quantkit.load(make_tiny(tmp_path / name, seed=seed)), tmp_path / f"{name}.gguf", "F32",
+                                 progress=False)
+    real = modelio.gguf_header
+
+    def replaced_after_the_header(path):
+        read = real(path)
+        shutil.copy(tmp_path / "other.gguf", tmp_path / "copy")
+        os.replace(tmp_path / "copy", path)
+        return read
+
+    monkeypatch.setattr(modelio, "gguf_header", replaced_after_the_header)
+    m = quantkit.load(tmp_path / "m.gguf")
+    monkeypatch.undo()
+    with pytest.raises(QuantkitError, match="m.gguf changed or went after the model was loaded"):
+        m.materialize()
+
+
 def test_another_runs_progress_is_not_used(tiny_dir, tmp_path, capsys):
     kw = dict(method="gptq", bits=4, group_size=32, calib_data=VALID, calib_samples=4, calib_seqlen=48, progress=False)
     (tmp_path / ".q.progress.pt").write_bytes(b"cut short by a kill")

@@ -324,7 +324,7 @@ def test_the_windows_shown_are_the_ones_scored(tiny_dir, tmp_path, capsys, monke
     from quantkit.report import table
 
     r = json.loads((out / "report.json").read_text())  # each point says what it was scored in
-    assert (r["points"][0]["dtype"], r["points"][0]["device"]) == ("float32", "cpu") and "arithmetic" not in md
+    assert {"dtype", "device"} <= r["points"][0].keys() and "arithmetic" not in md
     r["points"].append({**r["points"][0], "name": "rtn-w4-gpu", "dtype": "float16", "device": "cuda"})
     assert "scored in different arithmetic" in table(r) and "float16 on cuda: rtn-w4-gpu" in table(r)
 
