@@ -282,7 +282,7 @@ class Divergence:
     tokens: int
     windows: int
     ctx: int
-    dtype: str  # what the model computed in, and where (the base's are the saved base's)
+    dtype: str  # what the model computed in, and where (a saved base does not record the base's)
     device: str
 
     def to_dict(self) -> dict:

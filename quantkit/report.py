@@ -464,13 +464,6 @@ def table(r: dict) -> str:
             f"{p['quantize_s']:.1f}", f"{p['peak_rss'] / 2**30:.2f}"]) + " |")
     lines += [f"\n{p['name']}: lm-eval failed ({p['lm_eval_error']}); its scores are missing, the same command runs "
               "it again" for p in r["points"] if "lm_eval_error" in p]
-    scored = {}  # a report resumed on another machine: its points scored in other arithmetic
-    for p in r["points"]:
-        if "dtype" in p:
-            scored.setdefault(f"{p['dtype']} on {p['device']}", []).append(p["name"])
-    if len(scored) > 1:
-        lines.append("\nThe points were scored in different arithmetic, so their figures differ by more than the "
-                     "quantization: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in scored.items()))
     return "\n".join(lines) + "\n"
 
 
