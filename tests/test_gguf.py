@@ -810,7 +810,6 @@ def test_quantizing_a_gguf_keeps_the_blocks_already_of_their_type(float_ggufs, t
         assert said == ([requantized_note(q4, again)] if again else [])
     m = quantkit.load(q4)
     m.materialize()
-    m.materialize()
     with torch.no_grad():
         m.module.model.layers[1].mlp.down_proj.weight.neg_()
     quantkit.quantize(m, method="rtn", format="gguf", gguf_type="Q4_K_M", out=tmp_path / "changed.gguf", progress=False)
