@@ -216,7 +216,7 @@ class Sums:
         ln_b, ln_b_unc = mean_unc(nll_base)
         cov = float(np.mean(nll * nll_base) - nll.mean() * nll_base.mean()) / (n - 1) if n >= 10 else 0.0
         ln_ratio_unc = math.sqrt(max(ln_q_unc ** 2 + ln_b_unc ** 2 - 2 * cov, 0.0))
-        ppl, ppl_base = exp_or_inf(ln_q), exp_or_inf(ln_b)
+        ppl, ppl_base, ratio = exp_or_inf(ln_q), exp_or_inf(ln_b), exp_or_inf(ln_q - ln_b)
         kld_mean, kld_unc = mean_unc(kld)
         dp_mean, dp_unc = mean_unc(dp)
         mse, mse_unc = mean_unc(dp ** 2)
@@ -226,8 +226,7 @@ class Sums:
             perplexity=ppl, perplexity_unc=ppl * ln_q_unc if ln_q_unc else 0.0, base_perplexity=ppl_base,
             base_perplexity_unc=ppl_base * ln_b_unc if ln_b_unc else 0.0,
             ln_ratio=ln_q - ln_b, ln_ratio_unc=ln_ratio_unc,
-            ppl_ratio=exp_or_inf(ln_q - ln_b),
-            ppl_ratio_unc=exp_or_inf(ln_q - ln_b) * ln_ratio_unc if ln_ratio_unc else 0.0,
+            ppl_ratio=ratio, ppl_ratio_unc=ratio * ln_ratio_unc if ln_ratio_unc else 0.0,
             ppl_correlation=cov / (ln_q_unc * ln_b_unc) if ln_q_unc * ln_b_unc > 0 else 0.0,
             kld_mean=kld_mean, kld_unc=kld_unc, kld_median=float(np.median(kld)),
             kld_max=float(kld.max()), kld_min=float(kld.min()),

@@ -273,11 +273,13 @@ class GGUFCheckpoint(Checkpoint):
 
     config = "the GGUF's metadata"
 
-    def __init__(self, path: Path, header, heads: dict[str, int]):
+    def __init__(self, path: Path, header, heads: dict[str, int], loaded: tuple[int, int, int]):
+        """loaded: the file's stamp taken before header was read from it (a file replaced since is
+        refused at the first read)."""
         from quantkit.exporters.gguf import NAMES, TOP
 
         self.path, self.heads = path, heads
-        self.stats = {path: stamp(path)}
+        self.stats = {path: loaded}
         self.infos = {t.name: t for t in header.tensors}
         self.data_start = header.data_start
         size = self.stats[path][1]
@@ -600,7 +602,7 @@ def load_gguf(path: Path) -> Model:
 
     from quantkit.exporters.gguf import ROPE_FREQS
 
-    loaded = stamp(path)  # the file the header is read from: one replaced after is refused at the first read
+    loaded = stamp(path)  # the file the header is read from
     with untrusted(path, "not a readable GGUF file, corrupt or truncated", "re-download or re-export it"):
         metadata, header = gguf_header(path)
         names = tuple(t.name for t in header.tensors)
@@ -613,8 +615,7 @@ def load_gguf(path: Path) -> Model:
     cfg = gguf_config(metadata, names, path)
     # llama.cpp's converter interleaves llama's q/k rope halves; qwen2's and qwen3's ropes take them as they are
     heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
-    checkpoint = GGUFCheckpoint(path, header, heads if arch == "llama" else {})
-    checkpoint.stats[path] = loaded
+    checkpoint = GGUFCheckpoint(path, header, heads if arch == "llama" else {}, loaded)
     module = skeleton(cfg, checkpoint, path)
     if ROPE_FREQS in names:  # Llama 3's rope: each rotary frequency divided by its factor
         rotary = module.model.rotary_emb
