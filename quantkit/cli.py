@@ -22,6 +22,16 @@ from .errors import QuantkitError, size
 from .requant import DEFAULT_MIX
 
 
+def json_line(value: dict) -> str:
+    """Strict JSON: a figure past float's range (inf, nan) is null, as JavaScript writes it; Python's
+    `Infinity` and `NaN` are not JSON, and jq or a browser refuse the whole line."""
+    def finite(v):
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+    return json.dumps(finite(value), allow_nan=False)
+
+
 def show(label: str, ppl) -> None:
     click.echo(f"{label}: perplexity {ppl.perplexity:.4f} ({ppl.protocol}, ctx {ppl.ctx}, {ppl.windows} windows, "
                f"{ppl.tokens} tokens, {ppl.dtype} on {ppl.device})")
@@ -232,7 +242,7 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_i
         ppl = api.evaluate(model, data, protocol, ctx, max_windows, packed=not dequantized, device=device, dtype=dtype)
         show(model or "embedded model", ppl)
         if as_json:
-            click.echo(json.dumps({**ppl.to_dict(), "model": model, "data": data}))
+            click.echo(json_line({**ppl.to_dict(), "model": model, "data": data}))
         return
     d = api.compare(model, base, data, ctx, max_windows, save_base, packed=not dequantized, device=device,
                     dtype=dtype)
@@ -242,7 +252,7 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_i
     if save_base:
         click.echo(f"base log-probabilities saved to {save_base} ({size(size_on_disk(Path(save_base)))})")
     if as_json:
-        click.echo(json.dumps({**d.to_dict(), "model": model, "base": base, "data": data}))
+        click.echo(json_line({**d.to_dict(), "model": model, "base": base, "data": data}))
     failed = d.failures(**limits)
     if failed:
         click.echo(f"fail: {'; '.join(failed)}", err=True)
@@ -284,7 +294,7 @@ def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, 
                           for k, v in values.items() if not k.endswith("_stderr") and k != "sample_len")
         click.echo(f"{task}: {shown}")
     if as_json:
-        click.echo(json.dumps(results))
+        click.echo(json_line(results))
 
 
 def listed(value: str, kind=str, option: str = "") -> list:
