@@ -228,7 +228,7 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
             if resume is not None:
                 resume[0].unlink(missing_ok=True)
                 if distributed.rank() == 0:  # a killed job's of another world size too (and killed saves'), now stale
-                    for stale in siblings(path, ".{name}.progress-measurement*.pt*"):
+                    for stale in siblings(path, r"\.{name}\.progress-measurement(-\d+)?\.pt(\.tmp-\d+)?"):
                         stale.unlink(missing_ok=True)
         errors = recorder.errors
     grouped = measurement.grouped(shapes, units)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import glob
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -84,13 +84,15 @@ def progress_path(out: str | os.PathLike, rank: int | None = None) -> Path:
 
 def progress_files(out: Path) -> list[Path]:
     """Every process's saved progress for out."""
-    return siblings(out, ".{name}.progress*.pt")
+    return siblings(out, r"\.{name}\.progress(-\d+)?\.pt")
 
 
 def siblings(path: Path, pattern: str) -> list[Path]:
-    """The files beside path whose names match the glob pattern, {name} in it standing for path's name
-    taken literally: an --out named 'w/[ab]' must not match another output's files."""
-    return list(path.parent.glob(pattern.format(name=glob.escape(path.name))))
+    """The files beside path whose whole names match the regular expression pattern, {name} in it
+    standing for path's name taken literally. Only the names quantkit makes: a glob's `.m.old-*` took
+    `.m.old-b.partial`, the output of another run writing `m.old-b`, and deleted it while it ran."""
+    whole = re.compile(pattern.format(name=re.escape(path.name)))
+    return [f for f in path.parent.iterdir() if whole.fullmatch(f.name)] if path.parent.is_dir() else []
 
 
 def size_on_disk(path: Path) -> int:
@@ -211,8 +213,8 @@ class Staged:
         previous output left aside by a commit that was killed."""
         remove(self.path)
         # also the temporary of a save killed in a job of another world size (its own path's run clears it)
-        for stale in [*progress_files(self.out), *siblings(self.out, ".{name}.progress*.pt.tmp-*"),
-                      *siblings(self.out, ".{name}.old-*")]:
+        for stale in [*progress_files(self.out), *siblings(self.out, r"\.{name}\.progress(-\d+)?\.pt\.tmp-\d+"),
+                      *siblings(self.out, r"\.{name}\.old-\d+")]:
             remove(stale)
         if self.directory:
             self.path.mkdir()
@@ -247,8 +249,10 @@ class Staged:
             self.path.rename(self.out)
         else:
             self.path.rename(self.out)
-        for old in siblings(self.out, ".{name}.old-*"):  # also one a commit killed here left
-            remove(old)
+        # also an old one a commit killed here left; and every process's progress, before the lock goes: a
+        # kill after it left a file as big as the calibration's activations beside the finished output
+        for stale in [*siblings(self.out, r"\.{name}\.old-\d+"), *progress_files(self.out)]:
+            remove(stale)
         fsync(self.out.parent)  # the rename itself
         self.unlock()
         return self.out

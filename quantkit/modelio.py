@@ -108,13 +108,13 @@ def reading(f: Path) -> Iterator[None]:
 
 
 def fingerprint(source: str | os.PathLike) -> str:
-    """A model by its path (resolved: another spelling of it is the same model) and the files its weights
-    are read from, by name, size and time of change: a run resumed (or a report gone on with) from the
-    same path is of the same model only while these are unchanged."""
+    """A model by its path (resolved: another spelling of it is the same model) and its files, by name,
+    size and time of change: a run resumed (or a report gone on with) from the same path is of the
+    same model only while these are unchanged. Every file of a directory, not the weights alone: a
+    GGUF header and an export's tokenizer are written from the tokenizer's files and chat template."""
     p = Path(source).resolve()
-    files = [p] if p.is_file() else [f for f in (p / "config.json", p / "model.safetensors.index.json",
-                                                  *p.glob("*.safetensors")) if f.is_file()]
-    return f"{p}|" + ";".join(f"{f.name}:{st.st_size}:{st.st_mtime_ns}" for f in sorted(set(files)) for st in [f.stat()])
+    files = [p] if p.is_file() else [f for f in p.iterdir() if not f.name.startswith(".") and f.is_file()]
+    return f"{p}|" + ";".join(f"{f.name}:{st.st_size}:{st.st_mtime_ns}" for f in sorted(files) for st in [f.stat()])
 
 
 def stamp(f: Path) -> tuple[int, int, int]:
@@ -753,7 +753,7 @@ def fill_cache(target: Path, write: Callable[[Path], None], ready: Callable[[Pat
             fcntl.flock(lock, fcntl.LOCK_EX)
         if ready(target):
             return target
-        for stale in [*siblings(target, ".{name}.tmp-*"), target]:  # a target not ready is partial
+        for stale in [*siblings(target, r"\.{name}\.tmp-\d+"), target]:  # a target not ready is partial
             remove(stale)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         try:

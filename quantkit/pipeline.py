@@ -312,7 +312,7 @@ def read_progress(path: Path) -> dict:
 
 def load_progress(path: Path, key: str) -> dict | None:
     """The state saved after the last finished layer of the same run (same model, config, data)."""
-    for stale in siblings(path, "{name}.tmp-*"):  # a killed save's (one process per output: atomic.Staged)
+    for stale in siblings(path, r"{name}\.tmp-\d+"):  # a killed save's (one process per output: atomic.Staged)
         stale.unlink(missing_ok=True)
     if not path.is_file():
         return None

@@ -411,3 +411,65 @@ def test_a_fresh_start_clears_a_killed_save_of_another_world_size(tmp_path):
     staged.fresh()
     staged.abort()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_an_outputs_cleanup_leaves_another_outputs_files(tmp_path):
+    """`.m.old-*` and `.m.progress*.pt` took the files of a run writing m.old-b (its partial output,
+    lock and progress): a run writing m deleted them while that run went on, which then died."""
+    from quantkit.atomic import Staged
+
+    theirs = [".m.old-b.partial", ".m.old-b.lock", ".m.old-b.progress.pt", ".m.progress-b.pt",
+              ".m.progress.pt.tmp-b.partial"]
+    for name in theirs:
+        (tmp_path / name).write_bytes(b"another run's")
+    ours = [".m.old-4242", ".m.progress.pt", ".m.progress-1.pt", ".m.progress-1.pt.tmp-999"]  # killed runs of m
+    for name in ours:
+        (tmp_path / name).write_bytes(b"stale")
+    staged = Staged(tmp_path / "m")
+    (staged.fresh() / "weights").write_bytes(b"new")
+    (tmp_path / ".m.progress.pt").write_bytes(b"this run's")
+    staged.commit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["m", *theirs])
+
+
+def test_a_run_killed_after_its_commit_leaves_no_progress(tiny_dir, tmp_path, monkeypatch):
+    """The progress (as large as the calibration's activations on a real model) was removed after the
+    output was in place and its lock gone: a kill between left it beside the finished output."""
+    from quantkit.atomic import Staged
+
+    real = Staged.commit
+
+    def killed_after(self, scratch=()):
+        real(self, scratch)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Staged, "commit", killed_after)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_dir), out=tmp_path / "q.gguf", method="rtn", format="gguf", gguf_type="Q8_0",
+                          progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.gguf"]
+
+
+def test_a_changed_chat_template_is_not_resumed_onto(chat_dir, tmp_path, monkeypatch, capsys):
+    """The resumed GGUF kept the header (tokenizer, chat template) the killed run wrote, since only the
+    weights and config.json told a model from another: edited in between, the same command starts
+    afresh and writes what a run on the edited model writes."""
+    from quantkit import pipeline
+
+    model = shutil.copytree(chat_dir, tmp_path / "m")
+    kw = dict(method="rtn", format="gguf", gguf_type="Q8_0", progress=False)
+    real = stopping_saves(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(model), out=tmp_path / "q.gguf", **kw)
+    monkeypatch.setattr(pipeline, "save_progress", real)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    if "chat_template" in config:
+        config["chat_template"] = config["chat_template"].replace("assistant", "model")
+        (model / "tokenizer_config.json").write_text(json.dumps(config))
+    else:
+        template = model / "chat_template.jinja"
+        template.write_text(template.read_text().replace("assistant", "model"))
+    quantkit.quantize(str(model), out=tmp_path / "q.gguf", **kw)
+    assert "resuming" not in capsys.readouterr().err
+    quantkit.quantize(str(model), out=tmp_path / "whole.gguf", **kw)
+    assert (tmp_path / "q.gguf").read_bytes() == (tmp_path / "whole.gguf").read_bytes()
