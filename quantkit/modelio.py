@@ -5,6 +5,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -107,13 +108,21 @@ def reading(f: Path) -> Iterator[None]:
         raise QuantkitError(f"{f}: corrupt or truncated safetensors file ({e}): re-download or re-export it") from None
 
 
+# what transformers reads for a model and its tokenizer
+MODEL_FILES = re.compile(r"config\.json|generation_config\.json|.*\.safetensors|model\.safetensors\.index\.json|"
+                         r"tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|"
+                         r"chat_template\.(jinja|json)")
+
+
 def fingerprint(source: str | os.PathLike) -> str:
     """A model by its path (resolved: another spelling of it is the same model) and its files, by name,
     size and time of change: a run resumed (or a report gone on with) from the same path is of the
-    same model only while these are unchanged. Every file of a directory, not the weights alone: a
-    GGUF header and an export's tokenizer are written from the tokenizer's files and chat template."""
+    same model only while these are unchanged. The tokenizer's files and chat template too, not the
+    weights alone: a GGUF header and an export's tokenizer are written from them. Not every file: a
+    user's measurement or export saved beside the weights is not the model."""
     p = Path(source).resolve()
-    files = [p] if p.is_file() else [f for f in p.iterdir() if not f.name.startswith(".") and f.is_file()]
+    listed = p.iterdir() if p.is_dir() else []  # a path that is not there (yet) is no file
+    files = [p] if p.is_file() else [f for f in listed if MODEL_FILES.fullmatch(f.name) and f.is_file()]
     return f"{p}|" + ";".join(f"{f.name}:{st.st_size}:{st.st_mtime_ns}" for f in sorted(files) for st in [f.stat()])
 
 

@@ -450,6 +450,20 @@ def test_a_run_killed_after_its_commit_leaves_no_progress(tiny_dir, tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q.gguf"]
 
 
+def test_a_models_fingerprint_is_its_files_not_a_users_beside_them(tiny_dir, tmp_path):
+    """A measurement or an export saved beside the weights is not the model: with them in its
+    fingerprint, a saved measurement there was never reused."""
+    from quantkit.modelio import fingerprint
+
+    model = shutil.copytree(tiny_dir, tmp_path / "m")
+    before = fingerprint(model)
+    (model / "m.measurement.json").write_text("{}")
+    (model / "q.gguf").write_bytes(b"GGUF")
+    assert fingerprint(model) == before
+    (model / "tokenizer_config.json").write_text((model / "tokenizer_config.json").read_text() + "\n")
+    assert fingerprint(model) != before
+
+
 def test_a_changed_chat_template_is_not_resumed_onto(chat_dir, tmp_path, monkeypatch, capsys):
     """The resumed GGUF kept the header (tokenizer, chat template) the killed run wrote, since only the
     weights and config.json told a model from another: edited in between, the same command starts
