@@ -696,6 +696,9 @@ def check_float(m: Model) -> None:
     the Model it is given to the dtype it runs in). A quantized export loaded from disk is requantized,
     with a warning."""
     again = "quantize quantkit.load(path) again, which reads the float weights"
+    if m.adapter is not None:
+        raise QuantkitError(f"this Model holds the LoRA adapter {m.adapter} unmerged (trained or attached in this "
+                            f"process): quantize the merged model (quantkit.merge({m.adapter!r}, out=...) writes it)")
     if m.streamed_to is not None or (m.qconfig is not None and m.checkpoint is not None):
         raise QuantkitError(f"this Model was quantized already in this process{f' (to {m.streamed_to})' if m.streamed_to else ''}: "
                             f"{again}")

@@ -422,6 +422,9 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
     config = TrainConfig(**{k: v for k, v in options.items() if v is not None})
     qconfig, merged = None, f"{out}-merged"
     given = given_options()
+    if eval_data and "eval_fraction" in given:  # the API cannot tell its default given from taken (trainer.train)
+        raise QuantkitError("--eval-fraction holds out part of --data, and --eval-data gives the held-out data "
+                            "instead: drop one of them")
     calibrating = ("calib_data", "calib_samples", "calib_seqlen")
     stray = [given[n] for n in ("quantize_out", "fmt", "bits", "group_size", "gguf_type", *calibrating) if n in given]
     if stray and not quantize_method:

@@ -61,6 +61,7 @@ class Model:
     gguf_types: dict[str, str] = field(default_factory=dict)  # each linear's GGUF block type (a file's, or a GGUF quantization's)
     checkpoint: Checkpoint | None = None  # where the weights not in memory yet are read from
     streamed_to: str | None = None  # the export its quantized layers were written to, and dropped from memory
+    adapter: str | None = None  # a LoRA adapter trained or attached in this process: its layers are in module, unmerged
     # llama-quantize's record (quantize.imatrix.*) of the importance matrix file its GGUF types were quantized with
     imatrix: dict[str, str | int] = field(default_factory=dict)
 

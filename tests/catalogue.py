@@ -192,6 +192,8 @@ CATALOGUE = {
                                        "pass one of them"),
     "train: --eval-fraction beside --eval-data": Bad("train {model} --data {text} --out {tmp}/a --eval-data {text} "
                                                      "--eval-fraction 0.3", "drop one of them"),
+    "train: the default --eval-fraction given beside --eval-data": Bad(
+        "train {model} --data {text} --out {tmp}/a --eval-data {text} --eval-fraction 0.05", "drop one of them"),
     "train: --bits without --quantize": Bad("train {model} --data {text} --out {tmp}/a --bits 3",
                                             "--bits sets the quantization that --quantize METHOD turns on"),
     "train: --format without --quantize": Bad("train {model} --data {text} --out {tmp}/a --format gguf",

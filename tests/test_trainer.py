@@ -55,6 +55,27 @@ def test_peft_loads_our_adapter_and_merges_like_us(tiny_dir, text, tmp_path, opt
     assert torch.allclose(merged, logits(peft.merge_and_unload()), atol=1e-4, rtol=1e-4)
 
 
+def test_a_model_trained_in_memory_scores_as_its_merge_and_is_not_quantized(tiny_dir, text, tmp_path):
+    """train(m) left m in training mode: evaluate(m) raised on the dropout's seeds of the last batch,
+    quantize(m) an AttributeError on the LoRA layers, and training m again blamed the checkpoint."""
+    import quantkit
+
+    m = quantkit.load(tiny_dir)
+    train(m, data=text, out=tmp_path / "a", steps=2, lr=0.05, dropout=0.1, rank=4, precision="fp32",
+          gradient_checkpointing=True, **SHORT)
+    assert not m.module.training and not m.module.is_gradient_checkpointing
+    merge(tmp_path / "a", tmp_path / "m", progress=False)
+    kw = dict(data=TEST, ctx=32, max_windows=4, progress=False)
+    in_memory, merged = quantkit.evaluate(m, **kw), quantkit.evaluate(quantkit.load(tmp_path / "m"), **kw)
+    assert math.isclose(in_memory.perplexity, merged.perplexity, rel_tol=1e-4)
+    assert not math.isclose(merged.perplexity, quantkit.evaluate(quantkit.load(tiny_dir), **kw).perplexity,
+                            rel_tol=1e-3)  # the adapter does something
+    with pytest.raises(QuantkitError, match="holds the LoRA adapter .* unmerged .*: quantize the merged model"):
+        quantkit.quantize(m, method="rtn", bits=4, group_size=32)
+    with pytest.raises(QuantkitError, match="holds the LoRA adapter .* unmerged .*: train another on the base"):
+        train(m, data=text, out=tmp_path / "b", steps=1, **SHORT)
+
+
 def test_we_load_peft_adapters(tiny_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
 

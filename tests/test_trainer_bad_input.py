@@ -176,11 +176,17 @@ def adapter(tiny_dir, tmp_path_factory):
     return tmp / "adapter"
 
 
-def test_merge_onto_another_base(adapter, capsys, monkeypatch, tmp_path):
+def test_merge_onto_another_base(adapter, capsys, monkeypatch, tmp_path, recwarn):
+    """One line: a warning that it merged "as asked" came first."""
     narrow = make_tiny(tmp_path / "narrow", hidden=32, intermediate=64)
-    line = fails(["merge", adapter, "--base", narrow, "--out", tmp_path / "out"], capsys, monkeypatch,
-                 "but this base needs")
+    capsys.readouterr()  # transformers' bar, writing it
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, ["merge", adapter, "--base", narrow, "--out", tmp_path / "out"])])
+    with pytest.raises(SystemExit) as e:
+        main()
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and line.startswith("error: ") and "but this base needs" in line, line
     assert line.endswith("pass the --base it was trained on") and left(tmp_path) == []
+    assert not [w for w in recwarn if "as asked" in str(w.message)]
 
 
 def test_a_gguf_base_is_refused_before_the_work(adapter, tiny_dir, text, capsys, monkeypatch, tmp_path):
@@ -240,6 +246,44 @@ def test_merge_lora_on_an_embedding(tiny_dir, capsys, monkeypatch, tmp_path):
     peft.save_pretrained(tmp_path / "peft", save_embedding_layers=False)
     fails(["merge", tmp_path / "peft", "--base", tiny_dir, "--out", tmp_path / "out"], capsys, monkeypatch,
           "LoRA on model.embed_tokens, not a linear layer (Embedding): quantkit reads LoRA on linear layers only")
+    assert left(tmp_path) == []
+
+
+@pytest.mark.parametrize("bias", ["lora_only", "all"])
+def test_merge_an_adapter_with_trained_biases(tiny_dir, capsys, monkeypatch, tmp_path, bias):
+    """PEFT saves the base layers' biases it trained; merged without them the model is not the adapter's.
+    The refusal blamed the base. On a base without biases there are none, and it merges as PEFT does."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.trainer import merge
+
+    biased = make_tiny(tmp_path / "biased", attention_bias=True)
+    capsys.readouterr()
+    for model, name in ((biased, "peft"), (tiny_dir, "plain")):
+        torch.manual_seed(0)
+        peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model),
+                              LoraConfig(r=4, target_modules=["q_proj"], bias=bias, task_type="CAUSAL_LM"))
+        torch.nn.init.normal_(peft.base_model.model.model.layers[0].self_attn.q_proj.lora_B.default.weight)
+        peft.save_pretrained(tmp_path / name)
+    fails(["merge", tmp_path / "peft", "--base", biased, "--out", tmp_path / "out"], capsys, monkeypatch,
+          "the adapter has trained biases of the base's layers (bias), which quantkit does not merge: merge it with PEFT")
+    assert not (tmp_path / "out").exists()
+    merge(tmp_path / "plain", tmp_path / "merged", base=tiny_dir, progress=False)
+    theirs = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), tmp_path / "plain")
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    ids = torch.arange(12)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs.merge_and_unload()(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_merge_an_adapter_whose_config_says_another_rank(adapter, capsys, monkeypatch, tmp_path):
+    """The refusal blamed the base, where the adapter's config is what is damaged."""
+    broken = shutil.copytree(adapter, tmp_path / "adapter")
+    cfg = json.loads((broken / "adapter_config.json").read_text())
+    (broken / "adapter_config.json").write_text(json.dumps({**cfg, "r": 8}))
+    fails(["merge", broken, "--out", tmp_path / "out"], capsys, monkeypatch,
+          "adapter_config.json says r=8, and its tensors have rank 4")
     assert left(tmp_path) == []
 
 
@@ -475,6 +519,19 @@ def test_every_assistant_turn_is_scored(chat_dir, tmp_path):
     edges = torch.diff(kept, prepend=torch.tensor([0]), append=torch.tensor([0])).nonzero().flatten().tolist()
     runs = [tok.decode(example.ids[a:b]) for a, b in zip(edges[::2], edges[1::2])]
     assert runs == ["Red it is.<|im_end|>\n", "Blue as asked.<|im_end|>\n"]  # the replies, not the user's turns
+
+
+def test_a_chat_that_opens_with_a_reply_scores_the_reply_alone(chat_dir, tmp_path):
+    """The turn's header (and a template's default system prompt) before a first reply was scored as
+    part of the reply."""
+    chat = [{"role": "assistant", "content": "I start."}, {"role": "user", "content": "Go on."},
+            {"role": "assistant", "content": "Done."}]
+    tok = AutoTokenizer.from_pretrained(chat_dir)
+    (example,) = dataset.read(jsonl(tmp_path / "chat.jsonl", {"messages": chat}), tok, 256)
+    kept = (example.labels != dataset.IGNORE).int()
+    edges = torch.diff(kept, prepend=torch.tensor([0]), append=torch.tensor([0])).nonzero().flatten().tolist()
+    runs = [tok.decode(example.ids[a:b]) for a, b in zip(edges[::2], edges[1::2])]
+    assert runs == ["I start.<|im_end|>\n", "Done.<|im_end|>\n"]
 
 
 def test_resume_after_the_base_was_rewritten_at_its_path(text, capsys, monkeypatch, tmp_path):

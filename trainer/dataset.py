@@ -81,12 +81,18 @@ def render(msgs: list[dict], tokenizer, seqlen: int, where: str) -> tuple[Exampl
     for i, m in enumerate(msgs):
         if m["role"] != "assistant":
             continue
-        start = chat(msgs[:i], add_generation_prompt=True) if i else ""
         end = chat(msgs[: i + 1])
-        if not full.startswith(start) or not full.startswith(end):
+        if i:
+            start = chat(msgs[:i], add_generation_prompt=True)
+            begin = len(start) if full.startswith(start) else -1
+        else:  # what the template writes before a first reply (a default system prompt, the turn's header) is not
+            # the reply: the part that two other replies share
+            shared = os.path.commonprefix([chat([{**m, "content": c}]) for c in ("a", "b")])
+            begin = len(shared) if end.startswith(shared) else -1
+        if begin < 0 or not full.startswith(end):
             raise QuantkitError(f"{where}: the chat template does not write earlier turns as a prefix of later ones, "
                                 "so the replies cannot be found: use a model with a standard template")
-        spans.append((len(start), len(end)))
+        spans.append((begin, len(end)))
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = torch.tensor(enc.input_ids[:seqlen], dtype=torch.int64)
     starts = torch.tensor([s for s, _ in enc.offset_mapping[:seqlen]])

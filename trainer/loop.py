@@ -123,6 +123,15 @@ def build(m: Model, config: TrainConfig, names: list[str], device: torch.device,
     return layers
 
 
+def settle(module: torch.nn.Module) -> None:
+    """A trained model as inference wants it: no dropout (the adapters' took the last batch's seeds and
+    refused any other batch), no gradient checkpointing."""
+    module.eval()
+    lora.seed_examples({n: m for n, m in module.named_modules() if isinstance(m, lora.LoraLinear)}, [])
+    if module.is_gradient_checkpointing:  # transformers 5.23 renames these; older 5.x has only these names
+        module.gradient_checkpointing_disable()
+
+
 def fsdp_shard(device: torch.device) -> Callable[[torch.nn.Module], None]:
     """FSDP2's fully_shard over every process, with the gradients summed rather than averaged, as the
     loss is already a mean over the whole global batch (sums only: gloo has no pre-scaled reduction)."""
@@ -364,6 +373,9 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
                                 f"{option('batch_size')} that is a multiple of {world}")
         amp = autocast_dtype(config.precision, dev)
         m = model if isinstance(model, Model) else load(model)
+        if m.adapter is not None:
+            raise QuantkitError(f"this Model holds the LoRA adapter {m.adapter} unmerged (trained or attached in this "
+                                "process): train another on the base loaded again (quantkit.load)")
         if not m.float_directory:
             raise QuantkitError(f"{m.source}: train on a float model directory (safetensors), not a GGUF file or a "
                                 "quantized export: adapters are merged into the original weights")
@@ -417,9 +429,13 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
                         + f", or pass {option('overwrite', True)} to start over")
                 if staged is not None:
                     staged.fresh()
-            result, adapter = run(m, config, names, train_set=train_set, held_out=held_out, total=total, dev=dev,
-                                  amp=amp, checkpoints=checkpoints, state=state, key=key, progress=progress,
-                                  callback=callback)
+            m.adapter = str(out)  # the Model in memory gets the adapter's layers (evaluate scores it with them)
+            try:
+                result, adapter = run(m, config, names, train_set=train_set, held_out=held_out, total=total, dev=dev,
+                                      amp=amp, checkpoints=checkpoints, state=state, key=key, progress=progress,
+                                      callback=callback)
+            finally:
+                settle(m.module)
             if rank == 0:
                 with space_for(out, None, "the adapter", f"run again with {option('resume', True)} (the last checkpoint holds "
                                "every step)"):

@@ -35,8 +35,10 @@ def read(adapter: str | os.PathLike, onto_nf4: bool = False) -> tuple[TrainConfi
         raise QuantkitError(f"{adapter}: per-module ranks or alphas (rank_pattern, alpha_pattern) are not supported: "
                             "train the adapter with one rank and alpha")
     # PEFT's other parts beside the A and B matrices: merged without them, the model would not be the adapter's
-    for key, what in (("lora_bias", "a trained bias on lora_B"), ("modules_to_save", "whole modules trained beside it")):
-        if cfg.get(key):
+    biases = any(k.endswith(".bias") for k in tensors)  # PEFT's bias "all" or "lora_only" saves those the base has
+    for key, what in (("lora_bias", "a trained bias on lora_B"), ("bias", "trained biases of the base's layers"),
+                      ("modules_to_save", "whole modules trained beside it")):
+        if cfg.get(key) and (key != "bias" or biases and cfg[key] != "none"):
             raise QuantkitError(f"{adapter}: the adapter has {what} ({key}), which quantkit does not merge: merge it "
                                 "with PEFT (merge_and_unload), or train it without them")
     log = Path(adapter) / LOG
@@ -64,9 +66,6 @@ def base_of(cfg: dict, base: str | os.PathLike | None, adapter) -> Model:
     if not m.float_directory:
         raise QuantkitError(f"{base or named}: merge into a float model directory (safetensors), not a GGUF file or a "
                             "quantized export")
-    if base and named and not same_model(base, named):
-        # same shapes pass every check below, so a wrong base of the same architecture would merge silently
-        warnings.warn(f"{adapter} was trained on {named}; merging it into {base} as asked")
     return m
 
 
@@ -98,6 +97,9 @@ def fitted(m: Model, config: TrainConfig, tensors: dict[str, torch.Tensor], adap
         if config.dora:
             want["magnitude_vector"] = (linear.out_features,)
         got = {k: tuple(v.shape) for k, v in parts.items()}
+        if a is not None and b is not None and a.dim() == b.dim() == 2 and a.shape[0] == b.shape[1] != config.rank:
+            raise QuantkitError(f"{adapter}: its {lora.CONFIG} says r={config.rank}, and its tensors have rank "
+                                f"{a.shape[0]} ({name}): the adapter is damaged: train it again or restore it")
         if a is None or b is None or got != want:
             raise QuantkitError(f"{adapter}: {name}'s adapter tensors are {got}, but this base needs {want}: pass the "
                                 f"{option('base')} it was trained on")
@@ -120,6 +122,10 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
     dtype = m.checkpoint.dtype
     needed = sum(f.stat().st_size for f in set(m.checkpoint.where.values()))  # the base's shards, in its dtype
     staged = Staged(out, overwrite)
+    named = cfg.get("base_model_name_or_path")
+    if base and named and not same_model(base, named):  # after the checks: a base they refuse gets one line
+        # same shapes pass every check, so a wrong base of the same architecture would merge silently
+        warnings.warn(f"{adapter} was trained on {named}; merging it into {base} as asked")
     try:
         with space_for(out, needed, "the merged model", "merge again"):
             directory = staged.fresh()
@@ -163,6 +169,9 @@ def attach(model: str | os.PathLike | Model | None, adapter: str | os.PathLike, 
     check_arguments(attach, locals())
     config, cfg, tensors = read(adapter, onto_nf4)
     m = model if isinstance(model, Model) else load(model)
+    if m.adapter is not None:
+        raise QuantkitError(f"this Model holds the LoRA adapter {m.adapter} already: attach {adapter} to the base "
+                            "loaded again (quantkit.load)")
     by_linear = fitted(m, config, tensors, adapter)
     m.materialize()
     m.checkpoint = None
@@ -170,4 +179,5 @@ def attach(model: str | os.PathLike | Model | None, adapter: str | os.PathLike, 
     config.method = "qlora" if onto_nf4 else "lora"
     layers = lora.inject(m.module, config, list(by_linear))
     lora.load_state(layers, tensors, str(adapter))
+    m.adapter = str(adapter)
     return m
