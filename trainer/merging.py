@@ -122,11 +122,11 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
     dtype = m.checkpoint.dtype
     needed = sum(f.stat().st_size for f in set(m.checkpoint.where.values()))  # the base's shards, in its dtype
     staged = Staged(out, overwrite)
-    named = cfg.get("base_model_name_or_path")
-    if base and named and not same_model(base, named):  # after the checks: a base they refuse gets one line
-        # same shapes pass every check, so a wrong base of the same architecture would merge silently
-        warnings.warn(f"{adapter} was trained on {named}; merging it into {base} as asked")
     try:
+        named = cfg.get("base_model_name_or_path")
+        if base and named and not same_model(base, named):  # after the checks: a base they refuse gets one line
+            # same shapes pass every check, so a wrong base of the same architecture would merge silently
+            warnings.warn(f"{adapter} was trained on {named}; merging it into {base} as asked")
         with space_for(out, needed, "the merged model", "merge again"):
             directory = staged.fresh()
             writer = ShardWriter(directory, max_shard_size)
