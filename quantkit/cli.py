@@ -2,7 +2,6 @@
 a thin layer over quantkit.api and quantkit.trainer."""
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -12,7 +11,7 @@ import click
 
 from quantkit import exporters
 from quantkit.atomic import check_apart, check_out, size_on_disk
-from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECISIONS, TrainConfig
+from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECISIONS, TrainConfig, held_out_twice
 
 from . import consumers, launcher
 from . import report as report_
@@ -20,16 +19,6 @@ from .command import export
 from .config import AWQ_LOSSES, DTYPES, METHODS, QuantConfig, refuse_unused
 from .errors import QuantkitError, size
 from .requant import DEFAULT_MIX
-
-
-def json_line(value: dict) -> str:
-    """Strict JSON: a figure past float's range (inf, nan) is null, as JavaScript writes it; Python's
-    `Infinity` and `NaN` are not JSON, and jq or a browser refuse the whole line."""
-    def finite(v):
-        if isinstance(v, dict):
-            return {k: finite(x) for k, x in v.items()}
-        return None if isinstance(v, float) and not math.isfinite(v) else v
-    return json.dumps(finite(value), allow_nan=False)
 
 
 def show(label: str, ppl) -> None:
@@ -242,7 +231,7 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_i
         ppl = api.evaluate(model, data, protocol, ctx, max_windows, packed=not dequantized, device=device, dtype=dtype)
         show(model or "embedded model", ppl)
         if as_json:
-            click.echo(json_line({**ppl.to_dict(), "model": model, "data": data}))
+            click.echo(report_.strict_json({**ppl.to_dict(), "model": model, "data": data}))
         return
     d = api.compare(model, base, data, ctx, max_windows, save_base, packed=not dequantized, device=device,
                     dtype=dtype)
@@ -252,7 +241,7 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_i
     if save_base:
         click.echo(f"base log-probabilities saved to {save_base} ({size(size_on_disk(Path(save_base)))})")
     if as_json:
-        click.echo(json_line({**d.to_dict(), "model": model, "base": base, "data": data}))
+        click.echo(report_.strict_json({**d.to_dict(), "model": model, "base": base, "data": data}))
     failed = d.failures(**limits)
     if failed:
         click.echo(f"fail: {'; '.join(failed)}", err=True)
@@ -294,7 +283,7 @@ def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, 
                           for k, v in values.items() if not k.endswith("_stderr") and k != "sample_len")
         click.echo(f"{task}: {shown}")
     if as_json:
-        click.echo(json_line(results))
+        click.echo(report_.strict_json(results))
 
 
 def listed(value: str, kind=str, option: str = "") -> list:
@@ -423,8 +412,7 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
     qconfig, merged = None, f"{out}-merged"
     given = given_options()
     if eval_data and "eval_fraction" in given:  # the API cannot tell its default given from taken (trainer.train)
-        raise QuantkitError("--eval-fraction holds out part of --data, and --eval-data gives the held-out data "
-                            "instead: drop one of them")
+        raise held_out_twice(config.eval_fraction)
     calibrating = ("calib_data", "calib_samples", "calib_seqlen")
     stray = [given[n] for n in ("quantize_out", "fmt", "bits", "group_size", "gguf_type", *calibrating) if n in given]
     if stray and not quantize_method:

@@ -244,6 +244,18 @@ def write_json(path: Path, value) -> None:
     write_text(path, json.dumps(value, indent=1))
 
 
+def strict_json(value, indent: int | None = None) -> str:
+    """JSON that jq and a browser read: a figure past float's range (inf, nan) is null, as JavaScript
+    writes it; Python's `Infinity` and `NaN` are not JSON, and those refuse the whole text."""
+    def finite(v):
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+    return json.dumps(finite(value), indent=indent, allow_nan=False)
+
+
 def read_json(path: Path):
     """One of the report's own files; a damaged one named (it was a traceback)."""
     try:
@@ -382,7 +394,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     result = {"settings": asdict(settings), "base": read_json(out / "base.json"),
               "points": [read_point(out / "points" / f"{n}.json") for n in names + earlier]}
     with space_for(out, None, "the report's tables and plots", "run the same command again (its points are kept)"):
-        write_json(out / "report.json", result)
+        write_text(out / "report.json", strict_json(result, indent=1))  # for jq and the like; points/ is read back here only
         write_text(out / "report.md", table(result))
         plot(result, out)
     lock.close()

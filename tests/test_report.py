@@ -309,6 +309,30 @@ def test_a_point_file_without_its_figures_is_measured_again_or_named(tiny_dir, t
         assert code == 2 and err[-1].startswith(f"error: {point} is damaged"), err
 
 
+def test_a_point_past_floats_range_is_null_in_the_report_json(tiny_dir, tmp_path, capsys, monkeypatch, text):
+    """A point whose perplexity overflowed (e**(mean loss) past float's range) made report.json hold
+    `Infinity`, which is not JSON: jq and browsers refuse the whole file. Now null there; the table and
+    the chart still name the figure."""
+    out = tmp_path / "report"
+    args = ["report", tiny_dir, "--out", out, "--data", text, "--methods", "rtn", "--bits", "4", "--windows", 1,
+            "--ctx", 64]
+    assert cli(args, capsys, monkeypatch)[0] == 0
+    point = json.loads((out / "points" / "rtn-w4.json").read_text())
+    broken = {**point, "name": "rtn-w3", "perplexity": float("inf"), "ppl_ratio": float("inf")}
+    (out / "points" / "rtn-w3.json").write_text(json.dumps(broken))  # as a point's process writes it
+    code, _, err = cli(args, capsys, monkeypatch)
+    assert code == 0, err
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    report = json.loads((out / "report.json").read_text(), parse_constant=refuse)
+    by_name = {p["name"]: p for p in report["points"]}
+    assert by_name["rtn-w3"]["perplexity"] is None and by_name["rtn-w3"]["ppl_ratio"] is None
+    assert by_name["rtn-w4"]["perplexity"] == point["perplexity"]
+    md = (out / "report.md").read_text()
+    assert next(row for row in md.splitlines() if row.startswith("| rtn-w3 |")).count("| inf ± ") == 2
+
+
 def test_the_windows_shown_are_the_ones_scored(tiny_dir, tmp_path, capsys, monkeypatch):
     """A text shorter than --windows: the report said 40 windows where it scored what the text gave."""
     short = tmp_path / "short.txt"

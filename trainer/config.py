@@ -12,6 +12,12 @@ OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 
 
+def held_out_twice(fraction: float) -> QuantkitError:
+    """The error for both ways of naming the held-out data at once."""
+    return QuantkitError(f"{option('eval_fraction', fraction)} holds out part of {option('data')}, and "
+                         f"{option('eval_data')} gives the held-out data instead: drop one of them")
+
+
 @dataclass
 class TrainConfig:
     method: str = "lora"  # qlora: the frozen base linears held as NF4 with double quantization

@@ -32,7 +32,7 @@ from quantkit.modelio import Model, check_context, fingerprint, load
 from quantkit.pipeline import free_memory, map_large_blocks, peak_memory, read_progress, save_progress
 
 from . import dataset, lora
-from .config import TrainConfig
+from .config import TrainConfig, held_out_twice
 
 CHECKPOINT = "checkpoint"
 LOG = "train_log.json"
@@ -383,8 +383,7 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
         check_context(m.module.config, config.seqlen, "seqlen")
         data_file, eval_file = Path(data), Path(eval_data) if eval_data else None
         if eval_file is not None and config.eval_fraction not in (0, TrainConfig.eval_fraction):
-            raise QuantkitError(f"{option('eval_fraction', config.eval_fraction)} holds out part of {option('data')}, and "
-                                f"{option('eval_data')} gives the held-out data instead: drop one of them")
+            raise held_out_twice(config.eval_fraction)
         examples = dataset.read(data_file, m.tokenizer, config.seqlen)
         if eval_file is not None:
             train_set, held_out = examples, dataset.read(eval_file, m.tokenizer, config.seqlen)
