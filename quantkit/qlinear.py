@@ -35,6 +35,9 @@ GEMV_ROWS = 32
 # first (work = weights (rows + 2) / 3); on 2 cores 2^21 was the crossing, 2^20 took 1.2-1.4x one
 # thread's time at one row (benchmarks/RESULTS.md, kernel_bench.py --split)
 GEMV_SPLIT = 1 << 21
+# output rows of the int4 matmul's operands made at a time (a multiple of its blocks of 64: the same
+# bytes as made whole, test): whole, a 16384 x 4096 weight took 0.8 GB more at its first call
+INT4_SLICE = 1024
 
 
 class QuantLinear(torch.nn.Module):
@@ -54,15 +57,18 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend not in BACKENDS:
             raise QuantkitError(f"unknown kernel backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
+        if x.shape[-1] != self.in_features or not x.is_floating_point():
+            raise QuantkitError(f"input of {x.shape[-1]} features in {x.dtype} for a layer of {self.in_features}: "
+                                "pass floats of that width")
         if x.device.type == "cpu" and x.dtype == torch.float32 and torch.is_autocast_enabled("cpu"):
             x = x.to(torch.get_autocast_dtype("cpu"))  # as autocast casts a linear's input: the fused paths take it
         triton = self.backend == "triton" or (self.backend == "auto" and x.is_cuda and kernels.fits(self))
-        if triton and not (torch.is_grad_enabled() and x.requires_grad):
+        if torch.is_grad_enabled() and x.requires_grad:
+            y = Frozen.apply(x, self, triton)
+        elif triton:
             y = kernels.matmul(x, self)
-        elif triton:  # the kernels have no backward: dequantize with them, multiply with torch
-            y = kernels.dense(x, self)
         else:
-            y = self.fused(x) if self.backend == "auto" and not (torch.is_grad_enabled() and x.requires_grad) else None
+            y = self.fused(x) if self.backend == "auto" else None
             if y is None:
                 y = self.sliced(x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
@@ -83,7 +89,7 @@ class QuantLinear(torch.nn.Module):
         """gemv for an x that gemv_ready takes."""
         lib, rows = blocks.library(), x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features).float().contiguous()
-        y = torch.zeros(rows, self.out_features)
+        y = torch.zeros(rows, self.out_features, dtype=torch.float32, device="cpu")  # not torch's default dtype or device
         units = self.out_features // self.GEMV_UNIT
 
         def share(u0: int, u1: int) -> None:
@@ -113,10 +119,27 @@ class QuantLinear(torch.nn.Module):
         raise NotImplementedError
 
     def sliced(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T by the torch fallback: W dequantized to x's dtype a slice of rows at a time."""
-        rows = self.rows_per_chunk()
-        return torch.cat([F.linear(x, self.dequantize(x.dtype, r, min(r + rows, self.out_features)))
-                          for r in range(0, self.out_features, rows)], dim=-1)
+        """x W^T by the torch fallback: W dequantized to x's dtype a slice of rows at a time, each
+        slice's product written into y (a list of them concatenated would hold y twice)."""
+        rows, n = self.rows_per_chunk(), self.out_features
+        y = None
+        for r in range(0, n, rows):
+            part = F.linear(x, self.dequantize(x.dtype, r, min(r + rows, n)))
+            if rows >= n:
+                return part
+            if y is None:  # in the product's dtype: autocast's, where it casts
+                y = part.new_empty(*part.shape[:-1], n)
+            y[..., r:r + rows] = part
+        return y
+
+    def transposed(self, g: torch.Tensor) -> torch.Tensor:
+        """g W (the gradient of x from that of x W^T), float32: W dequantized to g's dtype a slice of
+        rows at a time, the slices' products summed in float32."""
+        rows, n = self.rows_per_chunk(), self.out_features
+        out = torch.zeros(*g.shape[:-1], self.in_features, dtype=torch.float32, device=g.device)
+        for r in range(0, n, rows):
+            out += g[..., r:r + rows] @ self.dequantize(g.dtype, r, min(r + rows, n))
+        return out
 
     def rows_per_chunk(self) -> int:
         return max(CHUNK // self.in_features, 1)
@@ -134,14 +157,20 @@ class QuantLinear(torch.nn.Module):
         # .to(), .half(), .cuda() move packed buffers but never cast them: fp16 scales would not survive bf16
         self._forget()  # made again from the buffers where they go
         packed = {name: self._buffers.pop(name) for name in self.PACKED if self._buffers.get(name) is not None}
-        super()._apply(fn, recurse)
-        for name, t in packed.items():
-            self.register_buffer(name, t.to(fn(t.new_empty(0)).device))
+        try:
+            super()._apply(fn, recurse)
+            packed = {name: t.to(fn(t.new_empty(0)).device) for name, t in packed.items()}
+        finally:  # a move that fails (no such device, out of memory) leaves the layer whole where it was
+            for name, t in packed.items():
+                self.register_buffer(name, t)
         return self
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._forget()  # the buffers change under it
+        dtypes = {name: t.dtype for name, t in self._buffers.items() if name in self.PACKED and t is not None}
         super()._load_from_state_dict(*args, **kwargs)
+        for name, dtype in dtypes.items():  # assign=True installs the state dict's own tensors: the kernels read these dtypes
+            self._buffers[name] = self._buffers[name].to(dtype).contiguous()
 
     def _forget(self) -> None:
         for name in self.DERIVED:
@@ -149,6 +178,20 @@ class QuantLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Frozen(torch.autograd.Function):
+    """x W^T with a gradient for x only. The backward dequantizes W again, a slice at a time: torch's
+    linear would keep each layer's dequantized W until the backward, QLoRA's base at bf16's size."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: QuantLinear, triton: bool) -> torch.Tensor:
+        ctx.layer, ctx.dtype = layer, x.dtype
+        return kernels.dense(x, layer) if triton else layer.sliced(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return ctx.layer.transposed(g).to(ctx.dtype), None, None
 
 
 def check_whole(name: str, **values) -> None:
@@ -164,7 +207,7 @@ def check_groups(g_idx: torch.Tensor, groups: int, name: str) -> None:
     lo, hi = (int(g_idx.min()), int(g_idx.max())) if g_idx.numel() else (0, 0)
     if not 0 <= lo <= hi < groups:
         raise QuantkitError(f"{name}: g_idx in [{lo}, {hi}] does not fit the GPTQ layout's {groups} groups: "
-                            "the checkpoint is corrupt")
+                            "the checkpoint is corrupt; re-export it")
 
 
 class GPTQLinear(QuantLinear):
@@ -182,14 +225,22 @@ class GPTQLinear(QuantLinear):
         k, n = g_idx.shape[0], scales.shape[-1]
         check_whole(name, bits=bits, group_size=group_size)
         if bits not in BITS:
-            raise QuantkitError(f"{name}: {bits}-bit weights are not supported: the kernels read {', '.join(map(str, BITS))}")
+            raise QuantkitError(f"{name}: {bits}-bit weights are not supported: the kernels read "
+                                f"{', '.join(map(str, BITS))}; quantize with one of those")
         if group_size != -1 and group_size < 1:
             raise QuantkitError(f"{name}: group size {group_size} is not supported: use -1 (per channel) or a positive size")
+        if g_idx.dim() != 1 or g_idx.is_floating_point() or g_idx.dtype == torch.bool:
+            raise QuantkitError(f"{name}: g_idx is {g_idx.dtype} {tuple(g_idx.shape)}, not one integer group index per "
+                                "input: the checkpoint is corrupt; re-export it")
+        if qweight.dim() != 2 or k * bits != qweight.shape[0] * 32:  # which of the two is wrong, the config tells
+            raise QuantkitError(f"{name}: qweight {tuple(qweight.shape)} holds {bits}-bit weights of "
+                                f"{qweight.shape[0] * 32 / bits:g} inputs, g_idx {tuple(g_idx.shape)} indexes {k}: they "
+                                "must agree: the checkpoint is corrupt; re-export it")
         groups = 1 if group_size == -1 else math.ceil(k / group_size)
         want = {"qweight": (k * bits // 32, n), "qzeros": (groups, n * bits // 32), "scales": (groups, n)}
         got = {"qweight": qweight, "qzeros": qzeros, "scales": scales}
         for key, t in got.items():
-            if tuple(t.shape) != want[key] or (key != "scales") != (t.dtype == torch.int32):
+            if tuple(t.shape) != want[key] or not (t.is_floating_point() if key == "scales" else t.dtype == torch.int32):
                 raise QuantkitError(
                     f"{name}: {key} is {t.dtype} {tuple(t.shape)}, but {bits}-bit weights of {k} inputs and {n} outputs "
                     f"in groups of {group_size} need {'int32' if key != 'scales' else 'float'} {want[key]}: "
@@ -207,7 +258,8 @@ class GPTQLinear(QuantLinear):
     def _plain_order(self) -> bool:
         """Whether the groups are of whole columns in order (no act-order, K a multiple of the group size)."""
         k, size = self.in_features, self.group_size
-        return size == -1 or (k % size == 0 and torch.equal(self.g_idx.cpu(), torch.arange(k, dtype=torch.int32) // size))
+        plain = torch.arange(k, dtype=torch.int32, device="cpu") // size
+        return size == -1 or (k % size == 0 and torch.equal(self.g_idx.cpu(), plain))
 
     def _load_from_state_dict(self, *args, **kwargs):
         # the buffers' shapes are checked by torch; g_idx's values, which index the scales, here
@@ -326,16 +378,19 @@ class GPTQLinear(QuantLinear):
         group = 128 if self.group_size == -1 else next((c for c in (256, 128, 64, 32) if size % c == 0), None)
         order = slice(None) if self.order is None else self.order.cpu()
         if self.bits != 4 or group is None or not torch.equal(
-                self.g_idx.cpu()[order], torch.arange(k, dtype=torch.int32) // size):
+                self.g_idx.cpu()[order], torch.arange(k, dtype=torch.int32, device="cpu") // size):
             return None
-        padded = -(-k // group) * group
-        codes = torch.full((-(-n // 16) * 16, padded), 8, dtype=torch.int32)  # padding: code 8, scale 0
-        codes[:n, :k] = unpack(self.qweight.cpu(), 4)[order].T
-        ours = torch.arange(0, padded, group) // size  # each kernel group's group
+        padded, rows = -(-k // group) * group, -(-n // 16) * 16
+        qweight, parts = self.qweight.cpu(), []
+        for r in range(0, rows, INT4_SLICE):  # the int32 codes of one slice at a time: 12 bytes a weight
+            codes = torch.full((min(INT4_SLICE, rows - r), padded), 8, dtype=torch.int32, device="cpu")  # padding: code 8, scale 0
+            codes[:min(n - r, INT4_SLICE), :k] = unpack(qweight[:, r:r + INT4_SLICE], 4)[order].T
+            parts.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        ours = torch.arange(0, padded, group, device="cpu") // size  # each kernel group's group
         s = self.scales.cpu().float()[ours]
         z = self.zeros().cpu().T.float()[ours]
-        scales_zeros = F.pad(torch.stack([s, (8 - z) * s], -1), (0, 0, 0, codes.shape[0] - n)).bfloat16()
-        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), scales_zeros, group, padded
+        scales_zeros = F.pad(torch.stack([s, (8 - z) * s], -1), (0, 0, 0, rows - n)).bfloat16()
+        return torch.cat(parts), scales_zeros, group, padded
 
     def gemv_fits(self) -> bool:
         return self.out_features % 8 == 0
@@ -384,14 +439,17 @@ class NF4Linear(QuantLinear):
                  nested_blocksize: int = nf4.NESTED_BLOCK, offset: float = 0.0, bias: torch.Tensor | None = None,
                  name: str = "linear"):
         n, k = shape
-        check_whole(name, blocksize=blocksize, nested_blocksize=nested_blocksize)
+        check_whole(name, out_features=n, in_features=k, blocksize=blocksize, nested_blocksize=nested_blocksize)
+        if n < 1 or k < 1:
+            raise QuantkitError(f"{name}: shape {n}x{k} holds no weights: the checkpoint's quant_state is corrupt; "
+                                "re-export it")
         if nested_blocksize < 1 or isinstance(offset, bool) or not isinstance(offset, (int, float)) \
                 or not math.isfinite(offset):
             raise QuantkitError(f"{name}: nested block size {nested_blocksize}, offset {offset!r}: the checkpoint's "
                                 "quant_state is corrupt; re-export it")
         if blocksize not in nf4.BLOCK_SIZES:
-            raise QuantkitError(f"{name}: block size {blocksize} is not supported: use one of "
-                                f"{', '.join(map(str, nf4.BLOCK_SIZES))}")
+            raise QuantkitError(f"{name}: block size {blocksize} is not one bitsandbytes writes "
+                                f"({', '.join(map(str, nf4.BLOCK_SIZES))}): re-export it with one of those")
         nested = nested_absmax is not None
         blocks = math.ceil(n * k / blocksize)
         want = {"packed": ((n * k + 1) // 2, torch.uint8), "absmax": (blocks, torch.uint8 if nested else torch.float32),
@@ -438,7 +496,7 @@ class NF4Linear(QuantLinear):
             return self.absmax[first:last]
         j = torch.arange(first, last, device=self.absmax.device)
         return (self.nested_map[self.absmax[first:last].long()] * self.nested_absmax[j // self.nested_blocksize]
-                + torch.tensor(self.offset, dtype=torch.float32))
+                + torch.tensor(self.offset, dtype=torch.float32, device=self.absmax.device))
 
     def dequantize(self, dtype: torch.dtype = torch.float32, start: int = 0, stop: int | None = None) -> torch.Tensor:
         stop = self.out_features if stop is None else stop

@@ -506,6 +506,89 @@ def test_casting_keeps_packed_buffers():
     assert nf.absmax.dtype == torch.uint8 and nf.nested_absmax.dtype == torch.float32
 
 
+@pytest.mark.parametrize("make", [lambda: GPTQLinear.from_tensor(grid(4, 32, True, n=72)),
+                                  lambda: NF4Linear.from_tensor(nf4.quantize(torch.randn(72, IN), "nf4", 64, True))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_frozen_base_keeps_no_float_weight_for_the_backward(make, dtype):
+    """With a gradient wanted for x, torch's linear kept each dequantized slice of W until the backward:
+    a float copy of every layer's weight through the whole forward, QLoRA's base at bf16's size. Now
+    nothing of W is kept, the backward dequantizes it again, and x's gradient is g W."""
+    layer = make()
+    kept = []
+    x = torch.randn(3, 5, IN, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel() * t.element_size()) or t, lambda t: t):
+        y = layer(x)
+    assert sum(kept) == 0, kept
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    y.backward(g)
+    w = layer.dequantize(torch.float32)
+    eps = 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps  # float32 sums in another order; bf16's rounding
+    for got, want in ((y, x.detach().float() @ w.T), (x.grad, g.float() @ w)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, rtol=eps, atol=eps * want.abs().max().item())
+
+
+def test_torchs_default_dtype_and_device_do_not_reach_the_gemv():
+    """The compiled GEMV's output was made in torch's default dtype on its default device: float64 gave
+    garbage, bfloat16 a buffer half the size it writes (a corrupted heap), the meta device a null pointer."""
+    layers = [GPTQLinear.from_tensor(grid(4, 32, False, n=72)),
+              NF4Linear.from_tensor(nf4.quantize(torch.randn(72, IN), "nf4", 64, True))]
+    x = torch.randn(2, IN, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = [layer(x) for layer in layers]
+        for default in (torch.float64, torch.bfloat16):
+            before = torch.get_default_dtype()
+            torch.set_default_dtype(default)
+            try:
+                assert all(torch.equal(layer(x), y) for layer, y in zip(layers, want))
+            finally:
+                torch.set_default_dtype(before)
+        with torch.device("meta"):
+            assert all(torch.equal(layer(x), y) for layer, y in zip(layers, want))
+
+
+def test_a_move_that_fails_leaves_the_layer_whole():
+    """.to() took the packed buffers out before moving the rest: a move that failed left a layer with
+    no weight, whose next forward was an AttributeError."""
+    layer = GPTQLinear.from_tensor(grid(4, 32, False), bias=torch.randn(OUTPUTS[4]))
+    x = torch.randn(2, IN)
+    with torch.no_grad():
+        y = layer(x)
+        with pytest.raises((RuntimeError, AssertionError)):  # no CUDA build, or no 100th GPU
+            layer.to("cuda:99")
+        assert set(layer.PACKED) <= set(dict(layer.named_buffers())) and torch.equal(layer(x), y)
+
+
+def test_state_dict_assigned_takes_the_layers_dtypes():
+    """load_state_dict(assign=True) installs the state dict's own tensors: an int64 g_idx (as g_idx often
+    is) was then read as int32 by the GEMV, giving wrong outputs where the fallback gave right ones."""
+    act = grid(4, 32, True, seed=3)
+    state = {k: v.long() if k == "g_idx" else v for k, v in GPTQLinear.from_tensor(act).state_dict().items()}
+    layer = GPTQLinear.from_tensor(grid(4, 32, False, seed=4))
+    layer.load_state_dict(state, assign=True)
+    assert layer.g_idx.dtype == torch.int32
+    x = torch.randn(1, IN)
+    with torch.no_grad():
+        assert_product(layer(x), x, act)
+
+
+def test_int4_operands_made_in_slices_are_those_made_whole(monkeypatch):
+    """The CPU's int4 operands are made a slice of output rows at a time (whole, a 16384 x 4096 weight took
+    0.8 GB more at the first call): torch packs them in blocks of 64 rows, so slices give the same bytes."""
+    qt = grid(4, 32, False, n=200)  # 208 rows with the kernel's padding: a last slice of 16
+    whole = GPTQLinear.from_tensor(qt).int4
+    monkeypatch.setattr(qlinear, "INT4_SLICE", 64)
+    sliced = GPTQLinear.from_tensor(qt).int4
+    assert all(torch.equal(a, b) for a, b in zip(whole[:2], sliced[:2])) and whole[2:] == sliced[2:]
+
+
+def test_an_input_of_another_width_is_named():
+    layer = GPTQLinear.from_tensor(grid(4, 32, False))
+    for x in (torch.randn(1, IN + 96), torch.randn(1, IN).long()):
+        with pytest.raises(QuantkitError, match=f"input of {x.shape[-1]} features in {x.dtype} for a layer of {IN}"):
+            layer(x)
+
+
 def test_weights_past_int32_offsets_are_refused(monkeypatch):
     """The kernels index W in int32: a weight of 2^31 values or more is refused, not read out of place,
     and the auto backend takes the torch fallback for it."""
@@ -582,10 +665,13 @@ NAME = "model.layers.1.mlp.down_proj"
 
 
 @pytest.mark.parametrize("tensors,config,match", [
-    ({f"{NAME}.qweight": lambda t: t[:-4]}, None, "qweight is torch.int32"),
+    ({f"{NAME}.qweight": lambda t: t[:-4]}, None, r"qweight \(\d+, \d+\) holds 4-bit weights of \d+ inputs, g_idx"),
     ({f"{NAME}.scales": lambda t: t[:-1]}, None, "scales is"),
     ({f"{NAME}.g_idx": lambda t: t + 7}, None, "g_idx in"),
     ({f"{NAME}.qzeros": lambda t: t.float()}, None, "qzeros is torch.float32"),
+    ({f"{NAME}.scales": lambda t: t.to(torch.uint8)}, None, "scales is torch.uint8"),
+    ({f"{NAME}.g_idx": lambda t: t[:-32]}, None, r"qweight \(\d+, \d+\) holds 4-bit weights of \d+ inputs, g_idx \(\d+,\) indexes"),
+    ({f"{NAME}.g_idx": lambda t: t.float()}, None, "g_idx is torch.float32"),
     (None, {"bits": 5}, "5-bit weights are not supported"),
     (None, {"group_size": 0}, "group size 0 is not supported"),
     (None, {"group_size": 64}, "in groups of 64"),
@@ -602,7 +688,8 @@ def test_bad_gptq_checkpoint_fails_at_load(tiny_dir, tmp_path, tensors, config, 
 @pytest.mark.parametrize("tensors,state,match", [
     ({f"{NAME}.weight.absmax": lambda t: t[:-1]}, None, "absmax is"),
     ({f"{NAME}.weight": lambda t: t[:-1]}, None, "packed is"),
-    (None, {"blocksize": 48}, "block size 48 is not supported"),
+    (None, {"blocksize": 48}, "block size 48 is not one bitsandbytes writes"),
+    (None, {"shape": [96.0, 96.0]}, "out_features is 96.0, not a whole number"),
     (None, {"shape": [128, 48]}, "128x48 weight"),
 ])
 def test_bad_nf4_checkpoint_fails_at_load(tiny_dir, tmp_path, tensors, state, match):
