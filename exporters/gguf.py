@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 import zlib
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import gguf
 import numpy as np
 import torch
 
-from quantkit.errors import QuantkitError, untrusted
+from quantkit.errors import Note, QuantkitError, untrusted
 from quantkit.modelio import Model, adds_bos, adds_eos, stored_state
 from quantkit import requant
 from quantkit.qtensor import QuantizedTensor
@@ -46,6 +47,18 @@ def check(module: torch.nn.Module, mix: str) -> None:
         raise QuantkitError(f"GGUF export writes {', '.join(ARCHS)} models, not {cfg.model_type!r}: "
                             "use --format safetensors")
     check_mix(mix)
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ("silu", "swish"):  # llama.cpp's graphs for these architectures gate with SiLU whatever the config says
+        raise QuantkitError(f"the model's activation is {act!r}, and llama.cpp runs {cfg.model_type} models with SiLU: "
+                            "use --format safetensors")
+    if ARCHS[cfg.model_type] == "qwen3" and getattr(cfg, "attention_bias", False):
+        raise QuantkitError("a Qwen3 with attention biases: llama.cpp's qwen3 reads none (it refuses the file): use "
+                            "--format safetensors")
+    window = getattr(cfg, "sliding_window", None)
+    if window and window < cfg.max_position_embeddings:  # Mistral v0.1's 4096: a refusal would shut out the model
+        warnings.warn(f"the model attends to windows of {window} tokens, and llama.cpp's {ARCHS[cfg.model_type]} to the "
+                      f"whole context (as llama.cpp's converter writes it too): past {window} tokens its scores differ "
+                      "from transformers'", Note)
     kind = rope(cfg).get("rope_type", "default")
     if kind not in ROPES or kind == "llama3" and ARCHS[cfg.model_type] != "llama":
         raise QuantkitError(f"rope scaling {kind!r} of a {cfg.model_type} model is not written to GGUF: "
@@ -377,7 +390,11 @@ class Writer:
     def add(self, key: str, tensor: torch.Tensor) -> None:
         if tensor.dim() != 1:
             raise QuantkitError(f"{key} has no GGUF type: quantize the model for GGUF first")
-        self.write(gguf_name(key), tensor.float().cpu().numpy())
+        values = tensor.float().cpu().numpy()
+        for suffix, n_head in self.heads.items():  # q/k biases (Llama's attention_bias) in their rows' order
+            if key.endswith(f"{suffix}.bias"):
+                values = permute_rows(values, n_head)
+        self.write(gguf_name(key), values)
 
     def add_quantized(self, name: str, qt: QuantizedTensor) -> None:
         if qt.ggml is None:

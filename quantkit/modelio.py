@@ -327,7 +327,7 @@ class GGUFCheckpoint(Checkpoint):
         """rows (values or blocks) in Hugging Face's order: llama.cpp's rope order undone for q/k
         (exporters.gguf.permute_rows)."""
         for suffix, n_head in self.heads.items():
-            if key.endswith(f"{suffix}.weight"):
+            if key.endswith((f"{suffix}.weight", f"{suffix}.bias")):
                 rows = rows.reshape(n_head, rows.shape[0] // n_head // 2, 2, -1).transpose(1, 2).reshape(rows.shape)
         return rows.contiguous()
 
@@ -671,6 +671,8 @@ def gguf_config(metadata: dict, names: tuple[str, ...], path: Path):
     if missing:
         raise QuantkitError(f"{path} has no {', '.join(missing)}: the file is damaged; convert the model again")
     values = {"model_type": arch, "tie_word_embeddings": "output.weight" not in names}
+    if arch == "llama":  # optional there, as in transformers' Llama (llamafied Qwen1.5, Yi): the file has them or not
+        values |= {"attention_bias": "blk.0.attn_q.bias" in names, "mlp_bias": "blk.0.ffn_up.bias" in names}
     for key, value in metadata.items():
         prefix, _, rest = key.partition(".")
         renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)

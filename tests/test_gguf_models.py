@@ -25,10 +25,12 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 LINEAR = {"rope_type": "linear", "factor": 2.0}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0}
 # the embedded model's tokenizer (a Llama's is SmolLM2's own, whose pre-tokenizer the converter knows;
-# a Qwen2's takes Qwen2's pre-tokenizer in transformers), or a sentencepiece one
+# a Qwen2's takes Qwen2's pre-tokenizer in transformers), or a sentencepiece one; a Llama with biases
+# (llamafied Qwen1.5 and Yi: q/k biases in the rope's order like the rows)
 CASES = {"llama-llama3": ("llama", LLAMA3, "smollm"), "mistral-linear-sentencepiece": ("mistral", LINEAR, "sentencepiece"),
          "qwen2-yarn": ("qwen2", YARN, "smollm"), "llama-sentencepiece": ("llama", None, "sentencepiece"),
-         "qwen3": ("qwen3", None, "smollm")}
+         "qwen3": ("qwen3", None, "smollm"),
+         "llama-biases": ("llama", None, "smollm", {"attention_bias": True, "mlp_bias": True})}
 QWENS = ("qwen2", "qwen3")  # tied embeddings, as their small ones have
 
 
@@ -53,8 +55,9 @@ def sentencepiece_tokenizer(path):
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def write_model(path, arch: str, rope: dict | None, tokenizer: str, seed: int = 0):
-    """A random model of arch (2 layers, float32) with the rope and tokenizer named, saved as a checkpoint."""
+def write_model(path, arch: str, rope: dict | None, tokenizer: str, extra: dict | None = None):
+    """A random model of arch (2 layers, float32) with the rope and tokenizer named and the extra config,
+    saved as a checkpoint."""
     path.mkdir()
     if tokenizer == "sentencepiece":
         sentencepiece_tokenizer(path)
@@ -63,11 +66,11 @@ def write_model(path, arch: str, rope: dict | None, tokenizer: str, seed: int = 
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(default_model_dir() / f, path)
         vocab = 49152
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     config = AutoConfig.for_model(arch, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                                   tie_word_embeddings=arch in QWENS, rope_parameters={"rope_theta": 10000.0, **(rope or {})},
-                                  bos_token_id=1, eos_token_id=2)
+                                  bos_token_id=1, eos_token_id=2, **(extra or {}))
     module = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in module.named_parameters():
@@ -187,6 +190,23 @@ def test_file_reads_back_as_the_checkpoint(models, tmp_path, case):
     said = (CASES[case][1] or {}).get("rope_type", "default")  # llama3's is in the frequencies, not the config
     assert m.module.config.rope_parameters["rope_type"] == ("default" if said == "llama3" else said)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+def test_what_llama_cpp_runs_otherwise_is_refused_or_named(models, recwarn):
+    """A GELU Llama became a SiLU GGUF, and a Qwen3 with biases a file llama.cpp refuses; a sliding
+    window, which llama.cpp's llama leaves out as its converter does, is named."""
+    m = quantkit.load(models["llama-llama3"])
+    m.module.config.hidden_act = "gelu"
+    with pytest.raises(QuantkitError, match="activation is 'gelu', and llama.cpp runs llama models with SiLU"):
+        G.check(m.module, "Q8_0")
+    m = quantkit.load(models["qwen3"])
+    m.module.config.attention_bias = True
+    with pytest.raises(QuantkitError, match="Qwen3 with attention biases"):
+        G.check(m.module, "Q8_0")
+    m = quantkit.load(models["mistral-linear-sentencepiece"])
+    m.module.config.sliding_window = 64
+    G.check(m.module, "Q8_0")
+    assert [str(w.message) for w in recwarn if "windows of 64 tokens" in str(w.message)]
 
 
 def test_ropes_llama_cpp_cannot_take_are_refused(models):
