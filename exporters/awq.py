@@ -15,7 +15,6 @@ from quantkit.config import QuantConfig
 from quantkit.errors import QuantkitError
 from quantkit.modelio import Model
 from quantkit.layers import linear_shapes
-from quantkit.qlinear import GPTQLinear
 from quantkit.qtensor import QuantizedTensor, group_index
 
 from . import checkpoint
@@ -80,7 +79,7 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
 
 def read(path: Path, packed: bool = False) -> Model:
     """Load an AWQ GEMM checkpoint (ours or AutoAWQ's): with dequantized float weights, or packed, its
-    grids repacked into GPTQLinear layers (the kernels read the GPTQ layout)."""
+    grids repacked into GPTQLinear layers where that layout holds them (checkpoint.model)."""
     cfg, qc = checkpoint.config(path)
     bits, group_size = qc.get("bits", qc.get("w_bit", 4)), qc.get("group_size", qc.get("q_group_size", 128))
     if bits != 4 or str(qc.get("version", "gemm")).lower() != "gemm":
@@ -95,8 +94,8 @@ def read(path: Path, packed: bool = False) -> Model:
         if zeros.shape != scales.T.shape or k % group_size:
             raise QuantkitError(f"{path}: {name} has qzeros {tuple(qzeros.shape)} and scales {tuple(scales.shape)}, which "
                                 f"do not fit {k} inputs in groups of {group_size}: the checkpoint is corrupt")
-        qt = QuantizedTensor(codes, scales.T.contiguous().half(), zeros, group_index(k, group_size), 4, group_size, False)
-        layers[name] = GPTQLinear.from_tensor(qt, state.pop(f"{name}.bias", None), name=f"{path}: {name}")
+        layers[name] = QuantizedTensor(codes, scales.T.contiguous().half(), zeros, group_index(k, group_size), 4,
+                                       group_size, False)
     rules = checkpoint.rules_read(layers, state, 4, group_size)  # modules_to_not_convert, held in float
     # rules go with RTN and GPTQ grids (AWQ's search takes one setting): a mixed checkpoint reads as the
     # grids its tensors are

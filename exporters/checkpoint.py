@@ -146,7 +146,7 @@ def config(path: Path) -> tuple[object, dict]:
     return cfg, qc
 
 
-def rules_read(layers: dict[str, GPTQLinear], state: dict[str, torch.Tensor], bits: int,
+def rules_read(layers: dict[str, GPTQLinear | QuantizedTensor], state: dict[str, torch.Tensor], bits: int,
                group_size: int) -> tuple[Rule, ...]:
     """Rules by exact name under which a model read from a checkpoint exports again as it was read:
     one per setting other than the run's (bits, group size), for the decoder linears read at it, and
@@ -185,19 +185,26 @@ def take(state: dict[str, torch.Tensor], path: Path, name: str, parts: Sequence[
     return {p: state.pop(f"{name}.{p}") for p in parts}
 
 
-def model(path: Path, cfg, state: dict[str, torch.Tensor], layers: dict[str, QuantLinear], qconfig: QuantConfig,
-          packed: bool) -> Model:
-    """A Model from a checkpoint's plain tensors and its quantized linears (validated packed layers):
-    installed as they are (packed), or unpacked into QuantizedTensors and dequantized float weights."""
+def model(path: Path, cfg, state: dict[str, torch.Tensor], layers: dict[str, QuantLinear | QuantizedTensor],
+          qconfig: QuantConfig, packed: bool) -> Model:
+    """A Model from a checkpoint's plain tensors and its quantized linears: validated packed layers, or
+    the grids of a layout the kernels do not read (AWQ's, compressed-tensors'; their biases left in
+    state). Packed: the layers installed as they are, the grids repacked into GPTQ layers where that
+    layout holds them and held in float where it does not (inputs not a multiple of 32: those formats
+    take any whole groups). Else: all unpacked into QuantizedTensors and dequantized float weights."""
     tensors = {}
-    if not packed:
-        for name, layer in layers.items():
-            tensors[name] = layer.to_tensor()
+    for name, layer in list(layers.items()):
+        if packed and isinstance(layer, QuantizedTensor):
+            if layer.shape[1] % 32 == 0 and layer.shape[0] * layer.bits % 32 == 0:
+                layers[name] = GPTQLinear.from_tensor(layer, state.pop(f"{name}.bias", None), name=f"{path}: {name}")
+            else:
+                state[f"{name}.weight"] = layers.pop(name).dequantize()
+        elif not packed:
+            tensors[name] = layer if isinstance(layer, QuantizedTensor) else layer.to_tensor()
             state[f"{name}.weight"] = tensors[name].dequantize()
-            if layer.bias is not None:
+            if isinstance(layer, QuantLinear) and layer.bias is not None:
                 state[f"{name}.bias"] = layer.bias.data
-        layers = {}
-    return Model(build(path, cfg, state, layers), load_tokenizer(path), str(path), tensors, qconfig)
+    return Model(build(path, cfg, state, {} if not packed else layers), load_tokenizer(path), str(path), tensors, qconfig)
 
 
 def build(path: Path, cfg, state: dict[str, torch.Tensor], layers: dict[str, torch.nn.Module]) -> torch.nn.Module:

@@ -23,7 +23,6 @@ from quantkit.errors import QuantkitError
 from quantkit.layers import fused, linear_shapes
 from quantkit.modelio import Model
 from quantkit.packing import pack as pack_stream, unpack as unpack_stream
-from quantkit.qlinear import GPTQLinear
 from quantkit.qtensor import QuantizedTensor, group_index
 from quantkit.rules import exact
 
@@ -188,7 +187,7 @@ def schemes(path: Path, qc: dict) -> Callable[[str], tuple[int, int, bool, bool]
 
 def read(path: Path, packed: bool = False) -> Model:
     """Load a pack-quantized checkpoint (ours or llm-compressor's): with dequantized float weights, or
-    packed, its grids repacked into GPTQLinear layers (the kernels read the GPTQ layout)."""
+    packed, its grids repacked into GPTQLinear layers where that layout holds them (checkpoint.model)."""
     cfg, qc = checkpoint.config(path)
     scheme_of = schemes(path, qc)
     state = checkpoint.read_tensors(path)
@@ -212,9 +211,8 @@ def read(path: Path, packed: bool = False) -> Model:
                                 f"{group_size}: the checkpoint is corrupt")
         zeros = torch.full((n, ng), 1 << (bits - 1), dtype=torch.uint8) if zp is None else \
             unpack(zp.T.contiguous(), bits, n).T.contiguous()
-        qt = QuantizedTensor(unpack(words, bits, k), scales.half(), zeros, group_index(k, group_size), bits,
-                             group_size, sym)
-        layers[name] = GPTQLinear.from_tensor(qt, state.pop(f"{name}.bias", None), name=f"{path}: {name}")
+        layers[name] = QuantizedTensor(unpack(words, bits, k), scales.half(), zeros, group_index(k, group_size), bits,
+                                       group_size, sym)
     # the run's settings: those of the group targeting every Linear (or the only one); the others as
     # rules (rules_read), so that the model exports again as it was read
     bits, group_size, sym, ordered = next(iter(seen)) if len(seen) == 1 else scheme_of("Linear")

@@ -649,6 +649,27 @@ def test_load_packed(tiny_dir, tmp_path, method, fmt):
         torch.testing.assert_close(packed.module(ids).logits, plain.module(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("method,fmt", [("rtn", "compressed-tensors"), ("awq", "awq")])
+def test_exports_whose_inputs_the_gptq_layout_cannot_hold_read_back(tmp_path, method, fmt):
+    """AWQ and compressed-tensors take any whole groups, and both readers repacked every grid into the
+    GPTQ layout, which needs inputs in multiples of 32: a 48-wide model exported fine and was refused at
+    every load, --dequantized too. Now such linears are held in float in a packed load; the others packed."""
+    from .conftest import VALID, make_tiny
+
+    model = make_tiny(tmp_path / "m", hidden=48, intermediate=96)  # down_proj's 96 inputs fit, the rest do not
+    kw = {"calib_data": VALID, "calib_samples": 4, "calib_seqlen": 64} if method == "awq" else {}
+    m = quantkit.quantize(str(model), method=method, group_size=16, out=tmp_path / "q", format=fmt, keep=True,
+                          progress=False, **kw)
+    plain, packed = quantkit.load(tmp_path / "q"), quantkit.load(tmp_path / "q", packed=True)
+    assert plain.tensors.keys() == m.tensors.keys()
+    assert all(torch.equal(plain.tensors[n].dequantize(), m.tensors[n].dequantize()) for n in m.tensors)
+    kinds = {n: type(packed.module.get_submodule(n)) for n in m.tensors}
+    assert {n for n, k in kinds.items() if k is GPTQLinear} == {n for n in m.tensors if n.endswith("down_proj")}
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(packed.module(ids).logits, plain.module(ids).logits, rtol=1e-4, atol=1e-4)
+
+
 def edit_checkpoint(path, tensors=None, config=None):
     f = path / "model.safetensors"
     state = load_file(f)
