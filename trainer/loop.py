@@ -128,8 +128,19 @@ def settle(module: torch.nn.Module) -> None:
     refused any other batch), no gradient checkpointing."""
     module.eval()
     lora.seed_examples({n: m for n, m in module.named_modules() if isinstance(m, lora.LoraLinear)}, [])
-    if module.is_gradient_checkpointing:  # transformers 5.23 renames these; older 5.x has only these names
-        module.gradient_checkpointing_disable()
+    if checkpointing(module, "is"):
+        checkpointing(module, "disable")()
+
+
+def checkpointing(module: torch.nn.Module, what: str):
+    """module's activation checkpointing ("enable", "disable", or "is": on or not): transformers 5.23
+    renamed gradient_checkpointing_* to activation_checkpointing_*, and the old names warn there;
+    older 5.x has only those."""
+    for kind in ("activation", "gradient"):
+        name = f"is_{kind}_checkpointing" if what == "is" else f"{kind}_checkpointing_{what}"
+        if hasattr(type(module), name):  # the class's: an instance's property would be read, and warn
+            return getattr(module, name)
+    raise AttributeError(f"{type(module).__name__} has no {what} of activation checkpointing")
 
 
 def fsdp_shard(device: torch.device) -> Callable[[torch.nn.Module], None]:
@@ -462,7 +473,7 @@ def run(m: Model, config: TrainConfig, names: list[str], *, train_set: list[data
     layers = build(m, config, names, dev, amp or torch.float32)
     module = m.module.train()
     if config.gradient_checkpointing:
-        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing(module, "enable")({"use_reentrant": False})
     params = [p for p in module.parameters() if p.requires_grad]
     opt = optimizer(config, layers, dev)
     sched = schedule(opt, config, total)
