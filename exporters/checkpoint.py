@@ -64,7 +64,14 @@ class CheckpointWriter:
         return path.is_dir() and not path.is_symlink() and state_intact(path, state["shards"])
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
-        self.shards.add(key, tensor.to(self.dtype) if tensor.is_floating_point() else tensor)
+        if tensor.is_floating_point():
+            stored = tensor.to(self.dtype)
+            if not finite(stored) and finite(tensor):  # stored as inf: the export would be refused as damaged when read
+                raise QuantkitError(f"{key} holds values up to {float(tensor.abs().max()):.3g}, past what {self.dtype} "
+                                    f"holds, the dtype this layout stores what it does not quantize in: use NF4 (its "
+                                    "layout keeps the checkpoint's dtype) or GGUF")
+            tensor = stored
+        self.shards.add(key, tensor)
 
     def add_quantized(self, name: str, qt: QuantizedTensor) -> None:
         if name == "lm_head" and not self.packs_head:
