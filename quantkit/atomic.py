@@ -55,9 +55,12 @@ def check_apart(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | Non
         if p is None:
             continue
         i = Path(p).resolve()
-        if o == i or i.is_relative_to(o):
-            raise QuantkitError(f"{errors.option(option)} {out} {'is' if o == i else 'holds'} {p}, which this command "
-                                f"reads: writing it would delete that; choose another {errors.option(option)}")
+        # an input directory's files may link elsewhere (the hub's cache, into blobs/): what they link to is read too
+        links = [f for f in Path(p).iterdir() if f.is_symlink()] if i.is_dir() else []
+        for named, read in ((p, i), *((f"{f} (a link to {f.resolve()})", f.resolve()) for f in links)):
+            if o == read or read.is_relative_to(o):
+                raise QuantkitError(f"{errors.option(option)} {out} {'is' if o == read else 'holds'} {named}, which this "
+                                    f"command reads: writing it would delete that; choose another {errors.option(option)}")
         if o.is_file() and o.parent == i:
             raise QuantkitError(f"{errors.option(option)} {out} would replace {o.name} in {p}, which this command "
                                 f"reads: choose another {errors.option(option)}")

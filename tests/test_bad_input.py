@@ -748,6 +748,26 @@ def test_exports_over_what_they_read_are_refused(model, capsys, monkeypatch, tmp
         quantkit.quantize(str(model), method="gptq", calib_data=calib, out=calib, progress=False)
 
 
+def test_an_out_that_a_models_linked_weights_lie_in_is_refused(model, capsys, monkeypatch, tmp_path):
+    """A model directory whose weights are a link into --out (as the hub's cache links into blobs/):
+    quantize --out that --overwrite replaced the directory, and the model's weights with it."""
+    import shutil
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(model, b)
+    a.mkdir()
+    for f in model.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, a)
+    (a / "model.safetensors").symlink_to(b / "model.safetensors")
+    weights = (b / "model.safetensors").read_bytes()
+    code, line = run(["quantize", a, "--out", b, "--overwrite", "--method", "rtn", "--group-size", 32], capsys,
+                     monkeypatch)
+    assert code == 2 and f"holds {a / 'model.safetensors'} (a link to {b / 'model.safetensors'}), which this command " \
+        "reads" in line, line
+    assert (b / "model.safetensors").read_bytes() == weights
+
+
 def test_merge_over_the_base_its_adapter_names_is_refused(model, capsys, monkeypatch, tmp_path):
     """The base comes from the adapter's config when --base is not given: an --out holding it replaced
     the base model (and everything beside it)."""
