@@ -134,12 +134,14 @@ def stamp(f: Path) -> tuple[int, int, int]:
 
 
 def shard_files(path: Path) -> list[Path]:
-    """A safetensors checkpoint's files: those its index names (each checked to be there), else every
-    one in the directory. Where there is an index, other files beside it (a stray model.safetensors)
-    are not read, as transformers reads none."""
+    """A safetensors checkpoint's files: those its index names (each checked to be there), else
+    model.safetensors, else every one in the directory. Other files beside an index or a
+    model.safetensors (a stray model.safetensors; an adapter_model.safetensors kept beside a merged
+    model, Mistral's consolidated.safetensors) are not read, as transformers reads none."""
     index = path / "model.safetensors.index.json"
     if not index.is_file():
-        return sorted(path.glob("*.safetensors"))
+        single = path / "model.safetensors"
+        return [single] if single.is_file() else sorted(path.glob("*.safetensors"))
     with untrusted(index, "not a valid shard index", "restore it from the model's files"):
         files = sorted({path / f for f in weight_map(path).values()})
     if not files:
@@ -524,11 +526,15 @@ def skeleton(cfg, checkpoint: Checkpoint, path: Path) -> PreTrainedModel:
     if missing:
         raise QuantkitError(f"{path}: the checkpoint lacks {missing[0]} ({len(missing)} missing), which "
                             f"{checkpoint.config} calls for: download the whole checkpoint, or fix {checkpoint.config}")
-    for name, p in params.items():  # every shape now, not when the pipeline reaches the layer hours later
+    dtypes = getattr(checkpoint, "dtypes", {})  # a safetensors header's (a GGUF's types are read as they come)
+    for name, p in params.items():  # every shape and dtype now, not when the pipeline reaches the layer hours later
         key = name if name in checkpoint.where else "model.embed_tokens.weight"
         if checkpoint.shapes[key] != tuple(p.shape):
             raise QuantkitError(f"{path}: tensor {name} has shape {checkpoint.shapes[key]} but {checkpoint.config} "
                                 f"implies {tuple(p.shape)}: the config and the weights are from different models")
+        if dtypes and dtypes[key] not in FLOAT_DTYPES:
+            raise QuantkitError(f"{path}: tensor {name} is {dtypes[key]}, not a float type: the checkpoint is damaged "
+                                "or not a float model; re-download or re-export it")
     kept = set(params) | {n for n, _ in module.named_buffers()} | tied
     extra = [k for k in checkpoint.where if k not in kept and not k.endswith(LEFTOVERS)]
     if extra:

@@ -700,11 +700,16 @@ def test_a_weights_file_alone_and_a_hub_cache_folder_are_named(model, tmp_path):
         quantkit.load(str(model))
 
 
-def test_checkpoints_that_are_not_float_causal_models_say_what_they_are(model, capsys, monkeypatch, tmp_path):
+def test_checkpoints_that_are_not_float_causal_models_say_what_they_are(model, tiny_dir, capsys, monkeypatch,
+                                                                         tmp_path):
     """A weights file passed for its directory was called a damaged GGUF; a float64 checkpoint already
     quantized; a classifier (tied, so no head was missing) was quantized as a causal model, its head
-    dropped."""
+    dropped; an integer weight was found when its layer was reached, the layers before it quantized; an
+    adapter's file beside model.safetensors was read as the model's."""
     import torch
+
+    import quantkit
+    from quantkit.errors import QuantkitError
 
     quantize_fails([model / "model.safetensors"], capsys, monkeypatch, tmp_path, "is a file of the model directory")
     cfg = json.loads((model / "config.json").read_text())
@@ -714,6 +719,17 @@ def test_checkpoints_that_are_not_float_causal_models_say_what_they_are(model, c
     state = load_file(model / "model.safetensors")
     save_file({k: v.to(torch.float64) for k, v in state.items()}, model / "model.safetensors")
     quantize_fails([model], capsys, monkeypatch, tmp_path, "float64 weights")
+    # an integer weight in the last layer: refused at load, from the header, not after the layers before it
+    last = "model.layers.1.mlp.down_proj.weight"
+    save_file(state | {last: state[last].to(torch.int8)}, model / "model.safetensors")
+    with pytest.raises(QuantkitError, match=f"tensor {last} is I8, not a float type"):
+        quantkit.load(model)
+    # files beside model.safetensors that transformers does not read (an adapter kept beside its merge)
+    # were read as weights, and the model refused for tensors its config does not call for
+    save_file(state, model / "model.safetensors")
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 64)},
+              model / "adapter_model.safetensors")
+    assert quantkit.load(model).module.state_dict().keys() == quantkit.load(tiny_dir).module.state_dict().keys()
 
 
 def test_one_part_of_a_split_gguf_is_refused(capsys, monkeypatch, tmp_path):

@@ -96,7 +96,8 @@ def test_sharded_export_loads_in_quantkit_and_transformers(tiny_dir, tmp_path):
 def test_a_stray_file_beside_indexed_shards_is_not_read(tiny_dir, tmp_path):
     """A model.safetensors left beside an index (another export's, here with other weights) sorted
     after the shards and replaced their tensors; the index names the files, as for transformers. Without
-    an index, a tensor in two files is refused: which one wins would be a matter of file order."""
+    an index, model.safetensors is the model, as for transformers; without either, a tensor in two files
+    is refused: which one wins would be a matter of file order."""
     out = tmp_path / "q"
     m = quantkit.quantize(tiny_dir, method="rtn", bits=4, group_size=32, out=out, max_shard_size="100kB", keep=True,
                           progress=False)
@@ -110,6 +111,9 @@ def test_a_stray_file_beside_indexed_shards_is_not_read(tiny_dir, tmp_path):
         layer = back.module.get_submodule(name)
         assert torch.equal(layer.dequantize() if packed else layer.weight, m.tensors[name].dequantize())
     (out / INDEX).unlink()
+    back = quantkit.load(out, packed=True)  # other's tensors (read under this config's settings), not the shards'
+    assert not torch.equal(back.module.get_submodule(name).dequantize(), m.tensors[name].dequantize())
+    (out / "model.safetensors").rename(out / "extra.safetensors")
     with pytest.raises(QuantkitError, match="is in both .*safetensors and .*safetensors: remove the file"):
         quantkit.load(out, packed=True)
 
