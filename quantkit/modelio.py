@@ -425,8 +425,9 @@ def load(path: str | os.PathLike | None = None, packed: bool = False) -> Model:
     check_arguments(load, locals())  # packed="no" would be taken as True
     p = Path(path) if path is not None else default_model_dir()
     if not p.exists():
+        hub = isinstance(path, str) and path.count("/") == 1 and not path.startswith(".") and not p.parent.is_dir()
         hint = " (models are not fetched from the hub: download it first, e.g. with huggingface-cli download)" \
-            if isinstance(path, str) and path.count("/") == 1 and not path.startswith(".") else ""
+            if hub else ""  # models/mymodel, a typo in a local path, is not a hub name
         raise QuantkitError(
             f"{p}: no such file or directory{hint}: pass a model directory (config.json + *.safetensors) or a .gguf file"
         )
@@ -452,7 +453,9 @@ def load_dir(path: Path, packed: bool = False) -> Model:
         main = path / "refs" / "main"  # the revision the hub's main branch was at when downloaded
         current = main.is_file() and path / "snapshots" / main.read_text().strip() / "config.json"
         snapshot = current if current and current in snapshots else snapshots[-1] if snapshots else None
-        hint = f" (this hub cache folder holds its files in {snapshot.parent})" if snapshot else ""
+        hint = f" (this hub cache folder holds its files in {snapshot.parent})" if snapshot else \
+            " (this is a LoRA adapter: quantkit merge it into its base first)" if (path / "adapter_config.json").is_file() \
+            else ""
         raise QuantkitError(f"{path}: no config.json, so not a model directory: pass a directory saved by "
                             f"save_pretrained{hint}")
     with untrusted(cfg_path, "not valid JSON", "restore the model's config.json"):
@@ -538,9 +541,10 @@ def skeleton(cfg, checkpoint: Checkpoint, path: Path) -> PreTrainedModel:
     kept = set(params) | {n for n, _ in module.named_buffers()} | tied
     extra = [k for k in checkpoint.where if k not in kept and not k.endswith(LEFTOVERS)]
     if extra:
+        fix = f"fix {checkpoint.config} (attention_bias, for instance), or" if extra[0].endswith(".bias") else \
+            "remove the file that holds them, or"
         raise QuantkitError(f"{path}: the checkpoint holds {extra[0]} ({len(extra)} such), which {checkpoint.config} "
-                            f"does not call for, so it would be dropped: fix {checkpoint.config} (attention_bias, "
-                            "for instance), or pass the model these weights belong to")
+                            f"does not call for, so it would be dropped: {fix} pass the model these weights belong to")
     return module.eval()
 
 

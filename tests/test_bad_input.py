@@ -625,6 +625,9 @@ def test_weights_saved_without_the_model_prefix_load(tiny_dir, tmp_path):
     # a traceback from the NaN check
     (lambda w: w | {"model.layers.0.mlp.up_proj.weight": w["model.layers.0.mlp.up_proj.weight"].to(__import__(
         "torch").float8_e4m3fn)}, "already quantized to FP8 (model.layers.0.mlp.up_proj.weight)"),
+    # a tensor that is no bias: the advice to fix attention_bias in config.json did not fit
+    (lambda w: w | {"model.position_ids": __import__("torch").arange(8)},
+     "holds model.position_ids (1 such), which config.json does not call for, so it would be dropped: remove the file"),
     # refused only when the pipeline reached layer 1
     (lambda w: w | {"model.layers.1.mlp.down_proj.weight": w["model.layers.1.mlp.down_proj.weight"][:, :96].clone()},
      "tensor model.layers.1.mlp.down_proj.weight has shape (64, 96) but config.json implies (64, 128)")])
@@ -673,7 +676,7 @@ def test_a_shard_this_user_cannot_read_is_named(model, monkeypatch):
         quantkit.load(str(model))
 
 
-def test_a_weights_file_alone_and_a_hub_cache_folder_are_named(model, tmp_path):
+def test_a_weights_file_alone_and_a_hub_cache_folder_are_named(model, tmp_path, monkeypatch):
     """A safetensors file with no config beside it was called a damaged GGUF; a hub cache folder's hint
     named the snapshot sorting last, not the one its main branch points to; a hub id, a model object and
     a config naming custom code are named too."""
@@ -692,6 +695,15 @@ def test_a_weights_file_alone_and_a_hub_cache_folder_are_named(model, tmp_path):
         quantkit.load(str(hub))
     with pytest.raises(quantkit.QuantkitError, match="models are not fetched from the hub: download it first"):
         quantkit.load("SomeOrg/some-model")
+    (tmp_path / "models").mkdir()  # a typo under a local directory: not a hub name
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(quantkit.QuantkitError, match=r"models/mymodel: no such file or directory: pass a model"):
+        quantkit.load("models/mymodel")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(quantkit.QuantkitError, match="this is a LoRA adapter: quantkit merge it into its base first"):
+        quantkit.load(str(adapter))
     with pytest.raises(quantkit.QuantkitError, match="a dict is not a model path: pass a model directory"):
         quantkit.quantize({})  # a model object, say: was a TypeError from pathlib
     cfg = json.loads((model / "config.json").read_text())

@@ -220,6 +220,13 @@ def test_ropes_llama_cpp_cannot_take_are_refused(models):
         G.check(m.module, "Q8_0")
 
 
+def test_a_model_named_by_dot_keeps_its_name(models, tmp_path, monkeypatch):
+    """quantize . --format gguf wrote an empty general.name (the name of the path ".")."""
+    monkeypatch.chdir(models["qwen3"])
+    quantkit.api.export_gguf(quantkit.load("."), tmp_path / "m.gguf", "F32", progress=False)
+    assert gguf.GGUFReader(tmp_path / "m.gguf").fields["general.name"].contents() == "qwen3"
+
+
 def test_sentencepiece_without_its_model_file_is_refused(models, tmp_path):
     d = tmp_path / "m"
     shutil.copytree(models["llama-sentencepiece"], d)
