@@ -53,12 +53,15 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they were not built (no C compiler at install)."""
     here = Path(__file__).parent
     path = next((p for p in (here / f"_ggml{s}" for s in EXTENSION_SUFFIXES) if p.is_file()), None)
+    slower = "GGUF quantization and the CPU's packed matmul fall back to torch, 10-40x slower"
     if path is None:
+        warnings.warn(f"quantkit's compiled kernels (quantkit/_ggml) were not built at install, with no C compiler "
+                      f"there: {slower}; install a C compiler and reinstall quantkit")
         return None
     try:
         return load(path)
     except OSError as e:  # built for another machine: the torch searches instead
-        warnings.warn(f"{path.name} does not load ({e}): GGUF quantization falls back to torch, ~20x slower")
+        warnings.warn(f"{path.name} does not load ({e}): {slower}")
         return None
 
 

@@ -43,7 +43,9 @@ INT4_SLICE = 1024
 class QuantLinear(torch.nn.Module):
     """y = x W^T + b with W held packed. backend: "auto" runs the Triton kernels on CUDA tensors and
     the torch fallback on the CPU; "triton" asks for the kernels anywhere (on the CPU they need
-    TRITON_INTERPRET=1); "torch" the fallback anywhere."""
+    TRITON_INTERPRET=1); "torch" the fallback anywhere. The packed buffers are read-only: what the
+    fused paths make of them on first use (DERIVED) is made again by load_state_dict and .to(), not
+    after an edit in place."""
 
     PACKED: tuple[str, ...] = ()  # buffers that keep their dtype when the model is cast
     DERIVED: tuple[str, ...] = ()  # what is made from the buffers on first use, made again where they change
