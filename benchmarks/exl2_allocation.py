@@ -31,7 +31,9 @@ def block_bits(path: Path, target: float) -> dict[str, float]:
 
 def exl2_points(directory: Path) -> dict[float, dict]:
     report = json.loads((directory / "report.json").read_text())
-    return {p["exl2"]: p for p in report["points"] if p["format"] == "exl2" and p["status"] == "ok"}
+    past = ("perplexity", "ppl_ratio", "kld_mean", "kld_p99")  # null there: past float's range
+    return {p["exl2"]: p | {k: float("inf") for k in past if p.get(k, 0) is None}
+            for p in report["points"] if p["format"] == "exl2" and p["status"] == "ok"}
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from quantkit.errors import QuantkitError
 from quantkit.config import QuantConfig
 from quantkit.layers import LINEARS
-from quantkit.modelio import Model, check_config, finite, load_tokenizer, reading, shard_files
+from quantkit.modelio import Model, check_config, finite, load_tokenizer, reading, shard_files, stored_state
 from quantkit.qlinear import GPTQLinear, QuantLinear
 from quantkit.qtensor import QuantizedTensor
 from quantkit.rules import Rule, exact
@@ -52,6 +52,7 @@ class CheckpointWriter:
 
     def start(self, state: dict | None = None) -> None:
         if state is None:
+            self.check_range()
             self.staged.fresh()
         self.shards = ShardWriter(self.staged.path, self.max_shard_size)
         if state is not None:
@@ -63,15 +64,28 @@ class CheckpointWriter:
         path = self.staged.path  # resuming writes into it: a symbolic link planted there is not resumed
         return path.is_dir() and not path.is_symlink() and state_intact(path, state["shards"])
 
+    def check_range(self) -> None:
+        """Before any layer is quantized: what every layout keeps in float (norms, biases, the embedding,
+        the head) within the dtype this one stores it in. add checks a linear left in float when it comes."""
+        if torch.finfo(self.dtype).max > 1e38:  # float32 and bfloat16 hold whatever a checkpoint holds
+            return
+        cp = self.model.checkpoint
+        state = stored_state(self.model.module) if cp is None else None
+        for key in cp.where if cp is not None else state:
+            if not key.removesuffix(".weight").endswith(LINEARS):
+                self.check(key, state[key] if cp is None else cp.read({key: cp.shapes[key]})[key])
+
+    def check(self, key: str, tensor: torch.Tensor) -> None:
+        """A finite tensor stored as inf would be refused as damaged when the export is read."""
+        if tensor.is_floating_point() and any(c.to(self.dtype).isinf().any() for c in tensor.reshape(-1).split(2**24)) \
+                and finite(tensor):
+            raise QuantkitError(f"{key} holds values up to {float(tensor.abs().max()):.3g}, past what {self.dtype} "
+                                f"holds, the dtype this layout stores what it does not quantize in: use NF4 (its "
+                                "layout keeps the checkpoint's dtype) or GGUF")
+
     def add(self, key: str, tensor: torch.Tensor) -> None:
-        if tensor.is_floating_point():
-            stored = tensor.to(self.dtype)
-            if not finite(stored) and finite(tensor):  # stored as inf: the export would be refused as damaged when read
-                raise QuantkitError(f"{key} holds values up to {float(tensor.abs().max()):.3g}, past what {self.dtype} "
-                                    f"holds, the dtype this layout stores what it does not quantize in: use NF4 (its "
-                                    "layout keeps the checkpoint's dtype) or GGUF")
-            tensor = stored
-        self.shards.add(key, tensor)
+        self.check(key, tensor)
+        self.shards.add(key, tensor.to(self.dtype) if tensor.is_floating_point() else tensor)
 
     def add_quantized(self, name: str, qt: QuantizedTensor) -> None:
         if name == "lm_head" and not self.packs_head:

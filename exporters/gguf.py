@@ -237,7 +237,7 @@ def add_metadata(w: gguf.GGUFWriter, model: Model, mix: str) -> None:
     cfg = model.module.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     r = rope(cfg)
-    w.add_name(Path(model.source).resolve().name)  # "." names its directory
+    w.add_name(Path(os.path.abspath(model.source)).name)  # "." names its directory (a link keeps its own name)
     w.add_file_type(MIXES[mix][0])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_context_length(cfg.max_position_embeddings)

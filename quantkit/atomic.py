@@ -56,8 +56,11 @@ def check_apart(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | Non
             continue
         i = Path(p).resolve()
         # an input directory's files may link elsewhere (the hub's cache, into blobs/): what they link to is read too
-        links = [f for f in Path(p).iterdir() if f.is_symlink()] if i.is_dir() else []
-        for named, read in ((p, i), *((f"{f} (a link to {f.resolve()})", f.resolve()) for f in links)):
+        try:
+            links = [(f, f.resolve()) for f in Path(p).iterdir() if f.is_symlink() and f.is_file()] if i.is_dir() else []
+        except OSError:  # a directory that cannot be listed: the load names it
+            links = []
+        for named, read in [(p, i), *((f"{f} (a link to {t})", t) for f, t in links)]:
             if o == read or read.is_relative_to(o):
                 raise QuantkitError(f"{errors.option(option)} {out} {'is' if o == read else 'holds'} {named}, which this "
                                     f"command reads: writing it would delete that; choose another {errors.option(option)}")

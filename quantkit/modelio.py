@@ -123,7 +123,12 @@ def fingerprint(source: str | os.PathLike) -> str:
     user's measurement or export saved beside the weights is not the model."""
     p = Path(source).resolve()
     listed = p.iterdir() if p.is_dir() else []  # a path that is not there (yet) is no file
-    files = [p] if p.is_file() else [f for f in listed if MODEL_FILES.fullmatch(f.name) and f.is_file()]
+    try:  # the weights files a load reads, not an adapter's beside them
+        weights = set(shard_files(p)) if p.is_dir() else set()
+    except QuantkitError:  # a damaged index: the load names it
+        weights = set()
+    files = [p] if p.is_file() else [f for f in listed if MODEL_FILES.fullmatch(f.name) and f.is_file()
+                                     and (f in weights or not f.name.endswith(".safetensors"))]
     return f"{p}|" + ";".join(f"{f.name}:{st.st_size}:{st.st_mtime_ns}" for f in sorted(files) for st in [f.stat()])
 
 
@@ -541,8 +546,9 @@ def skeleton(cfg, checkpoint: Checkpoint, path: Path) -> PreTrainedModel:
     kept = set(params) | {n for n, _ in module.named_buffers()} | tied
     extra = [k for k in checkpoint.where if k not in kept and not k.endswith(LEFTOVERS)]
     if extra:
+        where = checkpoint.where[extra[0]]  # a safetensors file's path; a GGUF tensor's name
         fix = f"fix {checkpoint.config} (attention_bias, for instance), or" if extra[0].endswith(".bias") else \
-            "remove the file that holds them, or"
+            f"remove them from {where.name}, or" if isinstance(where, Path) else "re-export it, or"
         raise QuantkitError(f"{path}: the checkpoint holds {extra[0]} ({len(extra)} such), which {checkpoint.config} "
                             f"does not call for, so it would be dropped: {fix} pass the model these weights belong to")
     return module.eval()

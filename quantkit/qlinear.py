@@ -136,7 +136,7 @@ class QuantLinear(torch.nn.Module):
 
     def transposed(self, g: torch.Tensor) -> torch.Tensor:
         """g W (the gradient of x from that of x W^T), float32: W dequantized to g's dtype a slice of
-        rows at a time, the slices' products summed in float32."""
+        rows at a time, each slice's product (in g's dtype) summed in float32."""
         rows, n = self.rows_per_chunk(), self.out_features
         out = torch.zeros(*g.shape[:-1], self.in_features, dtype=torch.float32, device=g.device)
         for r in range(0, n, rows):
@@ -183,17 +183,19 @@ class QuantLinear(torch.nn.Module):
 
 
 class Frozen(torch.autograd.Function):
-    """x W^T with a gradient for x only. The backward dequantizes W again, a slice at a time: torch's
-    linear would keep each layer's dequantized W until the backward, QLoRA's base at bf16's size."""
+    """x W^T with a gradient for x only. The backward dequantizes W again (on the CPU a slice at a
+    time; with the kernels whole, in one launch, as their forward does): torch's linear would keep
+    each layer's dequantized W until the backward, QLoRA's base at bf16's size."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: QuantLinear, triton: bool) -> torch.Tensor:
-        ctx.layer, ctx.dtype = layer, x.dtype
+        ctx.layer, ctx.dtype, ctx.triton = layer, x.dtype, triton
         return kernels.dense(x, layer) if triton else layer.sliced(x)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        return ctx.layer.transposed(g).to(ctx.dtype), None, None
+        gx = g @ kernels.dequantize(ctx.layer, g.dtype) if ctx.triton else ctx.layer.transposed(g)
+        return gx.to(ctx.dtype), None, None
 
 
 def check_whole(name: str, **values) -> None:
@@ -384,7 +386,7 @@ class GPTQLinear(QuantLinear):
             return None
         padded, rows = -(-k // group) * group, -(-n // 16) * 16
         qweight, parts = self.qweight.cpu(), []
-        for r in range(0, rows, INT4_SLICE):  # the int32 codes of one slice at a time: 12 bytes a weight
+        for r in range(0, rows, INT4_SLICE):  # a slice at a time: its codes unpacked, gathered and transposed are int32
             codes = torch.full((min(INT4_SLICE, rows - r), padded), 8, dtype=torch.int32, device="cpu")  # padding: code 8, scale 0
             codes[:min(n - r, INT4_SLICE), :k] = unpack(qweight[:, r:r + INT4_SLICE], 4)[order].T
             parts.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))

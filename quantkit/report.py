@@ -302,7 +302,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     from quantkit import calibration, evals
 
     from . import api
-    from .modelio import default_model_dir, fingerprint, load
+    from .modelio import default_model_dir, fingerprint, load, shard_files
 
     sweep = sweep or Sweep()
     todo = points(sweep.methods, sweep.bits, sweep.gguf_types, sweep.exl2_targets)
@@ -350,8 +350,8 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         if scored.n < windows:
             echo(f"base: the text gives {scored.n} windows of {ctx}, fewer than --windows {windows}")
         write_json(out / "base.json", {"perplexity": scored.perplexity(), "windows": scored.n, "params": params,
-                                       "linear_params": linear, "bytes": sum(f.stat().st_size for f in source.glob(
-                                           "*.safetensors")) if source.is_dir() else source.stat().st_size})
+                                       "linear_params": linear, "bytes": sum(f.stat().st_size for f in shard_files(
+                                           source)) if source.is_dir() else source.stat().st_size})
         del m
     if settings.tasks and "lm_eval" not in (based := read_json(out / "base.json")):  # the scores' float row
         echo(f"base: lm-eval {', '.join(settings.tasks)} on the float model")

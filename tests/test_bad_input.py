@@ -627,7 +627,8 @@ def test_weights_saved_without_the_model_prefix_load(tiny_dir, tmp_path):
         "torch").float8_e4m3fn)}, "already quantized to FP8 (model.layers.0.mlp.up_proj.weight)"),
     # a tensor that is no bias: the advice to fix attention_bias in config.json did not fit
     (lambda w: w | {"model.position_ids": __import__("torch").arange(8)},
-     "holds model.position_ids (1 such), which config.json does not call for, so it would be dropped: remove the file"),
+     "holds model.position_ids (1 such), which config.json does not call for, so it would be dropped: remove them from "
+     "model.safetensors, or pass the model"),
     # refused only when the pipeline reached layer 1
     (lambda w: w | {"model.layers.1.mlp.down_proj.weight": w["model.layers.1.mlp.down_proj.weight"][:, :96].clone()},
      "tensor model.layers.1.mlp.down_proj.weight has shape (64, 96) but config.json implies (64, 128)")])

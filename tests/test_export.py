@@ -83,24 +83,30 @@ def test_failed_export_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_tensor_past_float16s_range_is_refused_not_written_as_inf(tiny_dir, tmp_path):
+@pytest.mark.parametrize("key", ["model.layers.1.post_attention_layernorm.weight", "model.norm.weight"])
+def test_a_tensor_past_float16s_range_is_refused_not_written_as_inf(tiny_dir, tmp_path, monkeypatch, key):
     """A norm weight past 65504 (kept in float by the quantizer) was stored in float16 as inf: the export
-    said it was written, and loading it then called it damaged. NF4's layout keeps the dtype."""
+    said it was written, and loading it then called it damaged. Now refused before any layer is
+    quantized (the final norm is written after the last). NF4's layout keeps the dtype."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
+    from quantkit import pipeline
+
     model = tmp_path / "m"
     shutil.copytree(tiny_dir, model)
     state = load_file(model / "model.safetensors")
-    state["model.layers.1.post_attention_layernorm.weight"][3] = 1e5
+    state[key][3] = 1e5
     save_file(state, model / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(QuantkitError, match=r"model.layers.1.post_attention_layernorm.weight holds values up to 1e\+05, "
-                                            r"past what torch.float16 holds.*use NF4"):
+    quantized = []
+    monkeypatch.setattr(pipeline, "quantize_layer", lambda *a, **k: quantized.append(a[0]))
+    with pytest.raises(QuantkitError, match=rf"{key} holds values up to 1e\+05, past what torch.float16 holds.*use NF4"):
         quantkit.quantize(str(model), bits=4, group_size=32, out=tmp_path / "q", progress=False)
-    assert not (tmp_path / "q").exists()
+    assert not (tmp_path / "q").exists() and quantized == []
+    monkeypatch.undo()
     quantkit.quantize(str(model), method="nf4", out=tmp_path / "nf4", progress=False)
-    assert quantkit.load(tmp_path / "nf4").module.state_dict()["model.layers.1.post_attention_layernorm.weight"][3] == 1e5
+    assert quantkit.load(tmp_path / "nf4").module.state_dict()[key][3] == 1e5
 
 
 def test_existing_output_is_not_overwritten_by_default(tiny_dir, tmp_path):

@@ -509,10 +509,12 @@ def test_casting_keeps_packed_buffers():
 @pytest.mark.parametrize("make", [lambda: GPTQLinear.from_tensor(grid(4, 32, True, n=72)),
                                   lambda: NF4Linear.from_tensor(nf4.quantize(torch.randn(72, IN), "nf4", 64, True))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_frozen_base_keeps_no_float_weight_for_the_backward(make, dtype):
+def test_a_frozen_base_keeps_no_float_weight_for_the_backward(make, dtype, monkeypatch):
     """With a gradient wanted for x, torch's linear kept each dequantized slice of W until the backward:
     a float copy of every layer's weight through the whole forward, QLoRA's base at bf16's size. Now
-    nothing of W is kept, the backward dequantizes it again, and x's gradient is g W."""
+    nothing of W is kept, the backward dequantizes it again (in slices of 32 rows here), and x's
+    gradient is g W."""
+    monkeypatch.setattr(qlinear, "CHUNK", 32 * IN)
     layer = make()
     kept = []
     x = torch.randn(3, 5, IN, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
