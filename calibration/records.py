@@ -13,6 +13,11 @@ from quantkit.errors import QuantkitError, one_line
 SUFFIXES = (".jsonl", ".ndjson", ".json")
 
 
+class Rendered(str):
+    """Text a chat template wrote: the special tokens' strings in it are the template's markers of the
+    turns, read as those tokens (in other text they are text, as llama.cpp reads them)."""
+
+
 def is_records(p: Path) -> bool:
     return p.suffix.lower() in SUFFIXES
 
@@ -21,6 +26,7 @@ def parse(p: Path, text: str) -> list[tuple[str, dict]]:
     """Each record with where it is (for messages): the file's lines, or the items of a JSON list."""
     text = text.removeprefix("\ufeff")  # a byte-order mark, as Windows editors write
     lines = text.split("\n")  # not splitlines(): JSON strings may hold U+2028 and the like unescaped
+    whole = None
     if p.suffix.lower() == ".json" and text.lstrip().startswith(("[", "{")):
         try:
             whole = json.loads(text)
@@ -35,11 +41,11 @@ def parse(p: Path, text: str) -> list[tuple[str, dict]]:
                                 "file holds a list of records: put the records in a list, or one per line in a .jsonl file")
         if whole is not None:
             lines = [json.dumps(r) for r in whole]
-    out = []
+    out, unit = [], "line" if whole is None else "item"
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        where = f"{p}, line {n}"
+        where = f"{p}, {unit} {n}"
         try:
             record = json.loads(line)
         except RecursionError:
@@ -48,6 +54,11 @@ def parse(p: Path, text: str) -> list[tuple[str, dict]]:
             raise QuantkitError(f"{where}: not valid JSON ({e.msg}): write one JSON object per line") from None
         if not isinstance(record, dict):
             raise QuantkitError(f"{where}: a JSON object per line is needed, not {type(record).__name__}")
+        try:  # JSON's \ud800 escapes give half a character, which no tokenizer takes
+            json.dumps(record, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise QuantkitError(f"{where}: holds half of a character (an unpaired surrogate escape such as \\ud800, "
+                                "from text cut in the middle of an emoji): fix or drop the record") from None
         out.append((where, record))
     if not out:
         raise QuantkitError(f"{p}: holds no records: write one JSON object per line (a .json file: a list of them)")
@@ -94,9 +105,10 @@ def check_template(p: Path, tokenizer) -> None:
 
 
 def chat_text(turns: list[dict], tokenizer, where: str, **kw) -> str:
-    """The turns as the model's chat template writes them."""
+    """The turns as the model's chat template writes them, on a fixed date for templates that print
+    today's (Llama 3.x): the same records give the same text, and a resumed run the same windows, any day."""
     try:  # transformers renders in jinja's sandbox: an escape attempt is a SecurityError, a TemplateError
-        return tokenizer.apply_chat_template(turns, tokenize=False, **kw)
+        return tokenizer.apply_chat_template(turns, tokenize=False, **{"date_string": DATE, **kw})
     except (jinja2.TemplateError, RecursionError, MemoryError, OverflowError) as e:  # the last three: its own work
         raise QuantkitError(f"{where}: the model's chat template fails ({type(e).__name__}: {one_line(e)}): "
                             "fix the template in its tokenizer files, or pass plain text") from None
@@ -104,7 +116,15 @@ def chat_text(turns: list[dict], tokenizer, where: str, **kw) -> str:
 
 def rendered(p: Path, text: str, tokenizer) -> str:
     """Every record of the file as its chat template writes it, one after another: text to calibrate on
-    that looks like what the model will be given, not like JSON."""
-    chats = [(where, messages_of(record, where, reply=False)) for where, record in parse(p, text)]
-    check_template(p, tokenizer)  # after the records: a file of {"text": ...} is named as not chats first
-    return "".join(chat_text(turns, tokenizer, where) for where, turns in chats)
+    that looks like what the model will be given, not like JSON. Records of plain text alone
+    ({"text": ...}, as pile-val and C4 are shipped) are that text, joined as the GPTQ reference joins C4's."""
+    parsed = parse(p, text)
+    if all(isinstance(r.get("text"), str) and not r.keys() & CHAT_FIELDS for _, r in parsed):
+        return "\n\n".join(r["text"] for _, r in parsed)
+    chats = [(where, messages_of(record, where, reply=False)) for where, record in parsed]
+    check_template(p, tokenizer)  # after the records: a file that is not chats is named as such first
+    return Rendered("".join(chat_text(turns, tokenizer, where) for where, turns in chats))
+
+
+CHAT_FIELDS = {"messages", "instruction", "prompt", "response", "output", "completion"}
+DATE = "26 Jul 2024"  # Llama 3.1's templates' own fallback when no date is given

@@ -44,11 +44,17 @@ def read_file(source: str | os.PathLike, purpose: str = "use") -> str:
     """A local file's text, its bytes as they are ("\\r\\n" kept: llama.cpp reads them so) but for a
     byte-order mark; a file that is not text is refused, naming what to pass instead."""
     p = Path(source)
-    if p.is_dir():
+    try:
+        kind = "directory" if p.is_dir() else "missing" if not p.exists() else "file" if p.is_file() else "special"
+    except OSError as e:  # a name too long (text passed where its path belongs), a parent not searchable
+        shown = str(p) if len(str(p)) <= 80 else str(p)[:77] + "..."
+        raise QuantkitError(f"{shown}: not a file this system can open ({e.strerror}): pass the path of a text file "
+                            "(text itself: write it to a file first)") from None
+    if kind == "directory":
         raise QuantkitError(f"{p} is a directory: pass a text file (or JSON lines of chats) to {purpose}")
-    if not p.exists():
+    if kind == "missing":
         raise QuantkitError(f"{p}: no such file: pass an existing text file")
-    if not p.is_file():  # /dev/null, <(zcat text.gz): read more than once, or nothing at all
+    if kind == "special":  # /dev/null, <(zcat text.gz): read more than once, or nothing at all
         raise QuantkitError(f"{p} is not a regular file (a pipe or a device): write the text to a file and pass that")
     if p.suffix.lower() in TABLES:
         raise QuantkitError(f"{p}: a table, which would be read as text with its commas and quotes: write its text "
@@ -66,11 +72,19 @@ def read_file(source: str | os.PathLike, purpose: str = "use") -> str:
         if wide is not None:  # Windows' "Unicode" text
             raise QuantkitError(f"{p}: {wide} text, not UTF-8: convert it (iconv -f {wide} -t UTF-8 "
                                 f"{shlex.quote(str(p))} > {shlex.quote(p.stem + '-utf8' + p.suffix)})") from None
-        raise QuantkitError(f"{p}: not UTF-8 text ({e}): pass a plain text file") from None
+        raise QuantkitError(f"{p}: not UTF-8 text ({e}): convert it (Latin-1, say: iconv -f LATIN1 -t UTF-8 "
+                            f"{shlex.quote(str(p))} > {shlex.quote(p.stem + '-utf8' + p.suffix)}), or pass a text file") from None
     except OSError as e:
         raise QuantkitError(f"{p}: cannot read it ({e.strerror}): make it readable, or pass another file") from None
     if not text.strip():
         raise QuantkitError(f"{p}: the file is empty: pass a file with text to {purpose}")
+    if "\x00" in text:  # valid UTF-8, not text: UTF-16 without its byte-order mark (a NUL in every other place), or zeros
+        head = text[:200]
+        nul = sorted(head[i::2].count("\x00") / max(len(head[i::2]), 1) for i in (0, 1))
+        if nul[0] < 0.1 and nul[1] > 0.9:
+            raise QuantkitError(f"{p}: UTF-16 text without a byte-order mark, not UTF-8: convert it (iconv -f UTF-16LE "
+                                f"-t UTF-8 {shlex.quote(str(p))} > {shlex.quote(p.stem + '-utf8' + p.suffix)})")
+        raise QuantkitError(f"{p}: holds NUL bytes, which text does not: pass a text file")
     return text
 
 
@@ -114,24 +128,33 @@ LARGEST = 4_000_000  # characters: a training corpus is not held twice (most of 
 
 
 def token_ids(tokenizer, text: str) -> torch.Tensor:
-    """The text's token ids without special tokens (LongTensor [n]). A run tokenizes the same text more
-    than once (calibration and its evaluation, the base and the model compared with it), seconds for a
-    WikiText-2 file each time: a fast tokenizer's KEPT most recently used results are kept, by its own
-    definition (a copy of it loaded again hits) and the text's digest; texts up to LARGEST characters."""
+    """The text's token ids without special tokens added (LongTensor [n]). A special token's string in
+    the text ("<|endoftext|>" in a web page) is text, as llama-perplexity and llama-imatrix read it,
+    but in chats a template rendered (records.Rendered), whose markers they are. A run tokenizes the
+    same text more than once (calibration and its evaluation, the base and the model compared with
+    it), seconds for a WikiText-2 file each time: a fast tokenizer's KEPT most recently used results
+    are kept, by its own definition (a copy of it loaded again hits) and the text's digest; texts up
+    to LARGEST characters."""
+    split = not isinstance(text, records.Rendered)
+
+    def tokenized() -> torch.Tensor:
+        ids = tokenizer(text, add_special_tokens=False, split_special_tokens=split)["input_ids"]
+        return torch.tensor(ids, dtype=torch.long)
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or len(text) > LARGEST:  # a slow (Python) tokenizer has no definition to key on
-        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        return tokenized()
     try:
         definition = backend.to_str()
     except Exception:  # a backend with a Python-side part (a custom pre-tokenizer) does not serialize
-        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        return tokenized()
     kind = type(tokenizer)
-    definition = f"{kind.__module__}.{kind.__qualname__}|{getattr(tokenizer, 'split_special_tokens', None)}|{definition}"
+    definition = f"{kind.__module__}.{kind.__qualname__}|{split}|{definition}"
     key = (hashlib.sha256(definition.encode()).hexdigest(),
            hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest())
     ids = TOKENIZED.pop(key, None)  # a hit goes back to the end: the least recently used goes first
     if ids is None:
-        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        ids = tokenized()
         while len(TOKENIZED) >= KEPT:
             TOKENIZED.pop(next(iter(TOKENIZED), None), None)  # another thread may take it first
     TOKENIZED[key] = ids
@@ -146,6 +169,9 @@ def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0) -> 
         raise QuantkitError(f"{n} windows of {seqlen} tokens asked for: ask for at least 1 window "
                             f"({option('calib_samples')}) of at least 2 tokens ({option('calib_seqlen')})")
     ids = token_ids(tokenizer, text)
+    bos = adds_bos(tokenizer)
+    if bos:  # one BOS for the whole text, cut, then each window's first token BOS: llama-imatrix's chunks
+        ids = torch.cat([torch.tensor([tokenizer.bos_token_id]), ids])
     slots = len(ids) // seqlen
     if slots < n:
         raise QuantkitError(
@@ -155,6 +181,6 @@ def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0) -> 
         )
     picks = sorted(random.Random(seed).sample(range(slots), n))
     windows = torch.stack([ids[i * seqlen : (i + 1) * seqlen] for i in picks])
-    if adds_bos(tokenizer):
+    if bos:
         windows[:, 0] = tokenizer.bos_token_id
     return windows

@@ -8,6 +8,7 @@ import torch
 
 from quantkit import QuantkitError
 from quantkit.calibration import load_text, sample_windows
+from quantkit.calibration.records import Rendered
 from quantkit.modelio import load_tokenizer
 
 from .conftest import DATA, VALID, tokenizer_adding_bos
@@ -34,12 +35,16 @@ def test_windows_are_seeded_and_disjoint(tok):
 
 
 def test_windows_start_with_bos_where_the_tokenizer_adds_it(tok, tiny_dir):
-    """As llama-imatrix's chunks and the evaluation's windows: the same slices, the first token BOS."""
+    """As llama-imatrix's chunks and the evaluation's windows: the same slices of the text with BOS in
+    front, the first token BOS (they were cut from the text without it: one token off)."""
+    from quantkit.evals.perplexity import windows
+
     text = load_text(VALID)[:100_000]
     with_bos = tokenizer_adding_bos(tiny_dir)
     plain, first = sample_windows(tok, text, 8, 64, seed=3), sample_windows(with_bos, text, 8, 64, seed=3)
     assert (first[:, 0] == with_bos.bos_token_id).all() and (plain[:, 0] != with_bos.bos_token_id).any()
-    assert torch.equal(first[:, 1:], plain[:, 1:])
+    chunks = {tuple(w[1:].tolist()) for w in windows(with_bos, text, ctx=64)}
+    assert all(tuple(w[1:].tolist()) in chunks for w in first)
 
 
 def test_too_little_text_is_an_error(tok, tmp_path):
@@ -112,7 +117,10 @@ def test_record_files_by_any_spelling_of_their_suffix(chat_dir, tmp_path):
     ("d.jsonl", '{"instruction": "a", "context": ["b"], "response": "c"}', "context (or input) is list"),
     ("d.json", '{"instruction": "a", "response": "b"}', "holds one JSON object (keys: instruction, response)"),
     ("d.json", '{"data": [{"instruction": "a", "response": "b"}]}', "holds one JSON object (keys: data)"),
-    ("d.json", "[]", "d.json: holds no records")])
+    ("d.json", "[]", "d.json: holds no records"),
+    ("d.json", '[{"instruction": "a", "response": "b"}, {"prompt": 1}]', "d.json, item 2: the record's prompt is int"),
+    # half an emoji: a traceback from the tokenizer
+    ("d.jsonl", '{"instruction": "a \\ud800 b", "response": "c"}', "line 1: holds half of a character")])
 def test_bad_records_are_named(chat_dir, tmp_path, name, content, match):
     (tmp_path / name).write_text(content + "\n")
     with pytest.raises(QuantkitError, match=re.escape(match)):
@@ -127,6 +135,10 @@ def test_a_chat_without_a_reply_calibrates(chat_dir, tmp_path):
 
 @pytest.mark.parametrize("name,content,match", [
     ("valid.gz", gzip.compress(b"some text"), "gzip-compressed: decompress it (gunzip)"),
+    # valid UTF-8, and not text: they were calibrated on
+    ("u16.txt", "plain ASCII text, two bytes a character".encode("utf-16-le") * 10, "UTF-16 text without a byte-order mark"),
+    ("zeros.txt", bytes(1000), "holds NUL bytes, which text does not"),
+    ("latin1.txt", "caf\u00e9 au lait".encode("latin-1"), "convert it (Latin-1, say: iconv -f LATIN1 -t UTF-8"),
     ("valid.zip", b"PK\x03\x04" + bytes(20), "a zip archive: extract the text file"),
     ("d.parquet", b"PAR1" + bytes(20), "a Parquet table: write its text column as a text file"),
     ("d.csv", b"text,label\nhello,1\n", "a table, which would be read as text"),
@@ -140,6 +152,40 @@ def test_files_that_are_not_text_are_named(tmp_path, name, content, match):
 def test_a_directory_is_named(tmp_path):
     with pytest.raises(QuantkitError, match="is a directory: pass a text file"):
         load_text(tmp_path)
+    # text passed where its path belongs: the name is too long for the file system (a traceback)
+    with pytest.raises(QuantkitError, match=r"not a file this system can open \(File name too long\): pass the path"):
+        load_text("A lobster is a crustacean. " * 20)
+
+
+def test_records_of_plain_text_calibrate_as_that_text(tmp_path, tok):
+    """{"text": ...} lines, as pile-val and C4 are shipped, were refused as neither chats nor instructions."""
+    (tmp_path / "pile.jsonl").write_text("\n".join(json.dumps({"text": t, "meta": {"set": "x"}}) for t in ("One.", "Two.")))
+    assert load_text(tmp_path / "pile.jsonl", tokenizer=tok) == "One.\n\nTwo."
+
+
+def test_special_tokens_strings_are_text_but_in_rendered_chats(chat_dir, tmp_path):
+    """"<|endoftext|>" written in a text was read as the special token, where llama-perplexity and
+    llama-imatrix read it as text (a web page holding it scored 60.2 here and 16.7 there); in chats
+    the template wrote, it is the turn's marker."""
+    from quantkit.evals.perplexity import windows
+
+    tok = load_tokenizer(chat_dir)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}<|endoftext|>{% endfor %}"
+    end = tok.convert_tokens_to_ids("<|endoftext|>")
+    (tmp_path / "t.txt").write_text("A lobster. <|endoftext|> " * 200)
+    assert end not in windows(tok, load_text(tmp_path / "t.txt", split="test", tokenizer=tok), ctx=64)
+    (tmp_path / "d.jsonl").write_text((json.dumps({"instruction": "A lobster?", "response": "Yes."}) + "\n") * 20)
+    assert end in windows(tok, load_text(tmp_path / "d.jsonl", split="test", tokenizer=tok), ctx=64)
+
+
+def test_templates_that_print_the_date_render_the_same_any_day(chat_dir, tmp_path):
+    """A Llama 3.x template prints today's date where none is given: the same records and seed gave
+    other windows the next day, and a run resumed after midnight started afresh."""
+    tok = load_tokenizer(chat_dir)
+    tok.chat_template = "{{ 'Today Date: ' + strftime_now('%d %b %Y') if date_string is not defined else " \
+                        "'Today Date: ' + date_string }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "d.jsonl").write_text(json.dumps({"instruction": "A lobster?", "response": "Yes."}) + "\n")
+    assert load_text(tmp_path / "d.jsonl", tokenizer=tok).startswith("Today Date: 26 Jul 2024")
 
 
 def test_no_network_is_told_at_once(monkeypatch):
@@ -193,12 +239,11 @@ def test_a_text_is_tokenized_once_per_tokenizer(tiny_dir, monkeypatch):
     assert len(windows.TOKENIZED) == 1  # the copy hit
     other = tokenizer_adding_bos(tiny_dir)  # another definition: the same vocabulary with a BOS template
     assert len(windows.token_ids(other, text)) and len(windows.TOKENIZED) == 2
-    split = load_tokenizer(tiny_dir)
-    split.split_special_tokens = True  # set outside the backend: "<|endoftext|>" becomes ordinary text
-    marked = text + "<|endoftext|>"
-    assert torch.equal(windows.token_ids(split, marked),
-                       torch.tensor(split(marked, add_special_tokens=False)["input_ids"]))
-    assert not torch.equal(windows.token_ids(split, marked), windows.token_ids(tok, marked))
+    marked = text + "<|endoftext|>"  # a special token's string: text in a text, a marker in chats a template wrote
+    as_text = torch.tensor(tok(marked, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    assert torch.equal(windows.token_ids(tok, marked), as_text)
+    chat = windows.token_ids(tok, Rendered(marked))  # the same text, kept apart in the cache
+    assert chat[-1] == tok.convert_tokens_to_ids("<|endoftext|>") and len(chat) < len(as_text)
     first, second = list(windows.TOKENIZED)[:2]  # tok's text, then other's
     windows.token_ids(again, text)  # a hit: the evaluation's text outlives one-off texts used since
     for i in range(1, windows.KEPT):
