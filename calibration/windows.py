@@ -168,6 +168,8 @@ def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0) -> 
     if n < 1 or seqlen < 2:
         raise QuantkitError(f"{n} windows of {seqlen} tokens asked for: ask for at least 1 window "
                             f"({option('calib_samples')}) of at least 2 tokens ({option('calib_seqlen')})")
+    if seed < 0:  # Python's Random takes -3 as 3: two seeds, one sample
+        raise QuantkitError(f"{option('seed', seed)} is negative: use 0 or more")
     ids = token_ids(tokenizer, text)
     bos = adds_bos(tokenizer)
     if bos:  # one BOS for the whole text, cut, then each window's first token BOS: llama-imatrix's chunks
@@ -176,10 +178,12 @@ def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0) -> 
     if slots < n:
         raise QuantkitError(
             f"calibration text has {len(ids)} tokens, too few for {n} windows of {seqlen} "
-            f"({n * seqlen} tokens): use a longer text, fewer samples ({option('calib_samples')}) or shorter windows "
+            f"({n * seqlen} tokens; {slots} fit): use a longer text, fewer samples ({option('calib_samples')}) or shorter windows "
             f"({option('calib_seqlen')})"
         )
-    picks = sorted(random.Random(seed).sample(range(slots), n))
+    # in the sample's order, not the text's: the parts that take the first few windows (the measurement's
+    # Fisher, AWQ's attention loss) take a random few, not the start of the text
+    picks = random.Random(seed).sample(range(slots), n)
     windows = torch.stack([ids[i * seqlen : (i + 1) * seqlen] for i in picks])
     if bos:
         windows[:, 0] = tokenizer.bos_token_id

@@ -429,6 +429,11 @@ def load(path: str | os.PathLike | None = None, packed: bool = False) -> Model:
                             "save_pretrained it first), a .gguf file, or a quantkit Model")
     check_arguments(load, locals())  # packed="no" would be taken as True
     p = Path(path) if path is not None else default_model_dir()
+    try:
+        str(p).encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are no UTF-8 in a name: the safetensors reader takes none
+        raise QuantkitError(f"{p!r}: the path is not UTF-8 (a name from another system's encoding), which the "
+                            "safetensors reader needs: rename it") from None
     if not p.exists():
         hub = isinstance(path, str) and path.count("/") == 1 and not path.startswith(".") and not p.parent.is_dir()
         hint = " (models are not fetched from the hub: download it first, e.g. with huggingface-cli download)" \

@@ -1,5 +1,6 @@
 """Every bad input is one line naming the problem and the fix, exit status 2, nothing written."""
 import json
+import os
 import re
 import shutil
 import sys
@@ -696,6 +697,10 @@ def test_a_weights_file_alone_and_a_hub_cache_folder_are_named(model, tmp_path, 
         quantkit.load(str(hub))
     with pytest.raises(quantkit.QuantkitError, match="models are not fetched from the hub: download it first"):
         quantkit.load("SomeOrg/some-model")
+    odd = Path(os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9"))  # Latin-1's byte for an e with an accent
+    shutil.copytree(model, odd)
+    with pytest.raises(quantkit.QuantkitError, match="the path is not UTF-8 .*: rename it"):  # every shard "corrupt"
+        quantkit.load(str(odd))
     (tmp_path / "models").mkdir()  # a typo under a local directory: not a hub name
     monkeypatch.chdir(tmp_path)
     with pytest.raises(quantkit.QuantkitError, match=r"models/mymodel: no such file or directory: pass a model"):

@@ -20,6 +20,8 @@ def tok(tiny_dir):
 
 
 def test_windows_are_seeded_and_disjoint(tok):
+    """Seeded, whole slices of the text, none twice, in the sample's order: sorted, the parts that take
+    the first few windows (the measurement's Fisher, AWQ's attention loss) took the start of the text."""
     text = load_text(VALID)[:100_000]
     a = sample_windows(tok, text, 8, 64, seed=3)
     assert a.shape == (8, 64) and a.dtype == torch.long
@@ -31,7 +33,9 @@ def test_windows_are_seeded_and_disjoint(tok):
         hits = [s for s in range(0, len(ids) - 63, 64) if torch.equal(ids[s : s + 64], w)]
         assert hits
         starts.append(hits[0])
-    assert len(set(starts)) == 8
+    assert len(set(starts)) == 8 and starts != sorted(starts)
+    with pytest.raises(QuantkitError, match="seed=-3 is negative"):  # the same sample as seed 3
+        sample_windows(tok, text, 8, 64, seed=-3)
 
 
 def test_windows_start_with_bos_where_the_tokenizer_adds_it(tok, tiny_dir):
