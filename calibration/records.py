@@ -116,14 +116,22 @@ def chat_text(turns: list[dict], tokenizer, where: str, **kw) -> str:
 
 def rendered(p: Path, text: str, tokenizer) -> str:
     """Every record of the file as its chat template writes it, one after another: text to calibrate on
-    that looks like what the model will be given, not like JSON. Records of plain text alone
-    ({"text": ...}, as pile-val and C4 are shipped) are that text, joined as the GPTQ reference joins C4's."""
+    that looks like what the model will be given, not like JSON; records of plain text alone, that text."""
     parsed = parse(p, text)
-    if all(isinstance(r.get("text"), str) and not r.keys() & CHAT_FIELDS for _, r in parsed):
-        return "\n\n".join(r["text"] for _, r in parsed)
+    joined = plain(parsed)
+    if joined is not None:
+        return joined
     chats = [(where, messages_of(record, where, reply=False)) for where, record in parsed]
     check_template(p, tokenizer)  # after the records: a file that is not chats is named as such first
     return Rendered("".join(chat_text(turns, tokenizer, where) for where, turns in chats))
+
+
+def plain(parsed: list[tuple[str, dict]]) -> str | None:
+    """The text of records that hold plain text alone ({"text": ...}, as pile-val and C4 are shipped),
+    joined as the GPTQ reference joins C4's; None for chat or instruction records."""
+    if all(isinstance(r.get("text"), str) and not r.keys() & CHAT_FIELDS for _, r in parsed):
+        return "\n\n".join(r["text"] for _, r in parsed)
+    return None
 
 
 CHAT_FIELDS = {"messages", "instruction", "prompt", "response", "output", "completion"}

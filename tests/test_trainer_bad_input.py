@@ -119,10 +119,22 @@ def test_a_byte_order_mark_is_not_read_as_data(chat_dir, tmp_path):
 def test_records_without_a_chat_template(tiny_dir, capsys, monkeypatch, tmp_path):
     train_fails(tiny_dir, jsonl(tmp_path / "data.jsonl", CHAT, CHAT), capsys, monkeypatch, tmp_path,
                 "need the tokenizer's chat template and this model's tokenizer has none: use a model with one")
-    # pretraining's {"text": ...} lines are not chats: said so, not that the model lacks a template
-    train_fails(tiny_dir, jsonl(tmp_path / "text.jsonl", {"text": "hi"}), capsys, monkeypatch, tmp_path,
-                "line 1: a record needs messages, instruction and response (or output), or prompt and completion; "
-                "this one has text")
+    # other fields than a chat's: said so, not that the model lacks a template
+    train_fails(tiny_dir, jsonl(tmp_path / "other.jsonl", {"text": "hi", "prompt": 1}), capsys, monkeypatch, tmp_path,
+                "line 1: the record's prompt is int, where text belongs")
+
+
+def test_records_of_plain_text_train_as_that_text(tiny_dir, tmp_path):
+    """Pretraining's {"text": ...} lines (pile-val, C4) were refused as neither chats nor instructions:
+    they are the text, as calibration reads them."""
+    from quantkit.modelio import load_tokenizer
+
+    tok = load_tokenizer(tiny_dir)
+    texts = [VALID.read_text()[i * 3000:(i + 1) * 3000] for i in range(3)]
+    records = jsonl(tmp_path / "text.jsonl", *({"text": t, "meta": {"pile_set_name": "x"}} for t in texts))
+    (tmp_path / "text.txt").write_text("\n\n".join(texts))
+    got, want = dataset.read(records, tok, 64), dataset.read(tmp_path / "text.txt", tok, 64)
+    assert len(got) == len(want) > 10 and all(torch.equal(a.ids, b.ids) for a, b in zip(got, want))
 
 
 def test_chat_without_an_assistant_turn(chat_dir, capsys, monkeypatch, tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from quantkit.calibration import read_file, token_ids
-from quantkit.calibration.records import chat_text, check_template, is_records, messages_of, parse
+from quantkit.calibration.records import chat_text, check_template, is_records, messages_of, parse, plain
 from quantkit.errors import QuantkitError, option
 
 IGNORE = -100  # label of an unscored token (torch's cross-entropy ignore_index)
@@ -29,12 +29,15 @@ class Example:
 
 
 def read(path: str | os.PathLike, tokenizer, seqlen: int) -> list[Example]:
-    """A .jsonl/.json file as chat or instruction records, anything else as plain text."""
+    """A .jsonl/.json file as chat or instruction records (or, records of {"text": ...} alone, their
+    text), anything else as plain text."""
     p = Path(path)
     text = read_file(p, "train on")
-    if is_records(p):
-        return records(p, text, tokenizer, seqlen)
-    return windows(p, text, tokenizer, seqlen)
+    if not is_records(p):
+        return windows(p, text, tokenizer, seqlen)
+    parsed = parse(p, text)
+    joined = plain(parsed)
+    return windows(p, joined, tokenizer, seqlen) if joined is not None else records(p, parsed, tokenizer, seqlen)
 
 
 def windows(p: Path, text: str, tokenizer, seqlen: int) -> list[Example]:
@@ -48,9 +51,9 @@ def windows(p: Path, text: str, tokenizer, seqlen: int) -> list[Example]:
     return [Example(w, w.clone()) for w in ids[: n * seqlen].view(n, seqlen)]
 
 
-def records(p: Path, text: str, tokenizer, seqlen: int) -> list[Example]:
-    chats = [(where, messages_of(record, where)) for where, record in parse(p, text)]
-    check_template(p, tokenizer)  # after the records: a file of {"text": ...} is named as not chats first
+def records(p: Path, parsed: list[tuple[str, dict]], tokenizer, seqlen: int) -> list[Example]:
+    chats = [(where, messages_of(record, where)) for where, record in parsed]
+    check_template(p, tokenizer)  # after the records: a file that is not chats is named as such first
     out, cut, short = [], 0, 0
     for where, msgs in chats:
         example, whole = render(msgs, tokenizer, seqlen, where)
