@@ -159,9 +159,10 @@ class QuantLinear(torch.nn.Module):
         # .to(), .half(), .cuda() move packed buffers but never cast them: fp16 scales would not survive bf16
         self._forget()  # made again from the buffers where they go
         packed = {name: self._buffers.pop(name) for name in self.PACKED if self._buffers.get(name) is not None}
-        try:
+        try:  # the packed buffers first (the large ones: where memory runs out), the bias after them
+            moved = {name: t.to(fn(t.new_empty(0)).device) for name, t in packed.items()}
             super()._apply(fn, recurse)
-            packed = {name: t.to(fn(t.new_empty(0)).device) for name, t in packed.items()}
+            packed = moved
         finally:  # a move that fails (no such device, out of memory) leaves the layer whole where it was
             for name, t in packed.items():
                 self.register_buffer(name, t)

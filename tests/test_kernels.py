@@ -559,6 +559,19 @@ def test_a_move_that_fails_leaves_the_layer_whole():
         with pytest.raises((RuntimeError, AssertionError)):  # no CUDA build, or no 100th GPU
             layer.to("cuda:99")
         assert set(layer.PACKED) <= set(dict(layer.named_buffers())) and torch.equal(layer(x), y)
+        # the packed weight runs out of memory on the way, after the bias could have moved: none has moved
+        real = torch.Tensor.to
+
+        def short_of_memory(t, *args, **kwargs):
+            if t.dtype == torch.int32 and args and str(args[0]) == "meta":
+                raise torch.OutOfMemoryError("out of memory")
+            return real(t, *args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.Tensor, "to", short_of_memory)
+            with pytest.raises(torch.OutOfMemoryError):
+                layer.to("meta")
+        assert all(t.device.type == "cpu" for t in layer.state_dict().values()) and torch.equal(layer(x), y)
 
 
 def test_state_dict_assigned_takes_the_layers_dtypes():
