@@ -67,7 +67,7 @@ class CheckpointWriter:
     def check_range(self) -> None:
         """Before any layer is quantized: what every layout keeps in float (norms, biases, the embedding,
         the head) within the dtype this one stores it in. add checks a linear left in float when it comes."""
-        if torch.finfo(self.dtype).max > 1e38:  # float32 and bfloat16 hold whatever a checkpoint holds
+        if not self.narrow():
             return
         cp = self.model.checkpoint
         state = stored_state(self.model.module) if cp is None else None
@@ -75,9 +75,13 @@ class CheckpointWriter:
             if not key.removesuffix(".weight").endswith(LINEARS):
                 self.check(key, state[key] if cp is None else cp.read({key: cp.shapes[key]})[key])
 
+    def narrow(self) -> bool:
+        """Whether the stored dtype is narrower than a checkpoint's (float16; float32 and bfloat16 hold all)."""
+        return torch.finfo(self.dtype).max < 1e38
+
     def check(self, key: str, tensor: torch.Tensor) -> None:
         """A finite tensor stored as inf would be refused as damaged when the export is read."""
-        if tensor.is_floating_point() and any(c.to(self.dtype).isinf().any() for c in tensor.reshape(-1).split(2**24)) \
+        if tensor.is_floating_point() and self.narrow() and any(c.to(self.dtype).isinf().any() for c in tensor.reshape(-1).split(2**24)) \
                 and finite(tensor):
             raise QuantkitError(f"{key} holds values up to {float(tensor.abs().max()):.3g}, past what {self.dtype} "
                                 f"holds, the dtype this layout stores what it does not quantize in: use NF4 (its "
