@@ -4,9 +4,12 @@ import hashlib
 import os
 import random
 import shlex
+import sys
 from pathlib import Path
 
+import numpy as np
 import torch
+from tqdm import tqdm
 
 from quantkit import hub
 from quantkit.errors import COMMAND_LINE, QuantkitError, one_line, option
@@ -136,29 +139,71 @@ def token_ids(tokenizer, text: str) -> torch.Tensor:
     are kept, by its own definition (a copy of it loaded again hits) and the text's digest; texts up
     to LARGEST characters."""
     split = not isinstance(text, records.Rendered)
-
-    def tokenized() -> torch.Tensor:
-        ids = tokenizer(text, add_special_tokens=False, split_special_tokens=split)["input_ids"]
-        return torch.tensor(ids, dtype=torch.long)
-
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or len(text) > LARGEST:  # a slow (Python) tokenizer has no definition to key on
-        return tokenized()
+        return tokenize(tokenizer, text, split)
     try:
         definition = backend.to_str()
     except Exception:  # a backend with a Python-side part (a custom pre-tokenizer) does not serialize
-        return tokenized()
+        return tokenize(tokenizer, text, split)
     kind = type(tokenizer)
     definition = f"{kind.__module__}.{kind.__qualname__}|{split}|{definition}"
     key = (hashlib.sha256(definition.encode()).hexdigest(),
            hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest())
     ids = TOKENIZED.pop(key, None)  # a hit goes back to the end: the least recently used goes first
     if ids is None:
-        ids = tokenized()
+        ids = tokenize(tokenizer, text, split)
         while len(TOKENIZED) >= KEPT:
             TOKENIZED.pop(next(iter(TOKENIZED), None), None)  # another thread may take it first
     TOKENIZED[key] = ids
     return ids.clone()  # the caller's to change
+
+
+CHUNK = 1 << 20  # characters tokenized in one piece: a tokenizer holds about 120 bytes a character while it works
+OVERLAP = 1 << 13  # characters two neighbouring pieces share: each tokenizes their middle half as the whole text does
+SHOWN = 8 * CHUNK  # texts from this long show their progress (seconds of work)
+
+
+def tokenize(tokenizer, text: str, split: bool) -> torch.Tensor:
+    """The text's ids as the tokenizer gives them for the whole text, computed a piece at a time (a few
+    pieces at once, on all cores) so that memory holds a few pieces' work and the ids, not the whole
+    text's work (12 GB for 100 MB of text). Neighbouring pieces overlap and are joined where both
+    tokenize the middle half of their overlap alike (the edges of a piece tokenize differently: a
+    word cut in two, a space a tokenizer puts in front of a text); where they do not (a run of
+    thousands of characters the tokenizer reads as one word), the pieces are tokenized as one."""
+    def encode(spans: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:  # (ids, offsets) each
+        out = tokenizer([text[a:b] for a, b in spans], add_special_tokens=False, split_special_tokens=split,
+                        return_offsets_mapping=True, return_attention_mask=False)
+        return [(torch.tensor(ids, dtype=torch.long), torch.from_numpy(np.array(offsets, dtype=np.int64)).view(-1, 2) + a)
+                for ids, offsets, (a, _) in zip(out["input_ids"], out["offset_mapping"], spans)]
+
+    if len(text) <= CHUNK or not getattr(tokenizer, "is_fast", False):  # a slow tokenizer gives no offsets
+        return torch.tensor(tokenizer(text, add_special_tokens=False, split_special_tokens=split)["input_ids"],
+                            dtype=torch.long)
+    spans, a = [], 0
+    while not spans or spans[-1][1] < len(text):
+        spans.append((a, min(a + CHUNK, len(text))))
+        a = spans[-1][1] - OVERLAP
+    width = min(8, os.cpu_count() or 2)  # pieces per call: the tokenizer encodes a batch on every core
+    kept, done = [], 0  # the ids taken so far, and where the text's ids still to take begin
+    with tqdm(total=len(text), desc="tokenizing", unit="char", unit_scale=True, leave=False, file=sys.stderr,
+              disable=len(text) < SHOWN) as bar:
+        (a, b), (ids, offsets) = spans[0], encode(spans[:1])[0]
+        for i in range(1, len(spans), width):
+            for (a2, b2), (ids2, offsets2) in zip(spans[i:i + width], encode(spans[i:i + width])):
+                lo, hi = a2 + OVERLAP // 4, b - OVERLAP // 4  # the overlap's middle half
+                mine, theirs = (offsets[:, 0] >= lo) & (offsets[:, 0] < hi), (offsets2[:, 0] >= lo) & (offsets2[:, 0] < hi)
+                if mine.any() and torch.equal(ids[mine], ids2[theirs]) and torch.equal(offsets[mine], offsets2[theirs]):
+                    cut = int(offsets[mine][0, 0])
+                    keep = (offsets[:, 0] >= done) & (offsets[:, 0] < cut)
+                    kept.append(ids[keep])
+                    done, (a, b), ids, offsets = cut, (a2, b2), ids2, offsets2
+                else:  # no agreement: this piece and the next as one
+                    (a, b), (ids, offsets) = (a, b2), encode([(a, b2)])[0]
+                bar.update(done - bar.n)
+        kept.append(ids[offsets[:, 0] >= done])
+        bar.update(len(text) - bar.n)
+    return torch.cat(kept)
 
 
 def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0) -> torch.Tensor:

@@ -11,7 +11,7 @@ from quantkit.calibration import load_text, sample_windows
 from quantkit.calibration.records import Rendered
 from quantkit.modelio import load_tokenizer
 
-from .conftest import DATA, VALID, tokenizer_adding_bos
+from .conftest import DATA, TEST, VALID, tokenizer_adding_bos
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +225,65 @@ def test_records_are_evaluated_as_the_model_sees_them(chat_dir, tmp_path):
     got, want = (quantkit.evaluate(str(chat_dir), tmp_path / name, ctx=128, max_windows=2, progress=False)
                  for name in ("d.jsonl", "d.txt"))
     assert got.perplexity == want.perplexity and got.tokens == want.tokens
+
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def tokenizer_of_kind(kind: str, tiny_dir):
+    """Tokenizers that read a text's start, its end and its words differently: byte-level BPE with
+    GPT-2's split (the tiny model's) and with Llama 3's, the embedded model's (digits one by one, 49k
+    tokens), and SentencePiece's BPE as Llama 2's tokenizer.json has it: a word marker put in front
+    of the text and no split, the whole text one word, bytes for what the vocabulary lacks."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from quantkit.modelio import default_model_dir
+
+    if kind in ("gpt2", "embedded"):
+        return load_tokenizer(tiny_dir if kind == "gpt2" else default_model_dir())
+    if kind == "llama3":
+        llama3 = load_tokenizer(tiny_dir)
+        llama3.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        return llama3
+    sp = Tokenizer(models.BPE(byte_fallback=True))
+    sp.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    sp.pre_tokenizer = pre_tokenizers.Metaspace()  # to train on words; Llama 2's reads the text as one
+    sp.train_from_iterator([VALID.read_text()[:100_000]], trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<s>"] + [f"<0x{b:02X}>" for b in range(256)]))
+    sp.pre_tokenizer = None
+    return PreTrainedTokenizerFast(tokenizer_object=sp)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama3", "sentencepiece", pytest.param("embedded", marks=pytest.mark.slow)])
+def test_long_texts_are_tokenized_a_piece_at_a_time(kind, tiny_dir, monkeypatch):
+    """A tokenizer given a whole file held about 120 bytes a character (a 100 MB calibration corpus: 12
+    GB, more than the machine): it now tokenizes pieces of CHUNK characters, overlapping, joined where
+    both agree, with the whole text's ids for every kind of tokenizer, at the ends of a text and of its
+    pieces, in runs longer than the overlap (one word to a tokenizer), and for a chat's markers."""
+    from quantkit.calibration import windows
+
+    monkeypatch.setattr(windows, "TOKENIZED", {})
+    monkeypatch.setattr(windows, "CHUNK", 20_000)
+    monkeypatch.setattr(windows, "OVERLAP", 2_000)
+    text = TEST.read_text()[:150_000]
+    runs = text[:50_000] + "=" * 7_000 + text[50_000:90_000] + " " * 9_000 + "x" + "\n" * 5_000 + text[90_000:]
+    chat = Rendered("".join(f"<|endoftext|>{text[i:i + 900]}" for i in range(0, 60_000, 900)))
+    tok, seen = tokenizer_of_kind(kind, tiny_dir), []
+    call = type(tok).__call__
+    monkeypatch.setattr(type(tok), "__call__", lambda self, t, **kw: seen.append(t) or call(self, t, **kw))
+    for t in (text, runs, chat, " " + text[:30_000] + " "):
+        del seen[:]
+        split = not isinstance(t, Rendered)
+        want = torch.tensor(call(tok, str(t), add_special_tokens=False, split_special_tokens=split)["input_ids"])
+        assert torch.equal(windows.token_ids(tok, t), want)
+        longest = max(len(s) for part in seen for s in ([part] if isinstance(part, str) else part))
+        assert longest <= (windows.CHUNK if t is not runs else 4 * windows.CHUNK), longest
+    if kind != "sentencepiece":  # a marker read as one token, not as its characters
+        assert windows.token_ids(tok, chat)[0] == tok.convert_tokens_to_ids("<|endoftext|>")
 
 
 def test_a_text_is_tokenized_once_per_tokenizer(tiny_dir, monkeypatch):
