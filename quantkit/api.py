@@ -419,7 +419,7 @@ def quantize(
         again = rounded_again(m.checkpoint, {n: t for n, t in (types or {}).items()
                                              if config.method == "rtn" or n in exporters.gguf.TOP})
         if again and m.qconfig is None and distributed.rank() == 0:
-            warnings.warn(requantized_note(m.source, again), Note)
+            warnings.warn(requantized_note(m.source, again, config.gguf_type), Note)
         settings = None  # EXL2's widths per linear, when measured
         resume = None
         if out is not None and not keep:  # saved beside the output: an interrupted run goes on
@@ -719,7 +719,7 @@ def export_gguf(model: Model, out: PathLike, gguf_type: str | None = None, overw
     if not model.tensors:  # a copy, so that model stays the float model
         quantize(Model(model.module, model.tokenizer, model.source, gguf_types=model.gguf_types,
                        checkpoint=model.checkpoint),
-                 method="rtn", gguf_type=gguf_type or "F16", out=out, format="gguf", overwrite=overwrite,
+                 method="rtn", gguf_type="F16" if gguf_type is None else gguf_type, out=out, format="gguf", overwrite=overwrite,
                  progress=progress)
         return Path(out)
     if gguf_type is not None:

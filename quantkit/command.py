@@ -33,7 +33,7 @@ def export(model, out, gguf_type, pure, overrides, overwrite) -> None:
     if model is not None and os.path.isfile(model) and (model.lower().endswith(".gguf") or gguf_magic(model)):
         from .requant import requantize
 
-        requantize(model, out, gguf_type or "F16", overwrite, pure=pure, overrides=overrides)
+        requantize(model, out, "F16" if gguf_type is None else gguf_type, overwrite, pure=pure, overrides=overrides)
     elif pure or overrides:
         raise QuantkitError(f"{'--pure' if pure else '--tensor-type'} requantizes a GGUF file: for a model directory, "
                             "quantkit quantize MODEL --format gguf takes it")

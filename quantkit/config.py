@@ -221,8 +221,9 @@ class QuantConfig:
         if self.imatrix and self.imatrix_file:
             raise QuantkitError("an importance matrix is computed from calibration or read from a file, not both: "
                                 f"pass {option('imatrix', True)} alone or {option('imatrix_file', 'FILE')}")
-        if self.pure and self.gguf_type is None:
-            raise QuantkitError(f"{option('pure')} chooses GGUF types: use it with {option('format', 'gguf')}")
+        if self.pure and self.gguf_type in (None, *blocks.FLOAT_TYPES):
+            raise QuantkitError(f"{option('pure')} chooses among the types of a quantized GGUF mix: use it with "
+                                f"{option('format', 'gguf')} and a {option('gguf_type')} such as Q4_K_M")
         self.tensor_type = (self.tensor_type,) if isinstance(self.tensor_type, str) else tuple(self.tensor_type)
         if self.tensor_type and self.gguf_type in (None, *blocks.FLOAT_TYPES):
             raise QuantkitError(f"{option('tensor_type')} overrides the types of a quantized GGUF mix: use it with "

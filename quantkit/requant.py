@@ -140,7 +140,10 @@ def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure
     tensors it decides)."""
     mix = check_mix(mix)
     default = MIXES[mix][1]
-    manual = parse_overrides(overrides) if default not in blocks.FLOAT_TYPES else []
+    if default in blocks.FLOAT_TYPES and (pure or overrides):  # llama-quantize ignores both there
+        raise QuantkitError(f"{'--pure' if pure else '--tensor-type'} chooses among the types of a quantized mix, and "
+                            f"{mix} stores every weight as {default}: pass a quantized --gguf-type such as Q4_K_M")
+    manual = parse_overrides(overrides)
     tied = OUTPUT not in dict(weights)
     decided = dict.fromkeys(ROLES, 0)  # per role, the tensors the mix's rules have typed
     types = {}
@@ -334,8 +337,13 @@ def type_name(path: Path, tensor: str, kind: int) -> str:
                             "the file to Q8_0 or F16 with llama-quantize --allow-requantize first") from None
 
 
-def requantized_note(src: str | os.PathLike, kinds: list[str]) -> str:
-    """What requantizing weights of these quantized types costs (export and quantize say it alike)."""
+def requantized_note(src: str | os.PathLike, kinds: list[str], mix: str | None = None) -> str:
+    """What requantizing weights of these quantized types (into a GGUF mix) costs (export and quantize say it
+    alike)."""
+    if mix is not None and MIXES[check_mix(mix)][1] in blocks.FLOAT_TYPES:
+        return (f"{src} holds weights already quantized ({', '.join(kinds)}): written as {mix}, they keep that "
+                "rounding error, in a larger file than the source; convert from the original checkpoint for "
+                "the float weights")
     return (f"{src} holds weights already quantized ({', '.join(kinds)}): requantized, they keep that "
             "rounding error and add the new type's; requantize from an F16 or F32 file where you have one")
 
@@ -435,7 +443,7 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
     types = choose(weights, mix, layers, gqa, pure, overrides=overrides)
     again = sorted({t.type for t in h.tensors if t.type not in blocks.FLOAT_TYPES and types.get(t.name, t.type) != t.type})
     if again:  # llama-quantize asks for --allow-requantize
-        warnings.warn(requantized_note(src, again), Note)
+        warnings.warn(requantized_note(src, again, mix), Note)
     head, offsets = header_bytes(h, types, mix)
     total = len(head) + sum(pad(nbytes(t.dims, types.get(t.name, t.type)), h.alignment) for t in h.tensors)
     staged = Staged(out, overwrite, directory=False)
@@ -508,9 +516,9 @@ def mapped(path: str | os.PathLike) -> Iterator[int | None]:
 def check_source(h: Header, t: Tensor, base: int | None) -> None:
     """Refuse a source tensor as llama-quantize's loader does: a float one holding NaN or infinity, a
     quantized one with such a scale."""
-    if base is not None and blocks.library():
+    if base is not None and blocks.library() and t.type in blocks.TYPES:  # the compiled check knows these
         bad = blocks.invalid(base + h.data + t.offset, t.type, math.prod(t.dims))
-    else:  # numpy's view of the file; a quantized tensor's scales show in its values
+    else:  # numpy's view of the file (IQ types too); a quantized tensor's scales show in its values
         import numpy as np
 
         bad = not np.isfinite(h.array(t)).all()

@@ -230,8 +230,9 @@ def test_errors_name_options_as_the_caller_wrote_them(tiny_dir, capsys, monkeypa
          "--calib-seqlen 4096 is longer than the model's context of 512 tokens: use --calib-seqlen 512 or less"),
         (dict(method="rtn", group_size=32, targets=("onnx",)), ["--group-size", 32, "--for", "onnx"],
          "unknown consumer 'onnx' for targets", "unknown consumer 'onnx' for --for"),
-        (dict(method="rtn", pure=True), ["--pure"], "pure chooses GGUF types: use it with format='gguf'",
-         "--pure chooses GGUF types: use it with --format gguf")]:
+        (dict(method="rtn", pure=True), ["--pure"], "pure chooses among the types of a quantized GGUF mix: use it with "
+         "format='gguf' and a gguf_type such as Q4_K_M", "--pure chooses among the types of a quantized GGUF mix: use "
+         "it with --format gguf and a --gguf-type such as Q4_K_M")]:
         with pytest.raises(quantkit.QuantkitError, match=re.escape(api)):
             quantkit.quantize(str(tiny_dir), out=tmp_path / "q", progress=False, **call)
         code, err = run(["quantize", tiny_dir, "--out", tmp_path / "q", *flags], capsys, monkeypatch)

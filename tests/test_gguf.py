@@ -152,8 +152,13 @@ def test_checkpoint_grid_exports_its_codes(tiny256, tmp_path):
 
 def test_grids_gguf_cannot_hold_are_refused(tiny256, tmp_path):
     w = weights(8, 256)
-    with pytest.raises(QuantkitError, match="has no GGUF block type"):
+    with pytest.raises(QuantkitError, match="x: a 4-bit symmetric grid in groups of 128 has no GGUF block type: "
+                                            "quantize with --bits 4 or 8 --group-size 32"):
         ggml.from_grid(rtn.quantize(w, 4, 128), "x")
+    # 8 bits in groups of 32 were told to be what they were: Q8_0 is symmetric, and there is no Q8_1 file type
+    with pytest.raises(QuantkitError, match=r"an 8-bit asymmetric grid in groups of 32 has no GGUF block type: quantize "
+                                            r"with --sym \(8 bits have no asymmetric GGUF type\)"):
+        ggml.from_grid(rtn.quantize(w, 8, 32, sym=False), "x")
     with pytest.raises(QuantkitError, match="do not fill Q4_K blocks"):
         ggml.quantize(weights(8, 96), "Q4_K")
 
@@ -386,7 +391,34 @@ def test_requantize_refuses_values_llama_quantize_refuses(float_ggufs, tmp_path,
     (code, _, err), said = noted(lambda: cli(["export", tmp_path / "clean-q8.gguf", "--out", tmp_path / "q4.gguf",
                                               "--gguf-type", "Q4_0"], capsys, monkeypatch))
     assert code == 0, err
-    assert said[0].find("already quantized (Q8_0)") > 0
+    assert said[0].find("already quantized (Q8_0)") > 0 and "add the new type's" in said[0]
+    # into a float mix nothing is rounded again: the note said "add the new type's" there too
+    (code, _, err), said = noted(lambda: cli(["export", tmp_path / "clean-q8.gguf", "--out", tmp_path / "f16.gguf"],
+                                             capsys, monkeypatch))
+    assert code == 0 and "written as F16, they keep that rounding error, in a larger file" in said[0], said
+
+
+@pytest.mark.slow
+def test_a_bad_scale_in_a_type_only_read_is_refused_for_every_mix(float_ggufs, tmp_path, capsys, monkeypatch):
+    """The check of a quantized source knew the types quantkit writes: an IQ4_NL block with a NaN scale was
+    written as 32 NaN into F32 and BF16 files, and named as too large for F16; llama-quantize refuses it."""
+    from . import llamacpp
+
+    iq = tmp_path / "iq.gguf"
+    llamacpp.quantize(float_ggufs[1], iq, "IQ4_NL")
+    assert cli(["export", iq, "--out", tmp_path / "ok.gguf", "--gguf-type", "F32"], capsys, monkeypatch)[0] == 0
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(iq.read_bytes())
+    r = gguf.GGUFReader(bad, "r+")
+    t = next(t for t in r.tensors if t.tensor_type.name == "IQ4_NL")
+    t.data.reshape(-1).view(np.uint8)[:2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)  # the first d
+    r.data.flush()
+    for mix in ("F32", "BF16", "F16", "Q8_0"):
+        refused(["export", bad, "--out", tmp_path / "out.gguf", "--gguf-type", mix], capsys, monkeypatch,
+                f"tensor {t.name} holds a block whose float16 scale is NaN or infinite")
+        assert not (tmp_path / "out.gguf").exists()
+    with pytest.raises(RuntimeError, match="invalid data"):
+        llamacpp.quantize(bad, tmp_path / "theirs.gguf", "F32", "--allow-requantize")
 
 
 def test_too_little_space_is_the_last_line(tmp_path, capsys, monkeypatch):
@@ -865,3 +897,16 @@ def test_export_requantizes_with_pure_and_tensor_types(float_ggufs, tmp_path, ca
             assert kinds["blk.0.ffn_down.weight"] == "Q8_0" and kinds["blk.1.attn_k.weight"] == "Q5_0", kinds
     refused(["export", "--out", tmp_path / "x.gguf", "--pure"], capsys, monkeypatch,
             "--pure requantizes a GGUF file: for a model directory, quantkit quantize MODEL --format gguf takes it")
+    # a float mix has no types to choose among: both were accepted and ignored (a misspelt pattern too), and
+    # so was an empty --gguf-type (a script's empty variable), taken for the default F16
+    for options, match in ((["--tensor-type", "attn_v=q8_0"], "--tensor-type chooses among the types of a quantized "
+                                                              "mix, and F16 stores every weight as F16: pass a quantized "
+                                                              "--gguf-type such as Q4_K_M"),
+                           (["--gguf-type", "BF16", "--pure"], "--pure chooses among the types of a quantized mix, "
+                                                               "and BF16 stores every weight as BF16"),
+                           (["--gguf-type", ""], "unknown GGUF")):
+        refused(["export", f16, "--out", tmp_path / "x.gguf", *options], capsys, monkeypatch, match)
+    refused(["quantize", f16, "--format", "gguf", "--gguf-type", "F16", "--pure", "--out", tmp_path / "x.gguf"],
+            capsys, monkeypatch, "--pure chooses among the types of a quantized GGUF mix: use it with --format gguf "
+                                 "and a --gguf-type such as Q4_K_M")
+    assert not (tmp_path / "x.gguf").exists()
