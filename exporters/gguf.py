@@ -105,10 +105,12 @@ def tensor_types(module: torch.nn.Module, mix: str, *, pure: bool = False, weigh
     return {names[key]: t for key, t in types.items()}
 
 
-def permute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
+def permute_rows(rows: np.ndarray | torch.Tensor, n_head: int, back: bool = False) -> np.ndarray | torch.Tensor:
     """llama.cpp's rope layout for q/k: within each head, the two halves of the rotary pairs interleave
-    (convert_hf_to_gguf's LlamaModel.permute, on whole rows, so on quantized rows too)."""
-    return rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+    (convert_hf_to_gguf's LlamaModel.permute, on whole rows, so on quantized rows too); back: undone."""
+    half = rows.shape[0] // n_head // 2
+    heads = (n_head, half, 2) if back else (n_head, 2, half)
+    return rows.reshape(*heads, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
 def gguf_name(key: str) -> str:

@@ -333,9 +333,11 @@ class GGUFCheckpoint(Checkpoint):
     def in_order(self, key: str, rows: torch.Tensor) -> torch.Tensor:
         """rows (values or blocks) in Hugging Face's order: llama.cpp's rope order undone for q/k
         (exporters.gguf.permute_rows)."""
+        from quantkit.exporters.gguf import permute_rows
+
         for suffix, n_head in self.heads.items():
             if key.endswith((f"{suffix}.weight", f"{suffix}.bias")):
-                rows = rows.reshape(n_head, rows.shape[0] // n_head // 2, 2, -1).transpose(1, 2).reshape(rows.shape)
+                rows = permute_rows(rows, n_head, back=True)
         return rows.contiguous()
 
     def type_of(self, key: str) -> str:
