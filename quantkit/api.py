@@ -344,8 +344,8 @@ def quantize(
         if not keep and out is None:
             raise QuantkitError("keep=False writes the quantized layers to out and drops them from memory: pass out")
         if out is not None:
-            check_out(out, overwrite, directory=format != "gguf",
-                      inputs=[calib_data, None if isinstance(model, Model) else model])
+            check_out(out, overwrite, directory=format != "gguf",  # the measurement is read, or written to be kept
+                      inputs=[calib_data, None if isinstance(model, Model) else model, config.measurement])
             exporters.parse_size(max_shard_size)
         if isinstance(model, Model):
             check_float(model)

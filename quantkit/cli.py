@@ -159,7 +159,7 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     if fmt != "gguf" and str(out).lower().endswith(".gguf"):  # else a directory named .gguf, holding safetensors
         raise QuantkitError(f"--out {out} names a GGUF file, and --format {fmt} writes a directory: add --format gguf, "
                             "or choose an --out without .gguf")
-    check_out(out, overwrite, directory=fmt != "gguf", inputs=[model, calib_data, eval_data])
+    check_out(out, overwrite, directory=fmt != "gguf", inputs=[model, calib_data, eval_data, config.measurement])
     exporters.parse_size(max_shard_size)
     m = load(model)
     check_apart(out, [m.source])  # the embedded model, when MODEL is not given

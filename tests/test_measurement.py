@@ -190,6 +190,26 @@ def test_a_measurement_of_other_settings_is_refused(tiny_dir, targeted, tmp_path
     assert not (tmp_path / "q").exists()
 
 
+def test_a_measurement_inside_out_is_refused_before_measuring(tiny_dir, tmp_path, capsys, monkeypatch):
+    """--measurement OUT/m.json: the run measured (minutes to hours), then found OUT there (written by its own
+    measurement) and refused; with --overwrite of an export holding the measurement the run read, the
+    replaced directory took the measurement with it. Refused at once, as --calib-data inside --out is."""
+    out = tmp_path / "q"
+    args = ["quantize", str(tiny_dir), "--method", "rtn", "--target-bpw", "4", "--calib-data", str(VALID),
+            "--calib-samples", "16", "--calib-seqlen", "64", "--out", str(out)]
+    for made in (False, True):
+        if made:
+            out.mkdir()
+        refused([*args, "--measurement", str(out / "m.json")], capsys, monkeypatch,
+                f"--out {out} holds {out / 'm.json'}, which this command reads")
+    monkeypatch.setattr(measurement, "fisher", lambda *a, **k: pytest.fail("measured"))
+    refused([*args, "--measurement", str(out / "m.json"), "--overwrite"], capsys, monkeypatch, "which this command reads")
+    with pytest.raises(QuantkitError, match="which this command reads"):
+        quantkit.quantize(str(tiny_dir), method="rtn", target_bpw=4, measurement=out / "m.json", **CALIB, out=out,
+                          progress=False)
+    assert list(out.iterdir()) == []
+
+
 def test_rtn_spends_the_target_on_plain_rounding(tiny_dir, tmp_path):
     """RTN's measurement needs calibration; its export does not: each linear is RTN of its grid."""
     m = quantkit.quantize(str(tiny_dir), method="rtn", target_bpw=3.6, **CALIB, keep=True, progress=False)
