@@ -137,6 +137,15 @@ def grids(m: Model, config: QuantConfig, format: str,
     if not kept:
         raise QuantkitError(f"{option('target_bpw')}: none of {what} fits this model: choose another "
                             f"{option('format')} or drop {option('targets')}")
+    if targets and len(kept) > 1:  # each grid alone is loaded; a loader may take no file that mixes them
+        units = measurement.grouped(shapes, measurement.GROUP_UNITS).values()
+        mixed = spent(config, {name: kept[i % 2] for i, linears in enumerate(units) for name in linears}, shapes)
+        try:
+            consumers.check_targets(consumers.Export.of(format, mixed, m.module), targets)
+        except QuantkitError as e:
+            raise QuantkitError(f"{option('target_bpw')} gives each group of linears its own grid, and {e}".replace(
+                "change those settings or drop", f"quantize with one {option('bits')} and {option('group_size')}, "
+                                                 f"or drop")) from None
     measurement.check_target(shapes, config.target_bpw, kept, what)
     return kept
 
@@ -381,7 +390,7 @@ def quantize(
         if config.rules:
             layer_rules.check(config.rules, [name for name, _, _ in linear_shapes(m.module)])
         candidates = grids(m, config, format, targets) if config.target_bpw is not None else None
-        if targets:
+        if targets and candidates is None:  # grids checked each candidate: the base grid is none of them
             consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
         windows = None
         if config.needs_calibration:

@@ -210,6 +210,27 @@ def test_a_measurement_inside_out_is_refused_before_measuring(tiny_dir, tmp_path
     assert list(out.iterdir()) == []
 
 
+def test_consumers_are_asked_of_the_candidates_before_measuring(tiny_dir, tmp_path, monkeypatch):
+    """--target-bpw --for vllm was refused for the base grid (groups of 128 across the tiny model's 64 inputs),
+    which the target never uses and --group-size cannot change there; a loader that takes no mix of grids
+    (transformers' GPTQConfig) was named only after the measurement."""
+    class Measuring(Exception):
+        pass
+
+    def fisher(*args, **kwargs):
+        raise Measuring
+
+    monkeypatch.setattr(measurement, "fisher", fisher)
+    with pytest.raises(Measuring):
+        quantkit.quantize(str(tiny_dir), method="rtn", target_bpw=4.5, targets=("vllm",), **CALIB, out=tmp_path / "q",
+                          progress=False)
+    with pytest.raises(QuantkitError, match="target_bpw gives each group of linears its own grid, and transformers "
+                                            "cannot load this export: .* refuses per-linear settings .*: quantize "
+                                            "with one bits and group_size, or drop targets"):
+        quantkit.quantize(str(tiny_dir), method="rtn", target_bpw=4.5, targets=("transformers",), **CALIB,
+                          out=tmp_path / "q", progress=False)
+
+
 def test_rtn_spends_the_target_on_plain_rounding(tiny_dir, tmp_path):
     """RTN's measurement needs calibration; its export does not: each linear is RTN of its grid."""
     m = quantkit.quantize(str(tiny_dir), method="rtn", target_bpw=3.6, **CALIB, keep=True, progress=False)
