@@ -37,8 +37,8 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
         if k % 32:
             raise QuantkitError(f"{name} has {k} inputs: EXL2 needs a multiple of 32; choose another --format")
     if qconfig.measurement is None:  # one target for every linear: the range all of them reach
-        low = max(exl2.EXL2_BITS[0] + exl2.Setting.overhead(n, k) for n, k in shapes.values())
-        high = min(exl2.EXL2_BITS[-1] + exl2.Setting.overhead(n, k) for n, k in shapes.values())
+        low = max(exl2.Setting.reach(n, k)[0] for n, k in shapes.values())
+        high = min(exl2.Setting.reach(n, k)[1] for n, k in shapes.values())
         if not low <= qconfig.exl2 <= high:
             raise QuantkitError(exl2.outside(qconfig.exl2, "every linear of this model", low, high))
     else:
@@ -69,7 +69,7 @@ def pack_tensor(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
     if qt.group_bits is None or qt.scale_max is None:
         raise QuantkitError(f"{name}: not quantized for EXL2: quantize with --format exl2")
     n, k = qt.shape
-    pad = (-n) % 32
+    pad = exl2.padded(n) - n
     perm = torch.argsort(qt.g_idx, stable=True)  # groups in order; any order of rows within one
     rows = qt.codes[:, perm].T.contiguous()  # [K, N] in the file's row order
     widths = qt.group_bits.tolist()

@@ -16,7 +16,7 @@ import quantkit
 from quantkit import measurement
 from quantkit.quantizers.exl2 import CANDIDATES, Setting, quantize_head
 
-from .conftest import TEST, VALID, refused
+from .conftest import TEST, VALID, make_tiny, refused
 
 
 def decode(parts: dict[str, torch.Tensor], n: int) -> np.ndarray:
@@ -181,6 +181,34 @@ def test_bits_go_where_they_save_most_error():
     errors = {"steep": [4.0 ** -width(c) for c in CANDIDATES], "flat": [0.05 * 1.1 ** -width(c) for c in CANDIDATES]}
     chosen = measurement.allocate(blocks, errors, 4.2, CANDIDATES)
     assert chosen["steep"].total_bits(256, 256) > chosen["flat"].total_bits(256, 256)
+
+
+def test_outputs_padded_to_32_count_in_the_target(tmp_path):
+    """The file pads each linear's outputs to whole 32s, and the widths were chosen on the outputs unpadded: k/v
+    of 16 outputs (grouped-query attention with 8-wide heads) were stored at 7.34 bits per weight under a target
+    of 5.0, and a measured export came out at 5.30 bits where 5.0 was asked for. Now each linear's least is
+    counted with its padding (6.34 bits for a 16 x 32 linear: 5.0 is refused for a uniform export)."""
+    from quantkit.exporters.exl2 import PARTS
+
+    model = make_tiny(tmp_path / "m", hidden=32, intermediate=64)  # k/v: 2 heads of 8, 16 outputs
+    with pytest.raises(quantkit.QuantkitError, match=r"outside what EXL2 reaches for every linear of this model \(6.344"):
+        quantkit.quantize(str(model), method="gptq", format="exl2", exl2=5.0, **CALIB, out=tmp_path / "x",
+                          progress=False)
+    for measured, target in ((None, 7.0), (tmp_path / "m.json", 5.0)):
+        out = tmp_path / ("measured" if measured else "uniform")
+        m = quantkit.quantize(str(model), method="gptq", format="exl2", exl2=target, measurement=measured, **CALIB,
+                              out=out, keep=True, progress=False)
+        tensors = load_file(out / "model.safetensors")
+        stored = {name: sum(tensors[f"{name}.{p}"].numel() * tensors[f"{name}.{p}"].element_size() * 8 for p in PARTS)
+                  for name in m.tensors}
+        weights = {name: qt.shape[0] * qt.shape[1] for name, qt in m.tensors.items()}
+        assert any(qt.shape[0] == 16 for qt in m.tensors.values())
+        if measured is None:  # each linear within the target
+            assert all(stored[name] <= target * weights[name] for name in m.tensors), \
+                {name: stored[name] / weights[name] for name in m.tensors}
+        assert sum(stored.values()) <= target * sum(weights.values())
+        bits = json.loads((out / "config.json").read_text())["quantization_config"]["bits"]
+        assert bits == pytest.approx(sum(stored.values()) / sum(weights.values()), abs=1e-4) and bits <= target
 
 
 def test_a_killed_measurement_resumes(tiny_dir, tmp_path, monkeypatch, capsys):

@@ -49,24 +49,30 @@ class Setting:
         return out
 
     def total_bits(self, n: int, k: int) -> int:
-        """Storage of an n x k linear: codes, 4-bit scales, scale maxima and q_groups, q_invperm."""
-        widths = self.group_bits(k)
+        """Storage of an n x k linear: codes and 4-bit scales of its outputs padded to whole 32s (as the file
+        holds them), scale maxima and q_groups, q_invperm."""
+        widths, m = self.group_bits(k), padded(n)
         rows = [min(self.group_size, k - i * self.group_size) for i in range(len(widths))]
-        return sum(r * n * b for r, b in zip(rows, widths)) + len(widths) * (n * 4 + 16 + 32) + k * 32
+        return sum(r * m * b for r, b in zip(rows, widths)) + len(widths) * (m * 4 + 16 + 32) + k * 32
 
     @staticmethod
     def overhead(n: int, k: int, group_size: int = 32) -> float:
         """Bits per weight of an n x k linear besides its codes: scales, q_groups, q_invperm."""
-        return (math.ceil(k / group_size) * (4 * n + 48) + 32 * k) / (n * k)
+        return (math.ceil(k / group_size) * (4 * padded(n) + 48) + 32 * k) / (n * k)
+
+    @classmethod
+    def reach(cls, n: int, k: int, group_size: int = 32) -> tuple[float, float]:
+        """The least and most bits per weight an n x k linear can be stored in."""
+        overhead, stretch = cls.overhead(n, k, group_size), padded(n) / n
+        return EXL2_BITS[0] * stretch + overhead, EXL2_BITS[-1] * stretch + overhead
 
     @classmethod
     def for_target(cls, bpw: float, n: int, k: int, group_size: int = 32) -> Setting:
         """The two widths nearest the code bits that leave bpw bits per weight of an n x k linear
-        after its scales and permutation, the wider on the first inputs."""
-        overhead = cls.overhead(n, k, group_size)
-        bits = bpw - overhead
+        after its scales and permutation (and the padding of its outputs), the wider on the first inputs."""
+        bits = (bpw - cls.overhead(n, k, group_size)) * n / padded(n)  # a code bit per padded output
         if not EXL2_BITS[0] <= bits <= EXL2_BITS[-1]:
-            raise QuantkitError(outside(bpw, f"a {n}x{k} linear", EXL2_BITS[0] + overhead, EXL2_BITS[-1] + overhead))
+            raise QuantkitError(outside(bpw, f"a {n}x{k} linear", *cls.reach(n, k, group_size)))
         lo = max(b for b in EXL2_BITS if b <= bits)
         hi = min(b for b in EXL2_BITS if b >= bits)
         wide = math.floor(k * (bits - lo) / (hi - lo) / group_size) if hi > lo else 0  # whole groups, not over
@@ -74,6 +80,11 @@ class Setting:
             return cls((lo,), (1.0,), group_size)
         p = wide * group_size / k
         return cls((hi, lo), (p, 1 - p), group_size) if p < 1 else cls((hi,), (1.0,), group_size)
+
+
+def padded(n: int) -> int:
+    """The outputs the file stores of n: whole 32s (exporters.exl2.pack_tensor)."""
+    return -(-n // 32) * 32
 
 
 def outside(bpw: float, what: str, low: float, high: float) -> str:
