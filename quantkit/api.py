@@ -447,6 +447,9 @@ def quantize(
 
         def other(name: str, w: torch.Tensor) -> QuantizedTensor | None:  # GGUF: the embedding and output matrix too
             if name == "lm_head" and config.head_bits is not None:  # EXL2's head, on the device (minutes on a CPU)
+                if progress and distributed.rank() == 0:  # after the layers' bar has ended
+                    print(f"quantizing lm_head ({w.shape[0]} x {w.shape[1]}) to {config.head_bits} bits per weight on "
+                          f"{dev.type} (minutes on a CPU for a large vocabulary)", file=sys.stderr)
                 return exl2.quantize_head(w.to(dev), config.head_bits, config.damp, config.block_size).to("cpu")
             if types is None or name not in types:
                 return None

@@ -272,11 +272,12 @@ def test_a_measurement_of_another_calibration_is_refused(tiny_dir, measured, exp
     assert not (tmp_path / "q").exists()
 
 
-def test_head_bits_quantize_an_untied_head(tmp_path):
+def test_head_bits_quantize_an_untied_head(tmp_path, capsys):
     """--head-bits 6: lm_head is stored in the layout at about 6 bits per weight (the independent
     decoder reads our dequantized head), the config's head_bits says what it holds while bits counts
     the decoder linears alone, and the file reads back as the model that was scored. The config
-    names the architecture even when the source's did not."""
+    names the architecture even when the source's did not. The head's quantizing (minutes on a CPU for a
+    large vocabulary, after the layers' bar ended) is announced."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from .conftest import tiny_tokenizer
@@ -290,7 +291,8 @@ def test_head_bits_quantize_an_untied_head(tmp_path):
     del source["architectures"]  # as a config saved without a model has it
     (tmp_path / "m" / "config.json").write_text(json.dumps(source))
     m = quantkit.quantize(str(tmp_path / "m"), method="gptq", format="exl2", exl2=4.0, head_bits=6.0, **CALIB,
-                          out=tmp_path / "q", keep=True, progress=False)
+                          out=tmp_path / "q", keep=True, progress=True)
+    assert "quantizing lm_head (512 x 64) to 6.0 bits per weight on cpu" in capsys.readouterr().err
     state = load_file(tmp_path / "q" / "model.safetensors")
     head = {p: state[f"lm_head.{p}"] for p in ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")}
     assert "lm_head.weight" not in state
