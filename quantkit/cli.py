@@ -421,6 +421,9 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
     if quantize_method:
         refuse_unused({n: f for n, f in given.items() if n in ("bits", "group_size")}, quantize_method, fmt)
         exporters.check_format_name(fmt)  # before the training, not after it
+        if fmt == "exl2":
+            raise QuantkitError("--quantize writes safetensors, awq, gguf or compressed-tensors: for EXL2 (a target bits "
+                                "per weight), train, then quantkit quantize OUT-merged --format exl2 --bits 4.125")
         if launcher.launched() > 1:
             raise QuantkitError("--quantize runs in one process: train under torchrun, then run quantkit merge and "
                                 "quantkit quantize")
@@ -440,9 +443,12 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
     # --resume after a kill in the merge or the quantization: the finished adapter (and merge) are taken as they are
     trained = bool(resume and quantize_method and os.path.isdir(out))
     merged_done = trained and os.path.isdir(merged)
-    if qconfig is not None and qconfig.needs_calibration:  # its faults before the training, not after it; against
-        # what is quantized (the base may be gone once the merge is done)
-        api.calibration_windows(load(merged if merged_done else model), calib_data, calib_samples, calib_seqlen)
+    if qconfig is not None:  # its faults before the training, not after it; against what is quantized (the base
+        # may be gone once the merge is done), whose merge has the base's shapes
+        quantized = load(merged if merged_done else model)
+        exporters.check_format(fmt, quantized.module, qconfig)
+        if qconfig.needs_calibration:
+            api.calibration_windows(quantized, calib_data, calib_samples, calib_seqlen)
     inputs = [model, data, eval_data, calib_data]
     if resume:
         check_apart(out, inputs)

@@ -174,7 +174,12 @@ def test_bad_rank(tiny_dir, text, capsys, monkeypatch, tmp_path, rank, match):
     (["--quantize", "nf4", "--calib-seqlen", 64], "--calib-seqlen calibrates --quantize, and --quantize nf4"),
     # taken and ignored, after the training: RTN reads no calibration
     (["--quantize", "rtn", "--calib-data", VALID], "--calib-data calibrates --quantize, and --quantize rtn quantizes "
-     "without one")])
+     "without one"),
+    # a format that cannot hold the quantization: refused after the training and the merge
+    (["--quantize", "awq", "--format", "awq", "--bits", 3, "--calib-data", VALID],
+     "the AWQ GEMM layout holds 4-bit weights only, not 3-bit"),
+    (["--quantize", "gptq", "--format", "exl2"], "--quantize writes safetensors, awq, gguf or compressed-tensors: for "
+     "EXL2 (a target bits per weight), train, then quantkit quantize OUT-merged --format exl2")])
 def test_bad_training_settings(tiny_dir, text, capsys, monkeypatch, tmp_path, args, match):
     train_fails(tiny_dir, text, capsys, monkeypatch, tmp_path, match, *args)
 
