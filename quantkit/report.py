@@ -310,7 +310,10 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     s = settings  # paths as absolute: a resumed run from elsewhere is the same report
     settings = replace(s, model=str(Path(s.model).resolve()) if s.model else "", data=str(Path(s.data).resolve()),
                        calib_data=str(Path(s.calib_data).resolve()) if s.calib_data else None,
-                       lm_eval_data_dir=str(Path(s.lm_eval_data_dir).resolve()) if s.lm_eval_data_dir else None,
+                       # where the local tasks read, found now: a resumed run elsewhere (another $QUANTKIT_DATA)
+                       # scores its points on the same records or is refused
+                       lm_eval_data_dir=str(Path(s.lm_eval_data_dir or evals.harness.default_data_dir()).resolve())
+                       if s.tasks else None,
                        weights=fingerprint(s.model or default_model_dir()))
     model, data, windows, ctx = settings.model or None, settings.data, settings.windows, settings.ctx
     out = Path(out)

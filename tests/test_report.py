@@ -140,11 +140,17 @@ def test_lm_eval_settings_reach_every_run_and_an_older_report_goes_on(tiny_dir, 
     # as a report of an earlier version: its settings.json has none of the new lm-eval settings
     saved = json.loads((out / "settings.json").read_text())
     (out / "settings.json").write_text(json.dumps({k: v for k, v in saved.items() if k not in (
-        "lm_eval_fewshot", "lm_eval_max_length", "lm_eval_chat", "lm_eval_data_dir")}))
-    code, _, err = cli(common, capsys, monkeypatch)
+        "lm_eval_fewshot", "lm_eval_max_length", "lm_eval_chat")}))
+    code, _, err = cli(common, capsys, monkeypatch)  # the data found where --lm-eval-data-dir pointed
     assert code == 0 and json.loads((out / "settings.json").read_text())["lm_eval_fewshot"] is None, err
     code, _, err = cli([*common, "--lm-eval-fewshot", 0], capsys, monkeypatch)
     assert code == 2 and "holds a report of other settings (lm_eval_fewshot: 0 here, None in the report)" in err[-1]
+    # the data found elsewhere ($QUANTKIT_DATA): a run saved no folder, and found the records anew each time
+    other = tmp_path / "data"
+    shutil.copytree(DATA / "dolly", other / "dolly")
+    monkeypatch.setenv("QUANTKIT_DATA", str(other))
+    code, _, err = cli(common, capsys, monkeypatch)
+    assert code == 2 and f"(lm_eval_data_dir: '{other.resolve()}' here, '{DATA.resolve()}' in the report)" in err[-1]
 
 
 def test_a_point_ends_with_the_report_killed_under_it(tiny_dir, tmp_path):
