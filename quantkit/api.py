@@ -508,9 +508,9 @@ def quantize(
 def default_device(given: object, device: str | None) -> str | None:
     """Where ready() puts a model: device; else, for a model loaded from a path, the GPU when there
     is one; a Model passed in stays where it is."""
-    if device is not None or isinstance(given, Model):
-        return device
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if device is not None:
+        return str(device_of(device))  # cpu:0 as the CPU, as quantize takes it: the safetensors reader refuses it
+    return None if isinstance(given, Model) else "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def ready(model: Model | PathLike | None, packed: bool | None = None, device: str | None = None,

@@ -87,10 +87,18 @@ def test_quantize_shows_progress(tiny_dir, tmp_path, monkeypatch, capsys):
 
 
 def test_device_cpu_with_an_index_is_the_cpu(tiny_dir, tmp_path, monkeypatch, capsys):
-    """--device cpu:0 was called a damaged model file ("re-download it"): safetensors' reader takes no index."""
+    """--device cpu:0 was called a damaged model file ("re-download it"): safetensors' reader takes no index.
+    quantize took it first; eval, eval --base and lm-eval after."""
     run(["quantize", tiny_dir, "--method", "rtn", "--group-size", 32, "--device", "cpu:0", "--out", tmp_path / "q"],
         monkeypatch)
     assert (tmp_path / "q" / "config.json").is_file()
+    text = tmp_path / "t.txt"
+    text.write_text(TEST.read_text()[:20_000])
+    for args in (["eval", tmp_path / "q", "--data", text, "--ctx", 64, "--max-windows", 1],
+                 ["eval", tmp_path / "q", "--base", tiny_dir, "--data", text, "--ctx", 64, "--max-windows", 1],
+                 ["lm-eval", tiny_dir, "--tasks", "dolly_mc", "--limit", 1, "--max-length", 256]):
+        code, out, err = cli([*args, "--device", "cpu:0"], capsys, monkeypatch)
+        assert code == 0 and "float32 on cpu" in "".join(out) + "".join(err) or args[0] == "lm-eval" and code == 0, err
 
 
 def answered(args: list[list], modules: set[str]) -> tuple[list, list[str], str]:
