@@ -168,7 +168,7 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
 
     def before() -> None:  # once the quantization's checks pass: from the path, as "after", the same device and dtype
         if distributed.rank() == 0:
-            show("before", api.evaluate(m.source, eval_data, "llamacpp", ctx, eval_windows))
+            show("before", api.evaluate(m.source, eval_data, "llamacpp", ctx, eval_windows, device=device))
 
     m = api.quantize(m, config, calib_data=calib_data, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
                      seed=seed, out=out, format=fmt, overwrite=overwrite, max_shard_size=max_shard_size, device=device,
@@ -179,7 +179,7 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     click.echo("who loads it, from their documented limits:")  # as written: --target-bpw's settings are chosen by now
     click.echo("\n".join(consumers.summary(consumers.Export.of(fmt, m.qconfig, m.module))))
     if eval_data:  # the export as it loads, packed (GGUF: dequantized, with llama.cpp's arithmetic)
-        show("after", api.evaluate(out, eval_data, "llamacpp", ctx, eval_windows))
+        show("after", api.evaluate(out, eval_data, "llamacpp", ctx, eval_windows, device=device))
 
 
 cli.add_command(export)

@@ -94,6 +94,15 @@ def test_device_cpu_with_an_index_is_the_cpu(tiny_dir, tmp_path, monkeypatch, ca
     assert (tmp_path / "q" / "config.json").is_file()
     text = tmp_path / "t.txt"
     text.write_text(TEST.read_text()[:20_000])
+    # the perplexity before and after ran where a GPU would be (in float16), whatever --device said
+    import quantkit.api
+
+    devices, evaluate = [], quantkit.api.evaluate
+    monkeypatch.setattr(quantkit.api, "evaluate", lambda *a, **kw: devices.append(kw.get("device")) or evaluate(*a, **kw))
+    run(["quantize", tiny_dir, "--method", "rtn", "--group-size", 32, "--device", "cpu", "--out", tmp_path / "e",
+         "--eval-data", text, "--ctx", 64, "--eval-windows", 1], monkeypatch)
+    assert devices == ["cpu", "cpu"]
+    monkeypatch.setattr(quantkit.api, "evaluate", evaluate)
     for args in (["eval", tmp_path / "q", "--data", text, "--ctx", 64, "--max-windows", 1],
                  ["eval", tmp_path / "q", "--base", tiny_dir, "--data", text, "--ctx", 64, "--max-windows", 1],
                  ["lm-eval", tiny_dir, "--tasks", "dolly_mc", "--limit", 1, "--max-length", 256]):
