@@ -87,7 +87,9 @@ def main() -> None:
     warnings.formatwarning = warning_line
     spelling = COMMAND_LINE.set(True)  # errors name the command line's flags
     try:
-        if sys.argv[1:2] and sys.argv[1] in ONE_PROCESS and launcher.launched() > 1:
+        if sys.argv[1:2] and sys.argv[1] in ONE_PROCESS and "--help" not in sys.argv[2:] and \
+                (size := launcher.launched()) > 1:
+            launcher.check(size)  # WORLD_SIZE inherited without torchrun: unset it
             raise QuantkitError(f"quantkit {sys.argv[1]} runs in one process, and under torchrun every process would run "
                                 "it whole and write the same output: run it without torchrun (quantize and train share "
                                 "their work across processes)")
@@ -109,6 +111,10 @@ def main() -> None:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
+    except click.exceptions.NoArgsIsHelpError as e:  # `quantkit` alone: its message is the whole help
+        click.echo(f"error: no command given: pass one of {', '.join(e.ctx.command.list_commands(e.ctx))} (see quantkit "
+                   "--help)", err=True)
+        sys.exit(2)
     except click.ClickException as e:  # a usage error (2): one line, as every other bad input
         ctx = getattr(e, "ctx", None)
         click.echo(f"error: {e.format_message()}{f' (see {ctx.command_path} --help)' if ctx else ''}", err=True)

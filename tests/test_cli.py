@@ -86,6 +86,13 @@ def test_quantize_shows_progress(tiny_dir, tmp_path, monkeypatch, capsys):
     assert "quantizing layers" in err and "2/2" in err and "MiB written" in err and "peak RSS" in err
 
 
+def test_no_command_is_one_line(capsys, monkeypatch):
+    """`quantkit` alone printed the whole help as an error: message, then "(see quantkit --help)"."""
+    code, out, err = cli([], capsys, monkeypatch)
+    assert code == 2 and err == ["error: no command given: pass one of eval, export, lm-eval, merge, quantize, report, "
+                                 "train (see quantkit --help)"], err
+
+
 def test_device_cpu_with_an_index_is_the_cpu(tiny_dir, tmp_path, monkeypatch, capsys):
     """--device cpu:0 was called a damaged model file ("re-download it"): safetensors' reader takes no index.
     quantize took it first; eval, eval --base and lm-eval after."""

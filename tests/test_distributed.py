@@ -222,6 +222,10 @@ def test_world_size_without_torchrun_is_refused(tiny_dir, tmp_path, capsys, monk
     code, _, err = cli(["quantize", tiny_dir, "--out", tmp_path / "q"], capsys, monkeypatch)
     assert code == 2 and err[-1].startswith(f"error: {said}"), err
     assert not (tmp_path / "q").exists()
+    # the commands of one process told such a process to run without torchrun, and refused their --help
+    code, _, err = cli(["eval", tiny_dir, "--max-windows", 1], capsys, monkeypatch)
+    assert code == 2 and err[-1].startswith(f"error: {said}"), err
+    assert cli(["eval", "--help"], capsys, monkeypatch)[0] == 0
 
 
 def test_a_process_whose_peers_never_join_says_so_and_exits(tiny_dir, tmp_path):
