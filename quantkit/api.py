@@ -329,6 +329,9 @@ def quantize(
         raise QuantkitError("pass a QuantConfig or its fields as keywords, not both")
     check_fields(QuantConfig, config, options, "quantize")
     exporters.check_format_name(format)
+    if max_shard_size != exporters.DEFAULT_MAX_SIZE:  # not a QuantConfig field: refused as the command line's
+        refuse_unused({"max_shard_size": "max_shard_size"}, config.method if config else options.get("method", "rtn"),
+                      format)
     if config is None:  # a field set to other than its default that the method or format would ignore
         defaults = {f.name: f.default for f in fields(QuantConfig)}
         refuse_unused({k: k for k, v in options.items() if k in defaults and v != defaults[k]},

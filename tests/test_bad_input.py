@@ -128,6 +128,19 @@ def test_api_refuses_what_the_method_would_ignore(tiny_dir, tmp_path, options, m
     quantkit.quantize(str(tiny_dir), method="rtn", act_order=False, damp=0.01, group_size=32, progress=False)
 
 
+def test_api_refuses_a_shard_size_for_one_file(tiny_dir, tmp_path):
+    """max_shard_size with format="gguf" was taken and ignored by the API (not a QuantConfig field), refused on
+    the command line."""
+    import quantkit
+
+    for config in ({"config": quantkit.QuantConfig(method="rtn")}, {"method": "rtn"}):
+        with pytest.raises(quantkit.QuantkitError, match="max_shard_size does not apply to format='gguf', which "
+                                                         "writes one file: drop it"):
+            quantkit.quantize(str(tiny_dir), **config, format="gguf", max_shard_size="1GB", out=tmp_path / "q.gguf",
+                              progress=False)
+    assert not (tmp_path / "q.gguf").exists()
+
+
 def test_the_calibration_text_is_checked_before_the_first_evaluation(model, capsys, monkeypatch, tmp_path):
     """A fault in --calib-data came out after the "before" perplexity had run (its 40 windows wasted)."""
     import quantkit.api
