@@ -145,6 +145,11 @@ def run(tasks: Tasks, module: torch.nn.Module, tokenizer, limit: int | float | N
             raise
         raise QuantkitError(f"an answer of {', '.join(tasks.names)} is longer than "
                             f"{option('max_length', lm.max_length)} tokens: raise {option('max_length')}") from None
+    except ValueError as e:  # its few-shot sampler's random.sample
+        if num_fewshot is None or "larger than population" not in str(e):
+            raise
+        raise QuantkitError(f"{option('num_fewshot', num_fewshot)} asks for more examples than a task of "
+                            f"{', '.join(tasks.names)} has to draw them from: pass fewer") from None
     return {task: metrics(values) for task, values in results["results"].items()}
 
 

@@ -115,6 +115,10 @@ def test_refusals(tiny_dir, tmp_path, capsys, monkeypatch):
             "no such directory, where the local tasks read their data: pass --data-dir")
     refused(["lm-eval", tiny_dir, "--tasks", "wikitext", "--max-length", 1024], capsys, monkeypatch,
             "--max-length 1024 is longer than the model's context of 512 tokens")
+    # more few-shot examples than the task's records: random.sample's traceback, exit 1 (a failed gate's)
+    refused(["lm-eval", tiny_dir, "--tasks", "dolly_mc", "--limit", 1, "--num-fewshot", 5000, "--max-length", 256],
+            capsys, monkeypatch, "--num-fewshot 5000 asks for more examples than a task of dolly_mc has to draw them "
+                                 "from: pass fewer")
     for limit in ("inf", "nan", "1.5"):  # inf was a traceback, 1.5 taken as 1, nan named in the API's words
         refused(["lm-eval", tiny_dir, "--tasks", "dolly_mc", "--limit", limit], capsys, monkeypatch,
                 f"--limit {limit}: pass a whole number of documents per task, or a fraction of each below 1")
