@@ -17,6 +17,8 @@ class QuantkitError(Exception):
 COMMAND_LINE: ContextVar[bool] = ContextVar("COMMAND_LINE", default=False)
 # the flags not named after their keyword
 FLAGS = {"imatrix_file": "--imatrix", "targets": "--for", "exl2": "--bits", "chat": "--apply-chat-template"}
+# a command's own flags for the keywords it passes on (report's --lm-eval-fewshot is lm-eval's num_fewshot)
+RENAMED: ContextVar[dict[str, str]] = ContextVar("RENAMED", default={})
 
 
 def option(name: str, value: object = ..., *values: object) -> str:
@@ -24,7 +26,7 @@ def option(name: str, value: object = ..., *values: object) -> str:
     method='awq' in the API; option("pure", True) is --pure or pure=True, option("pure") --pure or pure;
     further values are a choice of them."""
     if COMMAND_LINE.get():
-        flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+        flag = RENAMED.get().get(name) or FLAGS.get(name, "--" + name.replace("_", "-"))
         if value is ... or value is True:
             return flag
         return f"{flag} " + " or ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in (value, *values))

@@ -23,7 +23,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from . import atomic
+from . import atomic, errors
 from .errors import QuantkitError, space_for
 from .requant import check_mix
 
@@ -178,11 +178,17 @@ def run_point(spec: dict) -> dict:
 
 
 def lm_scores(model: object, s: Settings) -> dict[str, dict[str, float]]:
-    """lm-eval's results for the base or a point, all run alike."""
+    """lm-eval's results for the base or a point, all run alike; its errors name report's flags."""
     from . import api
 
-    return api.lm_eval(model, s.tasks, limit=s.lm_eval_limit, num_fewshot=s.lm_eval_fewshot,
-                       max_length=s.lm_eval_max_length, data_dir=s.lm_eval_data_dir, chat=s.lm_eval_chat)
+    renamed = errors.RENAMED.set({k: f"--lm-eval-{v}" for k, v in (("limit", "limit"), ("num_fewshot", "fewshot"),
+                                                                   ("max_length", "max-length"), ("chat", "chat"),
+                                                                   ("data_dir", "data-dir"))})
+    try:
+        return api.lm_eval(model, s.tasks, limit=s.lm_eval_limit, num_fewshot=s.lm_eval_fewshot,
+                           max_length=s.lm_eval_max_length, data_dir=s.lm_eval_data_dir, chat=s.lm_eval_chat)
+    finally:
+        errors.RENAMED.reset(renamed)
 
 
 def check(todo: list[Point], settings: Settings, out: Path) -> None:
@@ -191,7 +197,7 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
 
     from . import api
     from .config import QuantConfig
-    from .modelio import load
+    from .modelio import check_context, load
 
     if not todo:
         raise QuantkitError("the sweep has no points: name some of " + ", ".join(FAMILIES) + " in --methods, "
@@ -219,6 +225,11 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
                 raise QuantkitError(f"{option} {value!r}: pass a whole number of at least {least}")
         harness.prepare(settings.tasks, settings.lm_eval_data_dir)  # a wrong name or missing data: before the base
+        m = load(settings.model or None)  # lm-eval's own checks of these name its flags, after the base is scored
+        if settings.lm_eval_max_length is not None:
+            check_context(m.module.config, settings.lm_eval_max_length, "lm_eval_max_length")
+        if settings.lm_eval_chat and not getattr(m.tokenizer, "chat_template", None):
+            raise QuantkitError(f"the model's tokenizer has no chat template: drop {errors.option('lm_eval_chat')}")
     if out.is_dir() and any(out.iterdir()) and not (out / "settings.json").is_file():
         raise QuantkitError(f"{out} holds other files, not a quantkit report: choose another --out")
     if out.exists() and not out.is_dir():
@@ -336,6 +347,12 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     for sub in ("points", "logs", "exports"):
         (out / sub).mkdir(exist_ok=True)
     base = out / "base.logits"
+
+    def abandon() -> None:  # a report this run began, refused on bad input: nothing worth keeping
+        if fresh:
+            lock.close()
+            atomic.remove(out)
+
     if not (out / "base.json").exists():  # written after base.logits: both are there or the base is redone
         echo(f"base: scoring {windows} windows of {ctx} on the float model")
         try:
@@ -343,9 +360,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
             api.write_base(m, base, calibration.load_text(data, split="test", tokenizer=m.tokenizer), ctx, windows,
                            progress=False)
         except QuantkitError:  # bad input (the model, the text, ctx): nothing of this run is worth keeping
-            if fresh:
-                lock.close()
-                atomic.remove(out)
+            abandon()
             raise
         params, linear = parameter_counts(m.module)
         source = Path(m.source)
@@ -358,7 +373,11 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         del m
     if settings.tasks and "lm_eval" not in (based := read_json(out / "base.json")):  # the scores' float row
         echo(f"base: lm-eval {', '.join(settings.tasks)} on the float model")
-        based["lm_eval"] = lm_scores(model, settings)
+        try:
+            based["lm_eval"] = lm_scores(model, settings)
+        except QuantkitError:  # lm-eval's bad input (too many few-shot examples): the corrected run starts afresh
+            abandon()
+            raise
         write_json(out / "base.json", based)
 
     def finished(p: Point) -> bool:  # measured by an earlier run, its lm-eval scores too (else it runs again)
