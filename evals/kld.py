@@ -82,11 +82,14 @@ def is_saved_base(path: str | os.PathLike) -> bool:
         return False
 
 
-def check_save_path(path: str | os.PathLike) -> None:
-    """Fail before any work when a base cannot be saved at path; only a saved base is replaced."""
+def check_save_path(path: str | os.PathLike, overwrite: bool = False) -> None:
+    """Fail before any work when a base cannot be saved at path; a saved base is replaced on overwrite alone."""
     path = Path(path)
     if path.is_dir() or (path.exists() and not is_saved_base(path)):
         raise QuantkitError(f"{path} exists and is not a saved base: choose another {option('save_base')}")
+    if path.exists() and not overwrite:  # the base a gate compares with: lost without a word
+        raise QuantkitError(f"{path} holds a saved base already: compare with it ({option('base', path)}), choose "
+                            f"another {option('save_base')}, or pass {option('overwrite', True)} to replace it")
     if not path.parent.is_dir():
         raise QuantkitError(f"{path.parent}: no such directory: create it or choose another {option('save_base')}")
     check_writable(path.parent, "save_base")  # here, not after the base has loaded, and by this option's name

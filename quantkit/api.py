@@ -604,13 +604,14 @@ def compare(
     packed: bool | None = None,
     device: str | None = None,
     dtype: str | None = None,
+    overwrite: bool = False,
 ) -> evals.Divergence:
     """Divergence of model from base, as `llama-perplexity --kl-divergence` measures it: perplexity of
     both, KL divergence, delta-p and top-token agreement on the second half of each window of data.
     base: a model (a Model, a path), or a file of its log-probabilities saved by save_base (or by
     llama-perplexity --kl-divergence-base), which skips running the base. One model is in memory at a
     time: the base's log-probabilities go to disk (save_base, or a temporary file) first. dtype: both
-    models run in it (as in evaluate)."""
+    models run in it (as in evaluate). overwrite: replace a base saved at save_base."""
     check_arguments(compare, locals())
     check_windows(ctx, max_windows)
     text = calibration.load_text(data, split="test")
@@ -621,7 +622,7 @@ def compare(
         raise QuantkitError(f"{base} is a saved base already: {option('save_base')} needs {option('base')} to be a "
                             "model")
     if save_base is not None:
-        evals.kld.check_save_path(save_base)
+        evals.kld.check_save_path(save_base, overwrite)
     m = model if isinstance(model, Model) else load(model, packed=packed is not False)
     check_dequantized(m, packed)  # before the base is scored
     text = calibration.chats(data, text, m.tokenizer)

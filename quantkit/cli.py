@@ -201,6 +201,7 @@ def given_options() -> dict[str, str]:
                              "same top token, as llama-perplexity --kl-divergence")
 @click.option("--save-base", type=click.Path(), help="with --base MODEL: save its log-probabilities here for reuse "
                                                      "(llama.cpp's --kl-divergence-base layout)")
+@click.option("--overwrite", is_flag=True, help="replace the base saved at --save-base")
 @click.option("--max-ppl-increase", type=float, help="gate: fail when PPL(Q)/PPL(base) - 1 is above this")
 @click.option("--max-kld", type=float, help="gate: fail when the mean KL divergence is above this")
 @click.option("--min-same-top", type=float, help="gate: fail when the top tokens agree less often than this")
@@ -210,8 +211,8 @@ def given_options() -> dict[str, str]:
 @click.option("--dtype", type=click.Choice(DTYPES), help="the activations' dtype [float16 on a GPU, float32 on "
               "the CPU]; on the CPU, where layers take few rows, bfloat16 runs 4-bit layers in torch's fused int4 matmul "
               "and float32 every layout in quantkit's compiled GEMV")
-def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_increase, max_kld, min_same_top,
-             as_json, dequantized, device, dtype) -> None:
+def evaluate(model, data, protocol, ctx, max_windows, base, save_base, overwrite, max_ppl_increase, max_kld,
+             min_same_top, as_json, dequantized, device, dtype) -> None:
     """Perplexity of MODEL (a directory, an export, a .gguf file, or the embedded model). A quantized
     export runs packed: Triton kernels on a GPU; on the CPU a compiled GEMV or torch's int4 matmul for
     few rows (see --dtype), else a slice of the weight dequantized at a time. With --base, its
@@ -220,6 +221,8 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_i
     given = [f"--{k.replace('_', '-')}" for k, v in limits.items() if v is not None]
     if base is None and (given or save_base):
         raise QuantkitError(f"{', '.join(given + ['--save-base'] * bool(save_base))} compare with a base model: add --base BASE")
+    if overwrite and not save_base:
+        raise QuantkitError("--overwrite replaces the base saved at --save-base, and none is saved: drop it")
     from quantkit.evals import kld  # once the options are checked, as in quantize
 
     from . import api
@@ -234,7 +237,7 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, max_ppl_i
             click.echo(report_.strict_json({**ppl.to_dict(), "model": model, "data": data}))
         return
     d = api.compare(model, base, data, ctx, max_windows, save_base, packed=not dequantized, device=device,
-                    dtype=dtype)
+                    dtype=dtype, overwrite=overwrite)
     click.echo(f"{model or 'embedded model'} against {base}: {d.windows} windows of {d.ctx}, {d.tokens} predictions, "
                f"{d.dtype} on {d.device}")
     click.echo(d.report())

@@ -155,6 +155,15 @@ def test_refusals(quant_dir, tiny_dir, tmp_path, capsys, monkeypatch):
 
     saved = tmp_path / "base.logits"
     cli([*base, "--base", tiny_dir, "--save-base", saved], capsys, monkeypatch)
+    # a second --save-base there replaced the base a gate compared with, without a word
+    kept = saved.read_bytes()
+    refused([*base, "--base", tiny_dir, "--save-base", saved, "--max-windows", 1], capsys, monkeypatch,
+            f"{saved} holds a saved base already: compare with it (--base {saved}), choose another --save-base, or pass "
+            "--overwrite to replace it")
+    assert saved.read_bytes() == kept
+    refused([*base, "--base", tiny_dir, "--overwrite"], capsys, monkeypatch, "--overwrite replaces the base saved at "
+            "--save-base, and none is saved: drop it")
+    assert cli([*base, "--base", tiny_dir, "--save-base", saved, "--overwrite"], capsys, monkeypatch)[0] == 0
     with_saved = ["eval", quant_dir, "--base", saved, "--ctx", CTX]
     refused([*with_saved, "--data", VALID], capsys, monkeypatch, "was saved from other tokens (window 0")
     refused([*with_saved, "--data", TEST, "--ctx", 64], capsys, monkeypatch, "context of 128, not 64: pass --ctx 128")
