@@ -171,7 +171,15 @@ def test_consumers_see_every_setting(tiny_dir):
     (["--format", "awq", "--method", "rtn"], RULES, "quantkit writes one in the awq layout"),
     (["--method", "nf4"], RULES, "RTN and GPTQ grids"),
     ([], [{"match": "layers\\.7\\.", "bits": 8}], "rule 1 ('layers\\\\.7\\\\.') matches no linear"),
-    (["--format", "compressed-tensors", "--group-size", "32"], [{"match": "down_proj", "bits": 3}], "4 or 8 bits, not 3"),
+    # what a rule set is changed in the rule: the advice named the option, already given
+    (["--format", "compressed-tensors", "--group-size", "32"], [{"match": "down_proj", "bits": 3}],
+     "4 or 8 bits, not 3 (model.layers.0.mlp.down_proj): change rule 1 of --rules (match 'down_proj'), or --format "
+     "safetensors"),
+    (["--format", "compressed-tensors", "--group-size", "32"], [{"match": "down_proj", "group_size": 48}],
+     "model.layers.0.mlp.down_proj has 128 inputs, not a multiple of the group size 48, which compressed-tensors "
+     "requires: change rule 1 of --rules (match 'down_proj')"),
+    (["--format", "compressed-tensors", "--group-size", "48"], [{"match": "down_proj", "bits": 8}],
+     "has 64 inputs, not a multiple of the group size 48, which compressed-tensors requires: use --group-size 64"),
 ])
 def test_what_rules_cannot_do_is_refused(tiny_dir, tmp_path, capsys, monkeypatch, args, rules, match):
     (tmp_path / "r.json").write_text(json.dumps(rules))
