@@ -185,23 +185,25 @@ def tokenize(tokenizer, text: str, split: bool) -> torch.Tensor:
         spans.append((a, min(a + CHUNK, len(text))))
         a = spans[-1][1] - OVERLAP
     width = min(8, os.cpu_count() or 2)  # pieces per call: the tokenizer encodes a batch on every core
-    kept, done = [], 0  # the ids taken so far, and where the text's ids still to take begin
+    kept, done, held = [], 0, None  # the ids taken, where those still to take begin, the piece not yet joined
     with tqdm(total=len(text), desc="tokenizing", unit="char", unit_scale=True, leave=False, file=sys.stderr,
               disable=len(text) < SHOWN) as bar:
-        (a, b), (ids, offsets) = spans[0], encode(spans[:1])[0]
-        for i in range(1, len(spans), width):
+        for i in range(0, len(spans), width):
             for (a2, b2), (ids2, offsets2) in zip(spans[i:i + width], encode(spans[i:i + width])):
+                if held is None:
+                    held = (a2, b2, ids2, offsets2)
+                    continue
+                a, b, ids, offsets = held
                 lo, hi = a2 + OVERLAP // 4, b - OVERLAP // 4  # the overlap's middle half
                 mine, theirs = (offsets[:, 0] >= lo) & (offsets[:, 0] < hi), (offsets2[:, 0] >= lo) & (offsets2[:, 0] < hi)
                 if mine.any() and torch.equal(ids[mine], ids2[theirs]) and torch.equal(offsets[mine], offsets2[theirs]):
                     cut = int(offsets[mine][0, 0])
-                    keep = (offsets[:, 0] >= done) & (offsets[:, 0] < cut)
-                    kept.append(ids[keep])
-                    done, (a, b), ids, offsets = cut, (a2, b2), ids2, offsets2
-                else:  # no agreement: this piece and the next as one
-                    (a, b), (ids, offsets) = (a, b2), encode([(a, b2)])[0]
+                    kept.append(ids[(offsets[:, 0] >= done) & (offsets[:, 0] < cut)])
+                    done, held = cut, (a2, b2, ids2, offsets2)
+                else:  # no agreement: the two pieces as one
+                    held = (a, b2, *encode([(a, b2)])[0])
                 bar.update(done - bar.n)
-        kept.append(ids[offsets[:, 0] >= done])
+        kept.append(held[2][held[3][:, 0] >= done])
         bar.update(len(text) - bar.n)
     return torch.cat(kept)
 

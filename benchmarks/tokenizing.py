@@ -2,7 +2,7 @@
 `calibration.token_ids` (pieces of CHUNK characters, a few at once), each in its own process:
 peak memory above the process's start, time, and whether the ids are the same.
 
-    python benchmarks/tokenize.py [--copies 12] [--model DIR]
+    python benchmarks/tokenizing.py [--copies 12] [--model DIR]
 
 The text is WikiText-2 test + validation repeated --copies times (2.4 MB each)."""
 import argparse
