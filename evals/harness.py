@@ -115,6 +115,15 @@ def prepare(names: list[str], data_dir: str | os.PathLike | None = None) -> Task
     return Tasks(names, manager)
 
 
+def check_settings(config, tokenizer, max_length: int | None, chat: bool) -> None:
+    """Refuse windows past the model's context (lm-eval would run them without a word), and chat
+    prompts for a tokenizer without a template."""
+    if max_length is not None:
+        check_context(config, max_length, "max_length")
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise QuantkitError(f"the model's tokenizer has no chat template: drop {option('chat')}")
+
+
 def run(tasks: Tasks, module: torch.nn.Module, tokenizer, limit: int | float | None = None,
         num_fewshot: int | None = None, batch_size: int = 4, max_length: int | None = None,
         seed: int | None = None, chat: bool = False) -> dict[str, dict[str, float]]:
@@ -125,10 +134,7 @@ def run(tasks: Tasks, module: torch.nn.Module, tokenizer, limit: int | float | N
     from lm_eval import evaluator
     from lm_eval.models.huggingface import HFLM
 
-    if max_length is not None:  # lm-eval would run windows past the trained positions without a word
-        check_context(module.config, max_length, "max_length")
-    if chat and not getattr(tokenizer, "chat_template", None):
-        raise QuantkitError(f"the model's tokenizer has no chat template: drop {option('chat')}")
+    check_settings(module.config, tokenizer, max_length, chat)
     lm = rolling_in_one_bar(HFLM)(pretrained=module, tokenizer=tokenizer, batch_size=batch_size,
                                   max_length=max_length)
     seeds = {} if seed is None else {k: seed for k in ("random_seed", "numpy_random_seed", "torch_random_seed",

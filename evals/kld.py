@@ -82,8 +82,14 @@ def is_saved_base(path: str | os.PathLike) -> bool:
         return False
 
 
-def check_save_path(path: str | os.PathLike, overwrite: bool = False) -> None:
-    """Fail before any work when a base cannot be saved at path; a saved base is replaced on overwrite alone."""
+def check_save_path(path: str | os.PathLike | None, overwrite: bool = False) -> None:
+    """Fail before any work when a base cannot be saved at path (None: none is saved); a saved base is
+    replaced on overwrite alone."""
+    if path is None:
+        if overwrite:
+            raise QuantkitError(f"{option('overwrite', True)} replaces the base saved at {option('save_base')}, and "
+                                "none is saved: drop it")
+        return
     path = Path(path)
     if path.is_dir() or (path.exists() and not is_saved_base(path)):
         raise QuantkitError(f"{path} exists and is not a saved base: choose another {option('save_base')}")
@@ -338,11 +344,12 @@ class Divergence:
 
 
 def save_base(module: torch.nn.Module, tokenizer, windows: torch.Tensor, path: str | os.PathLike,
-              batch_size: int = 4, progress: bool = True) -> None:
-    """Score windows (n, ctx) on the base model and save its log-probabilities at path (atomically)."""
+              batch_size: int = 4, progress: bool = True, overwrite: bool = False) -> None:
+    """Score windows (n, ctx) on the base model and save its log-probabilities at path (atomically);
+    overwrite: replace a file there (else one that appeared while the base was scored is refused)."""
     from quantkit.atomic import Staged
 
-    staged = Staged(path, overwrite=True, directory=False, option="save_base")
+    staged = Staged(path, overwrite=overwrite, directory=False, option="save_base")
     n, ctx = windows.shape
     needed = file_size(n, ctx, module.config.vocab_size)
     try:

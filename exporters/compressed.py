@@ -46,26 +46,27 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
         c = qconfig.for_linear(name)
         if c is None:
             continue
-        # the setting a rule gave is changed in the rule (the first that matches), not with the option
-        at = next((i for i, r in enumerate(qconfig.rules) if r.matches(name)), None)
-
-        def ruled(attr: str, advice: str) -> str:
-            if at is None or getattr(qconfig.rules[at], attr) is None:
-                return advice
-            return f"change rule {at + 1} of {option('rules')} (match {qconfig.rules[at].match!r})"
-
+        where = f" ({name})" if qconfig.rules else ""
         if c.bits not in BITS:
-            raise QuantkitError(f"vLLM reads compressed-tensors weights of 4 or 8 bits, not {c.bits}"
-                                + (f" ({name})" if qconfig.rules else "") + ": "
-                                + ruled("bits", "use --bits 4 or 8") + ", or --format safetensors")
+            raise QuantkitError(f"vLLM reads compressed-tensors weights of 4 or 8 bits, not {c.bits}{where}: "
+                                f"{ruled(qconfig, name, 'bits', 'use --bits 4 or 8')}, or --format safetensors")
         if not c.sym and c.bits != 4:
-            raise QuantkitError("vLLM reads asymmetric compressed-tensors weights as 4-bit only: "
-                                "use --bits 4 or symmetric weights")
+            raise QuantkitError(f"vLLM reads asymmetric compressed-tensors weights as 4-bit only{where}: "
+                                f"{ruled(qconfig, name, 'bits', 'use --bits 4')}, or symmetric weights")
         if c.group_size != -1 and k % c.group_size:
             fits = [g for g in (128, 64, 32) if all(k % g == 0 for _, _, k in shapes)]
             hint = f"--group-size {fits[0]}" if fits else "--group-size -1 (per channel)"
+            fix = ruled(qconfig, name, "group_size", f"use {hint}")
             raise QuantkitError(f"{name} has {k} inputs, not a multiple of the group size "
-                                f"{c.group_size}, which compressed-tensors requires: {ruled('group_size', f'use {hint}')}")
+                                f"{c.group_size}, which compressed-tensors requires: {fix}")
+
+
+def ruled(qconfig: QuantConfig, name: str, attr: str, advice: str) -> str:
+    """advice, or where the rule that gave the linear its attr is (a setting a rule gave is changed there)."""
+    at = qconfig.rule_of(name)
+    if at is None or getattr(qconfig.rules[at], attr) is None:
+        return advice
+    return f"change rule {at + 1} of {option('rules')} (match {qconfig.rules[at].match!r})"
 
 
 def pack(values: torch.Tensor, bits: int) -> torch.Tensor:

@@ -119,6 +119,8 @@ def grids(m: Model, config: QuantConfig, format: str,
     shapes = shapes_by_name(m.module)
     if config.gguf_type is not None:
         kept = measurement.GGUF_TYPES
+        if targets:  # a GGUF file's readers take every block type
+            consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
         measurement.check_target(shapes, config.target_bpw, kept,
                                  f"the GGUF types {kept[0].type} to {kept[-1].type}, after llama-quantize's fallbacks,")
         return kept
@@ -139,13 +141,14 @@ def grids(m: Model, config: QuantConfig, format: str,
                             f"{option('format')} or drop {option('targets')}")
     if targets and len(kept) > 1:  # each grid alone is loaded; a loader may take no file that mixes them
         units = measurement.grouped(shapes, measurement.GROUP_UNITS).values()
-        mixed = spent(config, {name: kept[i % 2] for i, linears in enumerate(units) for name in linears}, shapes)
+        mixed = spent(config, {name: kept[i % len(kept)] for i, linears in enumerate(units) for name in linears},
+                      shapes)
         try:
             consumers.check_targets(consumers.Export.of(format, mixed, m.module), targets)
         except QuantkitError as e:
             raise QuantkitError(f"{option('target_bpw')} gives each group of linears its own grid, and {e}".replace(
-                "change those settings or drop", f"quantize with one {option('bits')} and {option('group_size')}, "
-                                                 f"or drop")) from None
+                "change those settings or drop", f"drop {option('target_bpw')} for one {option('bits')} and "
+                                                 f"{option('group_size')}, or drop")) from None
     measurement.check_target(shapes, config.target_bpw, kept, what)
     return kept
 
@@ -621,8 +624,7 @@ def compare(
     if saved and save_base is not None:
         raise QuantkitError(f"{base} is a saved base already: {option('save_base')} needs {option('base')} to be a "
                             "model")
-    if save_base is not None:
-        evals.kld.check_save_path(save_base, overwrite)
+    evals.kld.check_save_path(save_base, overwrite)
     m = model if isinstance(model, Model) else load(model, packed=packed is not False)
     check_dequantized(m, packed)  # before the base is scored
     text = calibration.chats(data, text, m.tokenizer)
@@ -636,7 +638,7 @@ def compare(
                 raise QuantkitError(f"{b.source} and {m.source} have different tokenizers ({difference}): compare a "
                                     "model with the base it was quantized from")
             path = save_base or Path(tmp) / "base.logits"
-            write_base(b, path, text, ctx, max_windows, default_device(base, device), progress, dtype)
+            write_base(b, path, text, ctx, max_windows, default_device(base, device), progress, dtype, overwrite)
             del b  # one model in memory at a time
             base_file = evals.BaseFile(path)
         n = base_file.n if max_windows is None else max_windows
@@ -647,12 +649,14 @@ def compare(
 
 
 def write_base(base: Model, path: PathLike, text: str, ctx: int = 512, max_windows: int | None = None,
-               device: str | None = None, progress: bool = True, dtype: str | None = None) -> None:
-    """Score the text's windows on the base and save its log-probabilities at path (llama.cpp's layout)."""
+               device: str | None = None, progress: bool = True, dtype: str | None = None,
+               overwrite: bool = False) -> None:
+    """Score the text's windows on the base and save its log-probabilities at path (llama.cpp's layout);
+    overwrite: replace a file there."""
     b = ready(base, device=device, dtype=dtype)
     with scoring(b):
         evals.save_base(b.module, b.tokenizer, evals.windows(b.tokenizer, text, "llamacpp", ctx, max_windows), path,
-                        progress=progress)
+                        progress=progress, overwrite=overwrite)
 
 
 def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float | None = None,

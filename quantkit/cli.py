@@ -221,13 +221,12 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, overwrite
     given = [f"--{k.replace('_', '-')}" for k, v in limits.items() if v is not None]
     if base is None and (given or save_base):
         raise QuantkitError(f"{', '.join(given + ['--save-base'] * bool(save_base))} compare with a base model: add --base BASE")
-    if overwrite and not save_base:
-        raise QuantkitError("--overwrite replaces the base saved at --save-base, and none is saved: drop it")
     from quantkit.evals import kld  # once the options are checked, as in quantize
 
     from . import api
 
     kld.check_limits(**limits)
+    kld.check_save_path(save_base, overwrite)
     if base is not None and protocol != "llamacpp":
         raise QuantkitError("--base compares under the llamacpp protocol (the second half of each window): drop --protocol")
     if base is None:
@@ -426,7 +425,8 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
         exporters.check_format_name(fmt)  # before the training, not after it
         if fmt == "exl2":
             raise QuantkitError("--quantize writes safetensors, awq, gguf or compressed-tensors: for EXL2 (a target bits "
-                                "per weight), train, then quantkit quantize OUT-merged --format exl2 --bits 4.125")
+                                "per weight), train, then run quantkit merge OUT --out OUT-merged and quantkit quantize "
+                                "OUT-merged --method gptq --format exl2 --bits 4.125")
         if launcher.launched() > 1:
             raise QuantkitError("--quantize runs in one process: train under torchrun, then run quantkit merge and "
                                 "quantkit quantize")

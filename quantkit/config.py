@@ -270,9 +270,14 @@ class QuantConfig:
                                 "safetensors and compressed-tensors formats: for GGUF use "
                                 f"{option('tensor_type')}, for EXL2 its measurement")
 
+    def rule_of(self, name: str) -> int | None:
+        """The index of the rule that decides a linear's settings: the first that matches."""
+        return next((i for i, r in enumerate(self.rules) if r.matches(name)), None)
+
     def for_linear(self, name: str) -> QuantConfig | None:
         """The settings of one linear under the rules (the first that matches); None: left in float."""
-        rule = next((r for r in self.rules if r.matches(name)), None)
+        at = self.rule_of(name)
+        rule = None if at is None else self.rules[at]
         if rule is None:
             return replace(self, rules=())
         if rule.skip:

@@ -3,6 +3,8 @@ import shutil
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
 
 
 class QuantkitError(Exception):
@@ -18,7 +20,7 @@ COMMAND_LINE: ContextVar[bool] = ContextVar("COMMAND_LINE", default=False)
 # the flags not named after their keyword
 FLAGS = {"imatrix_file": "--imatrix", "targets": "--for", "exl2": "--bits", "chat": "--apply-chat-template"}
 # a command's own flags for the keywords it passes on (report's --lm-eval-fewshot is lm-eval's num_fewshot)
-RENAMED: ContextVar[dict[str, str]] = ContextVar("RENAMED", default={})
+RENAMED: ContextVar[Mapping[str, str]] = ContextVar("RENAMED", default=MappingProxyType({}))
 
 
 def option(name: str, value: object = ..., *values: object) -> str:

@@ -19,9 +19,11 @@ import struct
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from . import atomic, errors
 from .errors import QuantkitError, space_for
@@ -177,18 +179,28 @@ def run_point(spec: dict) -> dict:
     return result
 
 
-def lm_scores(model: object, s: Settings) -> dict[str, dict[str, float]]:
-    """lm-eval's results for the base or a point, all run alike; its errors name report's flags."""
-    from . import api
+# report's flags for what it passes on to lm-eval, which its errors name
+LM_EVAL_FLAGS = MappingProxyType({"limit": "--lm-eval-limit", "num_fewshot": "--lm-eval-fewshot",
+                                  "max_length": "--lm-eval-max-length", "chat": "--lm-eval-chat",
+                                  "data_dir": "--lm-eval-data-dir"})
 
-    renamed = errors.RENAMED.set({k: f"--lm-eval-{v}" for k, v in (("limit", "limit"), ("num_fewshot", "fewshot"),
-                                                                   ("max_length", "max-length"), ("chat", "chat"),
-                                                                   ("data_dir", "data-dir"))})
+
+@contextmanager
+def lm_eval_flags() -> Iterator[None]:
+    renamed = errors.RENAMED.set(LM_EVAL_FLAGS)
     try:
-        return api.lm_eval(model, s.tasks, limit=s.lm_eval_limit, num_fewshot=s.lm_eval_fewshot,
-                           max_length=s.lm_eval_max_length, data_dir=s.lm_eval_data_dir, chat=s.lm_eval_chat)
+        yield
     finally:
         errors.RENAMED.reset(renamed)
+
+
+def lm_scores(model: object, s: Settings) -> dict[str, dict[str, float]]:
+    """lm-eval's results for the base or a point, all run alike."""
+    from . import api
+
+    with lm_eval_flags():
+        return api.lm_eval(model, s.tasks, limit=s.lm_eval_limit, num_fewshot=s.lm_eval_fewshot,
+                           max_length=s.lm_eval_max_length, data_dir=s.lm_eval_data_dir, chat=s.lm_eval_chat)
 
 
 def check(todo: list[Point], settings: Settings, out: Path) -> None:
@@ -197,7 +209,7 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
 
     from . import api
     from .config import QuantConfig
-    from .modelio import check_context, load
+    from .modelio import load
 
     if not todo:
         raise QuantkitError("the sweep has no points: name some of " + ", ".join(FAMILIES) + " in --methods, "
@@ -210,10 +222,10 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
     if calibrates and (settings.calib_samples < 1 or settings.calib_seqlen < 2):
         raise QuantkitError(f"{settings.calib_samples} calibration windows of {settings.calib_seqlen} tokens: pass "
                             "--calib-samples 1 or more and --calib-seqlen 2 or more")
+    m = load(settings.model or None)
     if calibrates:  # the text's faults (records, length), or the hub's default without the network: once here,
         # not in every point after the base was scored
-        api.calibration_windows(load(settings.model or None), settings.calib_data, settings.calib_samples,
-                                settings.calib_seqlen)
+        api.calibration_windows(m, settings.calib_data, settings.calib_samples, settings.calib_seqlen)
     elif settings.calib_data is not None:  # a setting of the report, even where this sweep does not use it
         calibration.load_text(settings.calib_data)
     if settings.tasks:
@@ -225,11 +237,8 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
                 raise QuantkitError(f"{option} {value!r}: pass a whole number of at least {least}")
         harness.prepare(settings.tasks, settings.lm_eval_data_dir)  # a wrong name or missing data: before the base
-        m = load(settings.model or None)  # lm-eval's own checks of these name its flags, after the base is scored
-        if settings.lm_eval_max_length is not None:
-            check_context(m.module.config, settings.lm_eval_max_length, "lm_eval_max_length")
-        if settings.lm_eval_chat and not getattr(m.tokenizer, "chat_template", None):
-            raise QuantkitError(f"the model's tokenizer has no chat template: drop {errors.option('lm_eval_chat')}")
+        with lm_eval_flags():  # lm-eval would find these after the base was scored
+            harness.check_settings(m.module.config, m.tokenizer, settings.lm_eval_max_length, settings.lm_eval_chat)
     if out.is_dir() and any(out.iterdir()) and not (out / "settings.json").is_file():
         raise QuantkitError(f"{out} holds other files, not a quantkit report: choose another --out")
     if out.exists() and not out.is_dir():
@@ -311,6 +320,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     """Run (or go on with) the sweep in out; returns the report (also out/report.json, report.md,
     perplexity.png, kld.png)."""
     from quantkit import calibration, evals
+    from quantkit.evals.harness import default_data_dir
 
     from . import api
     from .modelio import default_model_dir, fingerprint, load, shard_files
@@ -323,7 +333,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
                        calib_data=str(Path(s.calib_data).resolve()) if s.calib_data else None,
                        # where the local tasks read, found now: a resumed run elsewhere (another $QUANTKIT_DATA)
                        # scores its points on the same records or is refused
-                       lm_eval_data_dir=str(Path(s.lm_eval_data_dir or evals.harness.default_data_dir()).resolve())
+                       lm_eval_data_dir=str(Path(s.lm_eval_data_dir or default_data_dir()).resolve())
                        if s.tasks else None,
                        weights=fingerprint(s.model or default_model_dir()))
     model, data, windows, ctx = settings.model or None, settings.data, settings.windows, settings.ctx
@@ -338,7 +348,10 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     saved = out / "settings.json"
     # a setting added since the report began is its default there
     defaults = {f.name: f.default for f in fields(Settings) if f.default is not MISSING}
-    if saved.exists() and (before := {**defaults, **read_json(saved)}) != asdict(settings):
+    before = {**defaults, **read_json(saved)} if saved.exists() else {}
+    if before and before["lm_eval_data_dir"] is None:  # a report begun before the folder was saved: the one found now
+        before["lm_eval_data_dir"] = settings.lm_eval_data_dir
+    if before and before != asdict(settings):
         changed = "; ".join(f"{k}: {v!r} here, {before.get(k)!r} in the report" for k, v in asdict(settings).items()
                             if before.get(k) != v) or "a setting this version does not have"
         raise QuantkitError(f"{out} holds a report of other settings ({changed}): run with its settings to go on, or "
@@ -358,7 +371,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         try:
             m = load(model)
             api.write_base(m, base, calibration.load_text(data, split="test", tokenizer=m.tokenizer), ctx, windows,
-                           progress=False)
+                           progress=False, overwrite=True)  # the report's own, from a run stopped before base.json
         except QuantkitError:  # bad input (the model, the text, ctx): nothing of this run is worth keeping
             abandon()
             raise

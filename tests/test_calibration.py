@@ -284,6 +284,12 @@ def test_long_texts_are_tokenized_a_piece_at_a_time(kind, tiny_dir, monkeypatch)
         assert longest <= (windows.CHUNK if t is not runs else 4 * windows.CHUNK), longest
     if kind != "sentencepiece":  # a marker read as one token, not as its characters
         assert windows.token_ids(tok, chat)[0] == tok.convert_tokens_to_ids("<|endoftext|>")
+    # an overlap too short to agree on: pieces joined into longer ones, still the whole text's ids
+    monkeypatch.setattr(windows, "OVERLAP", 8)
+    del seen[:]
+    want = torch.tensor(call(tok, text, add_special_tokens=False)["input_ids"])
+    assert torch.equal(windows.tokenize(tok, text, True), want)
+    assert max(len(s) for part in seen for s in part) > windows.CHUNK
 
 
 def test_a_text_is_tokenized_once_per_tokenizer(tiny_dir, monkeypatch):

@@ -224,9 +224,12 @@ def test_consumers_are_asked_of_the_candidates_before_measuring(tiny_dir, tmp_pa
     with pytest.raises(Measuring):
         quantkit.quantize(str(tiny_dir), method="rtn", target_bpw=4.5, targets=("vllm",), **CALIB, out=tmp_path / "q",
                           progress=False)
+    with pytest.raises(QuantkitError, match="vllm does not read the gguf format"):  # GGUF: asked after it
+        quantkit.quantize(str(tiny_dir), method="rtn", format="gguf", target_bpw=4.5, targets=("vllm",), **CALIB,
+                          out=tmp_path / "q.gguf", progress=False)
     with pytest.raises(QuantkitError, match="target_bpw gives each group of linears its own grid, and transformers "
-                                            "cannot load this export: .* refuses per-linear settings .*: quantize "
-                                            "with one bits and group_size, or drop targets"):
+                                            "cannot load this export: .* refuses per-linear settings .*: drop "
+                                            "target_bpw for one bits and group_size, or drop targets"):
         quantkit.quantize(str(tiny_dir), method="rtn", target_bpw=4.5, targets=("transformers",), **CALIB,
                           out=tmp_path / "q", progress=False)
 

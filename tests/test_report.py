@@ -112,7 +112,7 @@ quantkit.api.lm_eval = recorded
 """
 
 
-def test_lm_eval_settings_reach_every_run_and_an_older_report_goes_on(tiny_dir, tmp_path, capsys, monkeypatch, text):
+def test_lm_eval_settings_reach_every_run_and_an_older_report_goes_on(chat_dir, tmp_path, capsys, monkeypatch, text):
     """report ran lm-eval with its defaults only: each task's few-shot count, the model's context, plain
     prompts, the default data directory. Now the base and every point take the report's. A report begun
     before these settings existed goes on with the same command (they are its defaults), and is refused
@@ -127,7 +127,7 @@ def test_lm_eval_settings_reach_every_run_and_an_older_report_goes_on(tiny_dir, 
 
     monkeypatch.setattr(quantkit.api, "lm_eval", quantkit.api.lm_eval)  # put back after the test
     exec(RECORDER, {})  # this process's lm-eval: the base's
-    common = ["report", tiny_dir, "--out", out, "--data", text, "--methods", "rtn", "--bits", "4", "--group-size", 32,
+    common = ["report", chat_dir, "--out", out, "--data", text, "--methods", "rtn", "--bits", "4", "--group-size", 32,
               "--windows", 1, "--ctx", 64, "--tasks", "dolly_mc", "--lm-eval-limit", 2]
     lm = ["--lm-eval-fewshot", 1, "--lm-eval-max-length", 64, "--lm-eval-chat", "--lm-eval-data-dir", DATA]
     code, _, err = cli([*common, *lm], capsys, monkeypatch)
@@ -140,8 +140,8 @@ def test_lm_eval_settings_reach_every_run_and_an_older_report_goes_on(tiny_dir, 
     # as a report of an earlier version: its settings.json has none of the new lm-eval settings
     saved = json.loads((out / "settings.json").read_text())
     (out / "settings.json").write_text(json.dumps({k: v for k, v in saved.items() if k not in (
-        "lm_eval_fewshot", "lm_eval_max_length", "lm_eval_chat")}))
-    code, _, err = cli(common, capsys, monkeypatch)  # the data found where --lm-eval-data-dir pointed
+        "lm_eval_fewshot", "lm_eval_max_length", "lm_eval_chat", "lm_eval_data_dir")}))
+    code, _, err = cli(common, capsys, monkeypatch)  # its data folder unsaved: the one found now, saved from here
     assert code == 0 and json.loads((out / "settings.json").read_text())["lm_eval_fewshot"] is None, err
     code, _, err = cli([*common, "--lm-eval-fewshot", 0], capsys, monkeypatch)
     assert code == 2 and "holds a report of other settings (lm_eval_fewshot: 0 here, None in the report)" in err[-1]

@@ -178,6 +178,9 @@ def test_consumers_see_every_setting(tiny_dir):
     (["--format", "compressed-tensors", "--group-size", "32"], [{"match": "down_proj", "group_size": 48}],
      "model.layers.0.mlp.down_proj has 128 inputs, not a multiple of the group size 48, which compressed-tensors "
      "requires: change rule 1 of --rules (match 'down_proj')"),
+    (["--format", "compressed-tensors", "--group-size", "32", "--asym"], [{"match": "down_proj", "bits": 8}],
+     "asymmetric compressed-tensors weights as 4-bit only (model.layers.0.mlp.down_proj): change rule 1 of --rules "
+     "(match 'down_proj'), or symmetric weights"),
     (["--format", "compressed-tensors", "--group-size", "48"], [{"match": "down_proj", "bits": 8}],
      "has 64 inputs, not a multiple of the group size 48, which compressed-tensors requires: use --group-size 64"),
 ])

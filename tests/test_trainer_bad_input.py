@@ -179,7 +179,8 @@ def test_bad_rank(tiny_dir, text, capsys, monkeypatch, tmp_path, rank, match):
     (["--quantize", "awq", "--format", "awq", "--bits", 3, "--calib-data", VALID],
      "the AWQ GEMM layout holds 4-bit weights only, not 3-bit"),
     (["--quantize", "gptq", "--format", "exl2"], "--quantize writes safetensors, awq, gguf or compressed-tensors: for "
-     "EXL2 (a target bits per weight), train, then quantkit quantize OUT-merged --format exl2")])
+     "EXL2 (a target bits per weight), train, then run quantkit merge OUT --out OUT-merged and quantkit quantize "
+     "OUT-merged --method gptq --format exl2 --bits 4.125")])
 def test_bad_training_settings(tiny_dir, text, capsys, monkeypatch, tmp_path, args, match):
     train_fails(tiny_dir, text, capsys, monkeypatch, tmp_path, match, *args)
 

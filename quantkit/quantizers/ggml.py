@@ -563,8 +563,9 @@ def from_grid(qt: QuantizedTensor, name: str = "tensor") -> QuantizedTensor:
         grid = f"{qt.bits}-bit {'symmetric' if qt.sym else 'asymmetric'} grid in groups of {qt.group_size}"
         fix = "--sym (8 bits have no asymmetric GGUF type)" if qt.bits == 8 and not qt.flat and not qt.sym \
             and qt.group_size == 32 and not qt.act_order else "--bits 4 or 8 --group-size 32 and no act-order"
-        raise QuantkitError(f"{name}: {'an' if qt.bits == 8 else 'a'} {grid}{' with act-order' if not qt.flat and qt.act_order else ''} has no GGUF "
-                            f"block type: quantize with {fix}, or for GGUF directly (--format gguf)")
+        grid += " with act-order" if not qt.flat and qt.act_order else ""
+        raise QuantkitError(f"{name}: {'an' if qt.bits == 8 else 'a'} {grid} has no GGUF block type: quantize with "
+                            f"{fix}, or for GGUF directly (--format gguf)")
     n, k = qt.shape
     check(kind, k, name)
     fields = {"d": qt.scales.reshape(-1)}
