@@ -542,17 +542,20 @@ def ready(model: Model | PathLike | None, packed: bool | None = None, device: st
     if m.gguf_types and dtype not in (None, "float32"):
         raise QuantkitError(f"a GGUF file is scored in llama.cpp's float32 arithmetic: drop {option('dtype', dtype)}")
     where = default_device(model, device)
-
-    def runs_in(dev: torch.device) -> torch.dtype:  # float16 on a GPU, except a GGUF scored in llama.cpp's float32
-        return getattr(torch, dtype) if dtype else torch.float16 if dev.type == "cuda" and not m.gguf_types \
-            else torch.float32
-
+    gguf = bool(m.gguf_types)
     # read onto the device in the dtype it runs in: no float32 copy of the whole model in host memory first
-    m.materialize(**(dict(device=torch.device(where), dtype=runs_in(torch.device(where))) if where is not None else {}))
+    m.materialize(**(dict(device=torch.device(where), dtype=runs_in(torch.device(where), dtype, gguf))
+                     if where is not None else {}))
     if where is not None or dtype is not None:
         dev = torch.device(where) if where is not None else next(m.module.parameters()).device
-        m.module.to(dev, runs_in(dev))
+        m.module.to(dev, runs_in(dev, dtype, gguf))
     return m
+
+
+def runs_in(dev: torch.device, dtype: str | None, gguf: bool) -> torch.dtype:
+    """What a model scores in on dev: dtype; else float16 on a GPU, except a GGUF file, scored in
+    llama.cpp's float32, and float32 on the CPU."""
+    return getattr(torch, dtype) if dtype else torch.float16 if dev.type == "cuda" and not gguf else torch.float32
 
 
 def check_dequantized(m: Model, packed: bool | None) -> None:

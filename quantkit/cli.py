@@ -263,7 +263,8 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, overwrite
               "the few-shot examples `lm_eval` picks]")
 @click.option("--apply-chat-template", "chat", is_flag=True,
               help="each prompt in the tokenizer's chat template (lm-eval's --apply_chat_template) [plain prompts]")
-@click.option("--json", "as_json", is_flag=True, help="end with one JSON line: the results by task")
+@click.option("--json", "as_json", is_flag=True, help="end with one JSON line: the results by task and the settings "
+              "they were scored with (lm-eval's results and config)")
 @click.option("--dequantized", is_flag=True, help="a quantized export: evaluate a dequantized copy, not the packed model")
 @click.option("--device", help="cpu or cuda [cuda, in float16, when there is a GPU]")
 @click.option("--dtype", type=click.Choice(DTYPES), help="the activations' dtype [float16 on a GPU, float32 on the CPU]")
@@ -271,21 +272,37 @@ def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, 
             device, dtype) -> None:
     """Run EleutherAI's lm-evaluation-harness tasks on MODEL (any model quantkit loads: float, a packed
     export, a .gguf file), through lm-eval's HFLM wrapper around the loaded model."""
+    import torch
+
     from quantkit.evals import harness
 
     from . import api
+    from .command import gguf_magic
 
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     limit = harness.documents(limit, f"--limit {limit}")
     results = api.lm_eval(model, names, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size,
                           max_length=max_length, data_dir=data_dir, seed=seed, chat=chat, packed=not dequantized,
                           device=device, dtype=dtype)
+    where = torch.device(api.default_device(model, device))  # where lm_eval ran it, and in what (api.ready)
+    ran = api.runs_in(where, dtype, model is not None and os.path.isfile(model) and gguf_magic(model))
+    config = {"model": model, "tasks": names, "limit": limit, "num_fewshot": num_fewshot, "max_length": max_length,
+              "batch_size": batch_size, "seed": seed, "chat": chat,
+              "data_dir": str(Path(data_dir or harness.default_data_dir()).resolve()),
+              "dtype": str(ran).removeprefix("torch."), "device": where.type}
+    settings = [f"{config['dtype']} on {config['device']}",
+                "every document per task" if limit is None else f"{limit:g} documents per task",
+                "each task's few-shot count" if num_fewshot is None else f"{num_fewshot}-shot",
+                "prompts in the chat template" if chat else "plain prompts",
+                "windows of the model's context" if max_length is None else f"windows of {max_length}",
+                "lm-eval's seeds" if seed is None else f"seed {seed}"]
+    click.echo(f"{model or 'embedded model'}: {', '.join(settings)}")
     for task, values in results.items():
         shown = ", ".join(f"{k} {v:.4f}" + (f" ± {values[k + '_stderr']:.4f}" if k + "_stderr" in values else "")
                           for k, v in values.items() if not k.endswith("_stderr") and k != "sample_len")
         click.echo(f"{task}: {shown}")
     if as_json:
-        click.echo(report_.strict_json(results))
+        click.echo(report_.strict_json({"results": results, "config": config}))
 
 
 def listed(value: str, kind=str, option: str = "") -> list:

@@ -45,8 +45,15 @@ def test_wikitext_pages_are_the_test_file_by_article():
 def test_cli_runs_local_tasks_on_the_loaded_model(tiny_dir, capsys, monkeypatch):
     code, out, _ = cli(["lm-eval", tiny_dir, "--tasks", "wikitext,dolly_mc", "--limit", 2, "--max-length", 128,
                         "--json"], capsys, monkeypatch)
-    result = json.loads(out.strip().splitlines()[-1])
+    line = json.loads(out.strip().splitlines()[-1])
+    result = line["results"]
     assert code == 0 and set(result) == {"wikitext", "dolly_mc"}
+    # the settings the scores depend on, as eval's figures carry theirs: none were recorded
+    assert line["config"] == {"model": str(tiny_dir), "tasks": ["wikitext", "dolly_mc"], "limit": 2, "num_fewshot": None,
+                              "max_length": 128, "batch_size": 4, "seed": None, "chat": False,
+                              "data_dir": str(DATA.resolve()), "dtype": "float32", "device": "cpu"}
+    assert f"{tiny_dir}: float32 on cpu, 2 documents per task, each task's few-shot count, plain prompts, windows of " \
+        "128, lm-eval's seeds" in out
     assert result["wikitext"]["word_perplexity"] > 1 and 0 <= result["dolly_mc"]["acc"] <= 1
     assert result["dolly_mc"]["sample_len"] == 2 and isinstance(result["dolly_mc"]["sample_len"], int)
     d = result["dolly_mc"]  # the text line shows the standard errors too
