@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from quantkit.config import QuantConfig
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, option
 from quantkit.modelio import Model
 from quantkit.layers import linear_shapes
 from quantkit.qtensor import QuantizedTensor, group_index
@@ -42,19 +42,21 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
     """Refuse, before any work, what the layout cannot hold."""
     if qconfig.bits != 4:
         raise QuantkitError(f"the AWQ GEMM layout holds 4-bit weights only, not {qconfig.bits}-bit: "
-                            "use --bits 4 or --format safetensors")
+                            f"use {option('bits', 4)} or {option('format', 'safetensors')}")
     if qconfig.group_size == -1:
-        raise QuantkitError("the AWQ GEMM layout needs one group size for every linear: use --group-size 64 "
-                            "(or 32, 128) or --format safetensors")
+        raise QuantkitError(f"the AWQ GEMM layout needs one group size for every linear: use "
+                            f"{option('group_size', 64, 32, 128)} or {option('format', 'safetensors')}")
     if qconfig.act_order and not qconfig.static_groups:
-        raise QuantkitError("the AWQ GEMM layout has no g_idx, so no act-order with its groups reordered: "
-                            "add --static-groups, drop --act-order or use --format safetensors")
+        raise QuantkitError(f"the AWQ GEMM layout has no g_idx, so no act-order with its groups reordered: "
+                            f"add {option('static_groups', True)}, drop {option('act_order', True)} or use "
+                            f"{option('format', 'safetensors')}")
     for name, n, k in linear_shapes(module):
         if k % qconfig.group_size or n % 8:
             raise QuantkitError(
                 f"{name} is {n}x{k}: the AWQ GEMM layout needs the group size to divide "
-                f"in_features and out_features a multiple of 8: choose --group-size {64 if k % 64 == 0 else 32} "
-                "or --format safetensors (the GPTQ layout allows a shorter last group)")
+                f"in_features and out_features a multiple of 8: choose "
+                f"{option('group_size', 64 if k % 64 == 0 else 32)} or {option('format', 'safetensors')} (the GPTQ "
+                "layout allows a shorter last group)")
 
 
 def pack_tensor(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:

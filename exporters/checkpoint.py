@@ -4,6 +4,9 @@ back to a model."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -125,10 +128,22 @@ class CheckpointWriter:
         if self.model.module.generation_config is not None:
             self.model.module.generation_config.save_pretrained(tmp)
         self.model.tokenizer.save_pretrained(tmp)
+        for f in licences(self.model.source):
+            shutil.copy2(f, tmp / f.name)
         return self.staged.commit(self.shards.scratch())
 
     def abort(self, keep: bool = False) -> None:
         self.staged.abort(keep)
+
+
+LICENCES = re.compile(r"(LICEN[CS]E|NOTICE|USE_POLICY)([.-][\w.-]*)?", re.IGNORECASE)  # a model's terms of use
+
+
+def licences(source: str | os.PathLike) -> list[Path]:
+    """The licence files beside a model's weights (LICENSE, NOTICE, Llama's USE_POLICY.md): its terms go
+    with every copy of the weights, quantized too."""
+    d = Path(source)
+    return sorted(f for f in d.iterdir() if f.is_file() and LICENCES.fullmatch(f.name)) if d.is_dir() else []
 
 
 def legacy_rope(cfg: dict) -> None:

@@ -36,11 +36,11 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
     """Refuse, before any work, what the format or vLLM's reader of it cannot hold."""
     if qconfig.method in CODEBOOK_METHODS:
         raise QuantkitError(f"pack-quantized compressed-tensors holds integer grids, not {qconfig.method}: "
-                            "use --method rtn, gptq or awq, or --format safetensors")
+                            f"use {option('method', 'rtn', 'gptq', 'awq')}, or {option('format', 'safetensors')}")
     if qconfig.act_order and not qconfig.static_groups:
         raise QuantkitError("compressed-tensors no longer reads a g_idx (actorder \"group\" was removed in 0.20): "
-                            "add --static-groups (act-order with groups kept in column order, its actorder "
-                            "\"weight\") or use --format safetensors")
+                            f"add {option('static_groups', True)} (act-order with groups kept in column order, its "
+                            f"actorder \"weight\") or use {option('format', 'safetensors')}")
     shapes = list(linear_shapes(module))
     for name, _, k in shapes:
         c = qconfig.for_linear(name)
@@ -49,13 +49,14 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
         where = f" ({name})" if qconfig.rules else ""
         if c.bits not in BITS:
             raise QuantkitError(f"vLLM reads compressed-tensors weights of 4 or 8 bits, not {c.bits}{where}: "
-                                f"{ruled(qconfig, name, 'bits', 'use --bits 4 or 8')}, or --format safetensors")
+                                f"{ruled(qconfig, name, 'bits', 'use ' + option('bits', 4, 8))}, or "
+                                f"{option('format', 'safetensors')}")
         if not c.sym and c.bits != 4:
             raise QuantkitError(f"vLLM reads asymmetric compressed-tensors weights as 4-bit only{where}: "
-                                f"{ruled(qconfig, name, 'bits', 'use --bits 4')}, or symmetric weights")
+                                f"{ruled(qconfig, name, 'bits', 'use ' + option('bits', 4))}, or symmetric weights")
         if c.group_size != -1 and k % c.group_size:
             fits = [g for g in (128, 64, 32) if all(k % g == 0 for _, _, k in shapes)]
-            hint = f"--group-size {fits[0]}" if fits else "--group-size -1 (per channel)"
+            hint = option("group_size", fits[0]) if fits else f"{option('group_size', -1)} (per channel)"
             fix = ruled(qconfig, name, "group_size", f"use {hint}")
             raise QuantkitError(f"{name} has {k} inputs, not a multiple of the group size "
                                 f"{c.group_size}, which compressed-tensors requires: {fix}")

@@ -13,7 +13,7 @@ import torch
 
 from quantkit import __version__
 from quantkit.config import METHODS, QuantConfig
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, option
 from quantkit.modelio import Model
 from quantkit.layers import fused, linear_shapes
 from quantkit.qlinear import GPTQLinear
@@ -31,7 +31,7 @@ def check_shapes(module: torch.nn.Module, qconfig: QuantConfig) -> None:
         if c is not None and (k % 32 or (n * c.bits) % 32):
             raise QuantkitError(
                 f"{name} is {n}x{k}: the GPTQ layout needs in_features a multiple of 32 "
-                f"and out_features*bits a multiple of 32: choose another --format or model"
+                f"and out_features*bits a multiple of 32: choose another {option('format')} or model"
             )
 
 

@@ -88,10 +88,11 @@ def crc(path: Path, size: int, start: int = 0) -> int:
 
 class ShardWriter:
     """Safetensors shards in directory, each holding at most max_size bytes of tensor data (a tensor
-    larger than that gets a shard of its own)."""
+    larger than that gets a shard of its own); metadata: strings for each shard's header."""
 
-    def __init__(self, directory: Path, max_size: int | str = DEFAULT_MAX_SIZE):
+    def __init__(self, directory: Path, max_size: int | str = DEFAULT_MAX_SIZE, metadata: dict[str, str] | None = None):
         self.dir, self.max_size = Path(directory), parse_size(max_size)
+        self.metadata = {"format": "pt", **(metadata or {})}
         self.shards: list[tuple[Path, list[str]]] = []  # written, under temporary names
         self.entries: dict[str, dict] = {}  # the open shard's header
         self.names: set[str] = set()  # every tensor written so far
@@ -147,7 +148,7 @@ class ShardWriter:
 
     def flush(self) -> None:
         """Write the open shard: header, then its spilled data."""
-        header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
+        header = json.dumps({"__metadata__": self.metadata, **self.entries}, separators=(",", ":")).encode()
         header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         path = self.dir / shard_name(len(self.shards))
         try:

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from quantkit import calibration, evals, exporters
-from quantkit.atomic import (check_apart, check_out, locked, partial_path, progress_files, progress_path, siblings,
+from quantkit.atomic import (check_apart, check_out, locked, partial_path, progress_path, saved_progress, siblings,
                              size_on_disk)
 
 from . import blocks, consumers, distributed, measurement
@@ -168,6 +168,9 @@ def inputs_bytes(windows: torch.Tensor | None, importance: dict[str, torch.Tenso
     return data + b"".join(name.encode() + v.numpy().tobytes() for name, v in sorted((importance or {}).items()))
 
 
+MEASURING = r"\.{name}\.progress-measurement(-\d+)?\.pt(\.next-\d+)?"  # beside the measurement file: its progress
+
+
 def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.device, progress: bool,
              settings: tuple, importance: dict[str, torch.Tensor] | None = None
              ) -> dict[str, exl2.Setting | measurement.Grid | measurement.BlockType]:
@@ -240,7 +243,7 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
             if resume is not None:
                 resume[0].unlink(missing_ok=True)
                 if distributed.rank() == 0:  # a killed job's of another world size too (and killed saves'), now stale
-                    for stale in siblings(path, r"\.{name}\.progress-measurement(-\d+)?\.pt(\.tmp-\d+)?"):
+                    for stale in siblings(path, MEASURING + r"(\.tmp-\d+)?"):
                         stale.unlink(missing_ok=True)
         errors = recorder.errors
     grouped = measurement.grouped(shapes, units)
@@ -337,7 +340,13 @@ def quantize(
                       format)
     if config is None:  # a field set to other than its default that the method or format would ignore
         defaults = {f.name: f.default for f in fields(QuantConfig)}
-        refuse_unused({k: k for k, v in options.items() if k in defaults and v != defaults[k]},
+        try:  # what the method fills in, given as it fills it, is its default (a config's to_dict() passed back)
+            filled = QuantConfig(method=options.get("method", "rtn"), bits=options.get("bits", 4),
+                                 act_order=options.get("act_order", False))
+        except QuantkitError:  # refused below, or by the config itself
+            filled = None
+        refuse_unused({k: k for k, v in options.items() if k in defaults and v != defaults[k]
+                       and (defaults[k] is not None or filled is None or v != getattr(filled, k))},
                       options.get("method", "rtn"), format, options.get("target_bpw") is not None)
         if format == "gguf":  # before the config checks its GGUF options (pure, tensor_type, imatrix)
             options.setdefault("gguf_type", exporters.gguf.DEFAULT_MIX)
@@ -358,6 +367,14 @@ def quantize(
         keep = out is None if keep is None else keep
         if not keep and out is None:
             raise QuantkitError("keep=False writes the quantized layers to out and drops them from memory: pass out")
+        if out is None:  # the export's options with no export: taken and ignored, the layout never checked
+            given = [f"format={format!r}"] * (format in ("awq", "compressed-tensors")) \
+                + ["overwrite=True"] * overwrite \
+                + [f"max_shard_size={max_shard_size!r}"] * (max_shard_size != exporters.DEFAULT_MAX_SIZE)
+            if given:
+                raise QuantkitError(f"{', '.join(given)} describe{'s' if len(given) == 1 else ''} the export, and no "
+                                    "out is given: pass out (with keep=True the Model is kept too), or export the "
+                                    "kept Model with quantkit.export(m, out, ...)")
         if out is not None:
             check_out(out, overwrite, directory=format != "gguf",  # the measurement is read, or written to be kept
                       inputs=[calib_data, None if isinstance(model, Model) else model, config.measurement])
@@ -492,13 +509,23 @@ def quantize(
                 distributed.agree(0, "min", "writing the output")
         except BaseException as e:
             # what a resumed run needs stays, unless the input is at fault: running again would fail the same way
-            resumable = resume is not None and bool(progress_files(Path(out))) and not (
-                isinstance(e, QuantkitError) and not isinstance(e, ResumableError))
+            # under torchrun, every process's: one that found a fault in the input removed its own before it stopped
+            # (and a state waiting to be renamed counts once some process renamed its own)
+            saved = [progress_path(out, r if distributed.world() > 1 else None) for r in range(distributed.world())]
+            resumable = resume is not None and all(map(saved_progress, saved)) and any(p.is_file() for p in saved) \
+                and not (isinstance(e, QuantkitError) and not isinstance(e, ResumableError))
             if writer is not None:  # the process holding the output's lock clears every process's progress
                 writer.abort(keep=resumable)
+            if resume is not None and not resumable:
+                for f in saved_progress(resume[0]):
+                    f.unlink(missing_ok=True)
             if isinstance(e, KeyboardInterrupt) and resumable and distributed.rank() == 0:  # Ctrl-C, SIGTERM
                 print(f"stopped: the finished layers are kept beside {out} ({resume[0].name}): run the same command to "
                       "go on from them", file=sys.stderr)
+            if isinstance(e, distributed.Stopped) and not resumable and not (  # an EXL2 measurement's progress stays
+                    config.measurement is not None and siblings(Path(config.measurement), MEASURING)):
+                raise QuantkitError(f"another process of this torchrun job stopped{e.how}: nothing was kept; fix what "
+                                    "stopped it (see its error) and run the command again") from None
             raise
         if resume is not None:
             resume[0].unlink(missing_ok=True)
@@ -696,6 +723,14 @@ def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: 
     if not isinstance(model, Model):
         raise QuantkitError(f"export writes a Model quantized in memory, not a {type(model).__name__}: quantize the "
                             "model with out (or keep=True, then export that)")
+    check_held(model, "export before evaluating with a dtype or device, or quantize again with keep=True")
+    if format == "gguf" and model.qconfig is not None:
+        if model.qconfig.gguf_type is None:
+            raise QuantkitError(f"this Model is quantized to {model.qconfig.method}'s grids, not GGUF blocks: quantize "
+                                f"it with format='gguf' (a gguf_type mix, {exporters.gguf.DEFAULT_MIX} by default) and "
+                                "out, or keep=True and then export it")
+        if max_shard_size != exporters.DEFAULT_MAX_SIZE:
+            refuse_unused({"max_shard_size": "max_shard_size"}, model.qconfig.method, format)
     return exporters.export(model, out, format, overwrite, max_shard_size, progress)
 
 
@@ -725,13 +760,19 @@ def check_float(m: Model) -> None:
     if m.streamed_to is not None or (m.qconfig is not None and m.checkpoint is not None):
         raise QuantkitError(f"this Model was quantized already in this process{f' (to {m.streamed_to})' if m.streamed_to else ''}: "
                             f"{again}")
+    check_held(m, again)
+    if m.qconfig is not None:
+        warnings.warn(f"{m.source} is quantized already: quantizing it again keeps its rounding error; quantize the "
+                      "float model for the best result")
+
+
+def check_held(m: Model, again: str) -> None:
+    """Refuse a Model whose float weights are not its checkpoint's values: converted in memory to another
+    dtype (evaluate with a device or dtype converts the Model it is given); again: what to do instead."""
     held = {p.dtype for p in m.module.parameters() if not p.is_meta and p.is_floating_point()}
     if m.checkpoint is not None and held - {torch.float32, m.checkpoint.dtype}:
         raise QuantkitError(f"this Model's weights were converted to {', '.join(sorted(map(str, held)))} in memory "
                             f"(evaluate with a device or dtype converts the Model it is given): {again}")
-    if m.qconfig is not None:
-        warnings.warn(f"{m.source} is quantized already: quantizing it again keeps its rounding error; quantize the "
-                      "float model for the best result")
 
 
 def export_gguf(model: Model, out: PathLike, gguf_type: str | None = None, overwrite: bool = False,

@@ -88,9 +88,15 @@ def progress_path(out: str | os.PathLike, rank: int | None = None) -> Path:
     return out.with_name(f".{out.name}.progress{'' if rank is None else f'-{rank}'}.pt")
 
 
+def saved_progress(path: Path) -> list[Path]:
+    """A process's saved progress at path (progress_path), and the state a torchrun process wrote to replace it,
+    waiting for the others' (pipeline.quantize_layers)."""
+    return [path] * path.is_file() + siblings(path, r"{name}\.next-\d+")
+
+
 def progress_files(out: Path) -> list[Path]:
     """Every process's saved progress for out."""
-    return siblings(out, r"\.{name}\.progress(-\d+)?\.pt")
+    return siblings(out, r"\.{name}\.progress(-\d+)?\.pt(\.next-\d+)?")  # .next: a torchrun process's, waiting
 
 
 def siblings(path: Path, pattern: str) -> list[Path]:
@@ -219,7 +225,8 @@ class Staged:
         previous output left aside by a commit that was killed."""
         remove(self.path)
         # also the temporary of a save killed in a job of another world size (its own path's run clears it)
-        for stale in [*progress_files(self.out), *siblings(self.out, r"\.{name}\.progress(-\d+)?\.pt\.tmp-\d+"),
+        for stale in [*progress_files(self.out),
+                      *siblings(self.out, r"\.{name}\.progress(-\d+)?\.pt(\.next-\d+)?\.tmp-\d+"),
                       *siblings(self.out, r"\.{name}\.old-\d+")]:
             remove(stale)
         if self.directory:

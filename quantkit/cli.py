@@ -10,14 +10,14 @@ from pathlib import Path
 import click
 
 from quantkit import exporters
-from quantkit.atomic import check_apart, check_out, size_on_disk
+from quantkit.atomic import check_apart, check_out, partial_path, size_on_disk
 from quantkit.trainer.config import METHODS as TRAIN_METHODS, OPTIMIZERS, PRECISIONS, TrainConfig, held_out_twice
 
 from . import consumers, launcher
 from . import report as report_
 from .command import export
 from .config import AWQ_LOSSES, DTYPES, METHODS, QuantConfig, refuse_unused
-from .errors import QuantkitError, size
+from .errors import QuantkitError, renamed, size
 from .requant import DEFAULT_MIX
 
 
@@ -372,6 +372,9 @@ def report(model, out, data, methods, bits, gguf_types, exl2_bits, exl2_measured
 T = TrainConfig  # its fields' defaults, shown in --help (read from the class: nothing is checked or imported)
 
 
+QUANTIZE_FLAGS = {"method": "--quantize"}  # train --quantize METHOD: quantize's --method
+
+
 @cli.command()
 @click.argument("model", required=False)
 @click.option("--data", required=True, type=click.Path(),
@@ -437,38 +440,48 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
     if stray and not quantize_method:
         raise QuantkitError(f"{stray[0]} sets the quantization that --quantize METHOD turns on: add --quantize, or "
                             "drop it")
-    if quantize_method:
-        refuse_unused({n: f for n, f in given.items() if n in ("bits", "group_size")}, quantize_method, fmt)
-        exporters.check_format_name(fmt)  # before the training, not after it
-        if fmt == "exl2":
-            raise QuantkitError("--quantize writes safetensors, awq, gguf or compressed-tensors: for EXL2 (a target bits "
-                                "per weight), train, then run quantkit merge OUT --out OUT-merged and quantkit quantize "
-                                "OUT-merged --method gptq --format exl2 --bits 4.125")
-        if launcher.launched() > 1:
-            raise QuantkitError("--quantize runs in one process: train under torchrun, then run quantkit merge and "
-                                "quantkit quantize")
-        if fmt == "gguf" and gguf_type is None:
-            gguf_type = DEFAULT_MIX
-        qconfig = QuantConfig(method=quantize_method, bits=bits, group_size=group_size, gguf_type=gguf_type)
-        if (flag := next((given[n] for n in calibrating if n in given), None)) and not qconfig.needs_calibration:
-            raise QuantkitError(f"{flag} calibrates --quantize, and --quantize {quantize_method} quantizes without "
-                                "one: drop it (gptq and awq calibrate)")
-        quantize_out = quantize_out or f"{out}-{quantize_method}{'.gguf' if fmt == 'gguf' else ''}"
+    with renamed(QUANTIZE_FLAGS):  # quantize's errors in train's words: its --method is --quantize
+        if quantize_method:
+            refuse_unused({n: f for n, f in given.items() if n in ("bits", "group_size")}, quantize_method, fmt)
+            exporters.check_format_name(fmt)  # before the training, not after it
+            if fmt == "exl2":
+                raise QuantkitError("--quantize writes safetensors, awq, gguf or compressed-tensors: for EXL2 (a target "
+                                    "bits per weight), train, then run quantkit merge OUT --out OUT-merged and quantkit "
+                                    "quantize OUT-merged --method gptq --format exl2 --bits 4.125")
+            if launcher.launched() > 1:
+                raise QuantkitError("--quantize runs in one process: train under torchrun, then run quantkit merge and "
+                                    "quantkit quantize")
+            if fmt == "gguf" and gguf_type is None:
+                gguf_type = DEFAULT_MIX
+            qconfig = QuantConfig(method=quantize_method, bits=bits, group_size=group_size, gguf_type=gguf_type)
+            if (flag := next((given[n] for n in calibrating if n in given), None)) and not qconfig.needs_calibration:
+                raise QuantkitError(f"{flag} calibrates --quantize, and --quantize {quantize_method} quantizes "
+                                    "without one: drop it (gptq and awq calibrate)")
+            quantize_out = quantize_out or f"{out}-{quantize_method}{'.gguf' if fmt == 'gguf' else ''}"
     # the libraries once the options are checked: a mistake in them is answered at once
     from quantkit import trainer
 
     from . import api, distributed
     from .modelio import load
 
-    # --resume after a kill in the merge or the quantization: the finished adapter (and merge) are taken as they are
-    trained = bool(resume and quantize_method and os.path.isdir(out))
-    merged_done = trained and os.path.isdir(merged)
+    # --resume after a kill in the merge or the quantization: the finished adapter (and merge) are taken as they are;
+    # a checkpoint of this run beside out (--overwrite killed in the training) goes on training instead, and a
+    # merge of another adapter (an earlier run's) is done again
+    trained = bool(resume and quantize_method and os.path.isdir(out) and not partial_path(out).exists())
+    if trained:
+        from quantkit.trainer.merging import merge_key, merged_from
+
+        key = merge_key(out)
+        merged_done = key is not None and merged_from(merged) == key
+    else:
+        merged_done = False
     if qconfig is not None:  # its faults before the training, not after it; against what is quantized (the base
         # may be gone once the merge is done), whose merge has the base's shapes
-        quantized = load(merged if merged_done else model)
-        exporters.check_format(fmt, quantized.module, qconfig)
-        if qconfig.needs_calibration:
-            api.calibration_windows(quantized, calib_data, calib_samples, calib_seqlen)
+        with renamed(QUANTIZE_FLAGS):
+            quantized = load(merged if merged_done else model)
+            exporters.check_format(fmt, quantized.module, qconfig)
+            if qconfig.needs_calibration:
+                api.calibration_windows(quantized, calib_data, calib_samples, calib_seqlen)
     inputs = [model, data, eval_data, calib_data]
     if resume:
         check_apart(out, inputs)
@@ -501,8 +514,9 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
         if not merged_done:
             trainer.merge(out, merged, overwrite=overwrite)
             click.echo(f"merged into {merged} ({size(size_on_disk(Path(merged)))})")
-        api.quantize(load(merged), qconfig, calib_data=calib_data, calib_samples=calib_samples,
-                     calib_seqlen=calib_seqlen, out=quantize_out, format=fmt, overwrite=overwrite, device=device)
+        with renamed(QUANTIZE_FLAGS):
+            api.quantize(load(merged), qconfig, calib_data=calib_data, calib_samples=calib_samples,
+                         calib_seqlen=calib_seqlen, out=quantize_out, format=fmt, overwrite=overwrite, device=device)
         click.echo(f"exported to {quantize_out}")
 
 

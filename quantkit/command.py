@@ -61,7 +61,7 @@ def terminated(signum, frame) -> None:
     if launcher.launched() > 1:
         from . import distributed
 
-        raise distributed.stopped(", or the job was killed (SIGTERM)")
+        raise distributed.Stopped(", or the job was killed (SIGTERM)")
     raise KeyboardInterrupt
 
 
@@ -105,7 +105,7 @@ def main() -> None:
         close_bars()
         # under torchrun the first process's bar may be open on the same terminal: a line of its own
         job = sys.modules.get("quantkit.distributed")  # not imported: no job (export runs without torch)
-        lead = "\n" if job is not None and job.rank() > 0 and sys.stderr.isatty() else ""
+        lead = "\n" if job is not None and job.rank() > 0 else ""  # a log file holds the bar's line unended too
         click.echo(f"{lead}error: {e}", err=True)
         sys.exit(2)
     except click.exceptions.Abort:

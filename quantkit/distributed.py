@@ -87,15 +87,23 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
+TRANSPORT = re.compile(r"gloo|nccl|connection (closed|reset)|broken pipe", re.IGNORECASE)  # a lost peer's error
+
+
 @contextmanager
-def collective(what: str) -> Iterator[None]:
-    """A process that dies leaves the others' collectives failing: one clear error instead."""
+def collective(what: str, among: bool = False) -> Iterator[None]:
+    """A process that dies leaves the others' collectives failing: one clear error instead. among: the
+    block does more than collectives (FSDP's forwards and backwards): only the transport's errors are a
+    lost peer's (not running out of memory)."""
     try:
         yield
     except (RuntimeError, dist.DistError) as e:
+        if among and not isinstance(e, dist.DistNetworkError) and (
+                isinstance(e, torch.OutOfMemoryError) or not TRANSPORT.search(str(e)) or "out of memory" in str(e)):
+            raise  # this process's own fault (NCCL reports running out of memory as its own error)
         # gloo's "[.../pair.cc:553] Connection closed by peer ...": its first sentence, without the source path
         reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [type(e).__name__])[0]).split(". ")[0]
-        raise stopped(f" while {what} ({reason})") from None
+        raise Stopped(f" while {what} ({reason})") from None
 
 
 @contextmanager
@@ -115,10 +123,14 @@ def first_refuses(what: str) -> Iterator[None]:
                                      "why): nothing was done")
 
 
-def stopped(how: str) -> ResumableError:
-    """The job lost a process: what every process finished stays, and the same command resumes."""
-    return ResumableError(f"another process of this torchrun job stopped{how}: what was finished is kept; "
-                          "fix what stopped it (see its error) and run the same command again to resume")
+class Stopped(ResumableError):
+    """The job lost a process (how: when, and why as far as this process can tell): what every process
+    finished stays, and the same command resumes, unless the command says otherwise."""
+
+    def __init__(self, how: str):
+        self.how = how
+        super().__init__(f"another process of this torchrun job stopped{how}: what was finished is kept; fix what "
+                         "stopped it (see its error) and run the same command again to resume")
 
 
 def share(items: list[T]) -> list[T]:

@@ -4,7 +4,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
+from typing import Iterator, Mapping
 
 
 class QuantkitError(Exception):
@@ -21,6 +21,16 @@ COMMAND_LINE: ContextVar[bool] = ContextVar("COMMAND_LINE", default=False)
 FLAGS = {"imatrix_file": "--imatrix", "targets": "--for", "exl2": "--bits", "chat": "--apply-chat-template"}
 # a command's own flags for the keywords it passes on (report's --lm-eval-fewshot is lm-eval's num_fewshot)
 RENAMED: ContextVar[Mapping[str, str]] = ContextVar("RENAMED", default=MappingProxyType({}))
+
+
+@contextmanager
+def renamed(flags: Mapping[str, str]) -> Iterator[None]:
+    """Within: options named by flags, a command's own names for the keywords it passes on."""
+    token = RENAMED.set(MappingProxyType(dict(flags)))
+    try:
+        yield
+    finally:
+        RENAMED.reset(token)
 
 
 def option(name: str, value: object = ..., *values: object) -> str:

@@ -310,6 +310,18 @@ def read_progress(path: Path) -> dict:
     return saved["state"]
 
 
+def resumed(resume: tuple[Path, str], writer) -> dict | None:
+    """The state to go on from: the last saved of the same run, where the partial output it describes is
+    still as it was."""
+    state = load_progress(*resume)
+    if state is not None and writer is not None and not writer.resumable(state["writer"]):
+        if distributed.rank() == 0:  # under torchrun, one process speaks for the job
+            print(f"ignoring progress file {resume[0]}: the partial output it describes is gone or changed",
+                  file=sys.stderr)
+        return None
+    return state
+
+
 def load_progress(path: Path, key: str) -> dict | None:
     """The state saved after the last finished layer of the same run (same model, config, data)."""
     for stale in siblings(path, r"{name}\.tmp-\d+"):  # a killed save's (one process per output: atomic.Staged)
@@ -470,15 +482,22 @@ def quantize_layers(
     """
     tensors, start, n = {}, 0, len(model.layers)
     map_large_blocks()
-    state = load_progress(*resume) if resume and not keep else None
-    if state is not None and writer is not None and not writer.resumable(state["writer"]):
-        if distributed.rank() == 0:  # under torchrun, one process speaks for the job
-            print(f"ignoring progress file {resume[0]}: the partial output it describes is gone or changed",
-                  file=sys.stderr)
-        state = None
+    state = resumed(resume, writer) if resume and not keep else None
     at = state["next_layer"] if state else 0
+    if resume and not keep and distributed.world() > 1:
+        last = distributed.agree(at, "max")
+        waiting = resume[0].with_name(f"{resume[0].name}.next-{last}")
+        if at < last and waiting.is_file():  # a job killed after some processes renamed their state (save_progress)
+            waiting.replace(resume[0])
+            state = resumed(resume, writer)
+            at = state["next_layer"] if state else 0
+        for stale in siblings(resume[0], r"{name}\.next-\d+(\.tmp-\d+)?"):
+            stale.unlink(missing_ok=True)
     if distributed.agree(at, "min") != distributed.agree(at, "max"):
-        state = None  # the processes of a torchrun job were killed after different layers: start afresh
+        if distributed.rank() == 0:
+            print(f"ignoring this job's progress files ({resume[0].name} and its processes' others): they do not "
+                  "agree on the last finished layer, so the job starts afresh", file=sys.stderr)
+        state = None
     if state is not None:
         start, batches = state["next_layer"], state["batches"]
         store = store_of(model, windows, device) if windows is not None else device
@@ -524,8 +543,15 @@ def quantize_layers(
         del layer, layer_tensors
         free_memory()
         if resume and not keep:
-            save_progress(resume[0], {"key": resume[1], "next_layer": i + 1, "batches": batches,
-                                      "writer": writer.state() if writer is not None else None})
+            saved = {"key": resume[1], "next_layer": i + 1, "batches": batches,
+                     "writer": writer.state() if writer is not None else None}
+            if distributed.world() > 1:  # every process's state whole on disk before any replaces its last one
+                waiting = resume[0].with_name(f"{resume[0].name}.next-{i + 1}")
+                save_progress(waiting, saved)
+                distributed.agree(0, "min", "saving the progress")
+                waiting.replace(resume[0])
+            else:
+                save_progress(resume[0], saved)
         rate = tokens * (i + 1 - start) / (time.monotonic() - began)
         bar.set_postfix_str(", ".join(filter(None, [
             f"{rate:.0f} tok/s" if tokens else "", f"{writer.written / 2**20:.0f} MiB written" if writer else "",

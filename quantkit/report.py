@@ -19,11 +19,11 @@ import struct
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable
 
 from . import atomic, errors
 from .errors import QuantkitError, space_for
@@ -185,13 +185,8 @@ LM_EVAL_FLAGS = MappingProxyType({"limit": "--lm-eval-limit", "num_fewshot": "--
                                   "data_dir": "--lm-eval-data-dir"})
 
 
-@contextmanager
-def lm_eval_flags() -> Iterator[None]:
-    renamed = errors.RENAMED.set(LM_EVAL_FLAGS)
-    try:
-        yield
-    finally:
-        errors.RENAMED.reset(renamed)
+def lm_eval_flags() -> AbstractContextManager[None]:
+    return errors.renamed(LM_EVAL_FLAGS)
 
 
 def lm_scores(model: object, s: Settings) -> dict[str, dict[str, float]]:

@@ -141,6 +141,66 @@ def test_api_refuses_a_shard_size_for_one_file(tiny_dir, tmp_path):
     assert not (tmp_path / "q.gguf").exists()
 
 
+def test_api_refuses_the_exports_options_without_an_export(tiny_dir):
+    """format (awq, compressed-tensors), overwrite and max_shard_size without out were taken and ignored:
+    the kept Model's export later wrote the GPTQ layout, and 3-bit compressed-tensors was never checked."""
+    for options, given in ((dict(format="compressed-tensors", bits=3), "format='compressed-tensors' describes"),
+                           (dict(method="nf4", format="awq"), "format='awq' describes"),
+                           (dict(overwrite=True), "overwrite=True describes"),
+                           (dict(max_shard_size="1GB", overwrite=True), "overwrite=True, max_shard_size='1GB' describe")):
+        with pytest.raises(quantkit.QuantkitError, match=re.escape(given) + " the export, and no out is given: pass "
+                                                         "out"):
+            quantkit.quantize(str(tiny_dir), progress=False, **options)
+
+
+@pytest.mark.parametrize("method", ["rtn", "awq", "nf4"])
+def test_api_takes_a_configs_own_fields_back(tiny_dir, method):
+    """A QuantConfig's fields (to_dict(), an export's meta) passed back as keywords were refused: the values
+    the method fills in (RTN's and AWQ's block_size 128, NF4's sym) read as options it does not take."""
+    config = quantkit.QuantConfig(method=method, **({} if method == "nf4" else {"group_size": 32}))
+    calibration = dict(calib_data=VALID, calib_samples=4, calib_seqlen=32) if method == "awq" else {}
+    assert quantkit.quantize(str(tiny_dir), **config.to_dict(), **calibration, progress=False).qconfig == config
+
+
+@pytest.mark.parametrize("options,words", [(dict(format="awq", bits=3), "use bits=4 or format='safetensors'"),
+                                           (dict(format="compressed-tensors", bits=3),
+                                            "use bits=4 or bits=8, or format='safetensors'"),
+                                           (dict(format="awq", group_size=-1), "use group_size=64 or group_size=32 or "
+                                            "group_size=128 or format='safetensors'")])
+def test_api_format_refusals_name_keywords(tiny_dir, tmp_path, options, words):
+    """The layouts' refusals named the command line's flags (--bits 4 or --format safetensors) to the API."""
+    with pytest.raises(quantkit.QuantkitError) as e:
+        quantkit.quantize(str(tiny_dir), method="rtn", out=tmp_path / "q", progress=False, **options)
+    assert words in str(e.value) and "--" not in str(e.value), str(e.value)
+
+
+def test_api_export_refuses_a_model_evaluate_converted(tiny_dir, tmp_path):
+    """evaluate with a dtype converts the Model it is given, and export then wrote the embedding and head
+    rounded to bfloat16 without a word (quantize refused such a Model)."""
+    m = quantkit.quantize(str(tiny_dir), method="rtn", group_size=32, progress=False)
+    quantkit.export(m, tmp_path / "a", progress=False)
+    quantkit.evaluate(m, VALID, ctx=32, max_windows=1, dtype="bfloat16", progress=False)
+    with pytest.raises(quantkit.QuantkitError, match=r"converted to torch\.bfloat16 in memory .*: export before "
+                                                     "evaluating with a dtype or device"):
+        quantkit.export(m, tmp_path / "b", progress=False)
+    assert not (tmp_path / "b").exists()
+
+
+def test_api_exports_gguf_blocks_kept_and_no_other_grids(tiny256, tmp_path):
+    """export(m, "x.gguf", format="gguf") of a Model quantized to another grid said "pass both or neither
+    (gguf_type)", an argument export does not take; GGUF blocks kept export as quantize writes them."""
+    kw = dict(method="rtn", keep=True, progress=False)
+    m = quantkit.quantize(str(tiny256), format="gguf", gguf_type="Q4_0", out=tmp_path / "a.gguf", **kw)
+    quantkit.export(m, tmp_path / "b.gguf", format="gguf", progress=False)
+    assert (tmp_path / "b.gguf").read_bytes() == (tmp_path / "a.gguf").read_bytes()
+    with pytest.raises(quantkit.QuantkitError, match="max_shard_size does not apply to format='gguf'"):
+        quantkit.export(m, tmp_path / "c.gguf", format="gguf", max_shard_size="1GB", progress=False)
+    with pytest.raises(quantkit.QuantkitError, match="this Model is quantized to rtn's grids, not GGUF blocks: quantize "
+                                                     "it with format='gguf'"):
+        quantkit.export(quantkit.quantize(str(tiny256), **kw), tmp_path / "c.gguf", format="gguf", progress=False)
+    assert not (tmp_path / "c.gguf").exists()
+
+
 def test_the_calibration_text_is_checked_before_the_first_evaluation(model, capsys, monkeypatch, tmp_path):
     """A fault in --calib-data came out after the "before" perplexity had run (its 40 windows wasted)."""
     import quantkit.api

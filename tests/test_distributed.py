@@ -35,6 +35,21 @@ def one_process(*args, command="quantize") -> subprocess.CompletedProcess:
                           text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def refused_while_locked(held: Path, *args, command: str = "quantize") -> list[str]:
+    """The error lines of a torchrun job run while another run holds held's lock: one from each process."""
+    from quantkit import atomic
+
+    _, lock = atomic.lock(held, "out")
+    try:
+        job = torchrun(*args, command=command)
+    finally:
+        lock.close()
+    assert job.returncode != 0
+    errors = [line for line in job.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2, job.stderr[-3000:]
+    return errors
+
+
 def files(directory: Path) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in sorted(directory.iterdir())}
 
@@ -103,6 +118,47 @@ def test_a_process_that_dies_stops_the_job_and_the_same_command_resumes(tiny_dir
     assert files(tmp_path / "q") == files(tmp_path / "whole")
 
 
+@pytest.mark.parametrize("killed", ["0", "1"], ids=["writer", "other"])
+def test_a_process_killed_between_the_saves_of_a_layer_resumes(tiny_dir, tmp_path, monkeypatch, killed):
+    """A job killed after one process had replaced its saved progress and before another had (a kill of
+    the whole job lands there as often as a save takes) started afresh without a word: each process
+    now writes its state whole before any replaces its last one, and a process behind takes its own
+    (the writer's names the partial output as it was then)."""
+    monkeypatch.setenv("KILLED", killed)
+    args = ("--method", "gptq", "--group-size", 32, "--calib-data", VALID, "--calib-samples", 24,
+            "--calib-seqlen", 64, "--out", tmp_path / "q")
+    job = torchrun(tiny_dir, *args, script=(str(ROOT / "tests" / "torchrun_dies_saving.py"),))
+    assert job.returncode != 0
+    job = torchrun(tiny_dir, *args)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "resuming after layer 1/" in job.stderr, job.stderr[-3000:]
+    assert not list(tmp_path.glob(".q*"))
+    whole = one_process(tiny_dir, *args[:-1], tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert files(tmp_path / "q") == files(tmp_path / "whole")
+
+
+def test_a_fault_in_the_input_one_process_finds_leaves_nothing(tiny_dir, tmp_path):
+    """Rank 1 quantizes k_proj, whose values no float16 scale holds: it refused it, and rank 0 called the
+    job resumable and kept every process's progress, so the same command resumed into the same fault,
+    forever. The process that finds a fault removes its progress, and the job keeps nothing."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = shutil.copytree(tiny_dir, tmp_path / "model")
+    weights = load_file(model / "model.safetensors")
+    weights["model.layers.1.self_attn.k_proj.weight"][0, 0] = 1e9
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    job = torchrun(model, "--method", "rtn", "--group-size", 32, "--out", tmp_path / "q")
+    assert job.returncode != 0
+    errors = [line for line in job.stderr.splitlines() if line.startswith("error: ")]
+    assert any("model.layers.1.self_attn.k_proj holds values up to 1e+09" in e for e in errors), job.stderr[-3000:]
+    assert not [e for e in errors if "resume" in e], errors
+    assert any("another process of this torchrun job stopped" in e and "nothing was kept" in e for e in errors), errors
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
 def test_a_pipelines_own_process_group(tiny_dir, tmp_path):
     """A pipeline that made its own process group and called quantize or train on rank 0 alone waited
     forever (30 minutes, then a timeout) for the other ranks to join its collectives; alone=True works in
@@ -151,20 +207,11 @@ def test_a_job_refused_its_output_stops_every_process_before_the_work(tiny_dir, 
     """Another job writes the output (or the measurement file): only rank 0 takes its lock, and every
     process stops there with an error of input, before any layer (the others went on to wait for
     rank 0, then reported a stopped process and a resumable run); the other job's progress stays."""
-    from quantkit import atomic
-
     theirs = tmp_path / ".q.progress-1.pt"
     theirs.write_bytes(b"the other job's progress")
     measure = ["--target-bpw", 3.6, "--measurement", tmp_path / held] if held == "m.json" else []
-    _, lock = atomic.lock(tmp_path / held, "out")
-    try:
-        job = torchrun(tiny_dir, "--method", "gptq", *(measure or ["--group-size", 32]), "--calib-data", VALID,
-                       "--calib-samples", 8, "--calib-seqlen", 64, "--out", tmp_path / "q")
-    finally:
-        lock.close()
-    assert job.returncode != 0
-    errors = [line for line in job.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 2, job.stderr[-3000:]
+    errors = refused_while_locked(tmp_path / held, tiny_dir, "--method", "gptq", *(measure or ["--group-size", 32]),
+                                  "--calib-data", VALID, "--calib-samples", 8, "--calib-seqlen", 64, "--out", tmp_path / "q")
     assert any(f"{tmp_path / held} is being written by another quantkit process" in e for e in errors), errors
     assert any(f"the first process of this torchrun job could not {'open' if held == 'q' else 'lock'} "
                f"{tmp_path / held}" in e for e in errors), errors

@@ -42,6 +42,27 @@ def test_reexport_keeps_the_generation_config(tiny_dir, tmp_path):
     assert (saved["do_sample"], saved["temperature"], saved["top_p"], saved["max_new_tokens"]) == (True, 0.2, 0.9, 77)
 
 
+def test_the_licence_goes_with_every_copy_of_the_weights(tiny_dir, tmp_path):
+    """A model's LICENSE (Llama's USE_POLICY.md, a NOTICE) was left behind by every export and by merge:
+    the weights went out without the terms they are shared under."""
+    from quantkit.trainer import merge, train
+
+    from .conftest import VALID
+
+    model = shutil.copytree(tiny_dir, tmp_path / "model")
+    terms = {name: f"the terms of {name}\n" for name in ("LICENSE", "USE_POLICY.md", "NOTICE.txt")}
+    for name, text in terms.items():
+        (model / name).write_text(text)
+    (tmp_path / "train.txt").write_text(VALID.read_text()[:5000])
+    train(str(model), data=tmp_path / "train.txt", out=tmp_path / "adapter", steps=1, seqlen=32, batch_size=2, rank=4,
+          eval_fraction=0, progress=False)
+    merge(tmp_path / "adapter", tmp_path / "merged", progress=False)
+    for fmt in ("safetensors", "compressed-tensors"):
+        quantkit.quantize(str(model), method="rtn", group_size=32, out=tmp_path / fmt, format=fmt, progress=False)
+    for out in ("merged", "safetensors", "compressed-tensors"):
+        assert {name: (tmp_path / out / name).read_text() for name in terms} == terms, out
+
+
 def test_config_holds_what_save_pretrained_writes(tiny_dir, tmp_path):
     """config.json is the source's, as save_pretrained writes it, plus the quantization: not the
     user's local path to the source (_name_or_path) nor transformers' defaults for every model."""

@@ -14,7 +14,7 @@ from quantkit.trainer import TrainConfig, lora, merge, train
 from quantkit.trainer.merging import attach
 
 from .conftest import TEST, VALID
-from .test_distributed import ROOT, one_process, torchrun
+from .test_distributed import ROOT, one_process, refused_while_locked, torchrun
 
 IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
 SHORT = dict(seqlen=32, batch_size=2, eval_fraction=0, progress=False)
@@ -58,14 +58,18 @@ def test_peft_loads_our_adapter_and_merges_like_us(tiny_dir, text, tmp_path, opt
 def test_a_model_trained_in_memory_scores_as_its_merge_and_is_not_quantized(tiny_dir, text, tmp_path, recwarn):
     """train(m) left m in training mode: evaluate(m) raised on the dropout's seeds of the last batch,
     quantize(m) an AttributeError on the LoRA layers, and training m again blamed the checkpoint.
-    Checkpointing turned on and off under transformers' names of the day: the old ones warned."""
+    Checkpointing turned on and off under transformers' names of the day: the old ones warned. The
+    caller's random generator is as it was (train seeded it)."""
     import quantkit
 
     from quantkit.trainer.loop import checkpointing
 
     m = quantkit.load(tiny_dir)
+    torch.manual_seed(1234)
+    drawn = torch.get_rng_state()
     train(m, data=text, out=tmp_path / "a", steps=2, lr=0.05, dropout=0.1, rank=4, precision="fp32",
           gradient_checkpointing=True, **SHORT)
+    assert torch.equal(torch.get_rng_state(), drawn)
     assert not m.module.training and not checkpointing(m.module, "is")
     assert not [str(w.message) for w in recwarn if "checkpointing" in str(w.message)]
     merge(tmp_path / "a", tmp_path / "m", progress=False)
@@ -451,13 +455,20 @@ def test_fsdp_shards_the_base_and_the_adapter(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("resume", ["fsdp", "one-process"])
-def test_fsdp_run_stopped_and_resumed_repeats_one_process(tiny_dir, text, tmp_path, one, resume):
-    """Both processes stop after step 3; the checkpoint of step 2 (gathered from the shards) is
-    sharded again on --resume, optimizer state included, or, since it holds whole tensors, resumed
-    by a single process without --fsdp."""
+def test_fsdp_run_stopped_and_resumed_repeats_one_process(tiny_dir, text, tmp_path, one, resume, monkeypatch):
+    """Both processes stop after step 3 (or rank 1 alone, and rank 0 tells how to go on: its advice was
+    quantize's, the same command, which refused for want of --resume); the checkpoint of step 2 (gathered
+    from the shards) is sharded again on --resume, optimizer state included, or, since it holds whole
+    tensors, resumed by a single process without --fsdp."""
     args = [tiny_dir, "--data", text, *TWO, "--out", tmp_path / "a"]
+    if resume == "one-process":
+        monkeypatch.setenv("STOPPING", "1")
     job = torchrun(*args, "--fsdp", script=(str(ROOT / "tests" / "torchrun_train_stops.py"),), command="train")
     assert job.returncode != 0 and not (tmp_path / "a").exists()
+    if resume == "one-process":
+        errors = [line for line in job.stderr.splitlines() if line.startswith("error: ")]
+        assert errors and errors[0].endswith("the last checkpoint is kept: run the same command with --resume to go on "
+                                             "from it"), job.stderr[-3000:]
     if resume == "fsdp":
         job = torchrun(*args, "--fsdp", "--resume", command="train")
     else:
@@ -465,6 +476,15 @@ def test_fsdp_run_stopped_and_resumed_repeats_one_process(tiny_dir, text, tmp_pa
     assert job.returncode == 0, job.stderr[-3000:]
     assert "resuming after step 2/4" in job.stderr
     same_run(tmp_path / "a", one)
+
+
+def test_a_job_whose_adapter_another_run_writes_stops_every_process(tiny_dir, text, tmp_path):
+    """Rank 0 alone takes the output's lock: refused it, it said so, while rank 1 built the model and
+    then reported a stopped process and a run to resume."""
+    errors = refused_while_locked(tmp_path / "a", tiny_dir, "--data", text, *TWO, "--out", tmp_path / "a",
+                                  command="train")
+    assert any(f"{tmp_path / 'a'} is being written by another quantkit process" in e for e in errors), errors
+    assert any(f"the first process of this torchrun job could not open {tmp_path / 'a'}" in e for e in errors), errors
 
 
 def test_fsdp_processes_with_unequal_held_out_shares(tiny_dir, text, tmp_path):
@@ -529,3 +549,49 @@ def test_train_then_quantize_killed_after_the_training_resumes(tiny_dir, text, t
     assert "a is a finished adapter: going on to " + ("merge and quantize" if stage == "merge" else "quantize") in printed
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "base") == ["a", "a-gptq", "a-merged"]
     assert (tmp_path / "a" / "adapter_model.safetensors").stat().st_mtime_ns == trained
+
+
+def test_train_then_quantize_resumed_after_an_overwrite(tiny_dir, text, tmp_path, capsys, monkeypatch):
+    """An --overwrite run of train --quantize killed in its merge, then resumed, quantized the earlier run's
+    merge (a-merged was taken as this adapter's); one killed in its training was refused on resume, as "the
+    finished adapter of another run" (the earlier run's adapter, this run's checkpoint beside it)."""
+    from quantkit import trainer
+
+    from .conftest import VALID, cli
+
+    other = tmp_path / "other.txt"
+    other.write_text(VALID.read_text()[30_000:60_000])
+
+    def run(data, out, *more):
+        return cli(["train", tiny_dir, "--data", data, "--out", tmp_path / out, "--steps", 4, "--save-every", 1, "--warmup", 1,
+                    "--seqlen", 32, "--batch-size", 2, "--rank", 4, "--lr", 0.05, "--quantize", "rtn", "--group-size",
+                    32, *more], capsys, monkeypatch)
+
+    def weights(path):
+        return load_file(path / ("model.safetensors" if path.name.endswith("merged") else lora.WEIGHTS))
+
+    assert run(text, "a")[0] == 0
+    first, first_merged = weights(tmp_path / "a"), weights(tmp_path / "a-merged")
+    assert run(other, "b")[0] == 0  # the other data's run, uninterrupted
+    with monkeypatch.context() as killed:
+        killed.setattr(trainer, "merge", lambda *a, **kw: (_ for _ in ()).throw(KeyboardInterrupt))
+        assert run(other, "a", "--overwrite")[0] == 130
+    code, printed, err = run(other, "a", "--overwrite", "--resume")
+    assert code == 0 and "a is a finished adapter: going on to merge and quantize it" in printed, err
+    merged, wanted = weights(tmp_path / "a-merged"), weights(tmp_path / "b-merged")
+    assert all(torch.equal(merged[k], wanted[k]) for k in wanted)
+    assert not all(torch.equal(merged[k], first_merged[k]) for k in wanted)
+
+    real = trainer.train
+
+    def stop(record):
+        if record["step"] == 3:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as killed:
+        killed.setattr(trainer, "train", lambda *a, **kw: real(*a, callback=stop, **kw))
+        assert run(text, "a", "--overwrite")[0] == 130
+    code, _, err = run(text, "a", "--overwrite", "--resume")
+    assert code == 0, err
+    again = weights(tmp_path / "a")
+    assert all(torch.allclose(again[k], first[k], atol=1e-6) for k in first)

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -161,6 +162,8 @@ def test_bad_rank(tiny_dir, text, capsys, monkeypatch, tmp_path, rank, match):
     (["--max-grad-norm", "nan"], "--max-grad-norm nan is invalid"),  # an adapter of NaNs, exit 0
     (["--weight-decay", -0.1], "--weight-decay -0.1 is invalid: use 0 or"),  # torch's ValueError: a traceback
     (["--alpha", 0], "--alpha 0 is invalid: use a positive number"),  # scale 0: B never moved
+    (["--lora-plus", "nan"], "--lora-plus nan is invalid"),  # an adapter of NaNs, exit 0
+    (["--lora-plus", "inf"], "--lora-plus inf is invalid"),
     (["--patience", 0], "--patience 0 is invalid: use a number of evaluations"),  # stopped at the first one
     (["--patience", 2], "--patience stops on the held-out loss, and there is no held-out data"),  # FAST: none
     (["--seqlen", 1024], "--seqlen 1024 is longer than the model's context of 512 tokens"),  # trained past it
@@ -176,6 +179,9 @@ def test_bad_rank(tiny_dir, text, capsys, monkeypatch, tmp_path, rank, match):
     (["--quantize", "rtn", "--calib-data", VALID], "--calib-data calibrates --quantize, and --quantize rtn quantizes "
      "without one"),
     # a format that cannot hold the quantization: refused after the training and the merge
+    # quantize's advice in train's flags: its --method is --quantize here
+    (["--quantize", "nf4", "--format", "gguf"], "GGUF types are filled by RTN or GPTQ, not nf4: use --quantize rtn or "
+     "gptq"),
     (["--quantize", "awq", "--format", "awq", "--bits", 3, "--calib-data", VALID],
      "the AWQ GEMM layout holds 4-bit weights only, not 3-bit"),
     (["--quantize", "gptq", "--format", "exl2"], "--quantize writes safetensors, awq, gguf or compressed-tensors: for "
@@ -303,6 +309,37 @@ def test_merge_an_adapter_whose_config_says_another_rank(adapter, capsys, monkey
     fails(["merge", broken, "--out", tmp_path / "out"], capsys, monkeypatch,
           "adapter_config.json says r=8, and its tensors have rank 4")
     assert left(tmp_path) == []
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda cfg, t: ({**cfg, "init_lora_weights": "pissa_niter_4"}, t), "initialized with pissa_niter_4, which changes "
+     "the base weights"),
+    (lambda cfg, t: ({**cfg, "init_lora_weights": "olora"}, t), "initialized with olora"),
+    (lambda cfg, t: (cfg, {k: v * float("nan") if "lora_B" in k else v for k, v in t.items()}),
+     "holds NaN or Inf (the training diverged)"),
+    (lambda cfg, t: ({**cfg, "base_model_name_or_path": 5}, t), "the adapter names no base model: pass --base"),
+    (lambda cfg, t: ({**cfg, "trainable_token_indices": [1, 2]}, t), "the adapter has token embeddings trained beside "
+     "it (trainable_token_indices)"),  # blamed the base
+    (lambda cfg, t: ({k: v for k, v in cfg.items() if k != "peft_type"}, t), "names no peft_type")],  # "a None adapter"
+    ids=["pissa", "olora", "nan", "base-not-a-name", "token-embeddings", "no-type"])
+def test_merge_an_adapter_it_would_merge_wrong(adapter, capsys, monkeypatch, tmp_path, change, match):
+    """PiSSA's and OLoRA's adapters go onto a base PEFT changes when it loads them: merged onto the base
+    as saved they were silently wrong (0.24-0.46 in the logits). An adapter of NaNs was merged into a model
+    that eval then called a damaged file; a base named by a number was a traceback."""
+    broken = shutil.copytree(adapter, tmp_path / "adapter")
+    cfg, tensors = change(json.loads((broken / "adapter_config.json").read_text()),
+                          load_file(broken / "adapter_model.safetensors"))
+    (broken / "adapter_config.json").write_text(json.dumps(cfg))
+    save_file(tensors, broken / "adapter_model.safetensors")
+    fails(["merge", broken, "--out", tmp_path / "out"], capsys, monkeypatch, match)
+    assert left(tmp_path) == []
+
+
+def test_held_out_data_that_is_the_training_data_warns(tiny_dir, text, tmp_path):
+    with pytest.warns(UserWarning, match="eval_data is the training data itself: its loss is the training loss"):
+        result = train(str(tiny_dir), data=text, eval_data=text, out=tmp_path / "a", steps=1, seqlen=32, batch_size=2,
+                       rank=4, progress=False)
+    assert result.evals
 
 
 @pytest.mark.parametrize("missing", ["adapter_config.json", "adapter_model.safetensors"])

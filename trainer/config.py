@@ -74,7 +74,7 @@ class TrainConfig:
             raise QuantkitError(f"{option('rank', self.rank)} is invalid: use a positive rank such as 16")
         if not 0 <= self.dropout < 1:
             raise QuantkitError(f"{option('dropout', self.dropout)} is out of range: use a fraction in [0, 1)")
-        if self.lora_plus is not None and self.lora_plus <= 0:
+        if self.lora_plus is not None and not (0 < self.lora_plus < math.inf):  # NaN too
             raise QuantkitError(f"{option('lora_plus', self.lora_plus)} is invalid: use a positive ratio such as 16")
         if self.seqlen < 2:  # a window of one token predicts nothing: every loss would be 0/0
             raise QuantkitError(f"{option('seqlen', self.seqlen)} leaves no token to predict: use 2 or more, such as 256")

@@ -96,31 +96,37 @@ def build(m: Model, config: TrainConfig, names: list[str], device: torch.device,
     """Read the base layer by layer onto device in dtype (frozen), with LoRA layers on the targets:
     for QLoRA each target is quantized to NF4 as soon as its layer is read; with FSDP each layer is
     sharded over the processes as soon as it is read, so no process holds the whole model."""
-    m.module.requires_grad_(False)
-    torch.manual_seed(config.seed)  # the adapters' initial A: the same in every process
-    shard = fsdp_shard(device) if config.fsdp else lambda module: None
-    map_large_blocks()
-    layers = {}
-    for i in range(len(m.layers)):
-        prefix = f"model.layers.{i}"
-        here = [n for n in names if n.startswith(prefix + ".")]
-        layer = m.materialize(prefix, device, None if config.method == "qlora" else dtype)
-        if config.method == "qlora":  # NF4 of the checkpoint's weights, as merge --onto-nf4 rounds them, not of a
-            frozen = {layer.get_submodule(n.removeprefix(prefix + ".")) for n in here}  # copy in the compute dtype
-            for module in layer.modules():
-                for name, p in module.named_parameters(recurse=False):
-                    if not (module in frozen and name == "weight"):
-                        p.data = p.data.to(dtype)
-        layers |= lora.inject(m.module, config, here)
-        shard(m.layers[i])
-        free_memory()  # the read buffers' (and FSDP: the whole layer's) freed blocks, else kept in glibc's heap
-    for prefix in ("model.embed_tokens", "model.norm", "lm_head"):
-        m.materialize(prefix, device, dtype)
-    if m.module.config.tie_word_embeddings:
-        m.module.tie_weights()
-    shard(m.module)  # the rest: embeddings, final norm, head
-    m.checkpoint = None  # everything is in memory now, and the adapters make it differ from the file
-    return layers
+    # the caller's random generators as they were after: train runs inside pipelines that draw after it
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        m.module.requires_grad_(False)
+        torch.random.default_generator.manual_seed(config.seed)  # the adapters' initial A: the same in every process
+        if device.type == "cuda":  # the device's own generator only: the others are not forked
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(config.seed)
+        shard = fsdp_shard(device) if config.fsdp else lambda module: None
+        map_large_blocks()
+        layers = {}
+        for i in range(len(m.layers)):
+            prefix = f"model.layers.{i}"
+            here = [n for n in names if n.startswith(prefix + ".")]
+            layer = m.materialize(prefix, device, None if config.method == "qlora" else dtype)
+            # QLoRA: NF4 of the checkpoint's weights, as merge --onto-nf4 rounds them, not of a copy in the compute dtype
+            if config.method == "qlora":
+                frozen = {layer.get_submodule(n.removeprefix(prefix + ".")) for n in here}
+                for module in layer.modules():
+                    for name, p in module.named_parameters(recurse=False):
+                        if not (module in frozen and name == "weight"):
+                            p.data = p.data.to(dtype)
+            layers |= lora.inject(m.module, config, here)
+            shard(m.layers[i])
+            free_memory()  # the read buffers' (and FSDP: the whole layer's) freed blocks, else kept in glibc's heap
+        for prefix in ("model.embed_tokens", "model.norm", "lm_head"):
+            m.materialize(prefix, device, dtype)
+        if m.module.config.tie_word_embeddings:
+            m.module.tie_weights()
+        shard(m.module)  # the rest: embeddings, final norm, head
+        m.checkpoint = None  # everything is in memory now, and the adapters make it differ from the file
+        return layers
 
 
 def settle(module: torch.nn.Module) -> None:
@@ -398,6 +404,11 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
         examples = dataset.read(data_file, m.tokenizer, config.seqlen)
         if eval_file is not None:
             train_set, held_out = examples, dataset.read(eval_file, m.tokenizer, config.seqlen)
+            same = os.path.samefile(eval_file, data_file) or (
+                eval_file.stat().st_size == data_file.stat().st_size and digest(eval_file) == digest(data_file))
+            if same and rank == 0:
+                warnings.warn(f"{option('eval_data')} is the training data itself: its loss is the training loss "
+                              f"(and {option('patience')} would stop on it): pass text the run does not train on")
         else:
             train_set, held_out = dataset.split(examples, config.eval_fraction, config.seed)
         if config.patience is not None and not held_out:
@@ -419,7 +430,8 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
                                 f"{option('overwrite', True)} or another {option('out')}" if Path(out).exists() else
                                 f"nothing to resume: no checkpoint of a run writing {out} (in {partial}): run without "
                                 f"{option('resume', True)}")
-        staged = Staged(out, overwrite) if rank == 0 else None
+        with distributed.first_refuses(f"open {out}"):  # its lock: the others stop too, before building the model
+            staged = Staged(out, overwrite) if rank == 0 else None
         state = None
         try:
             if resume:
@@ -440,10 +452,11 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
                 if staged is not None:
                     staged.fresh()
             m.adapter = str(out)  # the Model in memory gets the adapter's layers (evaluate scores it with them)
-            try:
-                result, adapter = run(m, config, names, train_set=train_set, held_out=held_out, total=total, dev=dev,
-                                      amp=amp, checkpoints=checkpoints, state=state, key=key, progress=progress,
-                                      callback=callback)
+            try:  # FSDP's gathers run inside the forwards, backwards and checkpoints: a lost peer fails them there
+                with distributed.collective("training", among=True) if world > 1 else nullcontext():
+                    result, adapter = run(m, config, names, train_set=train_set, held_out=held_out, total=total,
+                                          dev=dev, amp=amp, checkpoints=checkpoints, state=state, key=key,
+                                          progress=progress, callback=callback)
             finally:
                 settle(m.module)
             if rank == 0:
@@ -461,6 +474,11 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
             if kept is not None:  # Ctrl-C or SIGTERM: where to go on from
                 print(f"stopped: the checkpoint of step {kept['step']} is in {checkpoints.latest()}: run the same command "
                       f"with {option('resume', True)} to go on from it", file=sys.stderr)
+            if isinstance(e, distributed.Stopped):  # its advice (the same command) is quantize's: train's needs --resume
+                raise ResumableError(f"another process of this torchrun job stopped{e.how}: " + (
+                    f"the last checkpoint is kept: run the same command with {option('resume', True)} to go on from it"
+                    if checkpoints.latest() is not None else "no checkpoint was saved yet: run the same command again")
+                ) from None
             raise
 
 

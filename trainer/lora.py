@@ -235,7 +235,18 @@ def read(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
         tensors = load_file(d / WEIGHTS)
         kind = cfg.get("peft_type")
     if kind != "LORA":
-        raise QuantkitError(f"{d}: a {kind} adapter: quantkit reads LoRA adapters")
+        raise QuantkitError(f"{d}: a {kind} adapter: quantkit reads LoRA adapters" if kind is not None else
+                            f"{d}: its {CONFIG} names no peft_type: pass a PEFT LoRA adapter directory")
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and (init.startswith("pissa") or init in ("olora", "corda", "loftq")):
+        # PEFT subtracts these from the base when it loads them: on the base as saved, B A alone is wrong
+        raise QuantkitError(f"{d}: the adapter was initialized with {init}, which changes the base weights it goes onto: "
+                            "save it with PEFT's conversion to a plain LoRA (save_pretrained with "
+                            "path_initial_model_for_weight_conversion), or merge it with PEFT")
+    bad = next((k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    if bad is not None:
+        raise QuantkitError(f"{d}: {bad} holds NaN or Inf (the training diverged): train it again with a lower "
+                            "learning rate")
     # PEFT writes ".lora_A.weight"; some older saves keep the adapter name (".lora_A.default.weight")
     tensors = {k.replace(".default.", ".").removesuffix(".default"): v for k, v in tensors.items()}
     return cfg, tensors

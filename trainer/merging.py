@@ -4,6 +4,7 @@ from the base checkpoint into a new model directory in the base's dtype, so that
 against instead of the original weights."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ from tqdm import tqdm
 from quantkit.config import check_arguments
 from quantkit.errors import QuantkitError, option, space_for, untrusted
 from quantkit.atomic import Staged, check_apart
+from quantkit.exporters.checkpoint import licences
 from quantkit.exporters.shards import DEFAULT_MAX_SIZE, INDEX, ShardWriter
 from quantkit.modelio import Model, load
 from quantkit.pipeline import write_other
@@ -25,6 +27,7 @@ from .config import TrainConfig
 from .loop import LOG
 
 SIDE_FILES = (".json", ".txt", ".model", ".jinja")  # config, generation config, tokenizer, chat template
+MERGED_FROM = "quantkit.merged_from"  # a merged model's shards' metadata: merge_key of what was merged into it
 
 
 def read(adapter: str | os.PathLike, onto_nf4: bool = False) -> tuple[TrainConfig, dict, dict[str, torch.Tensor]]:
@@ -37,7 +40,8 @@ def read(adapter: str | os.PathLike, onto_nf4: bool = False) -> tuple[TrainConfi
     # PEFT's other parts beside the A and B matrices: merged without them, the model would not be the adapter's
     biases = any(k.endswith(".bias") for k in tensors)  # PEFT's bias "all" or "lora_only" saves those the base has
     for key, what in (("lora_bias", "a trained bias on lora_B"), ("bias", "trained biases of the base's layers"),
-                      ("modules_to_save", "whole modules trained beside it")):
+                      ("modules_to_save", "whole modules trained beside it"),
+                      ("trainable_token_indices", "token embeddings trained beside it")):
         if cfg.get(key) and (key != "bias" or biases and cfg[key] != "none"):
             raise QuantkitError(f"{adapter}: the adapter has {what} ({key}), which quantkit does not merge: merge it "
                                 "with PEFT (merge_and_unload), or train it without them")
@@ -56,7 +60,7 @@ def read(adapter: str | os.PathLike, onto_nf4: bool = False) -> tuple[TrainConfi
 
 
 def base_of(cfg: dict, base: str | os.PathLike | None, adapter) -> Model:
-    named = cfg.get("base_model_name_or_path")
+    named = named_base(cfg)
     if not (base or named):
         raise QuantkitError(f"{adapter}: the adapter names no base model: pass {option('base')} (its directory)")
     if not Path(base or named).exists():
@@ -67,6 +71,12 @@ def base_of(cfg: dict, base: str | os.PathLike | None, adapter) -> Model:
         raise QuantkitError(f"{base or named}: merge into a float model directory (safetensors), not a GGUF file or a "
                             "quantized export")
     return m
+
+
+def named_base(cfg: dict) -> str | None:
+    """The base an adapter's config names, if it names one by a string (a hand-edited config may not)."""
+    named = cfg.get("base_model_name_or_path")
+    return named if isinstance(named, str) else None
 
 
 def same_model(a: str | os.PathLike, b: str | os.PathLike) -> bool:
@@ -123,13 +133,13 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
     needed = sum(f.stat().st_size for f in set(m.checkpoint.where.values()))  # the base's shards, in its dtype
     staged = Staged(out, overwrite)
     try:
-        named = cfg.get("base_model_name_or_path")
+        named = named_base(cfg)
         if base and named and not same_model(base, named):  # after the checks: a base they refuse gets one line
             # same shapes pass every check, so a wrong base of the same architecture would merge silently
             warnings.warn(f"{adapter} was trained on {named}; merging it into {base} as asked")
         with space_for(out, needed, "the merged model", "merge again"):
             directory = staged.fresh()
-            writer = ShardWriter(directory, max_shard_size)
+            writer = ShardWriter(directory, max_shard_size, {MERGED_FROM: merge_key(adapter, onto_nf4)})
             for i in tqdm(range(len(m.layers)), unit="layer", desc="merging", disable=not progress):
                 prefix = f"model.layers.{i}"
                 merge_part(m, prefix, by_linear, config=config, onto_nf4=onto_nf4, writer=writer, dtype=dtype)
@@ -139,13 +149,39 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
                 else:
                     write_other(m, prefix, writer, None, keep=False)
             writer.close()
-            for f in Path(m.source).iterdir():
-                if f.is_file() and f.suffix in SIDE_FILES and f.name != INDEX:
-                    shutil.copy2(f, directory / f.name)
+            sides = {f for f in Path(m.source).iterdir() if f.is_file() and f.suffix in SIDE_FILES and f.name != INDEX}
+            for f in sides | set(licences(m.source)):
+                shutil.copy2(f, directory / f.name)
             return staged.commit(writer.scratch())
     except BaseException:
         staged.abort()
         raise
+
+
+def merge_key(adapter: str | os.PathLike, onto_nf4: bool = False) -> str | None:
+    """A digest of the adapter's files (and whether it goes onto the NF4-rounded base), as a merge records it
+    in the shards it writes (None: the adapter's files cannot be read). The base is train --quantize's own."""
+    h = hashlib.sha256()
+    try:
+        for name in (lora.CONFIG, lora.WEIGHTS):
+            h.update((Path(adapter) / name).read_bytes())
+    except OSError:
+        return None
+    return h.hexdigest() + ("+nf4" if onto_nf4 else "")
+
+
+def merged_from(model: str | os.PathLike) -> str | None:
+    """The merge_key a model directory's shards record (None: no merge of quantkit's wrote them)."""
+    from safetensors import safe_open
+
+    shard = min(Path(model).glob("*.safetensors"), default=None)
+    if shard is None:
+        return None
+    try:
+        with safe_open(shard, "pt") as f:
+            return (f.metadata() or {}).get(MERGED_FROM)
+    except Exception:  # a damaged shard: not known to be any merge (safetensors raises its own error types)
+        return None
 
 
 def merge_part(m: Model, prefix: str, by_linear: dict[str, dict[str, torch.Tensor]], *, config: TrainConfig,
