@@ -199,7 +199,7 @@ CATALOGUE = {
     "train: --format without --quantize": Bad("train {model} --data {text} --out {tmp}/a --format gguf",
                                               "--format sets the quantization"),
     "train: --group-size with --quantize nf4": Bad("train {model} --data {text} --out {tmp}/a --quantize nf4 "
-                                                   "--group-size 64", "--group-size is not an option of --method nf4"),
+                                                   "--group-size 64", "--group-size is not an option of --quantize nf4"),
     "train: a record's reply not text": Bad("train {model} --data {model}/bad.jsonl --out {tmp}/a --steps 1",
                                             "the record's response is int, where text belongs",
                                             lambda m: (chat_with_template("{{ messages[0].content }}")(m),
