@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from quantkit import __version__, measurement
 from quantkit.config import QuantConfig
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, option
 from quantkit.layers import shapes_by_name
 from quantkit.modelio import Model, load_tokenizer
 from quantkit.packing import pack, unpack
@@ -35,7 +35,7 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
     shapes = shapes_by_name(module)
     for name, (n, k) in shapes.items():
         if k % 32:
-            raise QuantkitError(f"{name} has {k} inputs: EXL2 needs a multiple of 32; choose another --format")
+            raise QuantkitError(f"{name} has {k} inputs: EXL2 needs a multiple of 32; choose another {option('format')}")
     if qconfig.measurement is None:  # one target for every linear: the range all of them reach
         low = max(exl2.Setting.reach(n, k)[0] for n, k in shapes.values())
         high = min(exl2.Setting.reach(n, k)[1] for n, k in shapes.values())
@@ -61,13 +61,14 @@ def encode_scales(qt: QuantizedTensor) -> torch.Tensor:
     ratio = qt.scales.float() / qt.scale_max.float()[None, :] * 256
     codes = torch.round(torch.sqrt(ratio)).clamp(1, 16)
     if not torch.equal(exl2.scale_values(codes, qt.scale_max[None, :]), qt.scales.half()):
-        raise QuantkitError("scales that are not EXL2 codes times a group maximum: quantize with --format exl2")
+        raise QuantkitError("scales that are not EXL2 codes times a group maximum: quantize with "
+                            f"{option('format', 'exl2')}")
     return codes.to(torch.int64)
 
 
 def pack_tensor(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
     if qt.group_bits is None or qt.scale_max is None:
-        raise QuantkitError(f"{name}: not quantized for EXL2: quantize with --format exl2")
+        raise QuantkitError(f"{name}: not quantized for EXL2: quantize with {option('format', 'exl2')}")
     n, k = qt.shape
     pad = exl2.padded(n) - n
     perm = torch.argsort(qt.g_idx, stable=True)  # groups in order; any order of rows within one

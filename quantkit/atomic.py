@@ -88,6 +88,12 @@ def progress_path(out: str | os.PathLike, rank: int | None = None) -> Path:
     return out.with_name(f".{out.name}.progress{'' if rank is None else f'-{rank}'}.pt")
 
 
+def waiting_path(path: Path, layer: int) -> Path:
+    """Where a torchrun process's state after layer waits to replace its saved progress at path, until every
+    process has written its own (pipeline.quantize_layers)."""
+    return path.with_name(f"{path.name}.next-{layer}")
+
+
 def saved_progress(path: Path) -> list[Path]:
     """A process's saved progress at path (progress_path), and the state a torchrun process wrote to replace it,
     waiting for the others' (pipeline.quantize_layers)."""

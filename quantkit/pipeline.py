@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import distributed
-from .atomic import siblings
+from .atomic import siblings, waiting_path
 from .layers import GROUPS, LINEARS, Captured, on_device, run_hooked
 from .modelio import Model
 from .qtensor import QuantizedTensor, per_slice
@@ -486,7 +486,7 @@ def quantize_layers(
     at = state["next_layer"] if state else 0
     if resume and not keep and distributed.world() > 1:
         last = distributed.agree(at, "max")
-        waiting = resume[0].with_name(f"{resume[0].name}.next-{last}")
+        waiting = waiting_path(resume[0], last)
         if at < last and waiting.is_file():  # a job killed after some processes renamed their state (save_progress)
             waiting.replace(resume[0])
             state = resumed(resume, writer)
@@ -546,7 +546,7 @@ def quantize_layers(
             saved = {"key": resume[1], "next_layer": i + 1, "batches": batches,
                      "writer": writer.state() if writer is not None else None}
             if distributed.world() > 1:  # every process's state whole on disk before any replaces its last one
-                waiting = resume[0].with_name(f"{resume[0].name}.next-{i + 1}")
+                waiting = waiting_path(resume[0], i + 1)
                 save_progress(waiting, saved)
                 distributed.agree(0, "min", "saving the progress")
                 waiting.replace(resume[0])
