@@ -88,6 +88,10 @@ def progress_path(out: str | os.PathLike, rank: int | None = None) -> Path:
     return out.with_name(f".{out.name}.progress{'' if rank is None else f'-{rank}'}.pt")
 
 
+NEXT = r"\.next-\d+"  # waiting_path's suffix
+PROGRESS = r"\.{name}\.progress(-\d+)?\.pt(" + NEXT + ")?"  # progress_path's names, and their waiting states
+
+
 def waiting_path(path: Path, layer: int) -> Path:
     """Where a torchrun process's state after layer waits to replace its saved progress at path, until every
     process has written its own (pipeline.quantize_layers)."""
@@ -97,12 +101,12 @@ def waiting_path(path: Path, layer: int) -> Path:
 def saved_progress(path: Path) -> list[Path]:
     """A process's saved progress at path (progress_path), and the state a torchrun process wrote to replace it,
     waiting for the others' (pipeline.quantize_layers)."""
-    return [path] * path.is_file() + siblings(path, r"{name}\.next-\d+")
+    return [path] * path.is_file() + siblings(path, r"{name}" + NEXT)
 
 
 def progress_files(out: Path) -> list[Path]:
     """Every process's saved progress for out."""
-    return siblings(out, r"\.{name}\.progress(-\d+)?\.pt(\.next-\d+)?")  # .next: a torchrun process's, waiting
+    return siblings(out, PROGRESS)
 
 
 def siblings(path: Path, pattern: str) -> list[Path]:
@@ -232,7 +236,7 @@ class Staged:
         remove(self.path)
         # also the temporary of a save killed in a job of another world size (its own path's run clears it)
         for stale in [*progress_files(self.out),
-                      *siblings(self.out, r"\.{name}\.progress(-\d+)?\.pt(\.next-\d+)?\.tmp-\d+"),
+                      *siblings(self.out, PROGRESS + r"\.tmp-\d+"),
                       *siblings(self.out, r"\.{name}\.old-\d+")]:
             remove(stale)
         if self.directory:

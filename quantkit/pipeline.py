@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import distributed
-from .atomic import siblings, waiting_path
+from .atomic import NEXT, siblings, waiting_path
 from .layers import GROUPS, LINEARS, Captured, on_device, run_hooked
 from .modelio import Model
 from .qtensor import QuantizedTensor, per_slice
@@ -491,7 +491,7 @@ def quantize_layers(
             waiting.replace(resume[0])
             state = resumed(resume, writer)
             at = state["next_layer"] if state else 0
-        for stale in siblings(resume[0], r"{name}\.next-\d+(\.tmp-\d+)?"):
+        for stale in siblings(resume[0], r"{name}" + NEXT + r"(\.tmp-\d+)?"):
             stale.unlink(missing_ok=True)
     if distributed.agree(at, "min") != distributed.agree(at, "max"):
         if distributed.rank() == 0:
