@@ -131,29 +131,29 @@ KEPT = 8  # a WikiText-2 file is about 2.4 MB of ids
 LARGEST = 4_000_000  # characters: a training corpus is not held twice (most of a GB of ids each)
 
 
-def token_ids(tokenizer, text: str) -> torch.Tensor:
+def token_ids(tokenizer, text: str, progress: bool = True) -> torch.Tensor:
     """The text's token ids without special tokens added (LongTensor [n]). A special token's string in
     the text ("<|endoftext|>" in a web page) is text, as llama-perplexity and llama-imatrix read it,
     but in chats a template rendered (records.Rendered), whose markers they are. A run tokenizes the
     same text more than once (calibration and its evaluation, the base and the model compared with
     it), seconds for a WikiText-2 file each time: a fast tokenizer's KEPT most recently used results
     are kept, by its own definition (a copy of it loaded again hits) and the text's digest; texts up
-    to LARGEST characters."""
+    to LARGEST characters. progress: a bar for a long text."""
     split = not isinstance(text, records.Rendered)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or len(text) > LARGEST:  # a slow (Python) tokenizer has no definition to key on
-        return tokenize(tokenizer, text, split)
+        return tokenize(tokenizer, text, split, progress)
     try:
         definition = backend.to_str()
     except Exception:  # a backend with a Python-side part (a custom pre-tokenizer) does not serialize
-        return tokenize(tokenizer, text, split)
+        return tokenize(tokenizer, text, split, progress)
     kind = type(tokenizer)
     definition = f"{kind.__module__}.{kind.__qualname__}|{split}|{definition}"
     key = (hashlib.sha256(definition.encode()).hexdigest(),
            hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest())
     ids = TOKENIZED.pop(key, None)  # a hit goes back to the end: the least recently used goes first
     if ids is None:
-        ids = tokenize(tokenizer, text, split)
+        ids = tokenize(tokenizer, text, split, progress)
         while len(TOKENIZED) >= KEPT:
             TOKENIZED.pop(next(iter(TOKENIZED), None), None)  # another thread may take it first
     TOKENIZED[key] = ids
@@ -165,7 +165,7 @@ OVERLAP = 1 << 13  # characters two neighbouring pieces share: each tokenizes th
 SHOWN = 8 * CHUNK  # texts from this long show their progress (seconds of work)
 
 
-def tokenize(tokenizer, text: str, split: bool) -> torch.Tensor:
+def tokenize(tokenizer, text: str, split: bool, progress: bool = True) -> torch.Tensor:
     """The text's ids as the tokenizer gives them for the whole text, computed a piece at a time (a few
     pieces at once, on all cores) so that memory holds a few pieces' work and the ids, not the whole
     text's work (12 GB for 100 MB of text). Neighbouring pieces overlap and are joined where both
@@ -191,7 +191,7 @@ def tokenize(tokenizer, text: str, split: bool) -> torch.Tensor:
     width = min(8, max(2, threads()))  # pieces per call: the tokenizer encodes a batch on every core
     kept, done, held = [], 0, None  # the ids taken, where those still to take begin, the piece not yet joined
     with tqdm(total=len(text), desc="tokenizing", unit="char", unit_scale=True, leave=False, file=sys.stderr,
-              disable=len(text) < SHOWN or os.environ.get("RANK", "0") != "0") as bar:  # torchrun's first shows it
+              disable=not progress or len(text) < SHOWN or os.environ.get("RANK", "0") != "0") as bar:  # torchrun's first shows it
         for i in range(0, len(spans), width):
             for (a2, b2), (ids2, offsets2) in zip(spans[i:i + width], encode(spans[i:i + width])):
                 if held is None:
@@ -212,7 +212,7 @@ def tokenize(tokenizer, text: str, split: bool) -> torch.Tensor:
     return torch.cat(kept)
 
 
-def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0) -> torch.Tensor:
+def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0, progress: bool = True) -> torch.Tensor:
     """n non-overlapping windows of seqlen tokens at seeded random places: LongTensor [n, seqlen]. When
     the tokenizer puts BOS in front of a text, each window's first token is BOS, as in llama-imatrix's
     chunks and the evaluation's windows: the model is calibrated on what it runs on."""
@@ -221,7 +221,7 @@ def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0) -> 
                             f"({option('calib_samples')}) of at least 2 tokens ({option('calib_seqlen')})")
     if seed < 0:  # Python's Random takes -3 as 3: two seeds, one sample
         raise QuantkitError(f"{option('seed', seed)} is negative: use 0 or more")
-    ids = token_ids(tokenizer, text)
+    ids = token_ids(tokenizer, text, progress)
     bos = adds_bos(tokenizer)
     if bos:  # one BOS for the whole text, cut, then each window's first token BOS: llama-imatrix's chunks
         ids = torch.cat([torch.tensor([tokenizer.bos_token_id]), ids])

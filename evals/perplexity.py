@@ -59,7 +59,7 @@ def llamacpp_arithmetic(module: torch.nn.Module, types: dict[str, str]) -> Itera
 
 
 def windows(tokenizer, text: str, protocol: str = "llamacpp", ctx: int = 512,
-            max_windows: int | None = None) -> torch.Tensor:
+            max_windows: int | None = None, progress: bool = True) -> torch.Tensor:
     """The text's token windows (n, ctx) as the protocol cuts them, before any BOS replacement."""
     if protocol not in PROTOCOLS:
         raise QuantkitError(f"unknown perplexity protocol {protocol!r}: use one of {', '.join(PROTOCOLS)}")
@@ -67,7 +67,7 @@ def windows(tokenizer, text: str, protocol: str = "llamacpp", ctx: int = 512,
         raise QuantkitError(f"context {ctx} is too short: use {option('ctx', 512)} or another length of at least 4")
     if max_windows is not None and max_windows < 1:
         raise QuantkitError(f"max_windows {max_windows} scores nothing: pass 1 or more, or None for every window")
-    ids = token_ids(tokenizer, text)
+    ids = token_ids(tokenizer, text, progress)
     if adds_bos(tokenizer):  # one BOS for the whole text, as tokenizer(text) and llama-perplexity give it
         ids = torch.cat([torch.tensor([tokenizer.bos_token_id]), ids])
     n = len(ids) // ctx
@@ -147,7 +147,7 @@ def perplexity(
     batch_size: int = 4,
     progress: bool = True,
 ) -> Perplexity:
-    w = windows(tokenizer, text, protocol, ctx, max_windows)
+    w = windows(tokenizer, text, protocol, ctx, max_windows, progress)
     nll, count = 0.0, 0
     for logits, targets in window_logits(module, tokenizer, w, protocol, batch_size, progress):
         for lg, tg in zip(logits, targets):  # a window at a time: its float64 copy is a quarter of a batch's

@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 
 from quantkit import calibration, evals, exporters
-from quantkit.atomic import (check_apart, check_out, locked, partial_path, progress_path, saved_progress, siblings,
-                             size_on_disk)
+from quantkit.atomic import (NEXT, check_apart, check_out, locked, partial_path, progress_path, saved_progress,
+                             siblings, size_on_disk)
 
 from . import blocks, consumers, distributed, measurement
 from . import rules as layer_rules
@@ -153,12 +153,13 @@ def grids(m: Model, config: QuantConfig, format: str,
     return kept
 
 
-def calibration_windows(m: Model, data: PathLike | None, samples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
+def calibration_windows(m: Model, data: PathLike | None, samples: int, seqlen: int, seed: int = 0,
+                        progress: bool = True) -> torch.Tensor:
     """The calibration windows of m from data (WikiText-2 train from the hub by default): its faults
     (records, too little text, windows past the model's context) refused here, before any work."""
     check_context(m.module.config, seqlen, "calib_seqlen")
     text = calibration.load_text(data, tokenizer=m.tokenizer)
-    return calibration.sample_windows(m.tokenizer, text, samples, seqlen, seed)
+    return calibration.sample_windows(m.tokenizer, text, samples, seqlen, seed, progress)
 
 
 def inputs_bytes(windows: torch.Tensor | None, importance: dict[str, torch.Tensor] | None) -> bytes:
@@ -168,7 +169,7 @@ def inputs_bytes(windows: torch.Tensor | None, importance: dict[str, torch.Tenso
     return data + b"".join(name.encode() + v.numpy().tobytes() for name, v in sorted((importance or {}).items()))
 
 
-MEASURING = r"\.{name}\.progress-measurement(-\d+)?\.pt(\.next-\d+)?"  # beside the measurement file: its progress
+MEASURING = r"\.{name}\.progress-measurement(-\d+)?\.pt(" + NEXT + ")?"  # beside the measurement file: its progress
 
 
 def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.device, progress: bool,
@@ -417,7 +418,7 @@ def quantize(
             consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
         windows = None
         if config.needs_calibration:
-            windows = calibration_windows(m, calib_data, calib_samples, calib_seqlen, seed)
+            windows = calibration_windows(m, calib_data, calib_samples, calib_seqlen, seed, progress)
             if config.imatrix:  # computed from the windows: recorded as a file's is, with no file to name
                 # entries: the layers' linears, as llama-imatrix counts them
                 entries = sum(exporters.gguf.gguf_name(f"{n}.weight").startswith("blk.") for n in types)
@@ -672,7 +673,7 @@ def compare(
             del b  # one model in memory at a time
             base_file = evals.BaseFile(path)
         n = base_file.n if max_windows is None else max_windows
-        windows = evals.windows(m.tokenizer, text, "llamacpp", ctx, n)
+        windows = evals.windows(m.tokenizer, text, "llamacpp", ctx, n, progress)
         m = ready(m, packed if isinstance(model, Model) else None, default_device(model, device), dtype)
         with scoring(m):
             return evals.divergence(m.module, m.tokenizer, windows, base_file, progress=progress)
@@ -685,8 +686,8 @@ def write_base(base: Model, path: PathLike, text: str, ctx: int = 512, max_windo
     overwrite: replace a file there."""
     b = ready(base, device=device, dtype=dtype)
     with scoring(b):
-        evals.save_base(b.module, b.tokenizer, evals.windows(b.tokenizer, text, "llamacpp", ctx, max_windows), path,
-                        progress=progress, overwrite=overwrite)
+        windows = evals.windows(b.tokenizer, text, "llamacpp", ctx, max_windows, progress)
+        evals.save_base(b.module, b.tokenizer, windows, path, progress=progress, overwrite=overwrite)
 
 
 def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float | None = None,

@@ -330,3 +330,24 @@ def test_a_text_is_tokenized_once_per_tokenizer(tiny_dir, monkeypatch):
             return tok(*args, **kwargs)
 
     assert torch.equal(windows.token_ids(Custom(), text), torch.tensor(tok(text, add_special_tokens=False)["input_ids"]))
+
+
+def test_the_tokenizing_bar_shows_only_where_progress_is_asked_for(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A long text's tokenizing bar was drawn by runs given progress=False too (a caller's quiet
+    quantize, evaluate or train): it follows progress now."""
+    import quantkit
+    from quantkit.calibration import windows
+
+    monkeypatch.setattr(windows, "CHUNK", 20_000)
+    monkeypatch.setattr(windows, "SHOWN", 40_000)  # longer texts show it
+    monkeypatch.delenv("RANK", raising=False)
+    text = tmp_path / "text.txt"
+    text.write_text(VALID.read_text()[:100_000])
+    runs = [lambda progress: quantkit.evaluate(tiny_dir, text, max_windows=1, progress=progress),
+            lambda progress: quantkit.quantize(tiny_dir, method="gptq", group_size=32, calib_data=text,
+                                               calib_samples=2, calib_seqlen=64, targets=None, progress=progress)]
+    for run in runs:
+        for progress in (False, True):
+            monkeypatch.setattr(windows, "TOKENIZED", {})  # tokenized again, not found
+            run(progress)
+            assert ("tokenizing" in capsys.readouterr().err) == progress

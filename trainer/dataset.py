@@ -28,22 +28,22 @@ class Example:
         return int((self.labels[1:] != IGNORE).sum())
 
 
-def read(path: str | os.PathLike, tokenizer, seqlen: int) -> list[Example]:
+def read(path: str | os.PathLike, tokenizer, seqlen: int, progress: bool = True) -> list[Example]:
     """A .jsonl/.json file as chat or instruction records (or, records of {"text": ...} alone, their
     text), anything else as plain text."""
     p = Path(path)
     text = read_file(p, "train on")
     if not is_records(p):
-        return windows(p, text, tokenizer, seqlen)
+        return windows(p, text, tokenizer, seqlen, progress)
     parsed = parse(p, text)
     joined = plain(parsed)
-    return windows(p, joined, tokenizer, seqlen) if joined is not None else records(p, parsed, tokenizer, seqlen)
+    return windows(p, joined, tokenizer, seqlen, progress) if joined is not None else records(p, parsed, tokenizer, seqlen)
 
 
-def windows(p: Path, text: str, tokenizer, seqlen: int) -> list[Example]:
+def windows(p: Path, text: str, tokenizer, seqlen: int, progress: bool = True) -> list[Example]:
     """Language modelling: the text tokenized once, cut into windows of seqlen tokens (the last
     partial one dropped)."""
-    ids = token_ids(tokenizer, text)
+    ids = token_ids(tokenizer, text, progress)
     n = ids.numel() // seqlen
     if n == 0:
         raise QuantkitError(f"{p} is too short: {ids.numel()} tokens, not one window of {option('seqlen', seqlen)}: "

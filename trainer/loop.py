@@ -401,9 +401,9 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
         data_file, eval_file = Path(data), Path(eval_data) if eval_data else None
         if eval_file is not None and config.eval_fraction not in (0, TrainConfig.eval_fraction):
             raise held_out_twice(config.eval_fraction)
-        examples = dataset.read(data_file, m.tokenizer, config.seqlen)
+        examples = dataset.read(data_file, m.tokenizer, config.seqlen, progress)
         if eval_file is not None:
-            train_set, held_out = examples, dataset.read(eval_file, m.tokenizer, config.seqlen)
+            train_set, held_out = examples, dataset.read(eval_file, m.tokenizer, config.seqlen, progress)
             same = os.path.samefile(eval_file, data_file) or (
                 eval_file.stat().st_size == data_file.stat().st_size and digest(eval_file) == digest(data_file))
             if same and rank == 0:
