@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantkit.errors import QuantkitError
-from quantkit.trainer import TrainConfig, lora, merge, train
+from quantkit.trainer import TrainConfig, dataset, lora, merge, train
 from quantkit.trainer.merging import attach
 
 from .conftest import TEST, VALID
@@ -274,7 +274,6 @@ def test_epochs_and_a_held_out_file(tiny_dir, text, tmp_path):
     --eval-data is given, the default --eval-fraction aside; another is refused), and the first
     held-out loss is the base's mean token loss on that file."""
     from quantkit import load
-    from quantkit.trainer import dataset
 
     held = tmp_path / "held.txt"
     held.write_text(TEST.read_text()[:4000])
@@ -595,3 +594,14 @@ def test_train_then_quantize_resumed_after_an_overwrite(tiny_dir, text, tmp_path
     assert code == 0, err
     again = weights(tmp_path / "a")
     assert all(torch.allclose(again[k], first[k], atol=1e-6) for k in first)
+
+
+def test_a_step_larger_than_the_training_set_is_told(tiny_dir, tmp_path):
+    """A step of more examples than the training set has takes some twice or more (the stream runs on
+    into the next epoch): a run asked for one epoch of 9 windows trained on 64, silently."""
+    short = tmp_path / "short.txt"
+    short.write_text(VALID.read_text()[:600])
+    n = len(dataset.read(short, AutoTokenizer.from_pretrained(tiny_dir), 32))
+    with pytest.warns(UserWarning, match=rf"a step takes 64 examples \(batch_size x grad_accum\) and .* gives {n} to"):
+        run = train(tiny_dir, data=short, out=tmp_path / "run", epochs=1, rank=4, warmup=0, **{**SHORT, "batch_size": 64})
+    assert n < 64 and run.steps == 1

@@ -415,6 +415,10 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
             raise QuantkitError(f"{option('patience')} stops on the held-out loss, and there is no held-out data: pass "
                                 f"{option('eval_data')} or a positive {option('eval_fraction')}, or drop {option('patience')}")
         per_step = config.batch_size * config.grad_accum
+        if per_step > len(train_set) and rank == 0:  # the stream runs on into the next epoch within the step
+            warnings.warn(f"a step takes {per_step} examples ({option('batch_size')} x {option('grad_accum')}) and "
+                          f"{data_file} gives {len(train_set)} to train on: each step takes some of them more than "
+                          f"once: pass a smaller {option('batch_size')} or {option('grad_accum')}, or more data")
         total = config.steps or max(1, math.ceil((config.epochs or 1) * len(train_set) / per_step))
         if config.warmup >= total > 1 and rank == 0:
             warnings.warn(f"{option('warmup', config.warmup)} is not shorter than the run's {total} steps: the learning "
