@@ -1,6 +1,6 @@
 """What every safetensors checkpoint we write shares: shards written as tensors arrive, config.json
-with its quantization_config, the tokenizer, a directory that appears when complete; and the way
-back to a model."""
+with its quantization_config, the tokenizer, the base's licence and a model card, a directory that
+appears when complete; and the way back to a model."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from quantkit.errors import QuantkitError
 from quantkit.config import QuantConfig
 from quantkit.layers import LINEARS
-from quantkit.modelio import Model, check_config, finite, load_tokenizer, reading, shard_files, stored_state
+from quantkit import __version__
+from quantkit.modelio import (DEFAULT_NAME, Model, cache_dir, check_config, finite, load_tokenizer, reading,
+                              shard_files, stored_state)
 from quantkit.qlinear import GPTQLinear, QuantLinear
 from quantkit.qtensor import QuantizedTensor
 from quantkit.rules import Rule, exact
@@ -130,6 +132,7 @@ class CheckpointWriter:
         self.model.tokenizer.save_pretrained(tmp)
         for f in licences(self.model.source):
             shutil.copy2(f, tmp / f.name)
+        (tmp / "README.md").write_text(card(self.model.source, qcfg, self.staged.out.name))
         return self.staged.commit(self.shards.scratch())
 
     def abort(self, keep: bool = False) -> None:
@@ -144,6 +147,49 @@ def licences(source: str | os.PathLike) -> list[Path]:
     with every copy of the weights, quantized too."""
     d = Path(source)
     return sorted(f for f in d.iterdir() if f.is_file() and LICENCES.fullmatch(f.name)) if d.is_dir() else []
+
+
+EMBEDDED = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded model's (modelio.default_model_dir) name on the Hub
+LICENSING = ("license", "license_name", "license_link")  # a model card's fields that name its terms
+
+
+def card(source: str, qcfg: dict, name: str) -> str:
+    """README.md of an export: a model card that says what it is and, in the metadata the Hub reads,
+    keeps the source's licence and names the model it was quantized from (base_model, with
+    base_model_relation quantized: the Hub lists it among that model's quantizations). The base is
+    known where the source's path or card names it: the Hub's cache (models--org--name), the
+    embedded model, a quantized source's own card."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    data = {}
+    readme = Path(source) / "README.md"
+    if readme.is_file():
+        try:
+            data = ModelCard.load(readme).data.to_dict()
+        except Exception:  # a card this parser does not read: the export's says what it knows without it
+            data = {}
+    base = data.get("base_model") if data.get("base_model_relation") == "quantized" else hub_name(source)
+    fields = {k: data[k] for k in LICENSING if data.get(k)}
+    if base:
+        fields.update(base_model=base, base_model_relation="quantized")
+    layout = qcfg["quant_method"]
+    layout = getattr(layout, "value", layout)  # bitsandbytes' config gives an enum, json a string
+    meta = ModelCardData(library_name="transformers", tags=["quantkit", layout], **fields)
+    bits = qcfg.get("bits") or (4 if qcfg.get("load_in_4bit") else None)
+    of = f" of [{base}](https://huggingface.co/{base})" if base else ""
+    return (f"---\n{meta.to_yaml()}\n---\n\n# {name}\n\nA {f'{bits:g}-bit ' if bits else ''}quantization{of} in the "
+            f"{layout} layout, made by quantkit {__version__}: config.json's quantization_config holds its settings.\n")
+
+
+def hub_name(source: str) -> str | None:
+    """The Hub's name of the model at source, where its path says it."""
+    p = Path(source).resolve()
+    if p == (cache_dir() / DEFAULT_NAME).resolve():
+        return EMBEDDED
+    for part in reversed(p.parts):
+        if m := re.fullmatch(r"models--([\w.-]+)--([\w.-]+)", part):
+            return f"{m[1]}/{m[2]}"
+    return None
 
 
 def legacy_rope(cfg: dict) -> None:

@@ -63,6 +63,28 @@ def test_the_licence_goes_with_every_copy_of_the_weights(tiny_dir, tmp_path):
         assert {name: (tmp_path / out / name).read_text() for name in terms} == terms, out
 
 
+def test_the_model_card_names_the_base_and_keeps_its_licence(tiny_dir, tmp_path):
+    """Exports had no model card: uploaded to the Hub, one was not linked to the model it quantizes, nor
+    under the base's licence. The card's metadata, as huggingface_hub reads it, names the base where
+    its path does (the Hub's cache) and, read back and exported again, where the source's card does."""
+    from huggingface_hub import ModelCard
+
+    model = shutil.copytree(tiny_dir, tmp_path / "hub" / "models--org--tiny-1.5B" / "snapshots" / "0a1b")
+    (model / "README.md").write_text("---\nlicense: other\nlicense_name: tiny-terms\nlicense_link: LICENSE\n"
+                                     "pipeline_tag: text-generation\n---\n\n# tiny\n\nThe base's own claims.\n")
+    quantkit.quantize(str(model), method="rtn", group_size=32, out=tmp_path / "q", progress=False)
+    quantkit.quantize(str(model), method="nf4", out=tmp_path / "nf4", progress=False)
+    quantkit.export(quantkit.load(tmp_path / "q"), tmp_path / "ct", format="compressed-tensors")
+    for out, layout in (("q", "gptq"), ("nf4", "bitsandbytes"), ("ct", "compressed-tensors")):
+        card = ModelCard.load(tmp_path / out / "README.md")
+        assert (card.data.base_model, card.data.base_model_relation) == ("org/tiny-1.5B", "quantized"), out
+        assert (card.data.license, card.data.license_name, card.data.license_link) == ("other", "tiny-terms", "LICENSE")
+        assert layout in card.data.tags and "claims" not in card.text
+    quantkit.quantize(str(tiny_dir), method="rtn", group_size=32, out=tmp_path / "local", progress=False)
+    card = ModelCard.load(tmp_path / "local" / "README.md")  # a directory of no known name: no base claimed
+    assert card.data.base_model is None and card.data.license is None and "quantkit" in card.data.tags
+
+
 def test_config_holds_what_save_pretrained_writes(tiny_dir, tmp_path):
     """config.json is the source's, as save_pretrained writes it, plus the quantization: not the
     user's local path to the source (_name_or_path) nor transformers' defaults for every model."""
