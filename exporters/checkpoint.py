@@ -159,15 +159,9 @@ def card(source: str, qcfg: dict, name: str) -> str:
     base_model_relation quantized: the Hub lists it among that model's quantizations). The base is
     known where the source's path or card names it: the Hub's cache (models--org--name), the
     embedded model, a quantized source's own card."""
-    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub import ModelCardData
 
-    data = {}
-    readme = Path(source) / "README.md"
-    if readme.is_file():
-        try:
-            data = ModelCard.load(readme).data.to_dict()
-        except Exception:  # a card this parser does not read: the export's says what it knows without it
-            data = {}
+    data = source_card(source)
     base = data.get("base_model") if data.get("base_model_relation") == "quantized" else hub_name(source)
     fields = {k: data[k] for k in LICENSING if data.get(k)}
     if base:
@@ -179,6 +173,17 @@ def card(source: str, qcfg: dict, name: str) -> str:
     of = f" of [{base}](https://huggingface.co/{base})" if base else ""
     return (f"---\n{meta.to_yaml()}\n---\n\n# {name}\n\nA {f'{bits:g}-bit ' if bits else ''}quantization{of} in the "
             f"{layout} layout, made by quantkit {__version__}: config.json's quantization_config holds its settings.\n")
+
+
+def source_card(source: str) -> dict:
+    """The metadata of the model card beside a model's weights ({} without one)."""
+    from huggingface_hub import ModelCard
+
+    readme = Path(source) / "README.md"
+    try:
+        return ModelCard.load(readme).data.to_dict() if readme.is_file() else {}
+    except Exception:  # a card this parser does not read: an export's says what it knows without it
+        return {}
 
 
 def hub_name(source: str) -> str | None:

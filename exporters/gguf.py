@@ -23,6 +23,7 @@ from quantkit.requant import DEFAULT_MIX, MIXES, check_mix, choose  # noqa: F401
 from quantkit.quantizers import ggml
 
 from quantkit.atomic import Staged, reopened
+from .checkpoint import hub_name, source_card
 from .shards import crc, regular
 
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # model_type -> llama.cpp's architecture
@@ -239,7 +240,10 @@ def add_metadata(w: gguf.GGUFWriter, model: Model, mix: str) -> None:
     cfg = model.module.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     r = rope(cfg)
-    w.add_name(Path(os.path.abspath(model.source)).name)  # "." names its directory (a link keeps its own name)
+    known = hub_name(model.source)  # in the Hub's cache the directory is named by the revision
+    w.add_name(known.split("/")[-1] if known else Path(os.path.abspath(model.source)).name)  # "." names its directory
+    if terms := source_card(model.source).get("license"):
+        w.add_license(terms)
     w.add_file_type(MIXES[mix][0])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_context_length(cfg.max_position_embeddings)

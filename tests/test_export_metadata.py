@@ -66,7 +66,9 @@ def test_the_licence_goes_with_every_copy_of_the_weights(tiny_dir, tmp_path):
 def test_the_model_card_names_the_base_and_keeps_its_licence(tiny_dir, tmp_path):
     """Exports had no model card: uploaded to the Hub, one was not linked to the model it quantizes, nor
     under the base's licence. The card's metadata, as huggingface_hub reads it, names the base where
-    its path does (the Hub's cache) and, read back and exported again, where the source's card does."""
+    its path does (the Hub's cache) and, read back and exported again, where the source's card does.
+    A GGUF file holds the licence too, and the model's name, not its revision's (the snapshot's directory)."""
+    import gguf
     from huggingface_hub import ModelCard
 
     model = shutil.copytree(tiny_dir, tmp_path / "hub" / "models--org--tiny-1.5B" / "snapshots" / "0a1b")
@@ -75,6 +77,9 @@ def test_the_model_card_names_the_base_and_keeps_its_licence(tiny_dir, tmp_path)
     quantkit.quantize(str(model), method="rtn", group_size=32, out=tmp_path / "q", progress=False)
     quantkit.quantize(str(model), method="nf4", out=tmp_path / "nf4", progress=False)
     quantkit.export(quantkit.load(tmp_path / "q"), tmp_path / "ct", format="compressed-tensors")
+    quantkit.quantize(str(model), method="rtn", format="gguf", gguf_type="Q8_0", out=tmp_path / "m.gguf", progress=False)
+    fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    assert (fields["general.name"].contents(), fields["general.license"].contents()) == ("tiny-1.5B", "other")
     for out, layout in (("q", "gptq"), ("nf4", "bitsandbytes"), ("ct", "compressed-tensors")):
         card = ModelCard.load(tmp_path / out / "README.md")
         assert (card.data.base_model, card.data.base_model_relation) == ("org/tiny-1.5B", "quantized"), out
