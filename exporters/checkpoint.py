@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, option
 from quantkit.config import QuantConfig
 from quantkit.layers import LINEARS
 from quantkit import __version__
@@ -34,15 +34,17 @@ class CheckpointWriter:
     quantization_config), the tokenizer, the generation config, and config_copies: more JSON files
     holding the quantization_config alone. pack turns one quantized linear into its tensors by suffix;
     the other tensors are stored in dtype. quantization_config makes the config from the writer once
-    every tensor is in (act_order, head).
+    every tensor is in (act_order, head); qconfig: the rules that leave linears in float (--rules).
     A quantized lm_head (read from a checkpoint that has one) is packed where the layout's consumers
     load one (packs_head), and written dequantized where they take lm_head in float."""
 
     def __init__(self, model: Model, out: str | Path, *, dtype: torch.dtype,
                  pack: Callable[[str, QuantizedTensor], dict[str, torch.Tensor]],
                  quantization_config: Callable[[CheckpointWriter], dict], config_copies: tuple[str, ...] = (),
-                 overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SIZE, packs_head: bool = False):
+                 overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SIZE, packs_head: bool = False,
+                 qconfig: QuantConfig | None = None):
         self.staged = Staged(out, overwrite)
+        self.qconfig = qconfig
         self.model, self.dtype, self.pack = model, dtype, pack
         self.quantization_config, self.config_copies = quantization_config, config_copies
         self.max_shard_size, self.packs_head = max_shard_size, packs_head
@@ -70,15 +72,21 @@ class CheckpointWriter:
         return path.is_dir() and not path.is_symlink() and state_intact(path, state["shards"])
 
     def check_range(self) -> None:
-        """Before any layer is quantized: what every layout keeps in float (norms, biases, the embedding,
-        the head) within the dtype this one stores it in. add checks a linear left in float when it comes."""
+        """Before any layer is quantized: what the layout keeps in float (norms, biases, the embedding,
+        the head, the linears rules skip) within the dtype this one stores it in."""
         if not self.narrow():
             return
         cp = self.model.checkpoint
         state = stored_state(self.model.module) if cp is None else None
         for key in cp.where if cp is not None else state:
-            if not key.removesuffix(".weight").endswith(LINEARS):
+            if self.floats(key):
                 self.check(key, state[key] if cp is None else cp.read({key: cp.shapes[key]})[key])
+
+    def floats(self, key: str) -> bool:
+        """Whether the tensor at key is stored in float, not quantized."""
+        name = key.removesuffix(".weight")
+        return not name.endswith(LINEARS) or (self.qconfig is not None and key.endswith(".weight")
+                                              and self.qconfig.for_linear(name) is None)
 
     def narrow(self) -> bool:
         """Whether the stored dtype is narrower than a checkpoint's (float16; float32 and bfloat16 hold all)."""
@@ -88,9 +96,10 @@ class CheckpointWriter:
         """A finite tensor stored as inf would be refused as damaged when the export is read."""
         if tensor.is_floating_point() and self.narrow() and any(c.to(self.dtype).isinf().any() for c in tensor.reshape(-1).split(2**24)) \
                 and finite(tensor):
+            skipped = f"quantize it (the rules skip it: {option('rules')}), or " if key.removesuffix(".weight").endswith(LINEARS) else ""
             raise QuantkitError(f"{key} holds values up to {float(tensor.abs().max()):.3g}, past what {self.dtype} "
-                                f"holds, the dtype this layout stores what it does not quantize in: use NF4 (its "
-                                "layout keeps the checkpoint's dtype) or GGUF")
+                                f"holds, the dtype this layout stores what it does not quantize in: {skipped}use NF4 "
+                                "(its layout keeps the checkpoint's dtype) or GGUF")
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         self.check(key, tensor)

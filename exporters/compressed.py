@@ -149,7 +149,8 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
     names = [name for name, _, _ in linear_shapes(model.module)]
     return checkpoint.CheckpointWriter(model, out, dtype=torch.float16, pack=pack_tensor,
                                        quantization_config=lambda w: quantization_config(qconfig, names, w.head),
-                                       overwrite=overwrite, max_shard_size=max_shard_size, packs_head=True)
+                                       overwrite=overwrite, max_shard_size=max_shard_size, packs_head=True,
+                                       qconfig=qconfig)
 
 
 def scheme(path: Path, group: dict) -> tuple[int, int, bool, bool]:

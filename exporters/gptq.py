@@ -102,7 +102,8 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
     return checkpoint.CheckpointWriter(
         model, out, dtype=torch.float16, pack=pack,
         quantization_config=lambda w: quantization_config(qconfig, w.act_order, names, w.head),
-        config_copies=("quantize_config.json",), overwrite=overwrite, max_shard_size=max_shard_size, packs_head=True)
+        config_copies=("quantize_config.json",), overwrite=overwrite, max_shard_size=max_shard_size, packs_head=True,
+        qconfig=qconfig)
 
 
 def read(path: Path, packed: bool = False) -> Model:
