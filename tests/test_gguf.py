@@ -286,6 +286,10 @@ def small_gguf(path, arch="llama", extra=(), endian=gguf.GGUFEndian.LITTLE, **ke
     w.add_block_count(1)
     w.add_head_count(2)
     w.add_head_count_kv(1)
+    w.add_context_length(64)
+    w.add_embedding_length(96)
+    w.add_feed_forward_length(128)
+    w.add_layer_norm_rms_eps(1e-5)
     for key, value in keys.items():
         w.add_uint32(key, value)
     w.add_tensor("blk.0.attn_q.weight", np.random.default_rng(0).standard_normal((64, 96), dtype=np.float32))
@@ -324,6 +328,37 @@ def test_requantize_refuses_what_it_cannot_write(tmp_path):
         with pytest.raises(QuantkitError, match=re.escape(match)):
             requantize(path, tmp_path / "out.gguf", "Q8_0", progress=False)
         assert not (tmp_path / "out.gguf").exists() and not list(tmp_path.glob(".out.gguf*"))
+
+
+def test_gguf_tensors_lie_end_to_end_and_hyperparameters_are_there(tmp_path):
+    """A GGUF whose tensors overlap (an offset pointing into another tensor's data) was read with
+    another's bytes: scored to a plausible perplexity, and requantized into a file llama.cpp loads.
+    llama.cpp refuses it (each tensor starts where the one before it ends), and now both our readers do.
+    Requantizing a GGUF without a hyperparameter llama.cpp requires was not refused, as loading it is."""
+    from quantkit.requant import requantize
+
+    overlap = small_gguf(tmp_path / "overlap.gguf")
+    r = gguf.GGUFReader(overlap, "r+")
+    r.tensors[1].field.parts[-1][0] = 0  # the norm read from the start of the q weight's data
+    r.data.flush()
+    del r
+    gap = small_gguf(tmp_path / "gap.gguf")
+    r = gguf.GGUFReader(gap, "r+")
+    r.tensors[1].field.parts[-1][0] += 32  # aligned, and past where the q weight ends
+    r.data.flush()
+    del r
+    with open(gap, "ab") as f:  # inside the file
+        f.write(bytes(32))
+    for path, at in ((overlap, 0), (gap, 24608)):
+        match = rf"tensor blk.0.attn_norm.weight starts at byte {at} of the data, where the tensor before it ends at 24576"
+        for read in (quantkit.load, lambda p: requantize(p, tmp_path / "out.gguf", "Q8_0", progress=False)):
+            with pytest.raises(QuantkitError, match=match):
+                read(path)
+    key = b"llama.embedding_length"
+    (tmp_path / "e.gguf").write_bytes(small_gguf(tmp_path / "ok.gguf").read_bytes().replace(key, key[:-1] + b"X", 1))
+    with pytest.raises(QuantkitError, match=r"e.gguf has no llama.embedding_length: the file is damaged"):
+        requantize(tmp_path / "e.gguf", tmp_path / "out.gguf", "Q8_0", progress=False)
+    assert not (tmp_path / "out.gguf").exists()
 
 
 def damaged(f32, f16, tmp_path) -> dict[tuple[str, str], object]:
