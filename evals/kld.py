@@ -200,6 +200,7 @@ class Sums:
     """Per-prediction values of the windows scored so far."""
     nll: list[np.ndarray] = field(default_factory=list)
     nll_base: list[np.ndarray] = field(default_factory=list)
+    nll_seen: list[np.ndarray] = field(default_factory=list)  # the model's, floored as the base's saved rows are
     kld: list[np.ndarray] = field(default_factory=list)
     delta_p: list[np.ndarray] = field(default_factory=list)
     same_top: list[np.ndarray] = field(default_factory=list)
@@ -210,22 +211,27 @@ class Sums:
         base = base.double()
         nll = -logq.gather(-1, targets[:, None])[:, 0]
         nll_base = -base.gather(-1, targets[:, None])[:, 0]
+        # a saved row holds a target more than RANGE under its top at that floor: there the model's nll
+        # is compared with the base's as such a row would hold it, or a model scored against itself is worse
+        floored = nll_base >= RANGE - base.max(-1).values - 1e-3
+        nll_seen = torch.where(floored, torch.minimum(nll, RANGE - logq.max(-1).values), nll)
         kept = base > -RANGE  # what the saved row resolves
         kld = torch.where(kept, base.exp() * (base - logq), 0).sum(-1)
-        for name, v in (("nll", nll), ("nll_base", nll_base), ("kld", kld),
+        for name, v in (("nll", nll), ("nll_base", nll_base), ("nll_seen", nll_seen), ("kld", kld),
                         ("delta_p", (-nll).exp() - (-nll_base).exp()),
                         ("same_top", logits.argmax(-1) == base.argmax(-1))):
             getattr(self, name).append(v.numpy())
 
     def result(self, windows: int, ctx: int, dtype: str, device: str) -> Divergence:
-        nll, nll_base, kld, dp, top = (np.concatenate(getattr(self, k)).astype(np.float64)
-                                       for k in ("nll", "nll_base", "kld", "delta_p", "same_top"))
+        nll, nll_base, seen, kld, dp, top = (np.concatenate(getattr(self, k)).astype(np.float64)
+                                             for k in ("nll", "nll_base", "nll_seen", "kld", "delta_p", "same_top"))
         n = len(nll)
         ln_q, ln_q_unc = mean_unc(nll)
         ln_b, ln_b_unc = mean_unc(nll_base)
-        cov = float(np.mean(nll * nll_base) - nll.mean() * nll_base.mean()) / (n - 1) if n >= 10 else 0.0
-        ln_ratio_unc = math.sqrt(max(ln_q_unc ** 2 + ln_b_unc ** 2 - 2 * cov, 0.0))
-        ppl, ppl_base, ratio = exp_or_inf(ln_q), exp_or_inf(ln_b), exp_or_inf(ln_q - ln_b)
+        ln_s, ln_s_unc = mean_unc(seen)  # the ratio's: both sides as the saved rows resolve them
+        cov = float(np.mean(seen * nll_base) - seen.mean() * nll_base.mean()) / (n - 1) if n >= 10 else 0.0
+        ln_ratio_unc = math.sqrt(max(ln_s_unc ** 2 + ln_b_unc ** 2 - 2 * cov, 0.0))
+        ppl, ppl_base, ratio = exp_or_inf(ln_q), exp_or_inf(ln_b), exp_or_inf(ln_s - ln_b)
         kld_mean, kld_unc = mean_unc(kld)
         dp_mean, dp_unc = mean_unc(dp)
         mse, mse_unc = mean_unc(dp ** 2)
@@ -234,9 +240,9 @@ class Sums:
         return Divergence(
             perplexity=ppl, perplexity_unc=ppl * ln_q_unc if ln_q_unc else 0.0, base_perplexity=ppl_base,
             base_perplexity_unc=ppl_base * ln_b_unc if ln_b_unc else 0.0,
-            ln_ratio=ln_q - ln_b, ln_ratio_unc=ln_ratio_unc,
+            ln_ratio=ln_s - ln_b, ln_ratio_unc=ln_ratio_unc,
             ppl_ratio=ratio, ppl_ratio_unc=ratio * ln_ratio_unc if ln_ratio_unc else 0.0,
-            ppl_correlation=cov / (ln_q_unc * ln_b_unc) if ln_q_unc * ln_b_unc > 0 else 0.0,
+            ppl_correlation=cov / (ln_s_unc * ln_b_unc) if ln_s_unc * ln_b_unc > 0 else 0.0,
             kld_mean=kld_mean, kld_unc=kld_unc, kld_median=float(np.median(kld)),
             kld_max=float(kld.max()), kld_min=float(kld.min()),
             kld_percentiles={p: float(np.percentile(kld, p)) for p in PERCENTILES},
@@ -266,7 +272,7 @@ class Divergence:
     perplexity_unc: float
     base_perplexity: float
     base_perplexity_unc: float
-    ln_ratio: float  # mean ln(PPL(Q)/PPL(base))
+    ln_ratio: float  # mean ln(PPL(Q)/PPL(base)), of targets as the base's saved rows resolve them (RANGE)
     ln_ratio_unc: float
     ppl_ratio: float
     ppl_ratio_unc: float
