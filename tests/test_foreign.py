@@ -100,6 +100,27 @@ def test_gptq_without_g_idx_takes_plain_groups(plain, tmp_path):
     same_model(loaded(foreign), m)
 
 
+def test_settings_the_tensors_contradict_are_refused(plain, tiny_dir, tmp_path):
+    """An asymmetric checkpoint labelled sym scored right packed (the zeros are read) but exported to
+    GGUF as Q4_0, which drops them: perplexity 1.9e7, exit 0; a v2 checkpoint labelled v1 alike. A
+    g_idx that is not k // G in a checkpoint without desc_act scored as read, where kernels that
+    trust the label would not. Each is refused, naming the setting."""
+    m, out = plain
+    asym = tmp_path / "asym"
+    quantkit.quantize(str(tiny_dir), method="rtn", bits=4, group_size=32, sym=False, out=asym, progress=False)
+    cases = {
+        "says sym, but its zero points are not all 8": copy(asym, tmp_path / "a", lambda q: q.update(sym=True)),
+        "zero points are not all 8": copy(out, tmp_path / "v2", lambda q: q.update(checkpoint_format="gptq_v2")),
+        "g_idx is not k // group_size": copy(out, tmp_path / "g"),
+    }
+    edit_tensors(tmp_path / "g", lambda state: state.update({k: state[k].flip(0) for k in state if k.endswith("up_proj.g_idx")}))
+    for match, path in cases.items():
+        with pytest.raises(QuantkitError, match=match):
+            quantkit.load(path)
+    copy(tmp_path / "g", tmp_path / "act", lambda q: q.update(desc_act=True))  # act-order's g_idx: any order
+    assert not quantkit.load(tmp_path / "act").qconfig.static_groups
+
+
 def test_awq_modules_not_converted_export_as_float(tiny_dir, tmp_path):
     """AutoAWQ leaves modules_to_not_convert in float: read, they stay float in a GPTQ export, whose
     dynamic says so (it was written as a 4-bit linear's missing qweight)."""
