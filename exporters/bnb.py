@@ -86,8 +86,10 @@ def read(path: Path, packed: bool = False) -> Model:
             layers[name] = NF4Linear(
                 stored_bytes(state.pop(p)), state.pop(f"{p}.absmax"), state.pop(f"{p}.quant_map"), tuple(meta["shape"]),
                 meta["blocksize"], state.pop(f"{p}.nested_absmax") if nested else None,
-                state.pop(f"{p}.nested_quant_map") if nested else None, meta.get("nested_blocksize", nf4.NESTED_BLOCK),
-                meta.get("nested_offset", 0.0), bias=state.pop(f"{name}.bias", None), name=f"{path}: {name}")
+                state.pop(f"{p}.nested_quant_map") if nested else None,
+                # bitsandbytes' QuantState.from_dict requires both with a nested absmax: a default would guess
+                meta["nested_blocksize"] if nested else nf4.NESTED_BLOCK, meta["nested_offset"] if nested else 0.0,
+                bias=state.pop(f"{name}.bias", None), name=f"{path}: {name}")
         except (KeyError, ValueError, TypeError) as e:
             raise QuantkitError(f"{path}: {p} is incomplete or inconsistent ({e!r}): re-export the checkpoint") from None
     block_size = next(iter(layers.values())).blocksize if layers else nf4.BLOCK

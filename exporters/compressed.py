@@ -159,6 +159,7 @@ def scheme(path: Path, group: dict) -> tuple[int, int, bool, bool]:
     w = group.get("weights") or {}
     if group.get("format", "pack-quantized") != "pack-quantized" or w.get("type", "int") != "int" or \
             w.get("strategy") not in ("group", "channel") or group.get("input_activations") or \
+            group.get("output_activations") or \
             not isinstance(w.get("num_bits"), int):
         raise QuantkitError(f"{path}: quantkit reads compressed-tensors pack-quantized integer weights in group or "
                             "channel schemes and unquantized activations")
@@ -181,6 +182,9 @@ def schemes(path: Path, qc: dict) -> Callable[[str], tuple[int, int, bool, bool]
     the module exactly first, then a "re:" pattern, then a class name (Linear)."""
     if qc.get("format") not in (None, "pack-quantized"):
         raise QuantkitError(f"{path}: quantkit reads compressed-tensors pack-quantized checkpoints, not {qc.get('format')}")
+    if qc.get("kv_cache_scheme"):  # its scales are tensors no layer of ours reads, its cache arithmetic ours does not do
+        raise QuantkitError(f"{path}: a quantized KV cache (kv_cache_scheme): quantkit reads weight-only checkpoints; "
+                            "quantize the float model with quantkit instead")
     groups = list(qc.get("config_groups", {}).values())
     if not groups:
         raise QuantkitError(f"{path}: the quantization_config has no config_groups: the checkpoint is incomplete")

@@ -183,6 +183,10 @@ class Checkpoint:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.keys: dict[str, str] = {}  # name -> the file's own key, where they differ
         files = shard_files(path)
+        for f in files:
+            if f.is_symlink() and not f.exists():
+                raise QuantkitError(f"{f}: a broken symbolic link (to {os.readlink(f)}): restore what it points to, or "
+                                    "put the file itself there")
         self.stats = {f: stamp(f) for f in files}
         index = weight_map(path) if (path / "model.safetensors.index.json").is_file() else None
         for f in files:

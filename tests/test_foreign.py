@@ -4,6 +4,7 @@ missing g_idx, AutoAWQ's modules_to_not_convert, bitsandbytes' quant_storage, co
 actorder spellings. Each reads as the format defines, and what was mixed per linear exports again
 as it was read."""
 import json
+import re
 import shutil
 
 import pytest
@@ -119,6 +120,37 @@ def test_settings_the_tensors_contradict_are_refused(plain, tiny_dir, tmp_path):
             quantkit.load(path)
     copy(tmp_path / "g", tmp_path / "act", lambda q: q.update(desc_act=True))  # act-order's g_idx: any order
     assert not quantkit.load(tmp_path / "act").qconfig.static_groups
+
+
+def test_what_a_reader_would_guess_or_ignore_is_refused(plain, tiny_dir, tmp_path):
+    """A double-quantized NF4 weight without nested_offset was read with 0 (a worse perplexity, exit 0;
+    bitsandbytes' QuantState.from_dict requires it); a compressed-tensors checkpoint's quantized KV
+    cache or output activations were ignored; a weights file that is a broken link gave a traceback."""
+    nf4 = tmp_path / "nf4"
+    quantkit.quantize(str(tiny_dir), method="nf4", double_quant=True, out=nf4, progress=False)
+
+    def drop_offset(state):
+        key = next(k for k in state if ".layers.1." in k and ".quant_state." in k)
+        meta = json.loads(bytes(state[key].tolist()))
+        del meta["nested_offset"]
+        state[key] = torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8)
+
+    edit_tensors(nf4, drop_offset)
+    ct = tmp_path / "ct"
+    quantkit.quantize(str(tiny_dir), method="rtn", group_size=32, format="compressed-tensors", out=ct, progress=False)
+    fp8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+    cases = {
+        "incomplete or inconsistent (KeyError('nested_offset'))": nf4,
+        "a quantized KV cache (kv_cache_scheme)": copy(ct, tmp_path / "kv", lambda q: q.update(kv_cache_scheme=fp8)),
+        "pack-quantized integer weights": copy(ct, tmp_path / "o", lambda q: [
+            g.update(output_activations=fp8) for g in q["config_groups"].values()]),
+        "a broken symbolic link (to": copy(plain[1], tmp_path / "link"),
+    }
+    (tmp_path / "link" / "model.safetensors").unlink()
+    (tmp_path / "link" / "model.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    for match, path in cases.items():
+        with pytest.raises(QuantkitError, match=re.escape(match)):
+            quantkit.load(path)
 
 
 def test_awq_modules_not_converted_export_as_float(tiny_dir, tmp_path):
