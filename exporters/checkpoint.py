@@ -328,6 +328,11 @@ def build(path: Path, cfg, state: dict[str, torch.Tensor], layers: dict[str, tor
     with torch.device("meta"):
         module = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     for name, layer in layers.items():
+        made = module.get_submodule(name)
+        if (made.out_features, made.in_features) != (layer.out_features, layer.in_features):
+            raise QuantkitError(f"{path}: {name} holds {layer.out_features} x {layer.in_features} weights where "
+                                f"config.json makes it {made.out_features} x {made.in_features}: the config and the "
+                                "weights do not agree: fix config.json or re-export it")
         module.set_submodule(name, layer)
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     missing, unexpected = module.load_state_dict(state, strict=False, assign=True)

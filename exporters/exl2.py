@@ -141,11 +141,19 @@ def unpack_tensor(name: str, parts: dict[str, torch.Tensor], n: int) -> Quantize
     pairs = parts["q_groups"].long().view(-1, 2)
     widths, offsets = pairs[:, 0].tolist(), pairs[:, 1].tolist() + [parts["q_weight"].shape[0]]
     ng = len(widths)
+    if parts["q_weight"].dim() != 2 or parts["q_weight"].shape[1] != exl2.padded(n):
+        raise QuantkitError(f"{name}: q_weight holds {parts['q_weight'].shape[-1]} columns where the config's {n} "
+                            f"outputs take {exl2.padded(n)}: the config and the weights do not agree: fix config.json or "
+                            "re-export it")
     rows, sizes = [], []
     for g, b in enumerate(widths):
         words = parts["q_weight"][offsets[g]:offsets[g + 1]]
         r = words.shape[0] * 32 // b
-        rows.append(unpack(words, b)[:r, :n])
+        values = unpack(words, b)[:r]
+        if (values[:, n:] != 1 << (b - 1)).any():  # the padding's code is zero: weights there are another shape's
+            raise QuantkitError(f"{name}: q_weight holds weights past the config's {n} outputs: the config and the "
+                                "weights do not agree: fix config.json or re-export it")
+        rows.append(values[:, :n])
         sizes.append(r)
     if sum(sizes) != k or sorted(invperm.tolist()) != list(range(k)):
         raise QuantkitError(f"{name}: q_groups and q_invperm do not describe {k} inputs: the checkpoint is corrupt")

@@ -17,7 +17,7 @@ from quantkit.layers import linear_shapes
 from quantkit.qlinear import GPTQLinear
 from quantkit.quantizers import rtn
 
-from .conftest import loaded, make_tiny
+from .conftest import VALID, loaded, make_tiny
 from .test_rules import RULES, settings, vllm_dynamic
 
 
@@ -151,6 +151,23 @@ def test_what_a_reader_would_guess_or_ignore_is_refused(plain, tiny_dir, tmp_pat
     for match, path in cases.items():
         with pytest.raises(QuantkitError, match=re.escape(match)):
             quantkit.load(path)
+
+
+def test_packed_layers_that_the_config_does_not_make_are_refused(plain, tiny_dir, tmp_path):
+    """Packed layers were installed without a look at the config's shapes (only q_proj's rows were
+    checked): a config with other key/value heads gave a traceback at the first forward; EXL2 cut its
+    columns to the config's and scored the rest (perplexity 834684, exit 0)."""
+    exl2 = tmp_path / "exl2"
+    quantkit.quantize(str(tiny_dir), method="gptq", format="exl2", exl2=4.125, calib_data=str(VALID),
+                      calib_samples=4, calib_seqlen=64, out=exl2, progress=False)
+    for path, packed in ((plain[1], True), (exl2, False)):
+        heads = copy(path, tmp_path / f"{path.name}-heads")
+        cfg = json.loads((heads / "config.json").read_text())
+        cfg["num_key_value_heads"] = 1
+        (heads / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(QuantkitError, match=r"k_proj.* (32 x 64 weights where config.json makes it 16 x 64|q_weight "
+                                                r"holds weights past the config's 16 outputs)"):
+            quantkit.load(heads, packed=packed)
 
 
 def test_awq_modules_not_converted_export_as_float(tiny_dir, tmp_path):
