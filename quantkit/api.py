@@ -587,10 +587,14 @@ def runs_in(dev: torch.device, dtype: str | None, gguf: bool) -> torch.dtype:
 
 
 def check_dequantized(m: Model, packed: bool | None) -> None:
-    """Refuse packed=False (--dequantized) for a model with nothing to dequantize."""
+    """Refuse packed=False (--dequantized) for a model with nothing to dequantize, or none to do
+    otherwise (a GGUF file: its blocks dequantized in llama.cpp's arithmetic either way)."""
     if packed is False and m.qconfig is None and not m.gguf_types:
         raise QuantkitError(f"{m.source} is a float model: packed=False (--dequantized) evaluates a dequantized copy "
                             "of a quantized export, so drop it")
+    if packed is False and m.gguf_types and m.checkpoint is not None and not m.float_directory:
+        raise QuantkitError(f"{m.source} is a GGUF file, scored with its blocks dequantized as llama.cpp does them "
+                            "either way: packed=False (--dequantized) changes nothing, so drop it")
 
 
 def scoring(m: Model):

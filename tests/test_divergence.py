@@ -153,6 +153,9 @@ def test_refusals(quant_dir, tiny_dir, tmp_path, capsys, monkeypatch):
     refused([*base, "--base", tiny_dir, "--protocol", "wikitext"], capsys, monkeypatch, "drop --protocol")
     refused(["eval", tiny_dir, "--base", tiny_dir, "--data", TEST, "--dequantized"], capsys, monkeypatch,
             "is a float model: packed=False (--dequantized) evaluates a dequantized copy")  # it was ignored
+    quantkit.quantize(tiny_dir, method="rtn", format="gguf", gguf_type="Q8_0", out=tmp_path / "m.gguf", progress=False)
+    refused(["eval", tmp_path / "m.gguf", "--data", TEST, "--dequantized"], capsys, monkeypatch,
+            "is a GGUF file, scored with its blocks dequantized as llama.cpp does them either way")  # ignored too
     (tmp_path / "notes.txt").write_text("mine")
     refused([*base, "--base", tiny_dir, "--save-base", tmp_path / "notes.txt"], capsys, monkeypatch,
             "is not a saved base: choose another --save-base")
