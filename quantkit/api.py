@@ -673,7 +673,15 @@ def compare(
                 raise QuantkitError(f"{b.source} and {m.source} have different tokenizers ({difference}): compare a "
                                     "model with the base it was quantized from")
             path = save_base or Path(tmp) / "base.logits"
-            write_base(b, path, text, ctx, max_windows, default_device(base, device), progress, dtype, overwrite)
+            try:
+                write_base(b, path, text, ctx, max_windows, default_device(base, device), progress, dtype, overwrite)
+            except ResumableError as e:  # "write it elsewhere", of a file the user did not name
+                if save_base is not None:
+                    raise
+                said = str(e).removesuffix(": free some space or write it elsewhere")
+                raise QuantkitError(f"{said} (a temporary file): free some space there, pass "
+                                    f"{option('save_base', 'FILE')} on a disk with room, set TMPDIR to one, or score "
+                                    f"fewer windows ({option('max_windows')})") from None
             del b  # one model in memory at a time
             base_file = evals.BaseFile(path)
         n = base_file.n if max_windows is None else max_windows

@@ -72,6 +72,19 @@ def test_a_model_against_itself(pair):
     assert d.same_top == 1 and d.kld_mean < 1e-6 and abs(d.ln_ratio) < 1e-4 and d.delta_p_rms < 1e-4
 
 
+def test_no_room_for_the_base_names_what_the_user_can_do(pair, monkeypatch):
+    """Without --save-base the base goes to a temporary file: no room there said "write it elsewhere",
+    of a path the user never named."""
+    from quantkit import errors
+
+    base, quant = pair
+    monkeypatch.setattr(errors, "free_space", lambda path: 1000)
+    with pytest.raises(quantkit.QuantkitError, match=r"base.logits: the saved base needs about .* and 1.0 kB is free there \(a "
+                                            r"temporary file\): free some space there, pass save_base='FILE' on a disk with room, set TMPDIR to one, or score "
+                                            r"fewer windows \(max_windows\)"):
+        quantkit.compare(quant, base, TEST, ctx=CTX, max_windows=2, progress=False)
+
+
 def test_a_trained_model_against_itself_is_no_worse():
     """A trained model gives some targets more than 16 nats under its top, which the saved base holds
     at that floor: the model's exact loss against the base's floored one made the embedded model scored
