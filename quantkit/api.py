@@ -713,7 +713,9 @@ def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float
     check_arguments(lm_eval, locals())
     from quantkit.evals import harness
 
-    tasks = [tasks] if isinstance(tasks, str) else list(tasks or ())
+    tasks = [tasks] if isinstance(tasks, str) else list(tasks) if isinstance(tasks, (list, tuple)) else tasks
+    if not isinstance(tasks, list) or not all(isinstance(t, str) for t in tasks):
+        raise QuantkitError(f"tasks={tasks!r}: pass lm-eval task names, a string or a list of strings")
     whole("batch_size", batch_size, 1)
     for name, value, least in (("max_length", max_length, 2), ("num_fewshot", num_fewshot, 0), ("seed", seed, 0)):
         if value is not None:

@@ -11,6 +11,7 @@ import torch
 
 import quantkit
 from quantkit import evals
+from quantkit.errors import QuantkitError
 from quantkit.evals import harness
 from quantkit.evals.tasks import local
 
@@ -58,6 +59,9 @@ def test_cli_runs_local_tasks_on_the_loaded_model(tiny_dir, capsys, monkeypatch)
     assert result["dolly_mc"]["sample_len"] == 2 and isinstance(result["dolly_mc"]["sample_len"], int)
     d = result["dolly_mc"]  # the text line shows the standard errors too
     assert f"dolly_mc: acc {d['acc']:.4f} ± {d['acc_stderr']:.4f}, acc_norm {d['acc_norm']:.4f} ± " in out
+    code, out, _ = cli(["lm-eval", tiny_dir, "--tasks", "dolly_mc", "--limit", 0.01, "--max-length", 128], capsys,
+                       monkeypatch)  # it said "0.01 documents per task"
+    assert code == 0 and "1% of each task's documents" in out
 
 
 def test_chat_template_on_request(chat_dir, tiny_dir, capsys, monkeypatch):
@@ -132,6 +136,9 @@ def test_refusals(tiny_dir, tmp_path, capsys, monkeypatch):
     # an answer longer than the window was lm-eval's bare AssertionError
     refused(["lm-eval", tiny_dir, "--tasks", "dolly_mc", "--limit", 1, "--max-length", 4], capsys, monkeypatch,
             "an answer of dolly_mc is longer than --max-length 4 tokens: raise --max-length")
+    for tasks in ([5], 5, None):  # a traceback from difflib, naming no option
+        with pytest.raises(QuantkitError, match=re.escape(f"tasks={tasks!r}: pass lm-eval task names")):
+            quantkit.lm_eval(tiny_dir, tasks)
     monkeypatch.setitem(sys.modules, "lm_eval.tasks", None)  # as if lm-eval were not installed
     refused(["lm-eval", tiny_dir, "--tasks", "wikitext"], capsys, monkeypatch, "lm-eval is not installed: pip install")
 
