@@ -366,7 +366,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         try:
             m = load(model)
             api.write_base(m, base, calibration.load_text(data, split="test", tokenizer=m.tokenizer), ctx, windows,
-                           progress=False, overwrite=True)  # the report's own, from a run stopped before base.json
+                           overwrite=True)  # the report's own, from a run stopped before base.json; its bar on stderr
         except QuantkitError:  # bad input (the model, the text, ctx): nothing of this run is worth keeping
             abandon()
             raise

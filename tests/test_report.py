@@ -38,7 +38,7 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch, text)
     assert code == 1 and list(by_name) == ["rtn-w4", "nf4", "gguf-Q8_0", "exl2-4", "exl2-9"]
     # a point that fails on the model (EXL2 reaches 8.19 bits on these linears), not on the options
     assert by_name["exl2-9"]["status"] == "failed" and "outside what EXL2 reaches" in by_name["exl2-9"]["error"]
-    assert "failed: exl2-9" in printed
+    assert "failed: exl2-9" in printed and "base: 100%" in printed  # the base's windows scored with a bar (none)
     ok = [p for p in r["points"] if p["status"] == "ok"]
     assert len(ok) == 4 and all(p["bytes"] > 0 and p["peak_rss"] > 2**20 and p["quantize_s"] > 0 for p in ok)
     assert by_name["gguf-Q8_0"]["bpw_linear"] == pytest.approx(8.5)  # 34 bytes per block of 32 weights
