@@ -141,7 +141,7 @@ class CheckpointWriter:
         self.model.tokenizer.save_pretrained(tmp)
         for f in licences(self.model.source):
             shutil.copy2(f, tmp / f.name)
-        (tmp / "README.md").write_text(card(self.model.source, qcfg, self.staged.out.name))
+        (tmp / "README.md").write_text(card(self.model.source, qcfg))
         return self.staged.commit(self.shards.scratch())
 
     def abort(self, keep: bool = False) -> None:
@@ -162,7 +162,7 @@ EMBEDDED = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded model's (modeli
 LICENSING = ("license", "license_name", "license_link")  # a model card's fields that name its terms
 
 
-def card(source: str, qcfg: dict, name: str) -> str:
+def card(source: str, qcfg: dict) -> str:
     """README.md of an export: a model card that says what it is and, in the metadata the Hub reads,
     keeps the source's licence and names the model it was quantized from (base_model, with
     base_model_relation quantized: the Hub lists it among that model's quantizations). The base is
@@ -180,8 +180,10 @@ def card(source: str, qcfg: dict, name: str) -> str:
     meta = ModelCardData(library_name="transformers", tags=["quantkit", layout], **fields)
     bits = qcfg.get("bits") or (4 if qcfg.get("load_in_4bit") else None)
     of = f" of [{base}](https://huggingface.co/{base})" if base else ""
-    return (f"---\n{meta.to_yaml()}\n---\n\n# {name}\n\nA {f'{bits:g}-bit ' if bits else ''}quantization{of} in the "
-            f"{layout} layout, made by quantkit {__version__}: config.json's quantization_config holds its settings.\n")
+    name = base.split("/")[-1] if base else Path(source).resolve().name  # not out's: a resumed run writes it elsewhere
+    grid = f"{bits:g}-bit " if bits else ""
+    return (f"---\n{meta.to_yaml()}\n---\n\n# {name}, quantized\n\nA {grid}quantization{of} in the {layout} layout, "
+            f"made by quantkit {__version__}: config.json's quantization_config holds its settings.\n")
 
 
 def source_card(source: str) -> dict:
