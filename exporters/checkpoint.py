@@ -180,9 +180,9 @@ def card(source: str, qcfg: dict) -> str:
     meta = ModelCardData(library_name="transformers", tags=["quantkit", layout], **fields)
     bits = qcfg.get("bits") or (4 if qcfg.get("load_in_4bit") else None)
     of = f" of [{base}](https://huggingface.co/{base})" if base else ""
-    name = base.split("/")[-1] if base else Path(source).resolve().name  # not out's: a resumed run writes it elsewhere
+    title = f"{base.split('/')[-1]}, quantized" if base else "A quantized model"  # no path's name: copies are alike
     grid = f"{bits:g}-bit " if bits else ""
-    return (f"---\n{meta.to_yaml()}\n---\n\n# {name}, quantized\n\nA {grid}quantization{of} in the {layout} layout, "
+    return (f"---\n{meta.to_yaml()}\n---\n\n# {title}\n\nA {grid}quantization{of} in the {layout} layout, "
             f"made by quantkit {__version__}: config.json's quantization_config holds its settings.\n")
 
 

@@ -106,8 +106,7 @@ def writer(model: Model, out: str | Path, qconfig: QuantConfig, overwrite: bool 
         qconfig=qconfig)
 
 
-def check_settings(path: Path, name: str, layer: GPTQLinear, plain: torch.Tensor, act_order: bool,
-                   static_groups: bool) -> None:
+def check_settings(path: Path, name: str, layer: GPTQLinear, act_order: bool, static_groups: bool) -> None:
     """The tensors agree with the config's settings that consumers take on trust: a symmetric grid's
     zeros are all its midpoint (converters drop them), and without act-order (or with static groups)
     each input's group is k // G (kernels assume it)."""
@@ -116,6 +115,7 @@ def check_settings(path: Path, name: str, layer: GPTQLinear, plain: torch.Tensor
         raise QuantkitError(f"{path}: {name}: quantization_config says sym, but its zero points are not all {mid}: "
                             "fix sym (and checkpoint_format: gptq stores zeros minus one, gptq_v2 as they are) in "
                             "config.json, or re-export it")
+    plain = group_index(layer.in_features, layer.group_size)
     if (not act_order or static_groups) and not torch.equal(layer.g_idx.cpu(), plain):
         raise QuantkitError(f"{path}: {name}: g_idx is not k // group_size, as a checkpoint without desc_act (or "
                             "with static_groups) has it: fix desc_act in config.json, or re-export it")
@@ -141,13 +141,12 @@ def read(path: Path, packed: bool = False) -> Model:
         # GPTQ-for-LLaMa's checkpoints hold no g_idx: groups in plain order, as AutoGPTQ's default
         k = tensors["qweight"].shape[0] * 32 // mine["bits"]
         tensors["g_idx"] = state.pop(f"{name}.g_idx", None)
-        plain = group_index(k, mine["group_size"]).int()
         if tensors["g_idx"] is None:
-            tensors["g_idx"] = plain
+            tensors["g_idx"] = group_index(k, mine["group_size"]).int()
         layer = layers[name] = GPTQLinear(**tensors, bits=mine["bits"], group_size=mine["group_size"], v1=v1,
                                           sym=mine.get("sym", sym), bias=state.pop(f"{name}.bias", None),
                                           name=f"{path}: {name}")
-        check_settings(path, name, layer, plain, mine.get("desc_act", qc.get("desc_act")),
+        check_settings(path, name, layer, mine.get("desc_act", qc.get("desc_act")),
                        mine.get("static_groups", qc.get("static_groups")))
     method = meta.get("method")
     # ours name the rules they were made with; another tool's dynamic becomes rules by exact name
