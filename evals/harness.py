@@ -58,6 +58,11 @@ def documents(limit: object, said: str) -> int | float | None:
     return int(limit) if limit >= 1 else limit  # lm-eval reads a float as a fraction
 
 
+def documents_said(limit: int | float) -> str:
+    """A limit (documents) in words: a count per task, or a share of each task's documents."""
+    return f"{limit:g} documents per task" if limit >= 1 else f"{limit:.0%} of each task's documents"
+
+
 @contextmanager
 def kept_state() -> Iterator[None]:
     """Within: lm-eval may seed the caller's random number generators (it seeds them even when no seed

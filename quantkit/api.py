@@ -592,7 +592,7 @@ def check_dequantized(m: Model, packed: bool | None) -> None:
     if packed is False and m.qconfig is None and not m.gguf_types:
         raise QuantkitError(f"{m.source} is a float model: packed=False (--dequantized) evaluates a dequantized copy "
                             "of a quantized export, so drop it")
-    if packed is False and m.gguf_types and m.checkpoint is not None and not m.float_directory:
+    if packed is False and isinstance(m.checkpoint, GGUFCheckpoint):
         raise QuantkitError(f"{m.source} is a GGUF file, scored with its blocks dequantized as llama.cpp does them "
                             "either way: packed=False (--dequantized) changes nothing, so drop it")
 
@@ -713,9 +713,10 @@ def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float
     check_arguments(lm_eval, locals())
     from quantkit.evals import harness
 
-    tasks = [tasks] if isinstance(tasks, str) else list(tasks) if isinstance(tasks, (list, tuple)) else tasks
-    if not isinstance(tasks, list) or not all(isinstance(t, str) for t in tasks):
+    tasks = [tasks] if isinstance(tasks, str) else tasks
+    if not isinstance(tasks, (list, tuple)) or not all(isinstance(t, str) for t in tasks):
         raise QuantkitError(f"tasks={tasks!r}: pass lm-eval task names, a string or a list of strings")
+    tasks = list(tasks)
     whole("batch_size", batch_size, 1)
     for name, value, least in (("max_length", max_length, 2), ("num_fewshot", num_fewshot, 0), ("seed", seed, 0)):
         if value is not None:

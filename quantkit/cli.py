@@ -291,8 +291,7 @@ def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, 
               "data_dir": str(Path(data_dir or harness.default_data_dir()).resolve()),
               "dtype": str(ran).removeprefix("torch."), "device": where.type}
     settings = [f"{config['dtype']} on {config['device']}",
-                "every document per task" if limit is None else f"{limit:g} documents per task" if limit >= 1 else
-                f"{limit:.0%} of each task's documents",
+                "every document per task" if limit is None else harness.documents_said(limit),
                 "each task's few-shot count" if num_fewshot is None else f"{num_fewshot}-shot",
                 "prompts in the chat template" if chat else "plain prompts",
                 "windows of the model's context" if max_length is None else f"windows of {max_length}",

@@ -475,12 +475,13 @@ def table(r: dict) -> str:
     calibrated = any(p.get("method") in ("gptq", "awq") for p in r["points"])
     calib = (f" Calibration: {s.get('calib_samples')} windows of {s.get('calib_seqlen', 512)} tokens of "
              f"{Path(s['calib_data']).name if s.get('calib_data') else 'WikiText-2 train'} (seed 0).") if calibrated else ""
+    from quantkit.evals import harness
+
     shots = s.get("lm_eval_fewshot")
     lm = (" lm-eval: " + ("each task's own few-shot count" if shots is None else f"{shots}-shot")
           + (", prompts in the chat template" if s.get("lm_eval_chat") else "")
           + (f", windows of {s['lm_eval_max_length']} tokens" if s.get("lm_eval_max_length") else "")
-          + (f", {limit:g} documents per task" if (limit := s.get("lm_eval_limit")) and limit >= 1 else
-             f", {limit:.0%} of each task's documents" if limit else "") + ".") \
+          + (f", {harness.documents_said(limit)}" if (limit := s.get("lm_eval_limit")) else "") + ".") \
         if s.get("tasks") else ""
     lines = [f"Model {s['model'] or 'embedded SmolLM2-135M-Instruct'}: {base['bytes'] / 2**20:.1f} MiB, base perplexity "
              f"{base['perplexity']:.4f} on {scored_windows(r)} windows of {s['ctx']} tokens of {Path(s['data']).name}; "
