@@ -10,6 +10,7 @@ import math
 import os
 import random
 import traceback
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from unittest import mock
 import torch
 
 from quantkit import hub
-from quantkit.errors import QuantkitError, option
+from quantkit.errors import Note, QuantkitError, option
 from quantkit.modelio import check_context
 
 from .perplexity import overflow
@@ -33,6 +34,7 @@ class Tasks:
     """Tasks checked and their data read, ready to run."""
     names: list[str]
     manager: object  # lm-eval's TaskManager, with the local tasks
+    plain: list[str]  # those that score rolling windows of plain text (wikitext): no prompt to shape
 
 
 MANAGERS: dict[tuple[bool, str], object] = {}  # lm-eval's TaskManager by (with its own tasks, data_dir)
@@ -110,14 +112,29 @@ def prepare(names: list[str], data_dir: str | os.PathLike | None = None) -> Task
                             f"{option('data_dir')} or set QUANTKIT_DATA")
     try:  # read here first (run() reads again, from datasets' cache): a hub task without the network fails here
         with hub.reached():
-            manager.load(names)
+            loaded = manager.load(names)["tasks"]
     except QuantkitError:  # a local task's own
         raise
     except Exception as e:
         raise QuantkitError(f"lm-eval could not load the data of {', '.join(names)} ({type(e).__name__}: "
                             f"{str(e)[:300]}): hub tasks need the network; the local tasks ({', '.join(LOCAL)}) "
                             f"read {data_dir}") from None
-    return Tasks(names, manager)
+    return Tasks(names, manager, [n for n, t in loaded.items() if t.OUTPUT_TYPE == "loglikelihood_rolling"])
+
+
+def check_prompts(tasks: Tasks, num_fewshot: int | None, chat: bool) -> None:
+    """Few-shot examples and the chat template shape prompts, and a rolling task (wikitext) scores plain
+    text with none, so lm-eval drops them there without a word: refused where every task is such, a
+    note naming those tasks where some are."""
+    shaped = [option("num_fewshot")] * (num_fewshot is not None) + [option("chat")] * chat
+    if not shaped or not tasks.plain:
+        return
+    said = f"{', '.join(tasks.plain)} {'scores' if len(tasks.plain) == 1 else 'score'} rolling windows of plain text"
+    if set(tasks.plain) >= set(tasks.names):
+        raise QuantkitError(f"{said}, with no prompt for {' or '.join(shaped)} to shape: drop {' and '.join(shaped)}")
+    others = [n for n in tasks.names if n not in tasks.plain]
+    warnings.warn(f"{said}: {' and '.join(shaped)} appl{'y' if len(shaped) > 1 else 'ies'} to {', '.join(others)} "
+                  "only", Note)
 
 
 def check_settings(config, tokenizer, max_length: int | None, chat: bool) -> None:

@@ -724,6 +724,7 @@ def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float
     limit = harness.documents(limit, f"limit={limit!r}")
     with harness.kept_state():  # a library call leaves the caller's seeds and loggers as they were
         prepared = harness.prepare(tasks, data_dir)  # a wrong name or missing data fails before the model loads
+        harness.check_prompts(prepared, num_fewshot, chat)
         m = ready(model, packed, device, dtype)
         with scoring(m):
             return harness.run(prepared, m.module, m.tokenizer, limit, num_fewshot, batch_size, max_length, seed,

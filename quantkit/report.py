@@ -19,6 +19,7 @@ import struct
 import subprocess
 import sys
 import time
+import warnings
 from contextlib import AbstractContextManager
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -193,7 +194,8 @@ def lm_scores(model: object, s: Settings) -> dict[str, dict[str, float]]:
     """lm-eval's results for the base or a point, all run alike."""
     from . import api
 
-    with lm_eval_flags():
+    with lm_eval_flags(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".* rolling windows of plain text")  # check() said it once
         return api.lm_eval(model, s.tasks, limit=s.lm_eval_limit, num_fewshot=s.lm_eval_fewshot,
                            max_length=s.lm_eval_max_length, data_dir=s.lm_eval_data_dir, chat=s.lm_eval_chat)
 
@@ -231,9 +233,10 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
                                      ("--lm-eval-max-length", settings.lm_eval_max_length, 2)):
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
                 raise QuantkitError(f"{option} {value!r}: pass a whole number of at least {least}")
-        harness.prepare(settings.tasks, settings.lm_eval_data_dir)  # a wrong name or missing data: before the base
+        tasks = harness.prepare(settings.tasks, settings.lm_eval_data_dir)  # a wrong name or missing data: before the base
         with lm_eval_flags():  # lm-eval would find these after the base was scored
             harness.check_settings(m.module.config, m.tokenizer, settings.lm_eval_max_length, settings.lm_eval_chat)
+            harness.check_prompts(tasks, settings.lm_eval_fewshot, settings.lm_eval_chat)  # its note: once, here
     if out.is_dir() and any(out.iterdir()) and not (out / "settings.json").is_file():
         raise QuantkitError(f"{out} holds other files, not a quantkit report: choose another --out")
     if out.exists() and not out.is_dir():

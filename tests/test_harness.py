@@ -5,13 +5,14 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
 import quantkit
 from quantkit import evals
-from quantkit.errors import QuantkitError
+from quantkit.errors import Note, QuantkitError
 from quantkit.evals import harness
 from quantkit.evals.tasks import local
 
@@ -98,6 +99,19 @@ def test_seeds_are_lm_evals_unless_given(tiny_dir, monkeypatch):
     assert not any(k in seen[0] for k in keys) and all(seen[1][k] == 7 for k in keys)
 
 
+def test_a_few_shot_count_names_the_tasks_it_does_not_reach(tiny_dir, monkeypatch):
+    """wikitext scores rolling windows of plain text: lm-eval drops num_fewshot there without a word."""
+    from lm_eval import evaluator
+
+    monkeypatch.setattr(evaluator, "simple_evaluate", lambda **kw: {"results": {}})
+    with pytest.warns(Note, match="^wikitext scores rolling windows of plain text: num_fewshot applies to dolly_mc "
+                                  "only$"):
+        quantkit.lm_eval(tiny_dir, ["wikitext", "dolly_mc"], limit=1, num_fewshot=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantkit.lm_eval(tiny_dir, ["wikitext", "dolly_mc"], limit=1)
+
+
 def test_the_callers_seeds_and_logger_are_left_as_they_were(tiny_dir):
     """lm-eval seeds random, numpy and torch even when no seed is given (numpy's and torch's to 1234), and
     quantkit quieted lm-eval's logger for good: a pipeline's draws after an evaluation were the same each run."""
@@ -136,6 +150,10 @@ def test_refusals(tiny_dir, tmp_path, capsys, monkeypatch):
     # an answer longer than the window was lm-eval's bare AssertionError
     refused(["lm-eval", tiny_dir, "--tasks", "dolly_mc", "--limit", 1, "--max-length", 4], capsys, monkeypatch,
             "an answer of dolly_mc is longer than --max-length 4 tokens: raise --max-length")
+    # lm-eval scored these as if neither were given, and the header claimed them
+    refused(["lm-eval", tiny_dir, "--tasks", "wikitext", "--num-fewshot", 2, "--apply-chat-template"], capsys,
+            monkeypatch, "wikitext scores rolling windows of plain text, with no prompt for --num-fewshot or "
+                         "--apply-chat-template to shape: drop --num-fewshot and --apply-chat-template")
     for tasks in ([5], 5, None):  # a traceback from difflib, naming no option
         with pytest.raises(QuantkitError, match=re.escape(f"tasks={tasks!r}: pass lm-eval task names")):
             quantkit.lm_eval(tiny_dir, tasks)
