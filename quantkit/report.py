@@ -385,7 +385,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     if settings.tasks and "lm_eval" not in (based := read_json(out / "base.json")):  # the scores' float row
         echo(f"base: lm-eval {', '.join(settings.tasks)} on the float model")
         try:
-            based["lm_eval"] = lm_scores(model, settings)
+            based["lm_eval"] = lm_scores(load(model), settings)  # a Model stays on the CPU in float32, as the points'
         except QuantkitError:  # lm-eval's bad input (too many few-shot examples): the corrected run starts afresh
             abandon()
             raise

@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from .conftest import DATA, TEST, VALID, cli, make_tiny
 
@@ -273,6 +274,25 @@ def test_bad_settings_are_refused_before_the_report_is_made(tiny_dir, tmp_path, 
     code, _, err = cli(["report", tiny_dir, "--out", out, "--data", text, "--windows", 2, *args], capsys, monkeypatch)
     assert code == 2 and err[-1].startswith("error: ") and match in err[-1], err
     assert not out.exists()
+
+
+def test_the_base_runs_lm_eval_where_the_points_do(tiny_dir, tmp_path, capsys, monkeypatch, text):
+    """The points' Models run lm-eval where they were quantized, on the CPU in float32; the base was
+    passed by path, which lm-eval runs on a GPU in float16 where there is one."""
+    from quantkit import api
+
+    where = []
+
+    def lm_eval(model, tasks, **kw):
+        with monkeypatch.context() as gpu:
+            gpu.setattr(torch.cuda, "is_available", lambda: True)
+            where.append(api.default_device(model, kw.get("device")))
+        return {t: {"acc": 0.5} for t in tasks}
+
+    monkeypatch.setattr(api, "lm_eval", lm_eval)
+    code, _, err = cli(["report", tiny_dir, "--out", tmp_path / "r", "--data", text, "--methods", "rtn", "--bits", 4,
+                        "--windows", 1, "--ctx", 64, "--tasks", "dolly_mc", "--lm-eval-limit", 1], capsys, monkeypatch)
+    assert code == 0 and where == [None], err  # the base's call, in this process: the Model stays where it is
 
 
 def test_exl2_points_share_one_measurement(tiny_dir, tmp_path, capsys, monkeypatch, text):
