@@ -771,7 +771,9 @@ def test_a_weights_file_alone_and_a_hub_cache_folder_are_named(model, tmp_path, 
     (hub / "refs" / "main").write_text("abc123")
     with pytest.raises(quantkit.QuantkitError, match=f"holds its files in {re.escape(str(hub))}/snapshots/abc123"):
         quantkit.load(str(hub))
-    with pytest.raises(quantkit.QuantkitError, match="models are not fetched from the hub: download it first"):
+    with pytest.raises(quantkit.QuantkitError, match="nor in the local hub cache, and models are not fetched from the "
+                                                      "hub: download it first, e.g. with huggingface-cli download "
+                                                      "SomeOrg/some-model"):
         quantkit.load("SomeOrg/some-model")
     odd = Path(os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9"))  # Latin-1's byte for an e with an accent
     shutil.copytree(model, odd)

@@ -412,6 +412,31 @@ def test_merge_refuses_what_it_would_leave_out(adapter, tiny_dir, capsys, monkey
               "the adapter's base model is not here")
 
 
+def test_a_base_named_by_its_hub_id_is_read_from_the_hub_cache(adapter, tiny_dir, capsys, monkeypatch, tmp_path):
+    """PEFT writes the hub id of the base into an adapter's config: merge refused it unless --base named
+    the snapshot's directory, though huggingface-cli download had put it in the cache."""
+    from huggingface_hub import constants
+
+    import quantkit
+
+    named = shutil.copytree(adapter, tmp_path / "named")
+    cfg = json.loads((named / "adapter_config.json").read_text())
+    (named / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": "org/tiny"}))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    fails(["merge", named, "--out", tmp_path / "out"], capsys, monkeypatch,
+          "org/tiny: the adapter's base model is not here (nor in the local hub cache): pass --base")
+    folder = tmp_path / "hub" / "models--org--tiny"
+    shutil.copytree(tiny_dir, folder / "snapshots" / "abc123")
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text("abc123")
+    assert quantkit.load("org/tiny").source == str(folder / "snapshots" / "abc123")
+    quantkit.merge(named, tmp_path / "out", progress=False)
+    quantkit.merge(adapter, tmp_path / "by-path", base=tiny_dir, progress=False)
+    assert load_file(tmp_path / "out" / "model.safetensors").keys() == load_file(tmp_path / "by-path" / "model.safetensors").keys()
+    for k, t in load_file(tmp_path / "out" / "model.safetensors").items():
+        assert torch.equal(t, load_file(tmp_path / "by-path" / "model.safetensors")[k]), k
+
+
 def test_merge_onto_nf4_with_a_damaged_log(adapter, capsys, monkeypatch, tmp_path):
     """train_log.json's settings not a mapping: one error naming the file, not an AttributeError."""
     damaged = shutil.copytree(adapter, tmp_path / "damaged")

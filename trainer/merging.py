@@ -19,7 +19,7 @@ from quantkit.errors import QuantkitError, option, space_for, untrusted
 from quantkit.atomic import Staged, check_apart
 from quantkit.exporters.checkpoint import licences
 from quantkit.exporters.shards import DEFAULT_MAX_SIZE, INDEX, ShardWriter
-from quantkit.modelio import Model, load
+from quantkit.modelio import Model, hub_snapshot, load
 from quantkit.pipeline import write_other
 
 from . import lora
@@ -63,9 +63,9 @@ def base_of(cfg: dict, base: str | os.PathLike | None, adapter) -> Model:
     named = named_base(cfg)
     if not (base or named):
         raise QuantkitError(f"{adapter}: the adapter names no base model: pass {option('base')} (its directory)")
-    if not Path(base or named).exists():
-        raise QuantkitError(f"{base or named}: the adapter's base model is not here: pass {option('base')} with its "
-                            "directory")
+    if not Path(base or named).exists() and hub_snapshot(base or named) is None:
+        raise QuantkitError(f"{base or named}: the adapter's base model is not here (nor in the local hub cache): pass "
+                            f"{option('base')} with its directory")
     m = load(base or named)
     if not m.float_directory:
         raise QuantkitError(f"{base or named}: merge into a float model directory (safetensors), not a GGUF file or a "
