@@ -3,6 +3,7 @@ status 2, no traceback; nothing left behind by a run that saved no checkpoint, a
 that was saved survives for --resume."""
 import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -147,6 +148,9 @@ def test_target_that_matches_nothing(tiny_dir, text, capsys, monkeypatch, tmp_pa
     line = train_fails(tiny_dir, text, capsys, monkeypatch, tmp_path, "--target qkv matches no linear",
                        "--target", "qkv")
     assert "use all-linear or some of" in line and "q_proj" in line  # what there is to choose from
+    from quantkit.trainer.config import TrainConfig
+
+    assert TrainConfig(target="q_proj, v_proj").target == ["q_proj", "v_proj"]  # " v_proj" matched no linear
 
 
 @pytest.mark.parametrize("rank,match", [
@@ -448,6 +452,11 @@ def test_merge_onto_nf4_with_a_damaged_log(adapter, capsys, monkeypatch, tmp_pat
 
 def test_resume_with_nothing_to_resume(tiny_dir, text, capsys, monkeypatch, tmp_path):
     train_fails(tiny_dir, text, capsys, monkeypatch, tmp_path, "nothing to resume", "--resume")
+    # a directory that holds no adapter was "a finished adapter", then refused with merge's advice
+    (tmp_path / "out").mkdir()
+    fails(["train", tiny_dir, "--data", text, "--out", tmp_path / "out", *FAST, "--steps", 1, "--resume", "--quantize",
+           "rtn", "--group-size", 32], capsys, monkeypatch, "nothing to resume")
+    assert not capsys.readouterr().out
 
 
 def test_the_api_names_its_keywords(adapter, tiny_dir, text, tmp_path):
@@ -462,6 +471,8 @@ def test_the_api_names_its_keywords(adapter, tiny_dir, text, tmp_path):
         (dict(max_grad_norm=0), "max_grad_norm=0 is invalid: use a positive norm"),
         (dict(steps=2, epochs=1.0), "steps and epochs both set the run's length"),
         (dict(target="qkv"), "target='qkv' matches no linear of this model"),
+        (dict(target=["q_proj", 5]), "target=['q_proj', 5] is invalid: name the modules"),  # a TypeError
+        (dict(steps=None, epochs=math.inf), "epochs=inf is invalid: use a finite number of epochs"),  # an OverflowError
         (dict(eval_fraction=0, patience=2), "patience stops on the held-out loss, and there is no held-out data: "
                                             "pass eval_data or a positive eval_fraction, or drop patience"),
         (dict(resume=True), "run without resume=True"),

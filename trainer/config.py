@@ -67,7 +67,12 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise QuantkitError(f"unknown precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
         if isinstance(self.target, str):
-            self.target = [t for t in self.target.split(",") if t]
+            self.target = [t.strip() for t in self.target.split(",") if t.strip()]
+        if isinstance(self.target, tuple):
+            self.target = list(self.target)
+        if not isinstance(self.target, list) or not all(isinstance(t, str) for t in self.target):
+            raise QuantkitError(f"{option('target', self.target)} is invalid: name the modules, a list of strings such "
+                                "as ['q_proj', 'v_proj'], or all-linear")
         if not self.target:
             raise QuantkitError(f"no {option('target')} modules: name some (q_proj,v_proj) or use all-linear")
         if self.rank < 1:
@@ -85,6 +90,8 @@ class TrainConfig:
                 raise QuantkitError(f"{option(name, getattr(self, name))} is invalid: use a positive number")
         if self.steps is not None and self.steps < 1 or self.epochs is not None and not self.epochs > 0:
             raise QuantkitError(f"{option('steps')} and {option('epochs')} must be positive")
+        if self.epochs is not None and not math.isfinite(self.epochs):  # inf: a traceback; 1e300 ran without end
+            raise QuantkitError(f"{option('epochs', self.epochs)} is invalid: use a finite number of epochs, such as 3")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise QuantkitError(f"learning rate {option('lr', self.lr)} is invalid: use a positive number such as 2e-4")
         if not (self.alpha > 0 and math.isfinite(self.alpha)):  # 0: the adapter adds nothing and never trains
