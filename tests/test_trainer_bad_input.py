@@ -375,6 +375,24 @@ def test_resume_another_runs_checkpoint(tiny_dir, text, capsys, monkeypatch, tmp
     assert left(tmp_path) == ["out"] and json.loads((tmp_path / "out" / "train_log.json").read_text())["steps"] == 6
 
 
+def test_resumed_where_auto_precision_is_float16(tiny_dir, text, monkeypatch, tmp_path):
+    """A checkpoint of a bfloat16 run (the CPU's "auto") holds no loss scaler; resumed where "auto" is
+    float16 (a GPU without bfloat16), the scaler was loaded from that None: a TypeError."""
+    from quantkit.trainer import loop
+
+    def stop(record):
+        if record["step"] == 3:
+            raise KeyboardInterrupt
+
+    common = dict(data=text, out=tmp_path / "out", steps=4, save_every=2, seqlen=32, batch_size=2, rank=4, warmup=0,
+                  eval_fraction=0, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        train(str(tiny_dir), **common, callback=stop)
+    monkeypatch.setattr(loop, "autocast_dtype", lambda precision, device: torch.float16)
+    train(str(tiny_dir), **common, resume=True)
+    assert json.loads((tmp_path / "out" / "train_log.json").read_text())["steps"] == 4
+
+
 def test_a_checkpoint_is_not_lost_to_a_run_without_resume(tiny_dir, text, capsys, monkeypatch, tmp_path):
     """Run again without --resume, a stopped run's command deleted its checkpoint and started over;
     now it is refused (for another run's checkpoint too), Ctrl-C says where to go on from, and

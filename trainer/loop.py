@@ -507,7 +507,7 @@ def run(m: Model, config: TrainConfig, names: list[str], *, train_set: list[data
         lora.load_state(layers, state["adapter"], "the checkpoint")
         load_optimizer_state(opt, state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        if scaler is not None:
+        if scaler is not None and state["scaler"] is not None:  # none: resumed where "auto" is float16, not bfloat16
             scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"])
         if dev.type == "cuda" and state.get("cuda_rng") is not None:
