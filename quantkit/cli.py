@@ -467,8 +467,7 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
     # --resume after a kill in the merge or the quantization: the finished adapter (and merge) are taken as they are;
     # a checkpoint of this run beside out (--overwrite killed in the training) goes on training instead, and a
     # merge of another adapter (an earlier run's) is done again
-    trained = bool(resume and quantize_method and not partial_path(out).exists()
-                   and all(os.path.isfile(os.path.join(out, f)) for f in (trainer.lora.CONFIG, trainer.lora.WEIGHTS)))
+    trained = bool(resume and quantize_method and not partial_path(out).exists() and trainer.lora.is_adapter(out))
     if trained:
         from quantkit.trainer.merging import merge_key, merged_from
 

@@ -224,10 +224,15 @@ def save(directory: Path, module: torch.nn.Module, adapter: dict[str, torch.Tens
     (directory / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+def is_adapter(directory: str | os.PathLike) -> bool:
+    """Whether directory holds an adapter's two files (ours or PEFT's)."""
+    return (Path(directory) / CONFIG).is_file() and (Path(directory) / WEIGHTS).is_file()
+
+
 def read(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     """An adapter directory (ours or PEFT's): its config as a dict and its tensors under PEFT's names."""
     d = Path(directory)
-    if not (d / CONFIG).is_file() or not (d / WEIGHTS).is_file():
+    if not is_adapter(d):
         raise QuantkitError(f"{d}: no {CONFIG} and {WEIGHTS}: pass a LoRA adapter directory (what quantkit train "
                             "--out or train(out=...) wrote)")
     with untrusted(d, "the adapter is damaged", "train it again or restore it"):
