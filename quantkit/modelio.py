@@ -438,12 +438,11 @@ def load(path: str | os.PathLike | None = None, packed: bool = False) -> Model:
     except UnicodeEncodeError:  # bytes that are no UTF-8 in a name: the safetensors reader takes none
         raise QuantkitError(f"{p!r}: the path is not UTF-8 (a name from another system's encoding), which the "
                             "safetensors reader needs: rename it") from None
-    hub = isinstance(path, str) and path.count("/") == 1 and not path.startswith(".") and not p.parent.is_dir()
-    if not p.exists() and hub and (snapshot := hub_snapshot(path)) is not None:
+    if not p.exists() and (snapshot := hub_snapshot(path)) is not None:
         p = snapshot
     if not p.exists():
         hint = (" (nor in the local hub cache, and models are not fetched from the hub: download it first, e.g. with "
-                f"huggingface-cli download {path})") if hub else ""  # models/mymodel, a typo in a local path, is no hub id
+                f"huggingface-cli download {path})") if hub_id(path) else ""
         raise QuantkitError(
             f"{p}: no such file or directory{hint}: pass a model directory (config.json + *.safetensors) or a .gguf file"
         )
@@ -462,11 +461,20 @@ def load(path: str | os.PathLike | None = None, packed: bool = False) -> Model:
     return load_dir(p, packed)
 
 
-def hub_snapshot(name: str) -> Path | None:
+def hub_id(path: str | os.PathLike) -> bool:
+    """Whether a path that is not there reads as a hub id (org/name): models/mymodel, a typo under a
+    local directory, does not."""
+    return isinstance(path, str) and path.count("/") == 1 and not path.startswith(".") and \
+        not Path(path).parent.is_dir()
+
+
+def hub_snapshot(name: str | os.PathLike) -> Path | None:
     """The local hub cache's snapshot of a hub id (org/name) at the revision its main branch was at when
-    downloaded (huggingface-cli download's), or None where the cache holds none."""
+    downloaded (huggingface-cli download's), or None where name is no hub id or the cache holds none."""
     from huggingface_hub import constants
 
+    if not hub_id(name):
+        return None
     folder = Path(constants.HF_HUB_CACHE) / f"models--{name.replace('/', '--')}"
     main = folder / "refs" / "main"
     snapshot = folder / "snapshots" / main.read_text().strip() if main.is_file() else None
