@@ -137,9 +137,6 @@ def perplexity(model: Path, text: Path, windows: int, ctx: int = 512, flags: tup
 # attention in float32, as transformers computes it: llama.cpp's default on the CPU is flash attention over
 # a float16 cache that sums the values in float16, which errs most where attention is spread wide
 F32_ATTENTION = ("-fa", "off", "-ctk", "f32", "-ctv", "f32")
-# float32 sums without flash attention, over the default float16 cache: the float32 cache scored rope-scaled
-# models up to 0.9% away from every other setting on an AVX-512 EPYC, with either build (RESULTS.md)
-F32_SUMS = ("-fa", "off")
 
 
 def save_base(model: Path, text: Path, logits: Path, windows: int, ctx: int = 512, flags: tuple[str, ...] = ()) -> None:
