@@ -38,12 +38,11 @@ def compile_layout(cap: int, layout: tuple) -> str:
     for dt in ("fp16", "bf16", "fp32"):
         compile_one(jit.dequantize_kernel, args | {"out": f"*{dt}"}, c | {"BN": 32, "BK": 64, "WORDS": words}, cap)
         io = args | {"x": f"*{dt}", "y": f"*{dt}", "part": "*fp32", "count": "*i32"}
-        for split in (False, True):
-            compile_one(jit.gemv_kernel, io, c | {"BN": 64, "BK": 64, "SPLIT": split, "WORDS": words}, cap)
-            if fmt == GPTQ and not order:  # the layout's GEMV tile and launch as matmul runs them
-                bn, bk = kernels.GEMV_TILE["gptq"]
-                compile_one(jit.gemv_kernel, io, c | {"BN": bn, "BK": bk, "SPLIT": split, "WORDS": words}, cap,
-                            kernels.GEMV_LAUNCH["gptq"].get("num_warps", 4))
+        kind = "nf4" if fmt == NF4 else "act-order" if order else "gptq"  # kernels.layout
+        bn, bk = kernels.GEMV_TILE[kind]
+        for split in (False, True):  # the layout's GEMV tile and launch, as matmul runs them
+            compile_one(jit.gemv_kernel, io, c | {"BN": bn, "BK": bk, "SPLIT": split, "WORDS": words}, cap,
+                        kernels.GEMV_LAUNCH[kind].get("num_warps", 4))
             tile = {"BM": 16, "BN": 128, "BK": 64} if split else {"BM": 64, "BN": 64, "BK": 32}  # split: few rows
             if not order:  # the GEMM takes x reordered, and no ORDER
                 gemm = {key: v for key, v in c.items() if key != "ORDER"} | tile
@@ -53,7 +52,7 @@ def compile_layout(cap: int, layout: tuple) -> str:
 
 
 def main(capabilities: list[int]) -> None:
-    # a process per core: each compile is single-threaded, and there are some 260 of them per capability
+    # a process per core: each compile is single-threaded, and there are 216 of them per capability
     with ProcessPoolExecutor(os.cpu_count() or 1, mp_context=multiprocessing.get_context("spawn")) as pool:
         for line in pool.map(compile_layout, *zip(*[(cap, layout) for cap in capabilities for layout in LAYOUTS])):
             print(line, flush=True)
