@@ -92,7 +92,7 @@ def scenarios(root: Path) -> dict[str, Scenario]:
                         "100kB"),
         "quantize-gguf": cli("q.gguf", "quantize", model, "--method", "rtn", "--format", "gguf", "--gguf-type", "Q4_K_M"),
         "export": cli("x.gguf", "export", model, "--gguf-type", "Q4_K_M"),
-        "train": cli("adapter", "train", model, "--data", text, "--steps", 24, "--save-every", 2, "--seqlen", 64,
+        "train": cli("adapter", "train", model, "--data", text, "--steps", 12, "--save-every", 2, "--seqlen", 64,
                      "--batch-size", 4, rerun_args=["--resume"],
                      files=["adapter_model.safetensors", "adapter_config.json"]),
         "cache": Scenario(fill, [DEFAULT_NAME, gguf], inputs={"wheels"},
