@@ -35,11 +35,11 @@ def compile_layout(cap: int, layout: tuple) -> str:
         "fparam": "fp32", "i0": "i32", "i1": "i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32"}
     c = {"FMT": fmt, "BITS": bits, "NESTED": nested, "GROUP": group, "ORDER": order}
     words = 32 % bits == 0 if fmt == GPTQ else group > 0  # as kernels.matmul decides
+    kind = "nf4" if fmt == NF4 else "act-order" if order else "gptq"  # kernels.layout
+    bn, bk = kernels.GEMV_TILE[kind]
     for dt in ("fp16", "bf16", "fp32"):
         compile_one(jit.dequantize_kernel, args | {"out": f"*{dt}"}, c | {"BN": 32, "BK": 64, "WORDS": words}, cap)
         io = args | {"x": f"*{dt}", "y": f"*{dt}", "part": "*fp32", "count": "*i32"}
-        kind = "nf4" if fmt == NF4 else "act-order" if order else "gptq"  # kernels.layout
-        bn, bk = kernels.GEMV_TILE[kind]
         for split in (False, True):  # the layout's GEMV tile and launch, as matmul runs them
             compile_one(jit.gemv_kernel, io, c | {"BN": bn, "BK": bk, "SPLIT": split, "WORDS": words}, cap,
                         kernels.GEMV_LAUNCH[kind].get("num_warps", 4))

@@ -331,7 +331,7 @@ def test_llama_perplexity_agrees_with_ours(tmp_path, arch, rope, embedded_ppl4):
     d = embedded_as(tmp_path / "m", arch, rope)
     path = tmp_path / "m.gguf"
     q = quantkit.load(d)
-    quantkit.quantize(q, method="rtn", format="gguf", gguf_type="F32", out=path, keep=True, progress=False)
+    quantkit.api.export_gguf(q, path, "F32", progress=False)
     theirs = llamacpp.perplexity(path, TEST, 4, flags=llamacpp.F32_ATTENTION)
     ours = quantkit.evaluate(q, TEST, max_windows=4, progress=False).perplexity
     assert abs(ours / theirs - 1) < 1e-4, (ours, theirs)
