@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from quantkit.errors import QuantkitError, option
+from quantkit.errors import QuantkitError, option, size
 from quantkit.config import QuantConfig
 from quantkit.layers import LINEARS
 from quantkit import __version__
@@ -122,8 +122,8 @@ class CheckpointWriter:
         self.staged.check()  # before the last shard is written: a resumed run can still use the spill
         tmp = self.staged.path
         files = self.shards.close()
-        size = sum(f.stat().st_size for f in files)
-        self.summary = f"wrote {len(self.shards.names)} tensors in {len(files)} file(s), {size / 2**20:.1f} MiB"
+        self.summary = f"wrote {len(self.shards.names)} tensors in {len(files)} file(s), " \
+                       f"{size(sum(f.stat().st_size for f in files))}"
         qcfg = self.quantization_config(self)
         # the keys save_pretrained writes: to_dict adds the source's local path (_name_or_path) and base defaults
         cfg = self.model.module.config.to_diff_dict()

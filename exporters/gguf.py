@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import torch
 
-from quantkit.errors import Note, QuantkitError, untrusted
+from quantkit.errors import Note, QuantkitError, size, untrusted
 from quantkit.modelio import Model, adds_bos, adds_eos, stored_state
 from quantkit import requant
 from quantkit.qtensor import QuantizedTensor
@@ -425,7 +425,7 @@ class Writer:
         self.staged.check()  # before the file is cut to its end: a resumed run can still use it
         self.file.truncate(self.data_start + self.end)  # the last tensor's padding, as gguf-py writes it
         self.file.close()
-        self.summary = f"wrote {len(self.plan)} tensors, {(self.data_start + self.end) / 2**20:.1f} MiB"
+        self.summary = f"wrote {len(self.plan)} tensors, {size(self.data_start + self.end)}"
         return self.staged.commit()
 
     def abort(self, keep: bool = False) -> None:

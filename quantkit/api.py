@@ -21,7 +21,7 @@ from quantkit.atomic import (NEXT, check_apart, check_out, locked, partial_path,
 from . import blocks, consumers, distributed, measurement
 from . import rules as layer_rules
 from .config import DTYPES, UNWEIGHTED, QuantConfig, check_fields, check_arguments, refuse_unused
-from .errors import Note, QuantkitError, ResumableError, option, space_for
+from .errors import COMMAND_LINE, Note, QuantkitError, ResumableError, option, space_for
 from .layers import GROUPS, LINEARS, fused, linear_shapes, shapes_by_name
 from .modelio import Checkpoint, GGUFCheckpoint, Model, check_context, fingerprint, linear_types, load
 from .pipeline import BATCH, Hessian, OtherFn, QuantizeFn, gather_hessians, quantize_layers
@@ -589,12 +589,13 @@ def runs_in(dev: torch.device, dtype: str | None, gguf: bool) -> torch.dtype:
 def check_dequantized(m: Model, packed: bool | None) -> None:
     """Refuse packed=False (--dequantized) for a model with nothing to dequantize, or none to do
     otherwise (a GGUF file: its blocks dequantized in llama.cpp's arithmetic either way)."""
+    flag = "--dequantized" if COMMAND_LINE.get() else "packed=False"
     if packed is False and m.qconfig is None and not m.gguf_types:
-        raise QuantkitError(f"{m.source} is a float model: packed=False (--dequantized) evaluates a dequantized copy "
-                            "of a quantized export, so drop it")
+        raise QuantkitError(f"{m.source} is a float model: {flag} evaluates a dequantized copy of a quantized export, "
+                            "so drop it")
     if packed is False and isinstance(m.checkpoint, GGUFCheckpoint):
         raise QuantkitError(f"{m.source} is a GGUF file, scored with its blocks dequantized as llama.cpp does them "
-                            "either way: packed=False (--dequantized) changes nothing, so drop it")
+                            f"either way: {flag} changes nothing, so drop it")
 
 
 def scoring(m: Model):

@@ -220,7 +220,9 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, overwrite
     limits = {"max_ppl_increase": max_ppl_increase, "max_kld": max_kld, "min_same_top": min_same_top}
     given = [f"--{k.replace('_', '-')}" for k, v in limits.items() if v is not None]
     if base is None and (given or save_base):
-        raise QuantkitError(f"{', '.join(given + ['--save-base'] * bool(save_base))} compare with a base model: add --base BASE")
+        needing = given + ["--save-base"] * bool(save_base)
+        raise QuantkitError(f"{', '.join(needing)} {'needs' if len(needing) == 1 else 'need'} a base model to compare "
+                            "with: add --base BASE")
     from quantkit.evals import kld  # once the options are checked, as in quantize
 
     from . import api
@@ -404,7 +406,8 @@ QUANTIZE_FLAGS = {"method": "--quantize"}  # train --quantize METHOD: quantize's
 @click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=T.seed, show_default=True)
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default=T.optimizer, show_default=True)
 @click.option("--precision", type=click.Choice(PRECISIONS), default=T.precision, show_default=True,
-              help="auto: bf16 autocast where the device has it, else fp16 with a gradient scaler")
+              help="auto: bf16 autocast where the device has it, else on a GPU fp16 with a gradient scaler, on a "
+                   "CPU float32")
 @click.option("--gradient-checkpointing", is_flag=True, help="recompute activations in the backward pass: less memory")
 @click.option("--compile", is_flag=True, help="torch.compile the model (training goes on without it if that fails)")
 @click.option("--fsdp", is_flag=True, help="under torchrun: shard the base, the adapter and the optimizer state over "

@@ -430,6 +430,8 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         write_text(out / "report.json", strict_json(result, indent=1))  # for jq and the like; points/ is read back here only
         write_text(out / "report.md", table(result))
         plot(result, out)
+    if not sweep.keep_exports and not any((out / "exports").iterdir()):  # each point's export measured, then dropped
+        (out / "exports").rmdir()
     lock.close()
     return result
 

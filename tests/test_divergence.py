@@ -161,11 +161,11 @@ def test_cli_json_and_gate(quant_dir, tiny_dir, tmp_path, capsys, monkeypatch):
 
 def test_refusals(quant_dir, tiny_dir, tmp_path, capsys, monkeypatch):
     base = ["eval", quant_dir, "--data", TEST, "--ctx", CTX, "--max-windows", 2]
-    refused([*base, "--max-kld", 0.1], capsys, monkeypatch, "--max-kld compare with a base model: add --base")
-    refused([*base, "--save-base", tmp_path / "b"], capsys, monkeypatch, "--save-base compare with a base")
+    refused([*base, "--max-kld", 0.1], capsys, monkeypatch, "--max-kld needs a base model to compare with: add --base")
+    refused([*base, "--save-base", tmp_path / "b"], capsys, monkeypatch, "--save-base needs a base model")
     refused([*base, "--base", tiny_dir, "--protocol", "wikitext"], capsys, monkeypatch, "drop --protocol")
     refused(["eval", tiny_dir, "--base", tiny_dir, "--data", TEST, "--dequantized"], capsys, monkeypatch,
-            "is a float model: packed=False (--dequantized) evaluates a dequantized copy")  # it was ignored
+            "is a float model: --dequantized evaluates a dequantized copy")  # it was ignored
     quantkit.quantize(tiny_dir, method="rtn", format="gguf", gguf_type="Q8_0", out=tmp_path / "m.gguf", progress=False)
     refused(["eval", tmp_path / "m.gguf", "--data", TEST, "--dequantized"], capsys, monkeypatch,
             "is a GGUF file, scored with its blocks dequantized as llama.cpp does them either way")  # ignored too

@@ -56,7 +56,7 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch, text)
     assert all(f"| {name} |" in md for name in by_name) and "failed: error: 9.0 bits per weight is outside" in md
     for png in ("perplexity.png", "kld.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not list((out / "exports").iterdir())  # exports measured, then dropped
+    assert not (out / "exports").exists()  # exports measured, then dropped
 
     stamps = {p: (out / "points" / f"{p}.json").stat().st_mtime_ns for p in by_name}
     code, printed = both(args, capsys, monkeypatch)  # again: only the failed point runs
@@ -395,3 +395,24 @@ def test_a_failed_points_reason(log, code, said):
     from quantkit.report import failure
 
     assert failure(log, code) == said
+
+
+def test_kept_exports_score_as_the_report_says(tiny_dir, tmp_path, capsys, monkeypatch, text):
+    """--keep-exports was never run. A point is scored as quantize holds it in memory: the file kept must
+    give the same figures loaded from disk, as a user's `quantkit eval --base` would score it."""
+    from quantkit import api
+
+    out = tmp_path / "report"
+    code, _ = both(["report", tiny_dir, "--out", out, "--data", text, "--methods", "rtn,gguf", "--bits", "4",
+                    "--gguf-types", "Q4_K_M", "--group-size", 32, "--windows", 3, "--ctx", 128, "--keep-exports"],
+                   capsys, monkeypatch)
+    points = json.loads((out / "report.json").read_text())["points"]
+    assert code == 0 and sorted(p.name for p in (out / "exports").iterdir()) == ["gguf-Q4_K_M.gguf", "rtn-w4"]
+    for p in points:
+        export = out / "exports" / (p["name"] + (".gguf" if p["format"] == "gguf" else ""))
+        d = api.compare(export, out / "base.logits", text, 128, 3, progress=False)
+        assert p["bytes"] == sum(f.stat().st_size for f in ([export] if export.is_file() else export.iterdir()))
+        # the same file: the figures agree to the arithmetic's rounding (packed kernels against the Model quantize
+        # returned), where the float model's KLD is 0 and this one's ~1e-5, so the KLD tells the two apart
+        assert p["kld_mean"] > 1e-6 and d.kld_mean == pytest.approx(p["kld_mean"], rel=1e-2)
+        assert d.perplexity == pytest.approx(p["perplexity"], rel=1e-4)

@@ -3,6 +3,7 @@ merges equal PEFT's, QLoRA's base is bitsandbytes' NF4, a resumed run repeats an
 one, and two processes repeat one."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,7 +188,7 @@ def test_the_warmup_steps_from_its_first_step(tiny_dir, text, tmp_path):
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
-def test_resumed_run_repeats_an_uninterrupted_one(tiny_dir, text, tmp_path, optimizer):
+def test_resumed_run_repeats_an_uninterrupted_one(tiny_dir, text, tmp_path, capsys, optimizer):
     """Dropout on, so its masks must follow the data's position; killed after step 3, resumed from
     step 2's checkpoint, with torch's AdamW and with bitsandbytes' 8-bit one (whose state holds ints)."""
     opts = dict(steps=6, save_every=2, dropout=0.1, rank=4, lr=1e-2, seqlen=32, batch_size=2, grad_accum=2,
@@ -201,6 +202,7 @@ def test_resumed_run_repeats_an_uninterrupted_one(tiny_dir, text, tmp_path, opti
     with pytest.raises(KeyboardInterrupt):
         train(tiny_dir, data=text, out=tmp_path / "cut", callback=kill, **opts)
     assert not (tmp_path / "cut").exists() and (tmp_path / ".cut.partial" / "checkpoint").is_dir()
+    assert "stopped: the checkpoint of step 2 is in" in capsys.readouterr().err
     resumed = train(tiny_dir, data=text, out=tmp_path / "cut", resume=True, **opts)
     assert [r["loss"] for r in resumed.log] == pytest.approx([r["loss"] for r in whole.log], rel=1e-6)
     assert [r["eval_loss"] for r in resumed.evals] == pytest.approx([r["eval_loss"] for r in whole.evals], rel=1e-6)
@@ -209,6 +211,17 @@ def test_resumed_run_repeats_an_uninterrupted_one(tiny_dir, text, tmp_path, opti
     assert whole.evals[-1]["eval_loss"] < whole.evals[0]["eval_loss"]  # it learns
     assert sorted(p.name for p in (tmp_path / "cut").iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors", "loss.png", "train_log.json"]
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_nothing_is_kept(tiny_dir, text, tmp_path, capsys):
+    def kill(record):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_dir, data=text, out=tmp_path / "a", steps=4, save_every=2, warmup=0, rank=4, callback=kill, **SHORT)
+    assert "stopped before the first checkpoint (one each save_every=2 steps): nothing is kept" in \
+        capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_checkpoint_cut_short_stays_out_of_the_adapter(tiny_dir, text, tmp_path, monkeypatch):
@@ -355,6 +368,23 @@ def test_fp16_with_a_gradient_scaler(tiny_dir, text, tmp_path):
     assert [r["grad_norm"] for r in half.log] == pytest.approx([r["grad_norm"] for r in full.log], rel=5e-2)
     assert load_file(tmp_path / "fp16" / lora.WEIGHTS)[
         "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"].abs().sum() > 0
+
+
+def test_auto_precision_is_bf16_only_where_the_cpu_multiplies_it(monkeypatch):
+    """--precision auto on a CPU: bf16 autocast where the CPU has AVX512-BF16 or AMX (its flags in
+    /proc/cpuinfo), float32 elsewhere, where bf16 is emulated (16x float32's time per step on AVX2);
+    asked for, bf16 is used either way."""
+    from quantkit.trainer import loop
+
+    cpu = torch.device("cpu")
+    info = Path("/proc/cpuinfo")
+    if info.is_file():
+        flags = {f for line in info.read_text().splitlines() if line.startswith("flags") for f in line.split()}
+        assert loop.cpu_bf16() == bool(flags & {"avx512_bf16", "amx_tile"})
+    for native, chosen in ((True, torch.bfloat16), (False, None)):
+        monkeypatch.setattr(loop, "cpu_bf16", lambda: native)
+        assert loop.autocast_dtype("auto", cpu) == chosen
+        assert loop.autocast_dtype("bf16", cpu) == torch.bfloat16 and loop.autocast_dtype("fp32", cpu) is None
 
 
 @pytest.mark.parametrize("limit", [0.01, 1e6], ids=["clipped", "unclipped"])

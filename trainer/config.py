@@ -40,7 +40,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     optimizer: str = "adamw"
-    precision: str = "auto"  # auto: bf16 where the device has it, fp16 with a gradient scaler on older GPUs
+    precision: str = "auto"  # auto: bf16 where the device has it, else fp16 with a gradient scaler on a GPU, fp32 on a CPU
     gradient_checkpointing: bool = False
     compile: bool = False
     fsdp: bool = False  # shard the frozen base, the adapter and its optimizer state over torchrun's processes

@@ -59,9 +59,18 @@ class TrainResult:
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     if precision == "fp32":
         return None
-    if precision == "auto":  # bf16 where the hardware has it (CPUs run it through oneDNN), else fp16
-        return torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
+    if precision == "auto":  # bf16 where the hardware has it; else fp16 on a GPU, float32 on a CPU
+        if device.type == "cpu":
+            return torch.bfloat16 if cpu_bf16() else None
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def cpu_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX). Elsewhere bf16 is emulated: a
+    step of the embedded model took 16x float32's time on an AVX2 CPU (benchmarks/RESULTS.md)."""
+    return any(getattr(torch.cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported",
+                                                                      "_is_amx_tile_supported"))
 
 
 def digest(path: Path | None) -> str | None:
@@ -478,6 +487,9 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
             if kept is not None:  # Ctrl-C or SIGTERM: where to go on from
                 print(f"stopped: the checkpoint of step {kept['step']} is in {checkpoints.latest()}: run the same command "
                       f"with {option('resume', True)} to go on from it", file=sys.stderr)
+            elif isinstance(e, KeyboardInterrupt) and rank == 0:
+                print(f"stopped before the first checkpoint (one each {option('save_every', config.save_every)} steps): "
+                      "nothing is kept", file=sys.stderr)
             if isinstance(e, distributed.Stopped):  # its advice (the same command) is quantize's: train's needs --resume
                 raise ResumableError(f"another process of this torchrun job stopped{e.how}: " + (
                     f"the last checkpoint is kept: run the same command with {option('resume', True)} to go on from it"
