@@ -469,7 +469,14 @@ def test_merge_onto_nf4_with_a_damaged_log(adapter, capsys, monkeypatch, tmp_pat
 
 
 def test_resume_with_nothing_to_resume(tiny_dir, text, capsys, monkeypatch, tmp_path):
-    train_fails(tiny_dir, text, capsys, monkeypatch, tmp_path, "nothing to resume", "--resume")
+    from quantkit.trainer import dataset
+
+    def read(*args, **kwargs):
+        raise AssertionError("the data was tokenized before the run found nothing to resume")
+
+    with monkeypatch.context() as patch:  # said before the data is read: a large file takes minutes
+        patch.setattr(dataset, "read", read)
+        train_fails(tiny_dir, text, capsys, monkeypatch, tmp_path, "nothing to resume", "--resume")
     # a directory that holds no adapter was "a finished adapter", then refused with merge's advice
     (tmp_path / "out").mkdir()
     fails(["train", tiny_dir, "--data", text, "--out", tmp_path / "out", *FAST, "--steps", 1, "--resume", "--quantize",

@@ -397,6 +397,15 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
         if config.batch_size % world:
             raise QuantkitError(f"a batch of {config.batch_size} does not split over {world} processes: use a "
                                 f"{option('batch_size')} that is a multiple of {world}")
+        # before the model and data are read; every process reads the checkpoint, only rank 0 holds the lock
+        partial = partial_path(out)
+        checkpoints = Checkpoints(partial)
+        if resume and checkpoints.latest() is None:
+            raise QuantkitError(f"nothing to resume: {out} exists and no checkpoint of a run writing it is left (the run "
+                                f"finished): use it, or train again without {option('resume', True)}, with "
+                                f"{option('overwrite', True)} or another {option('out')}" if Path(out).exists() else
+                                f"nothing to resume: no checkpoint of a run writing {out} (in {partial}): run without "
+                                f"{option('resume', True)}")
         amp = autocast_dtype(config.precision, dev)
         m = model if isinstance(model, Model) else load(model)
         if m.adapter is not None:
@@ -435,14 +444,6 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
                           f"a smaller {option('warmup')}")
         key = run_key(m.source, config, data_file, eval_file)
 
-        partial = partial_path(out)  # every process reads the checkpoint; only rank 0 holds the lock
-        checkpoints = Checkpoints(partial)
-        if resume and checkpoints.latest() is None:
-            raise QuantkitError(f"nothing to resume: {out} exists and no checkpoint of a run writing it is left (the run "
-                                f"finished): use it, or train again without {option('resume', True)}, with "
-                                f"{option('overwrite', True)} or another {option('out')}" if Path(out).exists() else
-                                f"nothing to resume: no checkpoint of a run writing {out} (in {partial}): run without "
-                                f"{option('resume', True)}")
         with distributed.first_refuses(f"open {out}"):  # its lock: the others stop too, before building the model
             staged = Staged(out, overwrite) if rank == 0 else None
         state = None
