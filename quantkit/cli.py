@@ -175,11 +175,15 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
                      targets=targets, checked=before if eval_data else None)
     if distributed.rank() != 0:  # under torchrun, rank 0 reports
         return
+    exported(out, fmt, m)
+    if eval_data:  # the export as it loads, packed (GGUF: dequantized, with llama.cpp's arithmetic)
+        show("after", api.evaluate(out, eval_data, "llamacpp", ctx, eval_windows, device=device))
+
+
+def exported(out: str, fmt: str, m) -> None:
     click.echo(f"exported to {out}")
     click.echo("who loads it, from their documented limits:")  # as written: --target-bpw's settings are chosen by now
     click.echo("\n".join(consumers.summary(consumers.Export.of(fmt, m.qconfig, m.module))))
-    if eval_data:  # the export as it loads, packed (GGUF: dequantized, with llama.cpp's arithmetic)
-        show("after", api.evaluate(out, eval_data, "llamacpp", ctx, eval_windows, device=device))
 
 
 cli.add_command(export)
@@ -518,9 +522,9 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
             trainer.merge(out, merged, overwrite=overwrite)
             click.echo(f"merged into {merged} ({size(size_on_disk(Path(merged)))})")
         with renamed(QUANTIZE_FLAGS):
-            api.quantize(load(merged), qconfig, calib_data=calib_data, calib_samples=calib_samples,
-                         calib_seqlen=calib_seqlen, out=quantize_out, format=fmt, overwrite=overwrite, device=device)
-        click.echo(f"exported to {quantize_out}")
+            m = api.quantize(load(merged), qconfig, calib_data=calib_data, calib_samples=calib_samples,
+                             calib_seqlen=calib_seqlen, out=quantize_out, format=fmt, overwrite=overwrite, device=device)
+        exported(quantize_out, fmt, m)
 
 
 @cli.command()

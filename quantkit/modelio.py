@@ -818,6 +818,7 @@ def fill_cache(target: Path, write: Callable[[Path], None], ready: Callable[[Pat
         try:
             with space_for(target, needed, "the cache entry", "run again"):
                 write(tmp)
+                readable(tmp)
                 sync(tmp)  # on disk before the name says complete
         except BaseException:
             remove(tmp)
@@ -825,6 +826,16 @@ def fill_cache(target: Path, write: Callable[[Path], None], ready: Callable[[Pat
         os.rename(tmp, target)
         fsync(target.parent)
     return target
+
+
+def readable(path: Path) -> None:
+    """Every file under path readable as far as the umask allows: safetensors' writer makes its files
+    0600, which the other users of a shared cache (QUANTKIT_CACHE) could not read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in [path] if path.is_file() else path.rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            f.chmod(f.stat().st_mode | (0o444 & ~mask))
 
 
 def default_gguf() -> Path:

@@ -47,3 +47,21 @@ def test_a_killed_fill_leaves_nothing_that_looks_complete(tmp_path):
     assert [f.name for f in tmp_path.glob(".model.tmp-*")] == [f".model.tmp-{p.pid}"]
     slow_fill(str(target), str(log))  # the next fill clears the dead one's temporary and completes
     assert (target / "config.json").is_file() and not list(tmp_path.glob(".model.tmp-*"))
+
+
+def test_a_filled_entry_is_readable_as_the_umask_allows(tmp_path):
+    """The embedded model's model.safetensors was 0600 (safetensors' writer), unreadable by the other
+    users of a shared cache; the files beside it were 0644."""
+    def write(tmp: Path) -> None:
+        tmp.mkdir()
+        os.close(os.open(tmp / "model.safetensors", os.O_WRONLY | os.O_CREAT, 0o600))
+        os.close(os.open(tmp / "run", os.O_WRONLY | os.O_CREAT, 0o700))
+        (tmp / "config.json").write_text("{}")
+
+    mask = os.umask(0o027)
+    try:
+        fill_cache(tmp_path / "model", write, lambda t: (t / "config.json").is_file())
+    finally:
+        os.umask(mask)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "model").iterdir()}
+    assert modes == {"model.safetensors": 0o640, "run": 0o740, "config.json": 0o640}

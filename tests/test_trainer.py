@@ -541,6 +541,9 @@ def test_train_then_quantize_in_one_command(tiny_dir, text, tmp_path):
     assert job.returncode == 0, job.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a-merged", "a-rtn"]
     assert quantkit.load(tmp_path / "a-rtn").qconfig.method == "rtn"
+    said = job.stdout.splitlines()  # who loads it, as quantize says
+    assert said[said.index(f"exported to {tmp_path / 'a-rtn'}") + 1] == "who loads it, from their documented limits:"
+    assert any(line.split()[0] == "yes" and "GPTQModel" in line for line in said if line.startswith("  "))
 
 
 @pytest.mark.parametrize("stage", ["merge", "quantize"])
