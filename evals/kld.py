@@ -350,9 +350,10 @@ class Divergence:
 
 
 def save_base(module: torch.nn.Module, tokenizer, windows: torch.Tensor, path: str | os.PathLike,
-              batch_size: int = 4, progress: bool = True, overwrite: bool = False) -> None:
+              batch_size: int = 4, progress: bool = True, overwrite: bool = False) -> float:
     """Score windows (n, ctx) on the base model and save its log-probabilities at path (atomically);
-    overwrite: replace a file there (else one that appeared while the base was scored is refused)."""
+    overwrite: replace a file there (else one that appeared while the base was scored is refused).
+    The base's perplexity, exact (the saved rows floor a target 16 nats under the top), as Sums takes a model's."""
     from quantkit.atomic import Staged
 
     staged = Staged(path, overwrite=overwrite, directory=False, option="save_base")
@@ -361,16 +362,20 @@ def save_base(module: torch.nn.Module, tokenizer, windows: torch.Tensor, path: s
     try:
         staged.fresh()
         with space_for(path, needed, "the saved base", "save it again"), open(staged.path, "wb") as f:
-            writer = None
-            for logits, _ in window_logits(module, tokenizer, windows, "llamacpp", batch_size, progress, "base"):
+            writer, nll, count = None, 0.0, 0
+            for logits, targets in window_logits(module, tokenizer, windows, "llamacpp", batch_size, progress, "base"):
                 writer = writer or BaseWriter(f, windows, logits.shape[-1])
                 writer.add(logits.cpu())
+                for lg, tg in zip(logits.cpu(), targets.cpu()):
+                    nll -= torch.log_softmax(lg.double(), -1).gather(-1, tg[:, None]).sum().item()
+                    count += len(tg)
             f.flush()
             os.fsync(f.fileno())
         staged.commit()
     except BaseException:
         staged.abort()
         raise
+    return exp_or_inf(nll / count)
 
 
 def divergence(module: torch.nn.Module, tokenizer, windows: torch.Tensor, base: BaseFile,

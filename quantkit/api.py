@@ -694,13 +694,13 @@ def compare(
 
 def write_base(base: Model, path: PathLike, text: str, ctx: int = 512, max_windows: int | None = None,
                device: str | None = None, progress: bool = True, dtype: str | None = None,
-               overwrite: bool = False) -> None:
+               overwrite: bool = False) -> float:
     """Score the text's windows on the base and save its log-probabilities at path (llama.cpp's layout);
-    overwrite: replace a file there."""
+    overwrite: replace a file there. The base's exact perplexity on them."""
     b = ready(base, device=device, dtype=dtype)
     with scoring(b):
         windows = evals.windows(b.tokenizer, text, "llamacpp", ctx, max_windows, progress)
-        evals.save_base(b.module, b.tokenizer, windows, path, progress=progress, overwrite=overwrite)
+        return evals.save_base(b.module, b.tokenizer, windows, path, progress=progress, overwrite=overwrite)
 
 
 def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float | None = None,

@@ -101,6 +101,10 @@ class Settings:
     exl2_measured: bool = False  # EXL2 points spend the target by one measurement, OUT/exl2-measurement.json
     calib_seqlen: int = 512
     weights: str = ""  # the model's files as modelio.fingerprint gives them: a report goes on only with the same
+    texts: str = ""  # the same of --data and --calib-data: text edited at its path is another report's
+
+
+FILES = {"weights": "the model's files", "texts": "the --data or --calib-data file"}  # fingerprints, named not shown
 
 
 def tensor_bytes(path: Path) -> dict[str, int]:
@@ -144,7 +148,7 @@ def run_point(spec: dict) -> dict:
     from .pipeline import peak_rss
 
     p, s, out = Point(**spec["point"]), Settings(**spec["settings"]), Path(spec["out"])
-    export = out / "exports" / (p.name + (".gguf" if p.format == "gguf" else ""))
+    export = export_path(out, p)
     m = load(s.model or None)
     measurement = str(out / "exl2-measurement.json") if p.exl2 and s.exl2_measured else None
     config = QuantConfig(measurement=measurement, **p.config(s.group_size))
@@ -333,7 +337,8 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
                        # scores its points on the same records or is refused
                        lm_eval_data_dir=str(Path(s.lm_eval_data_dir or default_data_dir()).resolve())
                        if s.tasks else None,
-                       weights=fingerprint(s.model or default_model_dir()))
+                       weights=fingerprint(s.model or default_model_dir()),
+                       texts=" ".join(fingerprint(t) for t in (s.data, s.calib_data) if t))
     model, data, windows, ctx = settings.model or None, settings.data, settings.windows, settings.ctx
     out = Path(out)
     fresh = not out.exists()
@@ -347,10 +352,12 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     # a setting added since the report began is its default there
     defaults = {f.name: f.default for f in fields(Settings) if f.default is not MISSING}
     before = {**defaults, **read_json(saved)} if saved.exists() else {}
-    if before and before["lm_eval_data_dir"] is None:  # a report begun before the folder was saved: the one found now
-        before["lm_eval_data_dir"] = settings.lm_eval_data_dir
+    for k in ("lm_eval_data_dir", "texts"):  # a report begun before these were saved: the ones found now
+        if before and not before[k]:
+            before[k] = getattr(settings, k)
     if before and before != asdict(settings):
-        changed = "; ".join(f"{k}: {v!r} here, {before.get(k)!r} in the report" for k, v in asdict(settings).items()
+        changed = "; ".join(f"{FILES[k]} changed since the report began (name, size or time)" if k in FILES else
+                            f"{k}: {v!r} here, {before.get(k)!r} in the report" for k, v in asdict(settings).items()
                             if before.get(k) != v) or "a setting this version does not have"
         raise QuantkitError(f"{out} holds a report of other settings ({changed}): run with its settings to go on, or "
                             "choose another --out")
@@ -364,12 +371,16 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
             lock.close()
             atomic.remove(out)
 
-    if not (out / "base.json").exists():  # written after base.logits: both are there or the base is redone
-        echo(f"base: scoring {windows} windows of {ctx} on the float model")
+    # base.json is written after base.logits: both are there or the base is redone, as it is when base.logits
+    # (large, a GB for a 49k vocabulary) was deleted once a report was done; its lm-eval scores are kept
+    kept = read_json(out / "base.json") if (out / "base.json").exists() else None
+    if kept is None or not base.is_file():
+        echo(f"base: scoring {windows} windows of {ctx} on the float model" + (
+            f" again ({base} is gone)" if kept is not None else ""))
         try:
             m = load(model)
-            api.write_base(m, base, calibration.load_text(data, split="test", tokenizer=m.tokenizer), ctx, windows,
-                           overwrite=True)  # the report's own, from a run stopped before base.json; its bar on stderr
+            ppl = api.write_base(m, base, calibration.load_text(data, split="test", tokenizer=m.tokenizer), ctx,
+                                 windows, overwrite=True)  # the report's own, from a run stopped before base.json
         except QuantkitError:  # bad input (the model, the text, ctx): nothing of this run is worth keeping
             abandon()
             raise
@@ -378,7 +389,8 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         scored = evals.BaseFile(base)
         if scored.n < windows:
             echo(f"base: the text gives {scored.n} windows of {ctx}, fewer than --windows {windows}")
-        write_json(out / "base.json", {"perplexity": scored.perplexity(), "windows": scored.n, "params": params,
+        # exact, as the points' perplexities are (the saved rows floor a target 16 nats under the top)
+        write_json(out / "base.json", {**(kept or {}), "perplexity": ppl, "windows": scored.n, "params": params,
                                        "linear_params": linear, "bytes": sum(f.stat().st_size for f in shard_files(
                                            source)) if source.is_dir() else source.stat().st_size})
         del m
@@ -411,6 +423,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
             echo(f"stopped: the points finished so far are kept in {out}: run the same command to go on")
             raise
         if not done.exists() or r.returncode != 0:
+            drop(export_path(out, p))  # half written, or measured before it failed: not what was asked to be kept
             error = failure(log.read_text(), r.returncode)
             write_json(done, {**asdict(p), "status": "failed", "error": error[:500], "returncode": r.returncode})
             echo(f"    failed: {error[:200]} (log: {log})")
@@ -434,6 +447,17 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         (out / "exports").rmdir()
     lock.close()
     return result
+
+
+def export_path(out: Path, p: Point) -> Path:
+    return out / "exports" / (p.name + (".gguf" if p.format == "gguf" else ""))
+
+
+def drop(export: Path) -> None:
+    """A point's export, and what a quantize killed or failed while writing it leaves beside it."""
+    for f in [export, atomic.partial_path(export), *atomic.progress_files(export),
+              *atomic.siblings(export, r"\.{name}\.(lock|old-\d+)")]:
+        atomic.remove(f)
 
 
 def failure(log: str, returncode: int) -> str:

@@ -416,3 +416,48 @@ def test_kept_exports_score_as_the_report_says(tiny_dir, tmp_path, capsys, monke
         # returned), where the float model's KLD is 0 and this one's ~1e-5, so the KLD tells the two apart
         assert p["kld_mean"] > 1e-6 and d.kld_mean == pytest.approx(p["kld_mean"], rel=1e-2)
         assert d.perplexity == pytest.approx(p["perplexity"], rel=1e-4)
+
+
+def test_a_point_killed_after_its_export_leaves_no_export(tiny_dir, tmp_path, capsys, monkeypatch, text):
+    """A point that died after writing its export (killed by the out-of-memory killer while scored, say)
+    left the export in OUT/exports, of the model's size, that nobody asked to keep."""
+    planted, out = tmp_path / "site", tmp_path / "report"
+    planted.mkdir()
+    (planted / "sitecustomize.py").write_text("import os\nimport quantkit.api\n"
+                                              "quantkit.api.compare = lambda *args, **kwargs: os._exit(9)\n")
+    with monkeypatch.context() as planting:
+        planting.setenv("PYTHONPATH", os.pathsep.join([str(planted), os.environ.get("PYTHONPATH", "")]))
+        code, printed = both(["report", tiny_dir, "--out", out, "--data", text, "--methods", "rtn", "--bits", "4",
+                              "--group-size", 32, "--windows", 1, "--ctx", 64], capsys, monkeypatch)
+    assert code == 1 and "failed: rtn-w4" in printed
+    assert not (out / "exports").exists()
+
+
+def test_a_report_goes_on_without_its_base_logits_and_not_with_its_text_edited(tiny_dir, tmp_path, capsys,
+                                                                                monkeypatch, text):
+    """base.logits (a GB for a 49k vocabulary) deleted once a report was done: every later point quantized,
+    then failed, naming base.logits as a model path. Now the base is scored again. A --data edited at its
+    path was taken for the same text until a point failed on the saved base's tokens; now it is refused
+    first. The base's perplexity is exact, as the points' are: the saved rows floor the targets."""
+    from quantkit import api
+
+    data = tmp_path / "text.txt"
+    shutil.copy(text, data)
+    out = tmp_path / "report"
+    args = ["report", tiny_dir, "--out", out, "--data", data, "--methods", "rtn", "--group-size", 32,
+            "--windows", 2, "--ctx", 64]
+    assert both([*args, "--bits", "8"], capsys, monkeypatch)[0] == 0
+    base = json.loads((out / "base.json").read_text())
+    assert base["perplexity"] == pytest.approx(api.evaluate(tiny_dir, data, "llamacpp", 64, 2, progress=False)
+                                               .perplexity, rel=1e-9)
+    (out / "base.logits").unlink()
+    code, printed = both([*args, "--bits", "4"], capsys, monkeypatch)
+    assert code == 0 and f"base: scoring 2 windows of 64 on the float model again ({out / 'base.logits'} is gone)" \
+        in printed
+    assert json.loads((out / "base.json").read_text()) == base
+    assert [p["status"] for p in json.loads((out / "report.json").read_text())["points"]] == ["ok", "ok"]
+    data.write_text(data.read_text()[::-1])
+    code, _, err = cli([*args, "--bits", "3"], capsys, monkeypatch)
+    assert code == 2 and err[-1] == (f"error: {out} holds a report of other settings (the --data or --calib-data file "
+                                     "changed since the report began (name, size or time)): run with its settings to "
+                                     "go on, or choose another --out")

@@ -276,6 +276,9 @@ def test_lora_plus_and_8bit_adamw(tiny_dir, text, tmp_path):
     layer = lora.LoraLinear(torch.nn.Linear(16, 8), rank=2, scale=1.0)
     groups = optimizer(TrainConfig(lr=1e-3, lora_plus=16), {"x": layer}, torch.device("cpu")).param_groups
     assert [g["lr"] for g in groups] == [1e-3, 16e-3] and groups[1]["params"] == [layer.lora_B.weight]
+    dora = lora.LoraLinear(torch.nn.Linear(16, 8), rank=2, scale=1.0, dora=True)  # its magnitude with B, as PEFT's
+    groups = optimizer(TrainConfig(lr=1e-3, lora_plus=16), {"x": dora}, torch.device("cpu")).param_groups
+    assert groups[0]["params"] == [dora.lora_A.weight] and groups[1]["params"] == [dora.lora_B.weight, dora.magnitude]
     result = train(tiny_dir, data=text, out=tmp_path / "a", steps=3, rank=4, lr=1e-2, optimizer="adamw8bit", **SHORT)
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in result.log)
     assert load_file(tmp_path / "a" / lora.WEIGHTS)[
@@ -455,7 +458,8 @@ def test_two_processes_repeat_one_on_padded_batches(chat_dir, tmp_path):
     records = [{"instruction": " ".join(words[i * 40: i * 40 + 5 + 3 * i]), "response": " ".join(words[i * 40 + 20: i * 40 + 24 + i])}
                for i in range(12)]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    common = [chat_dir, "--data", tmp_path / "data.jsonl", "--steps", 2, "--seqlen", 64, "--batch-size", 4, "--rank", 4,
+    # at 128 tokens, 11 records of 68 to 128 (at 64, 3 were left, all cut to 64: nothing was padded)
+    common = [chat_dir, "--data", tmp_path / "data.jsonl", "--steps", 2, "--seqlen", 128, "--batch-size", 4, "--rank", 4,
               "--dropout", 0.1, "--eval-fraction", 0, "--precision", "fp32", "--lr", 1e-2]
     single = one_process(*common, "--out", tmp_path / "one", command="train")
     assert single.returncode == 0, single.stderr[-3000:]
@@ -463,6 +467,7 @@ def test_two_processes_repeat_one_on_padded_batches(chat_dir, tmp_path):
     assert job.returncode == 0, job.stderr[-3000:]
     one, two = (json.loads((tmp_path / d / "train_log.json").read_text())["log"] for d in ("one", "two"))
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    assert [r["tokens"] for r in two] == [r["tokens"] for r in one]  # not the first process's share times two
 
 
 def test_fsdp_shards_the_base_and_the_adapter(tiny_dir, tmp_path):

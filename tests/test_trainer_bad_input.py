@@ -535,7 +535,8 @@ def train_6(tmp_path, model, text):
 
 
 @pytest.mark.parametrize("at,match", [(1, "at step 1: no checkpoint was saved yet: lower --lr"),
-                                      (3, "at step 3: the last good checkpoint (step 2) is in")])
+                                      (3, "at step 3: lower --lr and train again with --overwrite (resumed, the run "
+                                          "would repeat the same steps; the last good checkpoint, of step 2, is in")])
 def test_nan_loss(tiny_dir, text, quiet, capsys, monkeypatch, tmp_path, at, match):
     nan_from(monkeypatch, at)
     fails(train_6(tmp_path, tiny_dir, text), capsys, monkeypatch, match)
@@ -559,8 +560,30 @@ def test_nan_gradients_under_a_finite_loss(tiny_dir, text, quiet, capsys, monkey
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
     fails(train_6(tmp_path, tiny_dir, text), capsys, monkeypatch,
-          "the gradients' norm became nan at step 3: the last good checkpoint (step 2) is in")
+          "the gradients' norm became nan at step 3: lower --lr and train again with --overwrite")
     assert left(tmp_path) == [".out.partial"] and saved_step(tmp_path) == 2
+
+
+def test_a_step_the_loss_scaler_skipped_is_logged_as_strict_json(tiny_dir, text, quiet, monkeypatch, tmp_path):
+    """fp16's scaler skips a step whose gradients overflow (its norm inf), as it should; train_log.json
+    then held `Infinity`, which jq and JavaScript refuse."""
+    real, calls = torch.amp.GradScaler.unscale_, []
+
+    def unscale(self, opt):  # an overflow in the second step's backward, as the scaler finds it
+        calls.append(1)
+        if len(calls) == 2:
+            opt.param_groups[0]["params"][0].grad.fill_(float("inf"))
+        return real(self, opt)
+
+    monkeypatch.setattr(torch.amp.GradScaler, "unscale_", unscale)
+    train(str(tiny_dir), data=text, out=tmp_path / "out", steps=3, seqlen=32, batch_size=2, rank=4, warmup=0,
+          eval_fraction=0, precision="fp16", progress=False)
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    log = json.loads((tmp_path / "out" / "train_log.json").read_text(), parse_constant=refuse)["log"]
+    assert [r["grad_norm"] is None for r in log] == [False, True, False]
 
 
 def test_error_after_the_progress_bar(tiny_dir, text, capsys, monkeypatch, tmp_path):

@@ -29,6 +29,7 @@ from quantkit.errors import (NO_ROOM, REFUSED, QuantkitError, ResumableError, fr
 from quantkit.atomic import Staged, fsync, partial_path, remove
 from quantkit.config import check_fields, check_arguments
 from quantkit.modelio import Model, check_context, fingerprint, load
+from quantkit.report import strict_json
 from quantkit.pipeline import free_memory, map_large_blocks, peak_memory, read_progress, save_progress
 
 from . import dataset, lora
@@ -197,8 +198,8 @@ def load_optimizer_state(opt: torch.optim.Optimizer, state: dict) -> None:
 
 def optimizer(config: TrainConfig, layers: dict, device: torch.device) -> torch.optim.Optimizer:
     """AdamW (torch's, or bitsandbytes' 8-bit or paged one); LoRA+: B at lora_plus times the rate."""
-    a = [p for l in layers.values() for p in (l.lora_A.weight, l.magnitude) if p is not None]
-    b = [l.lora_B.weight for l in layers.values()]
+    a = [l.lora_A.weight for l in layers.values()]  # DoRA's magnitude with B, as PEFT's LoRA+ puts every vector
+    b = [p for l in layers.values() for p in (l.lora_B.weight, l.magnitude) if p is not None]
     groups = [{"params": a}, {"params": b, "lr": config.lr * (config.lora_plus or 1)}]
     kw = {"lr": config.lr, "weight_decay": config.weight_decay}
     if config.optimizer == "adamw":
@@ -241,7 +242,7 @@ def held_out_loss(module, examples, config: TrainConfig, pad: int, device, amp, 
     # under FSDP every forward gathers each layer from all processes: each runs as many as the busiest
     busiest = math.ceil(len(examples) / distributed.world()) if config.fsdp else len(mine)
     chunks = math.ceil(busiest / config.batch_size)
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device=distributed.collective_device())  # NCCL: a GPU's
     with torch.no_grad(), (torch.autocast(device.type, amp) if amp else nullcontext()):
         # below the step bar, which a log (no terminal) cannot redraw: there it would write cursor moves
         for k in tqdm(range(0, chunks * config.batch_size, config.batch_size), desc="held-out loss", unit="batch",
@@ -368,8 +369,10 @@ def plot(path: Path, log: list[dict], evals: list[dict], title: str) -> None:
 def diverged(checkpoints: Checkpoints, what: str) -> None:
     """Stop a run whose loss or gradients are no longer finite, saying where to go on from."""
     saved = checkpoints.latest()
-    where = (f"the last good checkpoint (step {checkpoints.load()['step']}) is in {saved}: lower {option('lr')}, or "
-             "resume from it") if saved else f"no checkpoint was saved yet: lower {option('lr')}"
+    # a resumed run repeats the same steps, and another --lr is another run: its checkpoint is of no use to it
+    where = (f"lower {option('lr')} and train again with {option('overwrite', True)} (resumed, the run would repeat "
+             f"the same steps; the last good checkpoint, of step {checkpoints.load()['step']}, is in {saved})"
+             if saved else f"no checkpoint was saved yet: lower {option('lr')}")
     raise QuantkitError(f"{what}: {where}")
 
 
@@ -561,6 +564,7 @@ def run(m: Model, config: TrainConfig, names: list[str], *, train_set: list[data
             first = step * config.batch_size * config.grad_accum  # this step's first place in the data stream
             stream = dataset.sequence(len(train_set), config.seed, first, config.batch_size * config.grad_accum)
             scored = sum(train_set[i].scored for i in stream)  # over the whole global batch: every process knows it
+            tokens += sum(train_set[i].ids.numel() for i in stream)  # each process's share differs in length
             loss_sum = 0.0
             for k in range(config.grad_accum):
                 shares = list(range(k * config.batch_size, (k + 1) * config.batch_size))[rank::world]
@@ -581,7 +585,6 @@ def run(m: Model, config: TrainConfig, names: list[str], *, train_set: list[data
                         loss = token_loss(forward, mine, pad, dev) / scored
                 (scaler.scale(loss) if scaler else loss).backward()
                 loss_sum += float(loss.detach())
-                tokens += sum(e.ids.numel() for e in mine)
             if config.fsdp:  # FSDP summed the gradients
                 loss_sum = float(distributed.sum_(torch.tensor([loss_sum], device=dev), "summing the loss"))
             elif world > 1:  # the adapter's gradients and the loss, summed over the processes in one message
@@ -605,10 +608,10 @@ def run(m: Model, config: TrainConfig, names: list[str], *, train_set: list[data
                 opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            record = {"step": step + 1, "loss": loss_sum, "lr": lr, "grad_norm": norm, "tokens": seen + tokens * world}
+            record = {"step": step + 1, "loss": loss_sum, "lr": lr, "grad_norm": norm, "tokens": seen + tokens}
             result.log.append(record)
             elapsed = time.perf_counter() - began - evaluating
-            bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens * world / elapsed:.0f}", refresh=False)
+            bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / elapsed:.0f}", refresh=False)
             bar.update()
             last = step + 1 == total
             if (step + 1) % config.eval_every == 0 or last:
@@ -636,7 +639,7 @@ def run(m: Model, config: TrainConfig, names: list[str], *, train_set: list[data
         bar.close()
     result.steps = len(result.log)
     result.stopped_early = stop
-    result.tokens_per_s = tokens * world / max(time.perf_counter() - began - evaluating, 1e-9)
+    result.tokens_per_s = tokens / max(time.perf_counter() - began - evaluating, 1e-9)
     result.peak_memory = peak_memory()
     if config.patience is not None and best is not None:  # --patience keeps the best step's adapter, stopped or not
         lora.load_state(layers, best, "the best step's adapter")  # and the model in memory is the adapter written
@@ -651,6 +654,6 @@ def write(directory: Path, m: Model, config: TrainConfig, result: TrainResult, a
     base = os.path.abspath(m.source) if os.path.exists(m.source) else m.source
     lora.save(directory, m.module, adapter, config, base)
     log = {"config": config.to_dict(), "key": key, **{k: v for k, v in result.to_dict().items() if k != "out"}}
-    (directory / LOG).write_text(json.dumps(log, indent=1) + "\n")
+    (directory / LOG).write_text(strict_json(log, indent=1) + "\n")  # a step fp16's scaler skipped: grad_norm null
     plot(directory / PLOT, result.log, result.evals, f"{config.method}{' + DoRA' if config.dora else ''} "
          f"r{config.rank} on {Path(m.source).name}")
