@@ -362,9 +362,8 @@ def quantize(
     for name, value in (("calib_samples", calib_samples), ("calib_seqlen", calib_seqlen), ("seed", seed)):
         whole(name, value)  # their ranges: where they are used, in the command line's words
     targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
-    dev = device_of(device)
     with distributed.joined(not alone):
-        distributed.init(dev)  # under torchrun: this process's part of the job
+        dev = distributed.init(device_of(device))  # under torchrun: this process's part of the job, on its GPU
         keep = out is None if keep is None else keep
         if not keep and out is None:
             raise QuantkitError("keep=False writes the quantized layers to out and drops them from memory: pass out")

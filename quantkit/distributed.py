@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import launcher
-from .errors import QuantkitError, ResumableError
+from .errors import QuantkitError, ResumableError, option
 
 T = TypeVar("T")
 
@@ -52,18 +52,28 @@ def joined(joins: bool) -> Iterator[None]:
 JOIN_S = 300  # a job's processes start together: one not there by then is not coming
 
 
-def init(device: torch.device) -> None:
+def init(device: torch.device) -> torch.device:
     """Join the torchrun job this process was launched in, if any (WORLD_SIZE > 1). A process that
     inherited WORLD_SIZE without the rest of torchrun's variables is refused; one whose peers do not
-    join within JOIN_S says so and exits, where it waited 30 minutes, deaf to SIGTERM."""
-    if not JOINS.get():  # quantize(alone=True): this process's environment is its pipeline's business
-        return
-    size = launcher.launched()
-    if size < 2 or dist.is_initialized():
-        return
+    join within JOIN_S says so and exits, where it waited 30 minutes, deaf to SIGTERM. The device this
+    process works on: a GPU by its number (under torchrun, its LOCAL_RANK's), since safetensors' reader
+    takes a bare "cuda" for GPU 0, where every process would then read its weights."""
+    # quantize(alone=True): this process's environment is its pipeline's business
+    if JOINS.get() and (size := launcher.launched()) >= 2 and not dist.is_initialized():
+        join(size, device)
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
+        else device
+
+
+def join(size: int, device: torch.device) -> None:
     launcher.check(size)
     if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if device.index is not None:  # every process on one GPU: NCCL refuses it, as a peer that "stopped"
+            raise QuantkitError(f"{option('device', str(device))} under torchrun: each process takes the GPU of its "
+                                f"LOCAL_RANK: pass {option('device', 'cuda')}, and choose the GPUs with "
+                                "CUDA_VISIBLE_DEVICES")
+        # one visible GPU per process (a scheduler's) is GPU 0 to each
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
     def absent() -> None:  # the rendezvous blocks in C++: no exception reaches it
         print(f"error: the other processes of this job (WORLD_SIZE={size}) did not join at "

@@ -86,7 +86,8 @@ class Model:
                                 f"memory: load that export, quantize with keep=True, or load the float model again")
         for name, shape in meta.items():  # one at a time: no second copy of the whole model while converting
             t = self.checkpoint.read({name: shape}, device)[name]
-            set_module_tensor_to_device(self.module, name, device, t, dtype=dtype or t.dtype)
+            # not emptying the GPU's cache after each tensor, as accelerate does by default
+            set_module_tensor_to_device(self.module, name, device, t, dtype=dtype or t.dtype, clear_cache=False)
         if meta:
             if not prefix:
                 self.module.tie_weights()

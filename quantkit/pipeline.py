@@ -304,7 +304,8 @@ def read_progress(path: Path) -> dict:
     with zipfile.ZipFile(path) as z:  # torch.save stores every entry: a compressed one could inflate a thousandfold
         if any(info.compress_type != zipfile.ZIP_STORED for info in z.infolist()):
             raise ValueError("it holds compressed entries, which torch.save does not write")
-    saved = torch.load(path, weights_only=True)
+    # on the CPU: a GPU's number saved in it may name none here (CUDA_VISIBLE_DEVICES); the state is moved when used
+    saved = torch.load(path, weights_only=True, map_location="cpu")
     if not isinstance(saved, dict) or saved.get("digest") != digest(saved.get("state")):
         raise ValueError("its contents changed after it was written")
     return saved["state"]

@@ -188,6 +188,21 @@ def test_a_process_working_alone_ignores_its_environment_and_joins_again_after(m
         distributed.init(torch.device("cpu"))
 
 
+def test_a_numbered_gpu_under_torchrun_is_refused(monkeypatch):
+    """--device cuda:1 under torchrun put every process on GPU 1, where NCCL fails at the first sum,
+    said as a peer that stopped."""
+    import torch
+    from quantkit import distributed
+
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(QuantkitError, match=r"^device='cuda:1' under torchrun: each process takes the GPU of its "
+                                            r"LOCAL_RANK: pass device='cuda'"):
+        distributed.init(torch.device("cuda", 1))
+    assert distributed.world() == 1  # refused before joining
+
+
 def test_awq_with_fewer_batches_than_processes_is_refused_before_the_work(tiny_dir, tmp_path, monkeypatch):
     """A process without a calibration batch has no statistics for AWQ's searches (it failed with an
     IndexError traceback while the others waited): refused on every process, before any layer."""

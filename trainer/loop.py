@@ -63,7 +63,7 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     if precision == "auto":  # bf16 where the hardware has it; else fp16 on a GPU, float32 on a CPU
         if device.type == "cpu":
             return torch.bfloat16 if cpu_bf16() else None
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16  # T4, V100
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
@@ -390,9 +390,8 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
     check_arguments(train, locals())
     check_fields(TrainConfig, config, fields, "train")
     config = replace(config, **fields) if config is not None else TrainConfig(**fields)
-    dev = device_of(device)
     with distributed.joined(not alone):
-        distributed.init(dev)
+        dev = distributed.init(device_of(device))  # under torchrun: on this process's GPU
         rank, world = distributed.rank(), distributed.world()
         if config.fsdp and world < 2:
             raise QuantkitError(f"{option('fsdp', True)} shards the model over the processes of a torchrun job: launch "

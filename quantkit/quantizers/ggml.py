@@ -502,7 +502,7 @@ def quantize(w: torch.Tensor, t: str, importance: torch.Tensor | None = None) ->
     the mean squared input of each of the K columns)."""
     check(t, w.shape[1])
     rows = []
-    for chunk in w.detach().split(max(1, CHUNK // w.shape[1])):  # rows are independent: bounded temporaries
+    for chunk in w.detach().cpu().split(max(1, CHUNK // w.shape[1])):  # rows are independent: bounded temporaries
         chunk = chunk.float()
         plain = importance is None or t == "Q8_0"  # Q8_0 takes no importance
         blocks = compiled.quantize(chunk.numpy(), t) if plain and t not in FLOAT_TYPES else None
