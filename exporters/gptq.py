@@ -16,6 +16,7 @@ from quantkit.config import METHODS, QuantConfig
 from quantkit.errors import QuantkitError, option
 from quantkit.modelio import Model
 from quantkit.layers import fused, linear_shapes
+from quantkit import rules as layer_rules
 from quantkit.qlinear import GPTQLinear
 from quantkit.qtensor import QuantizedTensor, group_index
 from quantkit.rules import parse
@@ -62,24 +63,29 @@ def setting(c: QuantConfig | None) -> tuple[int, int] | None:
     return None if c is None else (c.bits, c.group_size)
 
 
-def dynamic(qconfig: QuantConfig, names: list[str] = (), head: tuple[int, int] | None = None) -> dict[str, dict]:
-    """The rules as GPTQModel's and vLLM's `dynamic`: in order, the first pattern that re.match-es a
-    module name wins; "-:" leaves the module unquantized, "+:" overrides the settings. vLLM matches
-    the name of a fused linear, which the rules that decide its parts need not match (`gate_proj|up_proj`):
-    where it would get other settings than its parts share, it comes first by exact name. A packed
-    lm_head comes first by exact name too where it has settings of its own or a rule's pattern could
-    take it (quantkit's rules decide the decoder linears alone)."""
+def dynamic(qconfig: QuantConfig, names: list[str], head: tuple[int, int] | None = None) -> dict[str, dict]:
+    """The rules as GPTQModel's and vLLM's `dynamic`: the first pattern that re.match-es a module name
+    wins; "-:" leaves the module unquantized, "+:" overrides the settings. vLLM reads them in order;
+    GPTQModel moves every "-:" first, so the linears left in float are one "-:" of their exact names,
+    which takes nothing a "+:" should. vLLM matches the name of a fused linear, which the rules that
+    decide its parts need not match (`gate_proj|up_proj`): where it would get other settings than its
+    parts share, it comes first by exact name. A packed lm_head comes first by exact name too where it
+    has settings of its own or a rule's pattern could take it (quantkit's rules decide the decoder
+    linears alone)."""
+    skipped = [n for n in names if qconfig.for_linear(n) is None]
     exact = {}
     if head is not None and (head != (qconfig.bits, qconfig.group_size) or qconfig.rules):
         exact["+:lm_head$"] = {"bits": head[0], "group_size": head[1]}
     for name, parts in fused(names).items():
         mine = {setting(qconfig.for_linear(p)) for p in parts}
         if len(mine) == 1 and (s := mine.pop()) != setting(qconfig.for_linear(name)):
-            exact[f"{'-' if s is None else '+'}:{re.escape(name)}$"] = {} if s is None else \
-                {"bits": s[0], "group_size": s[1]}
-    return exact | {f"{'-' if r.skip else '+'}:.*(?:{r.match})":
-                    {} if r.skip else {k: v for k, v in (("bits", r.bits), ("group_size", r.group_size)) if v is not None}
-                    for r in qconfig.rules}
+            if s is None:
+                skipped.append(name)
+            else:
+                exact[f"+:{re.escape(name)}$"] = {"bits": s[0], "group_size": s[1]}
+    return ({f"-:{layer_rules.exact(skipped)}": {}} if skipped else {}) | exact | {
+        f"+:.*(?:{r.match})": {k: v for k, v in (("bits", r.bits), ("group_size", r.group_size)) if v is not None}
+        for r in qconfig.rules if not r.skip}
 
 
 def override(qc: dict, name: str) -> dict | None:

@@ -91,6 +91,35 @@ def vllm_dynamic(dynamic: dict, name: str):
     return {}
 
 
+def gptqmodel_dynamic(dynamic: dict, name: str):
+    """GPTQModel's reading: its QuantizeConfig moves every "-:" pattern first, then as vLLM."""
+    return vllm_dynamic({k: v for k, v in dynamic.items() if k.startswith("-:")} | dynamic, name)
+
+
+def test_dynamic_reads_alike_where_a_skip_rule_follows_an_override():
+    """A skip rule after an override that takes some of the same linears: GPTQModel, reading its skips first,
+    built layer 0's down_proj in float where the file held it packed at 8 bits (vLLM, in order, was right)."""
+    from quantkit.exporters.gptq import dynamic
+    from quantkit.layers import fused
+
+    config = QuantConfig(bits=4, group_size=64, rules=[{"match": r"layers\.0\.", "bits": 8},
+                                                       {"match": "down_proj", "skip": True},
+                                                       {"match": r"layers\.1\.mlp\.(gate|up)_proj", "skip": True}])
+    names = [f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn.q_proj", "self_attn.k_proj",
+                                                                  "self_attn.v_proj", "self_attn.o_proj",
+                                                                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    d = dynamic(config, names)
+    want = settings(config, names)
+    assert want["model.layers.0.mlp.down_proj"] == (8, 64) and want["model.layers.1.mlp.down_proj"] is None
+    for read in (vllm_dynamic, gptqmodel_dynamic):
+        for n in names:
+            got = read(d, n)
+            assert (None if got is False else (got.get("bits", 4), got.get("group_size", 64))) == want[n], (read, n)
+        got = read(d, "model.layers.1.mlp.gate_up_proj")  # vLLM's fused name: its parts are left in float
+        assert got is False, read
+    assert set(fused(names)) >= {"model.layers.1.mlp.gate_up_proj"}
+
+
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_gptq_layout_holds_each_linears_settings(tiny_dir, rules_file, tmp_path, method):
     original = loaded(tiny_dir)
