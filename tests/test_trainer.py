@@ -320,6 +320,21 @@ def test_early_stopping_keeps_the_best_adapter(tiny_dir, text, tmp_path, monkeyp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_early_stopping_at_the_untrained_adapter_warns(tiny_dir, text, tmp_path, monkeypatch):
+    """Held-out losses that only rose: --patience wrote step 0's adapter (B all zero, the model as it was)
+    and exited 0 without a word."""
+    from quantkit.trainer import loop
+
+    losses = iter([2.0, 2.5, 2.6])
+    monkeypatch.setattr(loop, "held_out_loss", lambda *args: next(losses))
+    with pytest.warns(UserWarning, match=r"never went below the untrained adapter's \(step 0\), which is the one "
+                                         r"written: it leaves the model as it was: lower lr"):
+        r = train(tiny_dir, data=text, out=tmp_path / "a", steps=4, patience=2, rank=4, warmup=0, eval_every=1,
+                  seqlen=32, batch_size=2, eval_fraction=0.1, progress=False)
+    assert r.best_step == 0 and r.stopped_early
+    assert all(not t.any() for k, t in load_file(tmp_path / "a" / lora.WEIGHTS).items() if "lora_B" in k)
+
+
 def test_patience_keeps_the_best_adapter_when_the_run_ends_first(tiny_dir, text, tmp_path, monkeypatch):
     """--patience 5: held-out losses 3.0, 2.0, 2.5 at steps 0-2 end the run (2 steps) before it stops
     early; step 1's adapter is kept, as the option says, not the last step's."""

@@ -641,6 +641,9 @@ def run(m: Model, config: TrainConfig, names: list[str], *, train_set: list[data
     result.tokens_per_s = tokens / max(time.perf_counter() - began - evaluating, 1e-9)
     result.peak_memory = peak_memory()
     if config.patience is not None and best is not None:  # --patience keeps the best step's adapter, stopped or not
+        if result.best_step == 0 and rank == 0:
+            warnings.warn(f"the held-out loss never went below the untrained adapter's (step 0), which is the one "
+                          f"written: it leaves the model as it was: lower {option('lr')}, or train on more data")
         lora.load_state(layers, best, "the best step's adapter")  # and the model in memory is the adapter written
         return result, best
     return result, lora.adapter_state(layers)
