@@ -14,7 +14,7 @@ from tqdm import tqdm
 from quantkit import hub
 from quantkit.blocks import threads
 from quantkit.errors import COMMAND_LINE, QuantkitError, one_line, option
-from quantkit.modelio import adds_bos
+from quantkit.modelio import adds_bos, with_bos
 
 from . import records
 
@@ -223,8 +223,7 @@ def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0, pro
         raise QuantkitError(f"{option('seed', seed)} is negative: use 0 or more")
     ids = token_ids(tokenizer, text, progress)
     bos = adds_bos(tokenizer)
-    if bos:  # one BOS for the whole text, cut, then each window's first token BOS: llama-imatrix's chunks
-        ids = torch.cat([torch.tensor([tokenizer.bos_token_id]), ids])
+    ids = with_bos(tokenizer, ids)  # one BOS for the whole text, cut, then each window's first token BOS: llama-imatrix's
     slots = len(ids) // seqlen
     if slots < n:
         raise QuantkitError(

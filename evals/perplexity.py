@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from quantkit.calibration import token_ids
 from quantkit.errors import QuantkitError, option
-from quantkit.modelio import adds_bos, check_context
+from quantkit.modelio import adds_bos, check_context, with_bos
 
 PROTOCOLS = ("wikitext", "llamacpp")
 
@@ -68,8 +68,7 @@ def windows(tokenizer, text: str, protocol: str = "llamacpp", ctx: int = 512,
     if max_windows is not None and max_windows < 1:
         raise QuantkitError(f"max_windows {max_windows} scores nothing: pass 1 or more, or None for every window")
     ids = token_ids(tokenizer, text, progress)
-    if adds_bos(tokenizer):  # one BOS for the whole text, as tokenizer(text) and llama-perplexity give it
-        ids = torch.cat([torch.tensor([tokenizer.bos_token_id]), ids])
+    ids = with_bos(tokenizer, ids)  # one BOS for the whole text, as tokenizer(text) and llama-perplexity give it
     n = len(ids) // ctx
     if max_windows is not None:
         n = min(n, max_windows)

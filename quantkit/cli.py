@@ -121,6 +121,7 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     """Quantize MODEL (a directory, a .gguf file, or by default the embedded SmolLM2-135M-Instruct).
     Layers stream from disk to --out: memory holds one layer at a time."""
     # options and output path first: a mistake there should not cost a model load
+    exporters.check_format_name(fmt)
     refuse_unused(given_options(), options["method"], fmt, options["target_bpw"] is not None)
     if fmt == "gguf" and options["gguf_type"] is None:
         options["gguf_type"] = DEFAULT_MIX

@@ -138,14 +138,16 @@ def stamp(f: Path) -> tuple[int, int, int]:
 
 
 def shard_files(path: Path) -> list[Path]:
-    """A safetensors checkpoint's files: those its index names (each checked to be there), else
-    model.safetensors, else every one in the directory. Other files beside an index or a
-    model.safetensors (a stray model.safetensors; an adapter_model.safetensors kept beside a merged
-    model, Mistral's consolidated.safetensors) are not read, as transformers reads none."""
-    index = path / "model.safetensors.index.json"
+    """A safetensors checkpoint's files, in transformers' order: model.safetensors, else those its
+    index names (each checked to be there), else every one in the directory. Other files beside
+    (an index left by an earlier sharded save_pretrained into the same directory; an
+    adapter_model.safetensors kept beside a merged model, Mistral's consolidated.safetensors) are not
+    read, as transformers reads none."""
+    index, single = path / "model.safetensors.index.json", path / "model.safetensors"
+    if single.is_file():
+        return [single]
     if not index.is_file():
-        single = path / "model.safetensors"
-        return [single] if single.is_file() else sorted(path.glob("*.safetensors"))
+        return sorted(path.glob("*.safetensors"))
     with untrusted(index, "not a valid shard index", "restore it from the model's files"):
         files = sorted({path / f for f in weight_map(path).values()})
     if not files:
@@ -189,7 +191,8 @@ class Checkpoint:
                 raise QuantkitError(f"{f}: a broken symbolic link (to {os.readlink(f)}): restore what it points to, or "
                                     "put the file itself there")
         self.stats = {f: stamp(f) for f in files}
-        index = weight_map(path) if (path / "model.safetensors.index.json").is_file() else None
+        index = weight_map(path) if files != [path / "model.safetensors"] and \
+            (path / "model.safetensors.index.json").is_file() else None  # what shard_files read
         for f in files:
             if not os.access(f, os.R_OK):  # else "corrupt or truncated" when read
                 raise QuantkitError(f"{f}: not readable by this user: make the model's files readable, or run as a "
@@ -411,8 +414,9 @@ def check_context(config, tokens: int, option: str) -> None:
     keyword that set the length."""
     limit = getattr(config, "max_position_embeddings", None)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if limit and "original_max_position_embeddings" not in rope:  # else the scaled length is limit already
-        limit = int(limit * max(1.0, float(rope.get("factor") or 1.0)))
+    factor = max(1.0, float(rope.get("factor") or 1.0))
+    if limit:  # Llama 3.1 gives the scaled length as max_position_embeddings; Qwen's YaRN setting the original
+        limit = max(limit, int(factor * (rope.get("original_max_position_embeddings") or limit)))
     if limit and tokens > limit:
         raise QuantkitError(f"{errors.option(option, tokens)} is longer than the model's context of {limit} tokens: "
                             f"use {errors.option(option, limit)} or less")
@@ -643,6 +647,14 @@ def adds_bos(tokenizer) -> bool:
     if getattr(tokenizer, "bos_token_id", None) is None:
         return False
     return tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id]
+
+
+def with_bos(tokenizer, ids: torch.Tensor) -> torch.Tensor:
+    """A text's ids with the BOS the tokenizer puts in front of a text, once: not again where the text's
+    first token is BOS (a chat template's {{ bos_token }}, read as the token in rendered records)."""
+    if not adds_bos(tokenizer) or ids[:1].tolist() == [tokenizer.bos_token_id]:
+        return ids
+    return torch.cat([torch.tensor([tokenizer.bos_token_id]), ids])
 
 
 def adds_eos(tokenizer) -> bool:

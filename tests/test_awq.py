@@ -254,6 +254,25 @@ def test_clip_matches_autoawq():
     assert (err(ours)[~agree] <= err(theirs)[~agree] * (1 + 1e-6)).all()
 
 
+def test_clip_is_judged_on_the_grid_it_is_quantized_on():
+    """--sym: the clipping bounds were searched on the asymmetric grid, then quantized on the symmetric one.
+    On the symmetric grid, each (row, group)'s bound now gives the least of the candidates' output errors."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(128, 256, generator=g) * 0.05
+    w[:, 7] *= 8
+    x = torch.randn(600, 256, generator=g)
+    h = awq.hessian([x], 256, "cpu")
+
+    def err(bound):  # each (row, group)'s share of the output error, as the search judges it
+        dw = awq.quantize(w, 4, 64, True, bound).dequantize() - w
+        return torch.stack([((d @ h[c:c + 64, c:c + 64]) * d).sum(1) for c, d in zip(range(0, 256, 64), dw.split(64, 1))],
+                           dim=1)
+
+    on_sym, on_asym = err(awq.search_clip(w, h, 4, 64, sym=True)), err(awq.search_clip(w, h, 4, 64))
+    assert (on_sym <= on_asym * (1 + 1e-6)).all()
+    assert on_sym.sum() < 0.99 * on_asym.sum(), (on_sym.sum(), on_asym.sum())
+
+
 @pytest.mark.parametrize("model", ["tiny_dir", "qwen3_dir"])
 def test_awq_beats_nothing_on_gqa_model_and_exports(request, tmp_path, model):
     m = quantkit.quantize(str(request.getfixturevalue(model)), method="awq", bits=4, group_size=32, calib_data=VALID,

@@ -345,6 +345,32 @@ def test_windows_longer_than_the_models_context(model, capsys, monkeypatch, tmp_
                    capsys, monkeypatch, tmp_path, "--calib-seqlen 600 is longer than the model's context of 512")
 
 
+@pytest.mark.parametrize("rope,limit", [
+    (None, 32768),
+    ({"rope_type": "linear", "factor": 2.0}, 65536),
+    # Llama 3.1: max_position_embeddings is the scaled length already
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 4096}, 32768),
+    # Qwen2.5's and Qwen3's YaRN setting: the original length, 4 times over (was refused past 32768)
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 131072)])
+def test_a_rope_scalings_context(rope, limit):
+    from types import SimpleNamespace
+
+    from quantkit.modelio import check_context
+
+    config = SimpleNamespace(max_position_embeddings=32768, rope_parameters=rope)
+    check_context(config, limit, "ctx")
+    with pytest.raises(quantkit.QuantkitError, match=f"ctx={limit + 1} is longer than the model's context of {limit} tokens"):
+        check_context(config, limit + 1, "ctx")
+
+
+def test_an_unknown_format_is_named_before_the_model_loads(capsys, monkeypatch, tmp_path):
+    """It was named after the model loaded (the embedded one downloaded first on a fresh machine)."""
+    code, line = run(["quantize", tmp_path / "no-model", "--out", tmp_path / "q", "--format", "gptq"], capsys,
+                     monkeypatch)
+    assert code == 2 and line == ("error: unknown export format 'gptq': use one of safetensors, awq, gguf, "
+                                  "compressed-tensors, exl2")
+
+
 def test_shape_the_gptq_layout_cannot_pack(capsys, monkeypatch, tmp_path):
     odd = make_tiny(tmp_path / "odd", hidden=48, intermediate=96)  # in_features 48: not a multiple of 32
     quantize_fails([odd], capsys, monkeypatch, tmp_path, "needs in_features a multiple of 32")

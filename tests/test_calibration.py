@@ -213,6 +213,25 @@ def test_no_network_is_told_at_once(monkeypatch):
     assert sleeps == []
 
 
+def test_a_template_that_writes_bos_gets_one_bos(tiny_dir, tmp_path):
+    """Llama's and Mistral's templates begin with {{ bos_token }}, read as the token in rendered chats; the
+    windows put the tokenizer's BOS in front again: [BOS, BOS, ...] in the first window of the text."""
+    from quantkit.evals.perplexity import windows
+
+    tok = tokenizer_adding_bos(tiny_dir)
+    tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    lines = (DATA / "dolly" / "dolly-15k-head.jsonl").read_text().splitlines()[:30]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    text = load_text(tmp_path / "d.jsonl", tokenizer=tok)
+    assert isinstance(text, Rendered) and text.startswith("<|endoftext|>user: ")
+    first = windows(tok, text, ctx=64)[0]
+    assert first[0] == tok.bos_token_id and first[1] != tok.bos_token_id
+    assert first[1:].tolist() == tok(text[len("<|endoftext|>"):], add_special_tokens=False)["input_ids"][:63]
+    picked = sample_windows(tok, text, 4, 64, seed=0)  # the same cuts as the evaluation's (first token BOS)
+    chunks = {tuple(w[1:].tolist()) for w in windows(tok, text, ctx=64)}
+    assert all(tuple(w[1:].tolist()) in chunks for w in picked)
+
+
 def test_records_are_evaluated_as_the_model_sees_them(chat_dir, tmp_path):
     """A file of chat records given to evaluate is scored as the template writes the chats, as
     calibration reads it, not as JSON."""

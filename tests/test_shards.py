@@ -93,11 +93,12 @@ def test_sharded_export_loads_in_quantkit_and_transformers(tiny_dir, tmp_path):
     assert loaded.model.layers[1].mlp.down_proj.weight.numel() == nf4.tensors["model.layers.1.mlp.down_proj"].codes.numel() // 2
 
 
-def test_a_stray_file_beside_indexed_shards_is_not_read(tiny_dir, tmp_path):
-    """A model.safetensors left beside an index (another export's, here with other weights) sorted
-    after the shards and replaced their tensors; the index names the files, as for transformers. Without
-    an index, model.safetensors is the model, as for transformers; without either, a tensor in two files
-    is refused: which one wins would be a matter of file order."""
+def test_the_files_read_are_the_ones_transformers_reads(tiny_dir, tmp_path):
+    """transformers reads model.safetensors where there is one, an index left beside it or not (a sharded
+    save_pretrained, then a whole one, into the same directory leaves the index); quantkit read the index
+    there, and refused the shards it named as missing. Without model.safetensors, the index names the
+    files (a stray one beside them sorted after the shards and replaced their tensors); without either,
+    a tensor in two files is refused: which one wins would be a matter of file order."""
     out = tmp_path / "q"
     m = quantkit.quantize(tiny_dir, method="rtn", bits=4, group_size=32, out=out, max_shard_size="100kB", keep=True,
                           progress=False)
@@ -106,17 +107,31 @@ def test_a_stray_file_beside_indexed_shards_is_not_read(tiny_dir, tmp_path):
     name = "model.layers.0.mlp.down_proj"
     assert not torch.equal(other.tensors[name].dequantize(), m.tensors[name].dequantize())
     (tmp_path / "other" / "model.safetensors").rename(out / "model.safetensors")
+    # other's (asymmetric) tensors read, not the shards': refused under this config's sym
+    with pytest.raises(QuantkitError, match="says sym, but its zero points are not all 8"):
+        quantkit.load(out, packed=True)
+    (out / "model.safetensors").rename(out / "extra.safetensors")
     for packed in (False, True):
         back = quantkit.load(out, packed=packed)
         layer = back.module.get_submodule(name)
         assert torch.equal(layer.dequantize() if packed else layer.weight, m.tensors[name].dequantize())
     (out / INDEX).unlink()
-    # other's (asymmetric) tensors read, not the shards': refused under this config's sym
-    with pytest.raises(QuantkitError, match="says sym, but its zero points are not all 8"):
-        quantkit.load(out, packed=True)
-    (out / "model.safetensors").rename(out / "extra.safetensors")
     with pytest.raises(QuantkitError, match="is in both .*safetensors and .*safetensors: remove the file"):
         quantkit.load(out, packed=True)
+
+
+def test_an_index_left_by_an_earlier_sharded_save_is_not_read(tiny_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    theirs = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(tmp_path / "m")
+    theirs.save_pretrained(tmp_path / "m", max_shard_size="100KB")
+    theirs.save_pretrained(tmp_path / "m")  # removes the shards, not their index
+    assert (tmp_path / "m" / INDEX).is_file() and not list((tmp_path / "m").glob("model-*"))
+    AutoModelForCausalLM.from_pretrained(tmp_path / "m")  # transformers loads it
+    back = quantkit.load(tmp_path / "m")
+    back.materialize()
+    assert all(torch.equal(back.module.state_dict()[k], v) for k, v in theirs.state_dict().items())
 
 
 def test_cli_refuses_a_bad_shard_size_before_loading(tiny_dir, tmp_path, capsys, monkeypatch):

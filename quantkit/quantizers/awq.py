@@ -104,11 +104,12 @@ def least(f: Callable[[int], float], n: int, smooth: bool) -> int:
     return min(sorted({j for i in near for j in (i - 1, i, i + 1) if 0 <= j < n}), key=f)
 
 
-def search_clip(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, n_grid: int = 20,
+def search_clip(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, sym: bool = False, n_grid: int = 20,
                 max_shrink: float = 0.5) -> torch.Tensor:
     """Per (row, group) clipping bound max|w| * (1 - i/n_grid), i < max_shrink * n_grid, with the least
-    squared error of that group's share of the output, dW_g H_gg dW_g^T with H the inputs' Hessian
-    [K, K] (a g x g product per row instead of a pass over the tokens): [N, ng]."""
+    squared error of that group's share of the output on the grid (sym or not) it is quantized on,
+    dW_g H_gg dW_g^T with H the inputs' Hessian [K, K] (a g x g product per row instead of a pass over
+    the tokens): [N, ng]."""
     g = w.shape[1] if group_size == -1 else group_size
     bounds = []
     for c in range(0, w.shape[1], g):
@@ -117,7 +118,7 @@ def search_clip(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, n_
         best, best_err = full, None
         for i in range(int(max_shrink * n_grid)):
             bound = full * (1 - i / n_grid)
-            dw = fake_quantize(torch.max(torch.min(wc, bound), -bound), bits, -1) - wc
+            dw = fake_quantize(torch.max(torch.min(wc, bound), -bound), bits, -1, sym) - wc
             err = ((dw @ hc) * dw).sum(dim=1, keepdim=True)
             if best_err is None:
                 best_err = err
@@ -359,7 +360,7 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
     for j, (name, (linear, h)) in enumerate(zip(names, flat)):
         if distributed.owner(j) == distributed.rank():
             bound = None if name in ("self_attn.q_proj", "self_attn.k_proj") else \
-                search_clip(linear.weight.data, h, bits, group_size)
+                search_clip(linear.weight.data, h, bits, group_size, sym)
             mine[j] = quantize(linear.weight.data, bits, group_size, sym, bound)
     tensors = {}
     for j, (name, (linear, _)) in enumerate(zip(names, flat)):
