@@ -30,6 +30,14 @@ def write(name: str, content: str | bytes) -> Callable[[Path], None]:
     return damage
 
 
+def sharded(index: str) -> Callable[[Path], None]:
+    """The model's weights as one shard under this index (beside model.safetensors, an index is not read)."""
+    def damage(model: Path) -> None:
+        (model / "model.safetensors").rename(model / "model-00001-of-00001.safetensors")
+        (model / "model.safetensors.index.json").write_text(index)
+    return damage
+
+
 def truncate(name: str) -> Callable[[Path], None]:
     def damage(model: Path) -> None:
         data = (model / name).read_bytes()
@@ -81,10 +89,9 @@ CATALOGUE = {
     "generation config damaged": Bad("quantize {model} --out {tmp}/q", "not a usable generation config",
                                      write("generation_config.json", "{")),
     "shard index damaged": Bad("quantize {model} --out {tmp}/q", "not a valid shard index",
-                               write("model.safetensors.index.json", '{"weight_map": 3}')),
+                               sharded('{"weight_map": 3}')),
     "shard index pointing outside": Bad("quantize {model} --out {tmp}/q", "names a shard outside the model directory",
-                                        write("model.safetensors.index.json",
-                                              '{"weight_map": {"x": "../model/model.safetensors"}}')),
+                                        sharded('{"weight_map": {"x": "../model/model-00001-of-00001.safetensors"}}')),
     "GGUF damaged": Bad("quantize {tmp}/bad.gguf --out {tmp}/q", "not a readable GGUF file"),
     # quantize: the options
     "5 bits": Bad("quantize {model} --bits 5 --out {tmp}/q", "unsupported bit width 5"),

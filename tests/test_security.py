@@ -190,8 +190,9 @@ def test_shard_index_outside_the_model_is_refused(tiny_dir, tmp_path, capsys, mo
     shard is opened, so nothing outside is read (without the check, the shard there is read and used)."""
     model = shutil.copytree(tiny_dir, tmp_path / "model")
     outside = shutil.copy(model / "model.safetensors", tmp_path / "outside.safetensors")
-    names = sorted(load_file(model / "model.safetensors"))
-    weight_map = {n: "model.safetensors" for n in names} | {names[0]: str(outside) if where == "absolute" else where}
+    shard = (model / "model.safetensors").rename(model / "model-00001-of-00001.safetensors")  # read by the index
+    names = sorted(load_file(shard))
+    weight_map = {n: shard.name for n in names} | {names[0]: str(outside) if where == "absolute" else where}
     (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     opened, real = [], modelio.safe_open
     monkeypatch.setattr(modelio, "safe_open", lambda f, *a, **kw: opened.append(f) or real(f, *a, **kw))
