@@ -26,7 +26,7 @@ from quantkit.atomic import check_writable
 from quantkit.errors import QuantkitError, option, space_for
 from quantkit.modelio import adds_bos
 
-from .perplexity import exp_or_inf, first_scored, ran_in, window_logits
+from .perplexity import exp_or_inf, first_scored, ran_in, summed_nll, window_logits
 
 MAGIC = b"_logits_"
 HEADER = struct.Struct("<8sIii")
@@ -365,10 +365,10 @@ def save_base(module: torch.nn.Module, tokenizer, windows: torch.Tensor, path: s
             writer, nll, count = None, 0.0, 0
             for logits, targets in window_logits(module, tokenizer, windows, "llamacpp", batch_size, progress, "base"):
                 writer = writer or BaseWriter(f, windows, logits.shape[-1])
-                writer.add(logits.cpu())
-                for lg, tg in zip(logits.cpu(), targets.cpu()):
-                    nll -= torch.log_softmax(lg.double(), -1).gather(-1, tg[:, None]).sum().item()
-                    count += len(tg)
+                logits = logits.cpu()
+                writer.add(logits)
+                nll += summed_nll(logits, targets.cpu())
+                count += targets.numel()
             f.flush()
             os.fsync(f.fileno())
         staged.commit()

@@ -136,6 +136,13 @@ def exp_or_inf(x: float) -> float:
     return math.exp(x) if x < 709.78 else math.inf
 
 
+def summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """The negative log-likelihood of a batch's targets (b, t), summed, in float64."""
+    # a window at a time: its float64 copy is a quarter of a batch's
+    return -sum(torch.log_softmax(lg.double(), dim=-1).gather(-1, tg[:, None]).sum().item()
+                for lg, tg in zip(logits, targets))
+
+
 def perplexity(
     module: torch.nn.Module,
     tokenizer,
@@ -149,7 +156,6 @@ def perplexity(
     w = windows(tokenizer, text, protocol, ctx, max_windows, progress)
     nll, count = 0.0, 0
     for logits, targets in window_logits(module, tokenizer, w, protocol, batch_size, progress):
-        for lg, tg in zip(logits, targets):  # a window at a time: its float64 copy is a quarter of a batch's
-            nll -= torch.log_softmax(lg.double(), dim=-1).gather(-1, tg[:, None]).sum().item()
+        nll += summed_nll(logits, targets)
         count += targets.numel()
     return Perplexity(exp_or_inf(nll / count), count, len(w), protocol, ctx, *ran_in(module))
