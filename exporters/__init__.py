@@ -132,6 +132,7 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
                             f"made, and this model is quantized as {model.qconfig.method}: quantize with format='exl2'"))
     from quantkit.modelio import stored_state
 
+    check_symmetry(model, fmt)
     check_apart(out, [model.source])
     types = {name: qt.ggml for name, qt in model.tensors.items()} if fmt == "gguf" else None
     writer = open_writer(model, out, fmt, model.qconfig, overwrite, max_shard_size, types)
@@ -150,6 +151,23 @@ def export(model, out: str | os.PathLike, fmt: str = "safetensors", overwrite: b
     except BaseException:
         writer.abort()
         raise
+
+
+def check_symmetry(model, fmt: str) -> None:
+    """The GPTQ and compressed-tensors layouts state one symmetry for their linears (GPTQ's zero points
+    are stored minus one or not by it, compressed-tensors' are left out by it): a checkpoint read with
+    some linears of the other symmetry would be written with wrong zero points. AWQ stores every zero
+    point as it is."""
+    if fmt not in ("safetensors", "compressed-tensors") or model.qconfig.method in CODEBOOK_METHODS:
+        return
+    sym = model.qconfig.sym
+    odd = next((name for name, qt in model.tensors.items() if qt.codebook is None and qt.ggml is None
+                and qt.sym != sym), None)
+    if odd is not None:
+        kinds = ("asymmetric", "symmetric") if sym else ("symmetric", "asymmetric")
+        raise QuantkitError(f"{model.source}: {odd} is {kinds[0]} where the model's other linears are {kinds[1]}, and "
+                            f"the {fmt} layout as quantkit writes it holds one symmetry: export it with "
+                            f"{option('format', 'awq')} or {option('format', 'gguf')}, or quantize the float model again")
 
 
 def __getattr__(name: str) -> object:

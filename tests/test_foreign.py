@@ -6,6 +6,7 @@ as it was read."""
 import json
 import re
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -358,3 +359,30 @@ def test_a_packed_lm_head_the_config_does_not_quantize_is_refused(untied, tmp_pa
     foreign = copy(tmp_path / "c", tmp_path / "cc", lambda qc: qc.update(ignore=["re:.*head$"]))
     with pytest.raises(QuantkitError, match="lm_head is packed where the config ignores it"):
         quantkit.load(foreign)
+
+
+def test_linears_of_mixed_symmetry_are_not_exported_under_one(tiny_dir, tmp_path):
+    """GPTQModel's `dynamic` may give a linear its own sym. Such a checkpoint read well, but the GPTQ
+    layout wrote that linear's zero points minus one under the file's gptq_v2 (read back, its weights
+    were off by up to a step: 0.0096), and compressed-tensors left them out where its config said
+    asymmetric (the export read back as incomplete). Those exports are refused; AWQ, which stores every
+    zero point as it is, writes it as read."""
+    asym = quantkit.quantize(str(tiny_dir), method="rtn", bits=4, group_size=32, sym=False, out=tmp_path / "q",
+                             keep=True, progress=False)
+    name = "model.layers.0.mlp.up_proj"
+    sym = rtn.quantize(loaded(tiny_dir).module.get_submodule(name).weight.data, bits=4, group_size=32, sym=True)
+    raw = GPTQLinear.from_tensor(replace(sym, sym=False)).packed()  # gptq_v2 stores the zero points as they are
+    edit_tensors(tmp_path / "q", lambda state: state.update({f"{name}.{k}": t for k, t in raw.items()}))
+    foreign = copy(tmp_path / "q", tmp_path / "g", lambda qc: qc.update(dynamic={rf"+:{re.escape(name)}$": {"sym": True}}))
+    back = loaded(foreign)
+    assert back.tensors[name].sym and not back.qconfig.sym
+    assert torch.equal(back.tensors[name].dequantize(), sym.dequantize())
+    for fmt in ("safetensors", "compressed-tensors"):
+        with pytest.raises(QuantkitError, match=f"{re.escape(name)} is symmetric where the model's other linears are "
+                                                "asymmetric.*format='awq'"):
+            quantkit.export(back, tmp_path / fmt, fmt)
+        assert not (tmp_path / fmt).exists()
+    again = loaded(quantkit.export(back, tmp_path / "awq", "awq"))
+    assert torch.equal(again.tensors[name].dequantize(), sym.dequantize())
+    assert torch.equal(again.tensors["model.layers.0.mlp.gate_proj"].dequantize(),
+                       asym.tensors["model.layers.0.mlp.gate_proj"].dequantize())
