@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from quantkit import hub
 from quantkit.blocks import threads
-from quantkit.errors import COMMAND_LINE, QuantkitError, one_line, option
+from quantkit.errors import COMMAND_LINE, QuantkitError, count, one_line, option
 from quantkit.modelio import adds_bos, with_bos
 
 from . import records
@@ -227,7 +227,7 @@ def sample_windows(tokenizer, text: str, n: int, seqlen: int, seed: int = 0, pro
     slots = len(ids) // seqlen
     if slots < n:
         raise QuantkitError(
-            f"calibration text has {len(ids)} tokens, too few for {n} windows of {seqlen} "
+            f"calibration text has {len(ids)} tokens, too few for {count(n, 'window')} of {seqlen} "
             f"({n * seqlen} tokens; {slots} fit): use a longer text, fewer samples ({option('calib_samples')}) or shorter windows "
             f"({option('calib_seqlen')})"
         )

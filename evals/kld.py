@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from quantkit.atomic import check_writable
-from quantkit.errors import QuantkitError, option, space_for
+from quantkit.errors import QuantkitError, count, option, space_for
 from quantkit.modelio import adds_bos
 
 from .perplexity import exp_or_inf, first_scored, ran_in, summed_nll, window_logits
@@ -167,7 +167,7 @@ class BaseFile:
         tokens = self.n * self.ctx * 4
         expected = file_size(self.n, self.ctx, self.n_vocab)
         if size != expected:
-            raise QuantkitError(f"{self.path}: {size} bytes where its header ({self.n} windows of {self.ctx}, "
+            raise QuantkitError(f"{self.path}: {size} bytes where its header ({count(self.n, 'window')} of {self.ctx}, "
                                 f"vocabulary {self.n_vocab}) needs {expected}: truncated or corrupt, save it again")
         data = np.memmap(self.path, dtype=np.uint8, mode="r")
         self.windows = torch.from_numpy(data[HEADER.size:HEADER.size + tokens].view("<i4").astype(np.int64)
@@ -386,7 +386,7 @@ def divergence(module: torch.nn.Module, tokenizer, windows: torch.Tensor, base: 
         raise QuantkitError(f"{base.path} was saved with a context of {base.ctx}, not {ctx}: pass "
                             f"{option('ctx', base.ctx)}")
     if n > base.n:
-        raise QuantkitError(f"{base.path} holds {base.n} windows, fewer than the {n} asked for: pass "
+        raise QuantkitError(f"{base.path} holds {count(base.n, 'window')}, fewer than the {n} asked for: pass "
                             f"{option('max_windows', base.n)}, or save the base again with more")
     if not torch.equal(windows, base.windows[:n]):
         w, pos = divmod(int((windows != base.windows[:n]).flatten().nonzero()[0]), ctx)

@@ -17,12 +17,12 @@ from . import consumers, launcher
 from . import report as report_
 from .command import export
 from .config import AWQ_LOSSES, DTYPES, METHODS, QuantConfig, refuse_unused
-from .errors import QuantkitError, renamed, size
+from .errors import QuantkitError, count, renamed, size
 from .requant import DEFAULT_MIX
 
 
 def show(label: str, ppl) -> None:
-    click.echo(f"{label}: perplexity {ppl.perplexity:.4f} ({ppl.protocol}, ctx {ppl.ctx}, {ppl.windows} windows, "
+    click.echo(f"{label}: perplexity {ppl.perplexity:.4f} ({ppl.protocol}, ctx {ppl.ctx}, {count(ppl.windows, 'window')}, "
                f"{ppl.tokens} tokens, {ppl.dtype} on {ppl.device})")
 
 
@@ -244,7 +244,7 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, overwrite
         return
     d = api.compare(model, base, data, ctx, max_windows, save_base, packed=not dequantized, device=device,
                     dtype=dtype, overwrite=overwrite)
-    click.echo(f"{model or 'embedded model'} against {base}: {d.windows} windows of {d.ctx}, {d.tokens} predictions, "
+    click.echo(f"{model or 'embedded model'} against {base}: {count(d.windows, 'window')} of {d.ctx}, {d.tokens} predictions, "
                f"{d.dtype} on {d.device}")
     click.echo(d.report())
     if save_base:

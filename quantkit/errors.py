@@ -74,6 +74,11 @@ def untrusted(path, what: str, fix: str):
         raise QuantkitError(f"{path}: {what} ({type(e).__name__}: {one_line(e)}): {fix}") from None
 
 
+def count(n: int, noun: str) -> str:
+    """n and the noun, plural unless n is 1 ("1 window", "40 windows")."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def size(n: float) -> str:
     """Bytes as people read them (1.4 GB)."""
     for unit in ("bytes", "kB", "MB", "GB"):

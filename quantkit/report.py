@@ -27,7 +27,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable
 
 from . import atomic, errors
-from .errors import QuantkitError, space_for
+from .errors import QuantkitError, count, space_for
 from .requant import check_mix
 
 if TYPE_CHECKING:
@@ -375,7 +375,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     # (large, a GB for a 49k vocabulary) was deleted once a report was done; its lm-eval scores are kept
     kept = read_json(out / "base.json") if (out / "base.json").exists() else None
     if kept is None or not base.is_file():
-        echo(f"base: scoring {windows} windows of {ctx} on the float model" + (
+        echo(f"base: scoring {count(windows, 'window')} of {ctx} on the float model" + (
             f" again ({base} is gone)" if kept is not None else ""))
         try:
             m = load(model)
@@ -388,7 +388,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         source = Path(m.source)
         scored = evals.BaseFile(base)
         if scored.n < windows:
-            echo(f"base: the text gives {scored.n} windows of {ctx}, fewer than --windows {windows}")
+            echo(f"base: the text gives {count(scored.n, 'window')} of {ctx}, fewer than --windows {windows}")
         # exact, as the points' perplexities are (the saved rows floor a target 16 nats under the top)
         write_json(out / "base.json", {**(kept or {}), "perplexity": ppl, "windows": scored.n, "params": params,
                                        "linear_params": linear, "bytes": sum(f.stat().st_size for f in shard_files(
@@ -513,7 +513,7 @@ def table(r: dict) -> str:
           + (f", {harness.documents_said(limit)}" if (limit := s.get("lm_eval_limit")) else "") + ".") \
         if s.get("tasks") else ""
     lines = [f"Model {s['model'] or 'embedded SmolLM2-135M-Instruct'}: {base['bytes'] / 2**20:.1f} MiB, base perplexity "
-             f"{base['perplexity']:.4f} on {scored_windows(r)} windows of {s['ctx']} tokens of {Path(s['data']).name}; "
+             f"{base['perplexity']:.4f} on {count(scored_windows(r), 'window')} of {s['ctx']} tokens of {Path(s['data']).name}; "
              f"group size {s['group_size']}.{calib}{lm} bpw: the file's bits per parameter; bpw linears: the decoder "
              "linears' tensors over their weights (no embedding, head or norms). KLD in nats; ± one standard error "
              "as llama-perplexity computes it, tokens taken as independent (the tokens of a window are not: "
@@ -586,7 +586,7 @@ def plot(r: dict, out: Path) -> None:
             ax.text(0.01, 0.98 - 0.05 * i, note, transform=ax.transAxes, fontsize=8, va="top")
         ax.set_xlabel("bits per parameter of the file (size x 8 / parameters)")
         ax.set_ylabel(label)
-        fig.suptitle(f"{label} against file size, {scored_windows(r)} windows of {r['settings']['ctx']} tokens")
+        fig.suptitle(f"{label} against file size, {count(scored_windows(r), 'window')} of {r['settings']['ctx']} tokens")
         ax.grid(True, which="both", alpha=0.3)
         if not ok:
             ax.text(0.5, 0.5, "no point came through: see report.md", transform=ax.transAxes, ha="center")

@@ -1,4 +1,5 @@
 import json
+import re
 import sys
 
 import torch
@@ -115,6 +116,8 @@ def test_device_cpu_with_an_index_is_the_cpu(tiny_dir, tmp_path, monkeypatch, ca
                  ["lm-eval", tiny_dir, "--tasks", "dolly_mc", "--limit", 1, "--max-length", 256]):
         code, out, err = cli([*args, "--device", "cpu:0"], capsys, monkeypatch)
         assert code == 0 and "float32 on cpu" in "".join(out) + "".join(err) or args[0] == "lm-eval" and code == 0, err
+        if args[0] == "eval":  # one window is "1 window", not "1 windows"
+            assert re.search(r"\b1 window\b", "".join(out)), out
 
 
 def answered(args: list[list], modules: set[str]) -> tuple[list, list[str], str]:
