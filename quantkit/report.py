@@ -121,6 +121,14 @@ def tensor_bytes(path: Path) -> dict[str, int]:
     return out
 
 
+def weight_bytes(path: Path) -> int:
+    """The size of a model's weight files (a GGUF file; a directory's safetensors shards): the base and
+    the points alike, without the tokenizer and config files beside them."""
+    from .modelio import shard_files
+
+    return sum(f.stat().st_size for f in shard_files(path)) if path.is_dir() else path.stat().st_size
+
+
 def bits_per_weight(sizes: dict[str, int], params: int, linear_params: int) -> tuple[float, float]:
     """(all tensors over all parameters, decoder linears' tensors over their weights): the second
     leaves out the embedding, the output head and the norms."""
@@ -166,7 +174,7 @@ def run_point(spec: dict) -> dict:
     params, linear = parameter_counts(m.module)
     sizes = tensor_bytes(export)
     bpw, bpw_linear = bits_per_weight(sizes, params, linear)
-    file_bytes = export.stat().st_size if export.is_file() else sum(f.stat().st_size for f in export.iterdir())
+    file_bytes = weight_bytes(export)
     d = api.compare(m, out / "base.logits", s.data, s.ctx, s.windows)
     result = {**asdict(p), "format": fmt, "status": "ok", "bytes": file_bytes, "bpw": bpw, "bpw_linear": bpw_linear,
               "perplexity": d.perplexity, "perplexity_unc": d.perplexity_unc, "ppl_ratio": d.ppl_ratio,
@@ -325,7 +333,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     from quantkit.evals.harness import default_data_dir
 
     from . import api
-    from .modelio import default_model_dir, fingerprint, load, shard_files
+    from .modelio import default_model_dir, fingerprint, load
 
     sweep = sweep or Sweep()
     todo = points(sweep.methods, sweep.bits, sweep.gguf_types, sweep.exl2_targets)
@@ -391,8 +399,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
             echo(f"base: the text gives {count(scored.n, 'window')} of {ctx}, fewer than --windows {windows}")
         # exact, as the points' perplexities are (the saved rows floor a target 16 nats under the top)
         write_json(out / "base.json", {**(kept or {}), "perplexity": ppl, "windows": scored.n, "params": params,
-                                       "linear_params": linear, "bytes": sum(f.stat().st_size for f in shard_files(
-                                           source)) if source.is_dir() else source.stat().st_size})
+                                       "linear_params": linear, "bytes": weight_bytes(source)})
         del m
     if settings.tasks and "lm_eval" not in (based := read_json(out / "base.json")):  # the scores' float row
         echo(f"base: lm-eval {', '.join(settings.tasks)} on the float model")
