@@ -75,7 +75,9 @@ def points(methods: list[str], bits: list[int], gguf_types: list[str],
         elif family == "nf4":
             out.append(Point("nf4", "nf4", "safetensors"))
         elif family == "exl2":
-            out += [Point(f"exl2-{t:g}", "gptq", "exl2", exl2=t) for t in exl2_targets]
+            # short where that names the target exactly (4.125, 4); else every digit (4.123456 and 4.123457)
+            out += [Point(f"exl2-{t:g}" if float(f"{t:g}") == t else f"exl2-{t!r}", "gptq", "exl2", exl2=t)
+                    for t in exl2_targets]
         else:
             named = dict.fromkeys(check_mix(t, "--gguf-types") for t in gguf_types)  # q4_k is Q4_K_M
             out += [Point(f"gguf-{t}", "rtn", "gguf", gguf_type=t) for t in named]

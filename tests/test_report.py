@@ -463,3 +463,11 @@ def test_a_report_goes_on_without_its_base_logits_and_not_with_its_text_edited(t
     assert code == 2 and err[-1] == (f"error: {out} holds a report of other settings (the --data or --calib-data file "
                                      "changed since the report began (name, size or time)): run with its settings to "
                                      "go on, or choose another --out")
+
+
+def test_exl2_targets_that_print_alike_are_two_points():
+    """`:g` named 4.123456 and 4.123457 both exl2-4.12346: one point file for two targets."""
+    from quantkit.report import points
+
+    names = [p.name for p in points(["exl2"], [4], [], [4.0, 4.125, 4.123456, 4.123457])]
+    assert names == ["exl2-4", "exl2-4.125", "exl2-4.123456", "exl2-4.123457"]
