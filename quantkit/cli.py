@@ -517,7 +517,7 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
         held = (f", held-out loss {result.evals[0]['eval_loss']:.4f} -> {result.evals[-1]['eval_loss']:.4f}"
                 f" (best at step {result.best_step})") if result.evals else ""
         click.echo(f"adapter written to {out}: {result.steps} steps, loss {last['loss']:.4f}{held}, "
-                   f"{result.tokens_per_s:.0f} tokens/s, {result.peak_memory}")
+                   f"{result.tokens_per_s:.0f} tokens/s in {result.precision}, {result.peak_memory}")
     if qconfig is not None:
         if not merged_done:
             trainer.merge(out, merged, overwrite=overwrite)

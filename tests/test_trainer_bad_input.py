@@ -390,7 +390,8 @@ def test_resumed_where_auto_precision_is_float16(tiny_dir, text, monkeypatch, tm
         train(str(tiny_dir), **common, callback=stop)
     monkeypatch.setattr(loop, "autocast_dtype", lambda precision, device: torch.float16)
     train(str(tiny_dir), **common, resume=True)
-    assert json.loads((tmp_path / "out" / "train_log.json").read_text())["steps"] == 4
+    log = json.loads((tmp_path / "out" / "train_log.json").read_text())
+    assert log["steps"] == 4 and log["precision"] == "fp16" and log["config"]["precision"] == "auto"  # what auto chose
 
 
 def test_a_checkpoint_is_not_lost_to_a_run_without_resume(tiny_dir, text, capsys, monkeypatch, tmp_path):

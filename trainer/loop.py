@@ -52,6 +52,7 @@ class TrainResult:
     tokens_per_s: float = 0.0  # this run's, over every process
     peak_memory: str = ""
     stopped_early: bool = False
+    precision: str = ""  # what this run ran in, fp32, bf16 or fp16 (--precision auto chooses by the hardware)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -516,7 +517,8 @@ def run(m: Model, config: TrainConfig, names: list[str], *, train_set: list[data
     sched = schedule(opt, config, total)
     scaler = torch.amp.GradScaler(dev.type) if amp == torch.float16 else None
     pad = m.tokenizer.pad_token_id if m.tokenizer.pad_token_id is not None else (m.tokenizer.eos_token_id or 0)
-    result = TrainResult(out="", steps=0, log=[])
+    precision = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp]
+    result = TrainResult(out="", steps=0, log=[], precision=precision)
     best, best_loss, bad = None, math.inf, 0
     if state is not None:
         lora.load_state(layers, state["adapter"], "the checkpoint")
@@ -552,7 +554,7 @@ def run(m: Model, config: TrainConfig, names: list[str], *, train_set: list[data
     if state is None:
         evaluate(0)
     context = (lambda: torch.autocast(dev.type, amp)) if amp else nullcontext
-    bar = tqdm(total=total, initial=start, desc="training", unit="step", disable=not progress or rank != 0,
+    bar = tqdm(total=total, initial=start, desc=f"training ({precision})", unit="step", disable=not progress or rank != 0,
                dynamic_ncols=True)
     began, tokens, evaluating = time.perf_counter(), 0, 0.0  # this run's tokens and time, for its speed
     # a run killed after the checkpoint of its early stop (before writing the adapter) stops there again
