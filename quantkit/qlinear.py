@@ -62,8 +62,10 @@ class QuantLinear(torch.nn.Module):
         if x.shape[-1] != self.in_features or not x.is_floating_point():
             raise QuantkitError(f"input of {x.shape[-1]} features in {x.dtype} for a layer of {self.in_features}: "
                                 "pass floats of that width")
-        if x.device.type == "cpu" and x.dtype == torch.float32 and torch.is_autocast_enabled("cpu"):
-            x = x.to(torch.get_autocast_dtype("cpu"))  # as autocast casts a linear's input: the fused paths take it
+        if x.device.type == "cpu" and x.dtype != torch.float64 and torch.is_autocast_enabled("cpu"):
+            # as autocast casts a linear's input (a float16 one under bfloat16 too): the fused paths take it, and
+            # give autocast's dtype for a row as for many
+            x = x.to(torch.get_autocast_dtype("cpu"))
         triton = self.backend == "triton" or (self.backend == "auto" and x.is_cuda and kernels.fits(self))
         if torch.is_grad_enabled() and x.requires_grad:
             y = Frozen.apply(x, self, triton)
@@ -289,10 +291,12 @@ class GPTQLinear(QuantLinear):
         return {key: getattr(self, key) for key in self.PACKED}
 
     def zeros(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """The zero points of output rows start:stop (start a multiple of 32), int32 [rows, G]."""
+        """The zero points of output rows start:stop, int32 [rows, G]: unpacked in whole runs of 32 outputs
+        (3 words at 3 bits) from the one that holds start."""
         stop = self.out_features if stop is None else stop
-        words = self.qzeros[:, start * self.bits // 32: math.ceil(stop * self.bits / 32)].T.contiguous()
-        return (unpack(words, self.bits)[: stop - start] + int(self.v1)) & ((1 << self.bits) - 1)
+        first, end = start - start % 32, min(-(-stop // 32) * 32, self.out_features)
+        words = self.qzeros[:, first * self.bits // 32: math.ceil(end * self.bits / 32)].T.contiguous()
+        return (unpack(words, self.bits)[start - first: stop - first] + int(self.v1)) & ((1 << self.bits) - 1)
 
     def to_tensor(self) -> QuantizedTensor:
         return QuantizedTensor(unpack(self.qweight, self.bits).T.to(torch.uint8).contiguous(),

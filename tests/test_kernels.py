@@ -366,6 +366,8 @@ def test_cpu_gemv(name, monkeypatch):
             y = layer(x)  # take it (before, the fallback dequantized the whole weight per call)
             assert layer.gemv(x.bfloat16()) is not None
         assert y.dtype == torch.bfloat16 and torch.equal(y, layer(x.bfloat16()))
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # float16 in: nn.Linear's bfloat16 out, the GEMV's rows too
+            assert layer(x.half()).dtype == torch.nn.functional.linear(x.half(), w.half()).dtype == torch.bfloat16
         assert layer.gemv(x.to("meta")) is None and copy.deepcopy(layer).to("meta").gemv(x) is None  # off the CPU
         assert ("-act" in name) == (layer.__dict__.get("grouped") is not None)  # the twin was made and used
     x = torch.randn(2, k, generator=g, requires_grad=True)
