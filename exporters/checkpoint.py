@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -262,6 +263,22 @@ def rules_read(layers: dict[str, GPTQLinear | QuantizedTensor], state: dict[str,
               if k.endswith(".weight") and ".layers." in k and k.removesuffix(".weight").endswith(LINEARS)]
     rules = [Rule(exact(names), b, g) for (b, g), names in other.items()]
     return tuple(rules + ([Rule(exact(floats), skip=True)] if floats else []))
+
+
+def half_scales(scales: torch.Tensor, path: Path, name: str) -> torch.Tensor:
+    """A checkpoint's scales as float16, as a QuantizedTensor holds them. bfloat16 ones (llm-compressor's
+    for a bfloat16 model) and float32 ones round to within 2^-11 of themselves inside float16's normal
+    range; outside it they lose more, or overflow, and are named."""
+    half = scales.half()
+    if scales.dtype != torch.float16:
+        a = scales.float().abs()
+        out = (a > torch.finfo(torch.float16).max) | ((a > 0) & (a < torch.finfo(torch.float16).tiny))
+        if out.any():
+            worst = ((half.float() - scales.float()).abs() / a.clamp(min=1e-30)).max().item()
+            warnings.warn(f"{path}: {int(out.sum())} of {name}'s {str(scales.dtype).removeprefix('torch.')} scales lie "
+                          f"outside float16's normal range ({a[out].min().item():.3g} to {a[out].max().item():.3g}), where "
+                          f"quantkit holds them: they move by up to {worst:.2g} of themselves, and their weights alike")
+    return half
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

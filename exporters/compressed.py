@@ -227,8 +227,8 @@ def read(path: Path, packed: bool = False) -> Model:
                                 f"{group_size}: the checkpoint is corrupt")
         zeros = torch.full((n, ng), 1 << (bits - 1), dtype=torch.uint8) if zp is None else \
             unpack(zp.T.contiguous(), bits, n).T.contiguous()
-        layers[name] = QuantizedTensor(unpack(words, bits, k), scales.half(), zeros, group_index(k, group_size), bits,
-                                       group_size, sym)
+        layers[name] = QuantizedTensor(unpack(words, bits, k), checkpoint.half_scales(scales, path, name), zeros,
+                                       group_index(k, group_size), bits, group_size, sym)
     # the run's settings: those of the group targeting every Linear (or the only one); the others as
     # rules (rules_read), so that the model exports again as it was read
     bits, group_size, sym, ordered = next(iter(seen)) if len(seen) == 1 else scheme_of("Linear")

@@ -144,6 +144,7 @@ def read(path: Path, packed: bool = False) -> Model:
             raise QuantkitError(f"{path}: {name} is quantized where the config's {said}: the checkpoint is "
                                 "inconsistent (its consumers would not load it); re-export it")
         tensors = checkpoint.take(state, path, name, [part for part in GPTQLinear.PACKED if part != "g_idx"])
+        checkpoint.half_scales(tensors["scales"], path, name)  # the packed layer keeps them; its QuantizedTensor not
         # GPTQ-for-LLaMa's checkpoints hold no g_idx: groups in plain order, as AutoGPTQ's default
         k = tensors["qweight"].shape[0] * 32 // mine["bits"]
         tensors["g_idx"] = state.pop(f"{name}.g_idx", None)

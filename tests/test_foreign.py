@@ -6,6 +6,7 @@ as it was read."""
 import json
 import re
 import shutil
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -386,3 +387,25 @@ def test_linears_of_mixed_symmetry_are_not_exported_under_one(tiny_dir, tmp_path
     assert torch.equal(again.tensors[name].dequantize(), sym.dequantize())
     assert torch.equal(again.tensors["model.layers.0.mlp.gate_proj"].dequantize(),
                        asym.tensors["model.layers.0.mlp.gate_proj"].dequantize())
+
+
+def test_scales_float16_cannot_hold_are_named(plain, tmp_path):
+    """llm-compressor writes a bfloat16 model's scales in bfloat16; quantkit holds scales in float16.
+    Inside float16's normal range that is exact for bfloat16 values; below it they went subnormal and
+    their weights moved by up to 0.4% without a word. Now they are named; in range, nothing is said."""
+    m, _ = plain
+    out = quantkit.export(m, tmp_path / "ct", "compressed-tensors")
+    name = "model.layers.0.mlp.down_proj"
+    state = load_file(out / "model.safetensors")
+    for key in [k for k in state if k.endswith(".weight_scale")]:
+        state[key] = state[key].bfloat16()  # as a bfloat16 model's export holds them
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        back = loaded(out)
+    for n, qt in back.tensors.items():  # float16 holds each bfloat16 value of its normal range exactly
+        assert torch.equal(qt.scales.float(), state[f"{n}.weight_scale"].float()), n
+    state[f"{name}.weight_scale"] = (state[f"{name}.weight_scale"].float() * 2e-3).bfloat16()
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=rf"of {re.escape(name)}'s bfloat16 scales lie outside float16's normal range"):
+        loaded(out)
