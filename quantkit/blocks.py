@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import sys
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -45,7 +46,11 @@ def check(t: str, k: int, name: str = "tensor") -> None:
 
 
 def threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The cores this process may run on, or fewer where torch was told to use fewer (torch.set_num_threads,
+    OMP_NUM_THREADS); GGUF export runs without torch."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch = sys.modules.get("torch")
+    return max(1, min(cores, torch.get_num_threads())) if torch is not None else cores
 
 
 @cache

@@ -551,6 +551,19 @@ def test_torchs_default_dtype_and_device_do_not_reach_the_gemv():
             assert all(torch.equal(layer(x), y) for layer, y in zip(layers, want))
 
 
+def test_the_gemv_splits_over_the_threads_torch_is_given(monkeypatch):
+    """torch.set_num_threads(1) (or OMP_NUM_THREADS=1) left the GEMV's split on every core."""
+    monkeypatch.setattr(blocks.os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert blocks.threads() == 1
+        torch.set_num_threads(3)
+        assert blocks.threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_move_that_fails_leaves_the_layer_whole():
     """.to() took the packed buffers out before moving the rest: a move that failed left a layer with
     no weight, whose next forward was an AttributeError."""
