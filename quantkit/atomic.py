@@ -146,10 +146,11 @@ def write_behind(f: BinaryIO, start: int) -> None:
 
 
 def sync(path: Path, skip: set[Path] = frozenset()) -> None:
-    """Flush a file, or every file under a directory but skip and the directory itself, to the disk: a
-    rename that says an output is complete must not reach the disk before its contents (a power cut)."""
+    """Flush a file, or every file under a directory but those in or under skip and the directory itself,
+    to the disk: a rename that says an output is complete must not reach the disk before its contents (a
+    power cut)."""
     for f in [path] if path.is_file() else [*path.rglob("*"), path]:
-        if f not in skip:
+        if f not in skip and skip.isdisjoint(f.parents):
             fsync(f)
 
 
@@ -256,12 +257,12 @@ class Staged:
                                  f"{errors.option('overwrite', True)}) and run the same command again") from None
 
     def commit(self, scratch: list[Path] = ()) -> Path:
-        """Put the output in place; scratch: files under it that only a resumed run needs, removed once the
-        rest is on the disk, so that a kill until then leaves a run that resumes."""
+        """Put the output in place; scratch: files or directories under it that only a resumed run needs,
+        removed once the rest is on the disk, so that a kill until then leaves a run that resumes."""
         self.check()
         sync(self.path, set(scratch))
         for f in scratch:
-            f.unlink()
+            remove(f)
         if scratch:
             fsync(self.path)
         if not self.directory:

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from quantkit.command import main
+from quantkit.errors import QuantkitError
 from quantkit.trainer import dataset, loop, train
 
 from .conftest import VALID, make_tiny
@@ -489,7 +490,6 @@ def test_the_api_names_its_keywords(adapter, tiny_dir, text, tmp_path):
     """Through quantkit.train and merge, the trainer's errors named the command line's flags (--max-grad-norm
     0.0, --patience, --eval-data, --resume, --onto-nf4), which a Python caller does not have; now its keywords,
     as quantize's errors do. The command line's spelling of the same mistakes is checked above."""
-    from quantkit.errors import QuantkitError
     from quantkit.trainer import merge
 
     common = dict(data=text, out=tmp_path / "out", steps=1, seqlen=32, batch_size=2, rank=4, progress=False)
@@ -629,6 +629,33 @@ def test_out_of_disk_space_while_checkpointing(tiny_dir, text, quiet, capsys, mo
     else:
         assert left(tmp_path) == [".out.partial"] and saved_step(tmp_path) == 2
         assert [p.name for p in (tmp_path / ".out.partial").iterdir()] == ["checkpoint"]  # no half-written one
+
+
+@pytest.mark.parametrize("fault", [KeyboardInterrupt, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))])
+def test_a_stop_while_the_finished_adapter_goes_to_disk_keeps_the_run(tiny_dir, text, monkeypatch, tmp_path, fault):
+    """The checkpoints were removed before the finished adapter was flushed to the disk: Ctrl-C there (or
+    the disk refusing the flush, a bare OSError) deleted the whole run, adapter and all, and said
+    "stopped before the first checkpoint". The last checkpoint now stays until the adapter is in place."""
+    import quantkit.atomic as atomic
+
+    real = atomic.sync
+
+    def sync(path, skip=frozenset()):
+        if (path / "adapter_model.safetensors").is_file():  # the commit's flush of the finished adapter
+            raise fault
+        return real(path, skip)
+
+    kw = dict(data=text, out=tmp_path / "out", steps=4, save_every=2, seqlen=32, batch_size=2, rank=4, warmup=0,
+              eval_fraction=0, progress=False)
+    monkeypatch.setattr(atomic, "sync", sync)
+    with pytest.raises(KeyboardInterrupt if fault is KeyboardInterrupt else QuantkitError,
+                       match=None if fault is KeyboardInterrupt else "run again with resume=True"):
+        train(str(tiny_dir), **kw)
+    assert left(tmp_path) == [".out.partial"] and saved_step(tmp_path) == 4
+    monkeypatch.setattr(atomic, "sync", real)
+    train(str(tiny_dir), **kw, resume=True)
+    assert left(tmp_path) == ["out"] and json.loads((tmp_path / "out" / "train_log.json").read_text())["steps"] == 4
+    assert not (tmp_path / "out" / "checkpoint").exists()
 
 
 DOLLY = [{"instruction": f"Name colour number {i}.", "context": "Colours of the rainbow." if i % 2 else "",

@@ -317,11 +317,11 @@ class Checkpoints:
         tmp.rename(self.path)
         remove(self.old)
 
-    def clear(self) -> None:
+    def all(self) -> list[Path]:
         """Every checkpoint, the previous one and any a killed save left (named for another process):
         none of them belongs in the output."""
-        for p in [self.path, self.old, *self.path.parent.glob(f".{CHECKPOINT}-*")]:
-            remove(p)
+        return [self.path, self.old, *self.path.parent.glob(f".{CHECKPOINT}-*")]
+
 
     def intact(self) -> dict | None:
         """The latest checkpoint, or None when there is none or it is damaged (a fresh start clears it)."""
@@ -477,11 +477,11 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
             finally:
                 settle(m.module)
             if rank == 0:
+                # the checkpoints go once the adapter is on the disk: a stop until then resumes from the last
                 with space_for(out, None, "the adapter", f"run again with {option('resume', True)} (the last checkpoint holds "
                                "every step)"):
                     write(partial, m, config, result, adapter, key)
-                checkpoints.clear()
-                staged.commit()
+                    staged.commit(checkpoints.all())
             result.out = str(out)
             return result
         except BaseException as e:
