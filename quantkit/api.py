@@ -233,6 +233,9 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
             with distributed.first_refuses(f"lock {path}"):
                 if path is not None and distributed.rank() == 0:
                     held.enter_context(locked(path, "measurement"))
+            if path is not None:  # its progress, saved after each layer, is as large as the calibration's activations
+                held.enter_context(space_for(path, None, "the measurement's progress", "run the same command again: "
+                                             "the measurement resumes after its last finished layer"))
             quantize_layers(m, None, windows, device=dev, writer=recorder, keep=False,
                             progress=progress and distributed.rank() == 0, resume=resume, layer_fn=measure,
                             desc=f"measuring {len(settings)} settings of each "
@@ -511,7 +514,8 @@ def quantize(
             # what a resumed run needs stays, unless the input is at fault: running again would fail the same way
             # under torchrun, every process's: one that found a fault in the input removed its own before it stopped
             # (and a state waiting to be renamed counts once some process renamed its own)
-            saved = [progress_path(out, r if distributed.world() > 1 else None) for r in range(distributed.world())]
+            saved = [progress_path(out, r if distributed.world() > 1 else None) for r in range(distributed.world())] \
+                if resume is not None else []  # none without out (or with keep)
             resumable = resume is not None and all(map(saved_progress, saved)) and any(p.is_file() for p in saved) \
                 and not (isinstance(e, QuantkitError) and not isinstance(e, ResumableError))
             if writer is not None:  # the process holding the output's lock clears every process's progress

@@ -5,6 +5,8 @@ the candidates, stays within the target as its bytes count it, and its measureme
 targets; in GGUF, each linear gets a block type as llama-quantize's --tensor-type would write it;
 bad input is refused."""
 import json
+import os
+import re
 
 import gguf
 import pytest
@@ -15,7 +17,7 @@ import quantkit
 from quantkit import calibration, measurement
 from quantkit.api import quantizer
 from quantkit.config import QuantConfig
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, ResumableError
 from quantkit.exporters.gptq import override
 from quantkit.measurement import GGUF_TYPES, GRIDS, Grid
 from quantkit.quantizers import rtn
@@ -390,3 +392,42 @@ def test_the_output_is_locked_through_the_measurement(tiny_dir, tmp_path, monkey
     monkeypatch.setattr(measurement, "measure_layer", tries_the_lock)
     quantkit.quantize(str(tiny_dir), method="rtn", target_bpw=4.3, out=tmp_path / "q", **CALIB, progress=False)
     assert seen and set(seen) == {"held"}
+
+
+def test_a_full_disk_in_the_measurement_is_one_line_and_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
+    """--target-bpw's measurement ran outside any disk-space handling: a full disk while its progress was
+    saved was a bare OSError (a traceback on the command line). Now it names the file and resumes."""
+    import errno
+
+    from quantkit import pipeline
+
+    real, saves = pipeline.save_progress, []
+
+    def full(path, state):  # the disk fills while the second layer's progress is saved
+        if "progress-measurement" in path.name:
+            saves.append(path)
+            if len(saves) == 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(path, state)
+
+    monkeypatch.setattr(pipeline, "save_progress", full)
+    kw = dict(method="rtn", target_bpw=4.3, measurement=str(tmp_path / "m.json"), out=tmp_path / "q", **CALIB,
+              progress=False)
+    with pytest.raises(ResumableError, match=rf"out of disk space writing {re.escape(str(tmp_path / 'm.json'))}: the "
+                                             r"measurement's progress did not fit.*the measurement resumes after its last"):
+        quantkit.quantize(str(tiny_dir), **kw)
+    capsys.readouterr()
+    quantkit.quantize(str(tiny_dir), **kw)
+    assert "resuming" in capsys.readouterr().err and (tmp_path / "m.json").is_file()
+
+
+def test_quantize_without_out_raises_what_stopped_it(tiny_dir, monkeypatch):
+    """In memory (no out), every failure of the run became a TypeError from the resume bookkeeping."""
+    from quantkit import api
+
+    def stops(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "quantize_layers", stops)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_dir), method="rtn", group_size=32, keep=True, progress=False)
