@@ -227,13 +227,22 @@ class Staged:
 
     def __init__(self, out: str | os.PathLike, overwrite: bool = False, directory: bool = True, option: str = "out"):
         check_out(out, overwrite, directory, option)
-        self.out, self.directory, self.overwrite = Path(out), directory, overwrite
+        self.out, self.directory, self.overwrite, self.option = Path(out), directory, overwrite, option
         self.path = partial_path(self.out)
         self.lock_path, self.lock = lock(self.out, option)
 
     def fresh(self) -> Path:
         """Start over: an empty directory (or no file) at path; no progress of an earlier run, no
-        previous output left aside by a commit that was killed."""
+        previous output left aside by a commit that was killed: where that commit had moved the output aside
+        and not yet put the new one in place, the output is put back first."""
+        aside = siblings(self.out, r"\.{name}\.old-\d+")
+        if aside and not self.out.exists() and not self.out.is_symlink():
+            max(aside, key=lambda p: p.stat().st_mtime_ns).rename(self.out)
+            if not self.overwrite:
+                again = errors.option("overwrite", True)
+                raise QuantkitError(f"{self.out} is back in place: a run with {again} was stopped while putting its "
+                                    f"output there, after moving this one aside: pass {again} to replace it, or "
+                                    f"choose another {errors.option(self.option)}")
         remove(self.path)
         # also the temporary of a save killed in a job of another world size (its own path's run clears it)
         for stale in [*progress_files(self.out),

@@ -165,6 +165,37 @@ def test_a_run_killed_in_its_commit_resumes(tiny_dir, tmp_path, monkeypatch, cap
         assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "whole"]
 
 
+def test_an_output_moved_aside_by_a_killed_commit_is_put_back(tmp_path):
+    """Killed between an --overwrite commit's two renames (the previous output moved aside, the new one
+    not yet in place, its progress gone with the scratch files), the next run started afresh and
+    deleted the previous output with the rest. It is now put back first; replacing it takes --overwrite."""
+    from quantkit.atomic import Staged
+
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # the previous output
+    staged = Staged(out, overwrite=True)
+    (staged.fresh() / "new").write_text("the new output")
+    out.rename(tmp_path / ".q.old-4242")  # as the kill leaves it
+    staged.unlock()
+    with pytest.raises(QuantkitError, match=r"q is back in place: a run with overwrite=True was stopped while putting "
+                                            r"its output there.*pass overwrite=True to replace it"):
+        again = Staged(out)
+        try:
+            again.fresh()
+        finally:
+            again.abort()  # as its writer's caller does
+    assert [p.name for p in out.iterdir()] == ["config.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # what the failed start made, removed
+    (tmp_path / ".q.old-4242").mkdir()  # the same window again; this run replaces it, as asked
+    out.rename(tmp_path / ".q.old-4243")
+    (tmp_path / ".q.old-4242").rmdir()
+    staged = Staged(out, overwrite=True)
+    (staged.fresh() / "new").write_text("the new output")
+    staged.commit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"] and [p.name for p in out.iterdir()] == ["new"]
+
+
 def test_a_model_rewritten_at_the_same_path_is_not_resumed_from(tmp_path, monkeypatch, capsys):
     """Killed in layer 1, then the checkpoint at that path replaced by another model: the same command
     starts afresh (its progress was of other weights) and writes what a run on the new model writes."""
