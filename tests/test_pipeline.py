@@ -456,7 +456,9 @@ def test_an_outputs_cleanup_leaves_another_outputs_files(tmp_path):
     ours = [".m.old-4242", ".m.progress.pt", ".m.progress-1.pt", ".m.progress-1.pt.tmp-999"]  # killed runs of m
     for name in ours:
         (tmp_path / name).write_bytes(b"stale")
-    staged = Staged(tmp_path / "m")
+    (tmp_path / "m").mkdir()  # in place: .m.old-4242 is what a commit killed after its renames left
+    (tmp_path / "m" / "config.json").write_text("{}")
+    staged = Staged(tmp_path / "m", overwrite=True)
     (staged.fresh() / "weights").write_bytes(b"new")
     (tmp_path / ".m.progress.pt").write_bytes(b"this run's")
     staged.commit()
