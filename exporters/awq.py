@@ -96,8 +96,8 @@ def read(path: Path, packed: bool = False) -> Model:
         if zeros.shape != scales.T.shape or k % group_size:
             raise QuantkitError(f"{path}: {name} has qzeros {tuple(qzeros.shape)} and scales {tuple(scales.shape)}, which "
                                 f"do not fit {k} inputs in groups of {group_size}: the checkpoint is corrupt")
-        layers[name] = QuantizedTensor(codes, checkpoint.half_scales(scales.T.contiguous(), path, name), zeros, group_index(k, group_size), 4,
-                                       group_size, False)
+        layers[name] = QuantizedTensor(codes, checkpoint.half_scales(scales.T.contiguous(), path, name), zeros,
+                                       group_index(k, group_size), 4, group_size, False)
     rules = checkpoint.rules_read(layers, state, 4, group_size)  # modules_to_not_convert, held in float
     # rules go with RTN and GPTQ grids (AWQ's search takes one setting): a mixed checkpoint reads as the
     # grids its tensors are

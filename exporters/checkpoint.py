@@ -271,10 +271,11 @@ def half_scales(scales: torch.Tensor, path: Path, name: str) -> torch.Tensor:
     range; outside it they lose more, or overflow, and are named."""
     half = scales.half()
     if scales.dtype != torch.float16:
-        a = scales.float().abs()
+        f = scales.float()
+        a = f.abs()
         out = (a > torch.finfo(torch.float16).max) | ((a > 0) & (a < torch.finfo(torch.float16).tiny))
         if out.any():
-            worst = ((half.float() - scales.float()).abs() / a.clamp(min=1e-30)).max().item()
+            worst = ((half.float() - f).abs() / a.clamp(min=1e-30)).max().item()
             warnings.warn(f"{path}: {int(out.sum())} of {name}'s {str(scales.dtype).removeprefix('torch.')} scales lie "
                           f"outside float16's normal range ({a[out].min().item():.3g} to {a[out].max().item():.3g}), where "
                           f"quantkit holds them: they move by up to {worst:.2g} of themselves, and their weights alike")

@@ -58,14 +58,15 @@ class TrainResult:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --precision's names: autocast's dtype
+
+
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    if precision == "fp32":
-        return None
     if precision == "auto":  # bf16 where the hardware has it; else fp16 on a GPU, float32 on a CPU
         if device.type == "cpu":
             return torch.bfloat16 if cpu_bf16() else None
         return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16  # T4, V100
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return AUTOCAST[precision]
 
 
 def cpu_bf16() -> bool:
@@ -322,7 +323,6 @@ class Checkpoints:
         none of them belongs in the output."""
         return [self.path, self.old, *self.path.parent.glob(f".{CHECKPOINT}-*")]
 
-
     def intact(self) -> dict | None:
         """The latest checkpoint, or None when there is none or it is damaged (a fresh start clears it)."""
         try:
@@ -517,7 +517,7 @@ def run(m: Model, config: TrainConfig, names: list[str], *, train_set: list[data
     sched = schedule(opt, config, total)
     scaler = torch.amp.GradScaler(dev.type) if amp == torch.float16 else None
     pad = m.tokenizer.pad_token_id if m.tokenizer.pad_token_id is not None else (m.tokenizer.eos_token_id or 0)
-    precision = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp]
+    precision = next(name for name, dtype in AUTOCAST.items() if dtype == amp)
     result = TrainResult(out="", steps=0, log=[], precision=precision)
     best, best_loss, bad = None, math.inf, 0
     if state is not None:
