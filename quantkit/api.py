@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import sys
@@ -24,7 +25,7 @@ from .config import DTYPES, UNWEIGHTED, QuantConfig, check_fields, check_argumen
 from .errors import COMMAND_LINE, Note, QuantkitError, ResumableError, option, space_for
 from .layers import GROUPS, LINEARS, fused, linear_shapes, shapes_by_name
 from .modelio import Checkpoint, GGUFCheckpoint, Model, check_context, fingerprint, linear_types, load
-from .pipeline import BATCH, Hessian, OtherFn, QuantizeFn, gather_hessians, quantize_layers
+from .pipeline import BATCH, Hessian, OtherFn, QuantizeFn, gather_hessians, quantize_layers, saved_run
 from .qlinear import QuantLinear
 from .qtensor import QuantizedTensor
 from .requant import requantized_note
@@ -169,17 +170,67 @@ def inputs_bytes(windows: torch.Tensor | None, importance: dict[str, torch.Tenso
     return data + b"".join(name.encode() + v.numpy().tobytes() for name, v in sorted((importance or {}).items()))
 
 
+def check_progress(out: Path, key: dict, layers: int) -> None:
+    """Refuse to start afresh over the finished layers of another run writing out (hours of work, not to be
+    lost to a changed option or a touched model file): what differs, and how to go on or discard them."""
+    partial = partial_path(out)
+    for path in (progress_path(out), progress_path(out, 0)):  # one process's, or a torchrun job's first
+        if (saved := saved_run(path)) is None:
+            continue
+        theirs, done = saved
+        if isinstance(theirs, dict) and theirs.keys() >= key.keys():
+            theirs = {name: theirs[name] for name in key}  # the settings a measurement spent are checked once made
+        if theirs != key and partial.exists():
+            raise QuantkitError(f"{partial} holds {done} of {layers} layers of another run writing {out} "
+                                f"({differences(theirs, key)}): run that command again to go on from them, or pass "
+                                f"{option('overwrite', True)} to discard them and start afresh")
+
+
+LONG = {"imatrix": "GGUF header's record of the importance matrix (quantize.imatrix.*)"}  # a key's long values
+
+
+def differences(theirs, ours: dict) -> str:
+    """How another run's progress key differs from this run's, as its user would tell them apart."""
+    if not isinstance(theirs, dict) or theirs.keys() != ours.keys():
+        return "it was started by another version of quantkit"
+    said = []
+    if theirs["model"] != ours["model"]:
+        path = theirs["model"].split("|")[0]
+        said.append("the model's files changed since it started" if path == ours["model"].split("|")[0]
+                    else f"it ran on the model {path}")
+    facts = {**{name: (theirs["settings"].get(name), value) for name, value in ours["settings"].items()},
+             **{name: (theirs[name], ours[name]) for name in ("format", "max_shard_size", "device", "processes",
+                                                               "imatrix")}}
+    changed = [(name, a, b) for name, (a, b) in facts.items() if a != b]
+    short = [(n, a, b) for n, a, b in changed if len(repr(a)) + len(repr(b)) < 80]
+    if short:
+        said.append(f"it ran with {' and '.join(f'{n}={a!r}' for n, a, _ in short)}, this command with "
+                    f"{' and '.join(f'{n}={b!r}' for n, _, b in short)}")
+    said += [f"its {LONG.get(n, n)} differs" for n, a, b in changed if (n, a, b) not in short]  # by name alone
+    if theirs["inputs"] != ours["inputs"]:
+        said.append("it ran on other calibration windows or another importance matrix")
+    if theirs.get("spent") != ours.get("spent") and not said:
+        said.append(f"its measurement for {option('target_bpw')} gave other settings")
+    return "; ".join(said)
+
+
+def settings_of(config: QuantConfig) -> dict:
+    """config's fields as plain data, as a progress key holds them."""
+    return json.loads(json.dumps(config.to_dict(), default=str))
+
+
 MEASURING = r"\.{name}\.progress-measurement(-\d+)?\.pt(" + NEXT + ")?"  # beside the measurement file: its progress
 
 
 def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.device, progress: bool,
-             settings: tuple, importance: dict[str, torch.Tensor] | None = None
+             settings: tuple, importance: dict[str, torch.Tensor] | None = None, overwrite: bool = False
              ) -> dict[str, exl2.Setting | measurement.Grid | measurement.BlockType]:
     """Each linear's setting for the run's target among settings: EXL2's widths, one per attention
     and MLP block; --target-bpw's bits and group size, one per group of linears sharing an input; or
     in GGUF its block type, one per linear (importance: an importance matrix read from a file). From
     the measurement file config.measurement when it exists, else from a measurement pass, saved
-    there when there is one (a killed pass resumes after its last layer)."""
+    there when there is one (a killed pass resumes after its last layer; another run's progress there is
+    refused, unless overwrite)."""
     exl2_run, gguf_run = config.exl2 is not None, config.gguf_type is not None
     units = measurement.BLOCK_UNITS if exl2_run else measurement.LINEAR_UNITS if gguf_run else measurement.GROUP_UNITS
     target = config.exl2 if exl2_run else config.target_bpw
@@ -198,41 +249,48 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
         if m.checkpoint is None:
             raise QuantkitError(f"{m.source}: the measurement pass reads layers from a checkpoint: quantize a model "
                                 "loaded from its directory")
-        weights = measurement.fisher(m, windows, dev, progress and distributed.rank() == 0)
-        if exl2_run:
-            cores = [lambda name, w, h, s=s: exl2.quantize(w, h.matrix(), s, damp=config.damp,
-                                                           block_size=config.block_size, name=name).tensor
-                     for s in settings]
-        elif gguf_run:
-            plain = replace(config, target_bpw=None, measurement=None)
-            cores = [quantizer(plain, {}, {name: t.of(k) for name, (_, k) in shapes.items()}, importance)
-                     for t in settings]
-        else:
-            cores = [quantizer(replace(config, bits=g.bits, group_size=g.group_size, target_bpw=None, measurement=None),
-                               {}) for g in settings]
         rank = f"-{distributed.rank()}" if distributed.world() > 1 else ""
         # the candidates (by format and --for) are in the key: a pass of other ones starts afresh, not mixed in
         resume = (path.with_name(f".{path.name}.progress-measurement{rank}.pt"),
                   f"{key}|{settings}|{distributed.world()}") if path is not None else None
-        recorder = measurement.Recorder()
-
-        def measure(i: int, layer: torch.nn.Module, batches: list) -> dict[str, QuantizedTensor]:
-            prefix = f"model.layers.{i}."
-            hessians = gather_hessians(layer, batches, GROUPS)[0] if hessian else dict.fromkeys(LINEARS)
-            sq = measurement.measure_layer(layer, batches, hessians, cores,
-                                           torch.stack([weights[prefix + b] for b in measurement.BLOCKS]), units,
-                                           prefix=prefix)
-            # every batch's figures, from the process that ran it, summed in one order: a single process's sums
-            sq = distributed.gather_rows(sq).sum(0)
-            for u, unit in enumerate(units):  # in nats: the predicted rise of the mean loss
-                recorder.errors[prefix + unit] = (sq[u] / (2 * windows.numel())).tolist()
-            return {}
-
-        # another run measuring into the same file would take or remove this one's progress
-        with ExitStack() as held:
+        with ExitStack() as held:  # another run measuring into the same file would take or remove this one's progress
             with distributed.first_refuses(f"lock {path}"):
                 if path is not None and distributed.rank() == 0:
                     held.enter_context(locked(path, "measurement"))
+                    if not overwrite:  # hours of a large model's measurement, not lost to a changed option
+                        for other in (resume[0], path.with_name(f".{path.name}.progress-measurement-0.pt")):
+                            if (saved := saved_run(other)) is not None and saved[0] != resume[1]:
+                                raise QuantkitError(
+                                    f"{other} holds {saved[1]} of {len(m.layers)} layers of another run measuring into "
+                                    f"{path} (another model, calibration, quantizer settings, candidates or number of "
+                                    f"processes): run that command again to go on from them, or pass "
+                                    f"{option('overwrite', True)} to discard them and measure afresh")
+            weights = measurement.fisher(m, windows, dev, progress and distributed.rank() == 0)
+            if exl2_run:
+                cores = [lambda name, w, h, s=s: exl2.quantize(w, h.matrix(), s, damp=config.damp,
+                                                               block_size=config.block_size, name=name).tensor
+                         for s in settings]
+            elif gguf_run:
+                plain = replace(config, target_bpw=None, measurement=None)
+                cores = [quantizer(plain, {}, {name: t.of(k) for name, (_, k) in shapes.items()}, importance)
+                         for t in settings]
+            else:
+                cores = [quantizer(replace(config, bits=g.bits, group_size=g.group_size, target_bpw=None,
+                                           measurement=None), {}) for g in settings]
+            recorder = measurement.Recorder()
+
+            def measure(i: int, layer: torch.nn.Module, batches: list) -> dict[str, QuantizedTensor]:
+                prefix = f"model.layers.{i}."
+                hessians = gather_hessians(layer, batches, GROUPS)[0] if hessian else dict.fromkeys(LINEARS)
+                sq = measurement.measure_layer(layer, batches, hessians, cores,
+                                               torch.stack([weights[prefix + b] for b in measurement.BLOCKS]), units,
+                                               prefix=prefix)
+                # every batch's figures, from the process that ran it, summed in one order: a single process's sums
+                sq = distributed.gather_rows(sq).sum(0)
+                for u, unit in enumerate(units):  # in nats: the predicted rise of the mean loss
+                    recorder.errors[prefix + unit] = (sq[u] / (2 * windows.numel())).tolist()
+                return {}
+
             if path is not None:  # its progress, saved after each layer, is as large as the calibration's activations
                 held.enter_context(space_for(path, None, "the measurement's progress", "run the same command again: "
                                              "the measurement resumes after its last finished layer"))
@@ -432,6 +490,17 @@ def quantize(
                                     f"{distributed.world()} processes, and "
                                     f"{option('calib_samples', calib_samples)} gives {batches}: pass "
                                     f"{option('calib_samples', BATCH * distributed.world())} or more")
+        key = None  # what an interrupted run's progress must match to be gone on from
+        if out is not None and not keep:
+            key = {"model": fingerprint(m.source), "settings": settings_of(config), "format": format,
+                   "max_shard_size": str(max_shard_size), "device": dev.type, "processes": distributed.world(),
+                   "inputs": hashlib.sha256(inputs_bytes(windows, importance)).hexdigest(),
+                   "imatrix": dict(m.imatrix)}  # a GGUF header's record of the importance matrix: written first
+            if not overwrite:  # before the long work: another run's finished layers are not thrown away
+                with distributed.first_refuses(f"open {out}"):
+                    if distributed.rank() == 0:
+                        with locked(Path(out), "out"):  # a job writing out now is refused as that, not as progress
+                            check_progress(Path(out), key, len(m.layers))
         if checked is not None:
             with distributed.first_refuses(f"open {out}"):  # another job writing out: refused before checked, not after
                 if out is not None and distributed.rank() == 0:
@@ -445,7 +514,7 @@ def quantize(
                 with distributed.first_refuses(f"open {out}"):
                     if out is not None and distributed.rank() == 0:
                         held.enter_context(locked(Path(out), "out"))
-                config = spent(config, measured(m, config, windows, dev, progress, candidates, importance), shapes)
+                config = spent(config, measured(m, config, windows, dev, progress, candidates, importance, overwrite), shapes)
             if types is not None:
                 types = gguf_types(m, config)
             if targets:
@@ -458,9 +527,12 @@ def quantize(
         settings = None  # EXL2's widths per linear, when measured
         resume = None
         if out is not None and not keep:  # saved beside the output: an interrupted run goes on
-            run = f"{fingerprint(m.source)}|{config}|{format}|{max_shard_size}|{dev.type}|{distributed.world()}"
-            key = hashlib.sha256(run.encode() + inputs_bytes(windows, importance)).hexdigest()
+            key = {**key, "spent": settings_of(config)}  # what a measurement made of the settings
             resume = (progress_path(out, distributed.rank() if distributed.world() > 1 else None), key)
+            if not overwrite and config.target_bpw is not None:  # checked before it, but for what it made
+                with distributed.first_refuses(f"open {out}"):
+                    if distributed.rank() == 0:
+                        check_progress(Path(out), key, len(m.layers))
         m.losses = {}
         def awq_layer(i, layer, batches):  # AWQ quantizes a layer whole: scales, folding, clipping
             return awq.quantize_layer(layer, batches, bits=config.bits, group_size=config.group_size, sym=config.sym,
@@ -496,7 +568,7 @@ def quantize(
                            "run the same command again: it resumes after the last finished layer") if out is not None \
                     else nullcontext():
                 if config.exl2 is not None and config.measurement is not None:
-                    settings = measured(m, config, windows, dev, progress, exl2.CANDIDATES)
+                    settings = measured(m, config, windows, dev, progress, exl2.CANDIDATES, overwrite=overwrite)
                 # RTN's --target-bpw calibrated its measurement only
                 m.tensors = quantize_layers(m, quantizer(config, m.losses, types, importance, settings, kept),
                                             windows if config.needs_calibration else None,

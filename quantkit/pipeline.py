@@ -299,16 +299,27 @@ def save_progress(path: Path, state: dict) -> None:
     tmp.replace(path)
 
 
-def read_progress(path: Path) -> dict:
-    """A state save_progress wrote, checked against its digest (ValueError when it was changed)."""
+def read_progress(path: Path, checked: bool = True) -> dict:
+    """A state save_progress wrote, checked against its digest (ValueError when it was changed); unchecked,
+    its tensors mapped from the file, not read (a look at its key costs nothing)."""
     with zipfile.ZipFile(path) as z:  # torch.save stores every entry: a compressed one could inflate a thousandfold
         if any(info.compress_type != zipfile.ZIP_STORED for info in z.infolist()):
             raise ValueError("it holds compressed entries, which torch.save does not write")
     # on the CPU: a GPU's number saved in it may name none here (CUDA_VISIBLE_DEVICES); the state is moved when used
-    saved = torch.load(path, weights_only=True, map_location="cpu")
-    if not isinstance(saved, dict) or saved.get("digest") != digest(saved.get("state")):
+    saved = torch.load(path, weights_only=True, map_location="cpu", mmap=not checked)
+    if not isinstance(saved, dict) or checked and saved.get("digest") != digest(saved.get("state")):
         raise ValueError("its contents changed after it was written")
     return saved["state"]
+
+
+def saved_run(path: Path) -> tuple[object, int] | None:
+    """(key, layers done) of the progress at path, its tensors not read; None when there is none, or none
+    that can be read (load_progress says so)."""
+    try:
+        state = read_progress(path, checked=False)
+        return state["key"], int(state["next_layer"])
+    except Exception:
+        return None
 
 
 def resumed(resume: tuple[Path, str], writer) -> dict | None:

@@ -245,6 +245,34 @@ def test_a_killed_measurement_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "q.json", "whole", "whole.json"]
 
 
+def test_another_runs_measurement_is_kept_until_overwrite(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A measurement stopped in layer 1, then run again into the same file on other calibration
+    windows: refused, its finished layer kept (it was dropped, an hour of a large model's); with
+    overwrite it measures afresh."""
+    kw = dict(method="gptq", format="exl2", exl2=4.0, measurement=str(tmp_path / "q.json"), progress=False)
+    real = measurement.measure_layer
+
+    def dies_in_layer_1(*args, **kwargs):
+        if kwargs["prefix"] == "model.layers.1.":
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(measurement, "measure_layer", dies_in_layer_1)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **CALIB, **kw)
+    monkeypatch.undo()
+    progress = tmp_path / ".q.json.progress-measurement.pt"
+    kept = progress.read_bytes()
+    other = {**CALIB, "seed": CALIB.get("seed", 0) + 1}
+    with pytest.raises(quantkit.QuantkitError, match=r"progress-measurement\.pt holds 1 of 2 layers of another run measuring "
+                                            r"into .*q\.json \(another model, calibration.*\): run that command again"):
+        quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **other, **kw)
+    assert progress.read_bytes() == kept and not (tmp_path / "q.json").exists()
+    capsys.readouterr()
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "q", overwrite=True, **other, **kw)
+    assert "resuming" not in capsys.readouterr().err and (tmp_path / "q.json").is_file() and not progress.exists()
+
+
 def test_a_measurement_another_process_is_making_is_left_to_it(tiny_dir, tmp_path):
     """Two runs measuring into one file: the second is refused, and the first's progress stays (the
     second removed it as 'from another run', and could take it over mid-save)."""

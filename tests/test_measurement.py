@@ -352,7 +352,8 @@ def test_bad_target_input(tiny_dir, tmp_path, capsys, monkeypatch, args, match):
 
 def test_a_killed_measurement_run_again_with_other_candidates_starts_afresh(tiny_dir, tmp_path, monkeypatch, capsys):
     """--for exllama takes fewer grids: a measurement killed with them and run again without resumed into a
-    mix of both lists (a traceback, and a saved file of mismatched lists that every later run refused)."""
+    mix of both lists (a traceback, and a saved file of mismatched lists that every later run refused).
+    Now it is another run's, refused without overwrite, and measured afresh with it."""
     real, killed = measurement.measure_layer, []
 
     def dies_in_layer_1(*args, **kwargs):
@@ -366,8 +367,10 @@ def test_a_killed_measurement_run_again_with_other_candidates_starts_afresh(tiny
               progress=False)
     with pytest.raises(KeyboardInterrupt):
         quantkit.quantize(str(tiny_dir), targets=("exllama",), **kw)
+    with pytest.raises(quantkit.QuantkitError, match="holds 1 of 2 layers of another run measuring into"):
+        quantkit.quantize(str(tiny_dir), **kw)
     capsys.readouterr()
-    quantkit.quantize(str(tiny_dir), **kw)
+    quantkit.quantize(str(tiny_dir), overwrite=True, **kw)
     assert "resuming" not in capsys.readouterr().err
     saved = json.loads((tmp_path / "m.json").read_text())
     assert len(saved["candidates"]) > 3 and all(len(u["errors"]) == len(saved["candidates"])

@@ -13,7 +13,7 @@ from quantkit.modelio import Model
 from quantkit.pipeline import quantize_layers
 from quantkit.quantizers import rtn
 
-from .conftest import TEST, VALID, loaded, make_tiny, stopping_saves
+from .conftest import TEST, VALID, cli, loaded, make_tiny, refused, stopping_saves
 
 
 def hessians_of(module, windows, layer_ids, groups):
@@ -198,7 +198,8 @@ def test_an_output_moved_aside_by_a_killed_commit_is_put_back(tmp_path):
 
 def test_a_model_rewritten_at_the_same_path_is_not_resumed_from(tmp_path, monkeypatch, capsys):
     """Killed in layer 1, then the checkpoint at that path replaced by another model: the same command
-    starts afresh (its progress was of other weights) and writes what a run on the new model writes."""
+    is refused, keeping the finished layer (they were of other weights); with overwrite it starts afresh
+    and writes what a run on the new model writes."""
     kw = dict(method="gptq", bits=4, group_size=32, calib_data=VALID, calib_samples=4, calib_seqlen=48, progress=False)
     make_tiny(tmp_path / "other", seed=1)
     quantkit.quantize(str(tmp_path / "other"), out=tmp_path / "want", **kw)
@@ -216,8 +217,14 @@ def test_a_model_rewritten_at_the_same_path_is_not_resumed_from(tmp_path, monkey
     monkeypatch.undo()
     shutil.rmtree(tmp_path / "m")
     shutil.copytree(tmp_path / "other", tmp_path / "m")
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(QuantkitError, match=r"\.q\.partial holds 1 of 2 layers of another run writing .*q \(the "
+                                            r"model's files changed since it started\): run that command again to go on "
+                                            r"from them, or pass overwrite=True to discard them and start afresh"):
+        quantkit.quantize(str(tmp_path / "m"), out=tmp_path / "q", **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept and ".q.progress.pt" in kept
     capsys.readouterr()
-    quantkit.quantize(str(tmp_path / "m"), out=tmp_path / "q", **kw)
+    quantkit.quantize(str(tmp_path / "m"), out=tmp_path / "q", overwrite=True, **kw)
     assert "ignoring progress file" in capsys.readouterr().err
     got, want = files(tmp_path / "q"), files(tmp_path / "want")
     assert got == want  # config.json too: it names no source path
@@ -280,6 +287,98 @@ def test_a_gguf_replaced_while_its_header_is_read_is_refused_at_the_first_read(t
     monkeypatch.undo()
     with pytest.raises(QuantkitError, match="m.gguf changed or went after the model was loaded"):
         m.materialize()
+
+
+def test_another_runs_finished_layers_are_kept_until_overwrite(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Stopped after layer 0, then run again with other settings: refused with one error line naming
+    what differs, the finished layer kept; the first command then goes on from it and writes what an
+    uninterrupted run writes, and --overwrite starts the other run afresh. These layers were deleted
+    (hours of a large model's, to a mistyped option)."""
+    from quantkit import pipeline
+
+    def args(out, *more):
+        return ["quantize", tiny_dir, "--group-size", 32, "--out", out, *more]
+
+    for out in ("whole", "whole3"):
+        assert cli(args(tmp_path / out, *["--bits", 3] * (out == "whole3")), capsys, monkeypatch)[0] == 0
+    real = stopping_saves(monkeypatch)
+    assert cli(args(tmp_path / "q"), capsys, monkeypatch)[0] == 130
+    monkeypatch.setattr(pipeline, "save_progress", real)
+    kept = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith(".q.progress")}
+    refused(args(tmp_path / "q", "--bits", 3), capsys, monkeypatch,
+            f"{tmp_path / '.q.partial'} holds 1 of 2 layers of another run writing {tmp_path / 'q'} (it ran with "
+            "bits=4, this command with bits=3): run that command again to go on from them, or pass --overwrite to "
+            "discard them and start afresh")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith(".q.progress")} == kept
+    code, _, err = cli(args(tmp_path / "q"), capsys, monkeypatch)
+    assert code == 0 and any("resuming after layer 1/2" in line for line in err), err
+    assert files(tmp_path / "q") == files(tmp_path / "whole")
+
+    stopping_saves(monkeypatch)
+    assert cli(args(tmp_path / "r"), capsys, monkeypatch)[0] == 130
+    monkeypatch.setattr(pipeline, "save_progress", real)
+    code, _, err = cli(args(tmp_path / "r", "--bits", 3, "--overwrite"), capsys, monkeypatch)
+    assert code == 0 and not any("resuming" in line for line in err), err
+    assert files(tmp_path / "r") == files(tmp_path / "whole3")
+
+
+def test_a_target_bpw_run_resumes_with_the_settings_it_spent(tiny_dir, tmp_path, monkeypatch, capsys):
+    """--target-bpw's progress holds the settings its measurement spent as well as the user's: the same
+    command, reading the same measurement, goes on from them, not refused as another run."""
+    from quantkit import pipeline
+
+    kw = dict(method="gptq", target_bpw=3.5, measurement=tmp_path / "m.json", calib_data=VALID, calib_samples=4,
+              calib_seqlen=48, progress=False)
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "whole", **kw)
+    real = stopping_saves(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **kw)
+    monkeypatch.setattr(pipeline, "save_progress", real)
+    assert pipeline.read_progress(tmp_path / ".q.progress.pt")["key"]["spent"]["rules"], "nothing was spent"
+    capsys.readouterr()
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **kw)
+    assert "resuming after layer 1/2" in capsys.readouterr().err
+    assert files(tmp_path / "q") == files(tmp_path / "whole")
+
+
+def test_a_gguf_run_on_a_moved_calibration_text_is_another_run(tiny_dir, tmp_path, monkeypatch):
+    """--imatrix records its calibration text's path in the GGUF header, which a run writes first: the
+    same windows read from another path resumed onto the killed run's header, and the file differed
+    from an uninterrupted run's. Now that is another run, refused, and with overwrite written afresh."""
+    from quantkit import pipeline
+
+    moved = shutil.copy(VALID, tmp_path / "moved.txt")
+    kw = dict(format="gguf", gguf_type="Q4_K_M", imatrix=True, calib_samples=4, calib_seqlen=48, progress=False)
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "whole.gguf", calib_data=moved, **kw)
+    real = stopping_saves(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_dir), out=tmp_path / "q.gguf", calib_data=VALID, **kw)
+    monkeypatch.setattr(pipeline, "save_progress", real)
+    with pytest.raises(QuantkitError, match=r"\(its GGUF header's record of the importance matrix \(quantize\.imatrix\.\*\) "
+                                            r"differs\)"):
+        quantkit.quantize(str(tiny_dir), out=tmp_path / "q.gguf", calib_data=moved, **kw)
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "q.gguf", calib_data=moved, overwrite=True, **kw)
+    assert (tmp_path / "q.gguf").read_bytes() == (tmp_path / "whole.gguf").read_bytes()
+
+
+def test_a_torchrun_jobs_layers_are_kept_from_one_process(tiny_dir, tmp_path, monkeypatch):
+    """A job of 2 processes stopped after layer 0, run again in one process: its progress files have
+    other names (.q.progress-0.pt), and were dropped unread; now the run is refused, naming the processes."""
+    from quantkit import pipeline
+    from quantkit.atomic import progress_path
+
+    out = tmp_path / "q"
+    real = stopping_saves(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_dir), group_size=32, out=out, progress=False)
+    monkeypatch.setattr(pipeline, "save_progress", real)
+    state = pipeline.read_progress(progress_path(out))
+    state["key"]["processes"] = 2  # as rank 0 of that job saved it
+    pipeline.save_progress(progress_path(out, 0), state)
+    progress_path(out).unlink()
+    with pytest.raises(QuantkitError, match=r"\(it ran with processes=2, this command with processes=1\)"):
+        quantkit.quantize(str(tiny_dir), group_size=32, out=out, progress=False)
+    assert progress_path(out, 0).is_file()
 
 
 def test_another_runs_progress_is_not_used(tiny_dir, tmp_path, capsys):
@@ -499,8 +598,8 @@ def test_a_models_fingerprint_is_its_files_not_a_users_beside_them(tiny_dir, tmp
 
 def test_a_changed_chat_template_is_not_resumed_onto(chat_dir, tmp_path, monkeypatch, capsys):
     """The resumed GGUF kept the header (tokenizer, chat template) the killed run wrote, since only the
-    weights and config.json told a model from another: edited in between, the same command starts
-    afresh and writes what a run on the edited model writes."""
+    weights and config.json told a model from another: edited in between, the same command is refused
+    as another run's, and with overwrite starts afresh and writes what a run on the edited model writes."""
     from quantkit import pipeline
 
     model = shutil.copytree(chat_dir, tmp_path / "m")
@@ -516,7 +615,9 @@ def test_a_changed_chat_template_is_not_resumed_onto(chat_dir, tmp_path, monkeyp
     else:
         template = model / "chat_template.jinja"
         template.write_text(template.read_text().replace("assistant", "model"))
-    quantkit.quantize(str(model), out=tmp_path / "q.gguf", **kw)
+    with pytest.raises(QuantkitError, match="the model's files changed since it started"):
+        quantkit.quantize(str(model), out=tmp_path / "q.gguf", **kw)
+    quantkit.quantize(str(model), out=tmp_path / "q.gguf", overwrite=True, **kw)
     assert "resuming" not in capsys.readouterr().err
     quantkit.quantize(str(model), out=tmp_path / "whole.gguf", **kw)
     assert (tmp_path / "q.gguf").read_bytes() == (tmp_path / "whole.gguf").read_bytes()
