@@ -170,23 +170,25 @@ def inputs_bytes(windows: torch.Tensor | None, importance: dict[str, torch.Tenso
     return data + b"".join(name.encode() + v.numpy().tobytes() for name, v in sorted((importance or {}).items()))
 
 
-def check_progress(out: Path, key: dict, layers: int) -> None:
+def check_progress(out: Path, key: dict | None, layers: int) -> None:
     """Refuse to start afresh over the finished layers of another run writing out (hours of work, not to be
-    lost to a changed option or a touched model file): what differs, and how to go on or discard them."""
+    lost to a changed option or a touched model file): what differs, and how to go on or discard them. key
+    None: a run that makes the model it quantizes (train --quantize), which no progress can be of."""
     partial = partial_path(out)
     for path in (progress_path(out), progress_path(out, 0)):  # one process's, or a torchrun job's first
         if (saved := saved_run(path)) is None:
             continue
         theirs, done = saved
-        if isinstance(theirs, dict) and theirs.keys() >= key.keys():
+        if isinstance(theirs, dict) and key is not None and theirs.keys() >= key.keys():
             theirs = {name: theirs[name] for name in key}  # the settings a measurement spent are checked once made
         if theirs != key and partial.exists():
-            raise QuantkitError(f"{partial} holds {done} of {layers} layers of another run writing {out} "
-                                f"({differences(theirs, key)}): run that command again to go on from them, or pass "
-                                f"{option('overwrite', True)} to discard them and start afresh")
+            why = differences(theirs, key) if key is not None else "this command first makes the model it quantizes"
+            raise QuantkitError(f"{partial} holds {done} of {layers} layers of another run writing {out} ({why}): "
+                                f"run that command again to go on from them, or pass {option('overwrite', True)} to "
+                                "discard them and start afresh")
 
 
-LONG = {"imatrix": "GGUF header's record of the importance matrix (quantize.imatrix.*)"}  # a key's long values
+LONG = {"header": "GGUF header's record of the importance matrix (quantize.imatrix.*)"}  # a key's long values
 
 
 def differences(theirs, ours: dict) -> str:
@@ -200,7 +202,7 @@ def differences(theirs, ours: dict) -> str:
                     else f"it ran on the model {path}")
     facts = {**{name: (theirs["settings"].get(name), value) for name, value in ours["settings"].items()},
              **{name: (theirs[name], ours[name]) for name in ("format", "max_shard_size", "device", "processes",
-                                                               "imatrix")}}
+                                                               "header")}}
     changed = [(name, a, b) for name, (a, b) in facts.items() if a != b]
     short = [(n, a, b) for n, a, b in changed if len(repr(a)) + len(repr(b)) < 80]
     if short:
@@ -215,8 +217,10 @@ def differences(theirs, ours: dict) -> str:
 
 
 def settings_of(config: QuantConfig) -> dict:
-    """config's fields as plain data, as a progress key holds them."""
-    return json.loads(json.dumps(config.to_dict(), default=str))
+    """config's fields as plain data, as a progress key holds them; a file by its resolved path (another
+    spelling of it is the same file)."""
+    files = {name: os.path.realpath(v) for name in ("imatrix_file", "measurement") if (v := getattr(config, name))}
+    return json.loads(json.dumps({**config.to_dict(), **files}, default=str))
 
 
 MEASURING = r"\.{name}\.progress-measurement(-\d+)?\.pt(" + NEXT + ")?"  # beside the measurement file: its progress
@@ -258,7 +262,7 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
                 if path is not None and distributed.rank() == 0:
                     held.enter_context(locked(path, "measurement"))
                     if not overwrite:  # hours of a large model's measurement, not lost to a changed option
-                        for other in (resume[0], path.with_name(f".{path.name}.progress-measurement-0.pt")):
+                        for other in (path.with_name(f".{path.name}.progress-measurement{r}.pt") for r in ("", "-0")):
                             if (saved := saved_run(other)) is not None and saved[0] != resume[1]:
                                 raise QuantkitError(
                                     f"{other} holds {saved[1]} of {len(m.layers)} layers of another run measuring into "
@@ -495,7 +499,7 @@ def quantize(
             key = {"model": fingerprint(m.source), "settings": settings_of(config), "format": format,
                    "max_shard_size": str(max_shard_size), "device": dev.type, "processes": distributed.world(),
                    "inputs": hashlib.sha256(inputs_bytes(windows, importance)).hexdigest(),
-                   "imatrix": dict(m.imatrix)}  # a GGUF header's record of the importance matrix: written first
+                   "header": dict(m.imatrix)}  # a GGUF header's record of the importance matrix: written first
             if not overwrite:  # before the long work: another run's finished layers are not thrown away
                 with distributed.first_refuses(f"open {out}"):
                     if distributed.rank() == 0:
@@ -529,10 +533,11 @@ def quantize(
         if out is not None and not keep:  # saved beside the output: an interrupted run goes on
             key = {**key, "spent": settings_of(config)}  # what a measurement made of the settings
             resume = (progress_path(out, distributed.rank() if distributed.world() > 1 else None), key)
-            if not overwrite and config.target_bpw is not None:  # checked before it, but for what it made
+            if not overwrite and key["settings"]["target_bpw"] is not None:  # checked before, and for what it made
                 with distributed.first_refuses(f"open {out}"):
                     if distributed.rank() == 0:
-                        check_progress(Path(out), key, len(m.layers))
+                        with locked(Path(out), "out"):
+                            check_progress(Path(out), key, len(m.layers))
         m.losses = {}
         def awq_layer(i, layer, batches):  # AWQ quantizes a layer whole: scales, folding, clipping
             return awq.quantize_layer(layer, batches, bits=config.bits, group_size=config.group_size, sym=config.sym,

@@ -502,6 +502,8 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
             check_out(merged, overwrite, directory=True, inputs=[*inputs, out])
         check_out(quantize_out, overwrite, directory=fmt != "gguf", option="quantize_out",
                   inputs=[*inputs, out, merged])
+        if not merged_done and not overwrite:  # a merge to come: another run's quantized layers, refused before training
+            api.check_progress(Path(quantize_out), None, len(quantized.layers))
     if trained:
         if model is None or os.path.exists(model):  # a base gone since the merge cannot be told apart
             from quantkit.trainer.loop import check_finished

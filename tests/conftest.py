@@ -130,6 +130,29 @@ def stopping_saves(monkeypatch):
     return real
 
 
+def measurement_stopped_in_layer_1(tiny_dir, out, **kw) -> None:
+    """Quantize with kw until its measurement pass reaches layer 1, where it stops (KeyboardInterrupt, as
+    Ctrl-C): layer 0's measurement is kept in its progress."""
+    import quantkit
+    from quantkit import measurement
+
+    real = measurement.measure_layer
+
+    def dies_in_layer_1(*args, **kwargs):
+        if kwargs["prefix"] == "model.layers.1.":
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    measurement.measure_layer = dies_in_layer_1
+    try:
+        quantkit.quantize(str(tiny_dir), out=out, progress=False, **kw)
+    except KeyboardInterrupt:
+        return
+    finally:
+        measurement.measure_layer = real
+    raise AssertionError("the measurement did not reach layer 1")
+
+
 def loaded(path=None):
     """A model with every weight in memory (load() reads them layer by layer, when needed)."""
     import quantkit

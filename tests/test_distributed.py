@@ -11,7 +11,7 @@ import pytest
 
 from quantkit.errors import QuantkitError
 
-from .conftest import VALID
+from .conftest import VALID, measurement_stopped_in_layer_1
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -321,3 +321,20 @@ def test_an_eval_text_only_the_first_process_reads_is_checked_in_every_process(t
     assert len(errors) == 2 and any("the first process of this torchrun job could not score the model" in e
                                     for e in errors), job.stderr[-3000:]
     assert "resume" not in job.stderr and not (tmp_path / "q").exists()
+
+
+def test_a_job_refuses_a_single_process_measurements_layers(tiny_dir, tmp_path):
+    """A measurement stopped in layer 1 in one process, then run by a torchrun job into the same file:
+    refused, its progress kept. The job's first process looked at its own name
+    (.m.json.progress-measurement-0.pt) alone, measured afresh, and swept the other away."""
+    calib = dict(calib_data=VALID, calib_samples=16, calib_seqlen=64)
+    measurement_stopped_in_layer_1(tiny_dir, tmp_path / "q", method="gptq", format="exl2", exl2=4.0,
+                                   measurement=str(tmp_path / "m.json"), **calib)
+    progress = tmp_path / ".m.json.progress-measurement.pt"
+    kept = progress.read_bytes()
+    job = torchrun(tiny_dir, "--method", "gptq", "--format", "exl2", "--bits", "4.0", "--measurement",
+                   tmp_path / "m.json", "--out", tmp_path / "q2", *[a for k, v in calib.items()
+                                                                    for a in (f"--{k.replace('_', '-')}", v)])
+    assert job.returncode != 0, job.stderr[-3000:]
+    assert f"error: {progress} holds 1 of 2 layers of another run measuring into" in job.stderr, job.stderr[-3000:]
+    assert progress.read_bytes() == kept and not (tmp_path / "m.json").exists()

@@ -16,7 +16,7 @@ import quantkit
 from quantkit import measurement
 from quantkit.quantizers.exl2 import CANDIDATES, Setting, quantize_head
 
-from .conftest import TEST, VALID, make_tiny, refused
+from .conftest import TEST, VALID, make_tiny, measurement_stopped_in_layer_1, refused
 
 
 def decode(parts: dict[str, torch.Tensor], n: int) -> np.ndarray:
@@ -245,22 +245,13 @@ def test_a_killed_measurement_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "q.json", "whole", "whole.json"]
 
 
-def test_another_runs_measurement_is_kept_until_overwrite(tiny_dir, tmp_path, monkeypatch, capsys):
+def test_another_runs_measurement_is_kept_until_overwrite(tiny_dir, tmp_path, capsys):
     """A measurement stopped in layer 1, then run again into the same file on other calibration
     windows: refused, its finished layer kept (it was dropped, an hour of a large model's); with
     overwrite it measures afresh."""
-    kw = dict(method="gptq", format="exl2", exl2=4.0, measurement=str(tmp_path / "q.json"), progress=False)
-    real = measurement.measure_layer
-
-    def dies_in_layer_1(*args, **kwargs):
-        if kwargs["prefix"] == "model.layers.1.":
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(measurement, "measure_layer", dies_in_layer_1)
-    with pytest.raises(KeyboardInterrupt):
-        quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **CALIB, **kw)
-    monkeypatch.undo()
+    kw = dict(method="gptq", format="exl2", exl2=4.0, measurement=str(tmp_path / "q.json"))
+    measurement_stopped_in_layer_1(tiny_dir, tmp_path / "q", **CALIB, **kw)
+    kw["progress"] = False
     progress = tmp_path / ".q.json.progress-measurement.pt"
     kept = progress.read_bytes()
     other = {**CALIB, "seed": CALIB.get("seed", 0) + 1}

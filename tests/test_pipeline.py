@@ -324,7 +324,8 @@ def test_another_runs_finished_layers_are_kept_until_overwrite(tiny_dir, tmp_pat
 
 def test_a_target_bpw_run_resumes_with_the_settings_it_spent(tiny_dir, tmp_path, monkeypatch, capsys):
     """--target-bpw's progress holds the settings its measurement spent as well as the user's: the same
-    command, reading the same measurement, goes on from them, not refused as another run."""
+    command, reading the same measurement (its path spelled another way), goes on from them, not refused
+    as another run."""
     from quantkit import pipeline
 
     kw = dict(method="gptq", target_bpw=3.5, measurement=tmp_path / "m.json", calib_data=VALID, calib_samples=4,
@@ -336,7 +337,8 @@ def test_a_target_bpw_run_resumes_with_the_settings_it_spent(tiny_dir, tmp_path,
     monkeypatch.setattr(pipeline, "save_progress", real)
     assert pipeline.read_progress(tmp_path / ".q.progress.pt")["key"]["spent"]["rules"], "nothing was spent"
     capsys.readouterr()
-    quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **kw)
+    monkeypatch.chdir(tmp_path)  # the measurement by another spelling of its path: the same file
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **{**kw, "measurement": "m.json"})
     assert "resuming after layer 1/2" in capsys.readouterr().err
     assert files(tmp_path / "q") == files(tmp_path / "whole")
 
@@ -357,8 +359,51 @@ def test_a_gguf_run_on_a_moved_calibration_text_is_another_run(tiny_dir, tmp_pat
     with pytest.raises(QuantkitError, match=r"\(its GGUF header's record of the importance matrix \(quantize\.imatrix\.\*\) "
                                             r"differs\)"):
         quantkit.quantize(str(tiny_dir), out=tmp_path / "q.gguf", calib_data=moved, **kw)
+    with pytest.raises(QuantkitError, match=r"\(it ran with imatrix=True, this command with imatrix=False;"):
+        quantkit.quantize(str(tiny_dir), out=tmp_path / "q.gguf", **{**kw, "imatrix": False, "calib_samples": 128,
+                                                                       "calib_seqlen": 512})
     quantkit.quantize(str(tiny_dir), out=tmp_path / "q.gguf", calib_data=moved, overwrite=True, **kw)
     assert (tmp_path / "q.gguf").read_bytes() == (tmp_path / "whole.gguf").read_bytes()
+
+
+def test_a_target_bpw_run_whose_measurement_spends_otherwise_is_another_run(tiny_dir, tmp_path, monkeypatch):
+    """--for exllama narrows the measurement's candidates, so the same options without it spend the bits
+    otherwise: that run is refused once its measurement is made (the check after it never ran, and the
+    finished layers were deleted)."""
+    from quantkit import pipeline
+
+    kw = dict(method="rtn", target_bpw=4.9, out=tmp_path / "q", calib_data=VALID, calib_samples=16, calib_seqlen=64,
+              progress=False)
+    real = stopping_saves(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_dir), targets=("exllama",), **kw)
+    monkeypatch.setattr(pipeline, "save_progress", real)
+    kept = (tmp_path / ".q.progress.pt").read_bytes()
+    with pytest.raises(QuantkitError, match=r"another run writing .*q \(its measurement for target_bpw gave other "
+                                            r"settings\)"):
+        quantkit.quantize(str(tiny_dir), **kw)
+    assert (tmp_path / ".q.progress.pt").read_bytes() == kept
+
+
+def test_train_quantize_refuses_another_runs_layers_before_training(tiny_dir, tmp_path, capsys, monkeypatch):
+    """train --quantize over another run's finished layers at --quantize-out: refused before the training
+    (it was refused after training and merging, with advice that trained again)."""
+    from quantkit import pipeline
+
+    text = tmp_path / "train.txt"
+    text.write_text(VALID.read_text()[:30_000])
+    real = stopping_saves(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_dir), method="gptq", group_size=32, out=tmp_path / "a-gptq", calib_data=VALID,
+                          calib_samples=4, calib_seqlen=48, progress=False)
+    monkeypatch.setattr(pipeline, "save_progress", real)
+    args = ["train", tiny_dir, "--data", text, "--steps", 2, "--seqlen", 32, "--batch-size", 2, "--rank", 4,
+            "--out", tmp_path / "a", "--quantize", "gptq", "--group-size", 32, "--calib-data", VALID,
+            "--calib-samples", 4, "--calib-seqlen", 48]
+    refused(args, capsys, monkeypatch, f"holds 1 of 2 layers of another run writing {tmp_path / 'a-gptq'} (this "
+                                       "command first makes the model it quantizes): run that command again")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "a-merged").exists()
+    assert (tmp_path / ".a-gptq.progress.pt").is_file() and (tmp_path / ".a-gptq.partial").is_dir()
 
 
 def test_a_torchrun_jobs_layers_are_kept_from_one_process(tiny_dir, tmp_path, monkeypatch):
