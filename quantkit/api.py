@@ -387,7 +387,8 @@ def quantize(
     there is one), written to out and dropped, so memory holds one layer. keep (default: when
     there is no out) leaves the quantized model in memory instead, as dequantized float weights
     plus model.tensors. An interrupted export resumes after its last finished layer when run
-    again. format: safetensors (GPTQ layout; bitsandbytes' for nf4/fp4), awq, compressed-tensors, exl2,
+    again; a call of other settings writing the same out is refused while that progress is there,
+    unless overwrite. format: safetensors (GPTQ layout; bitsandbytes' for nf4/fp4), awq, compressed-tensors, exl2,
     or gguf (default mix Q4_K_M); max_shard_size: the safetensors layouts' largest shard ("5GB",
     "500MiB" or bytes).
     targets: consumers (vllm, exllama, transformers, llama.cpp) that must be able to load the export,
