@@ -25,7 +25,7 @@ from .config import DTYPES, UNWEIGHTED, QuantConfig, check_fields, check_argumen
 from .errors import COMMAND_LINE, Note, QuantkitError, ResumableError, option, space_for
 from .layers import GROUPS, LINEARS, fused, linear_shapes, shapes_by_name
 from .modelio import Checkpoint, GGUFCheckpoint, Model, check_context, fingerprint, linear_types, load
-from .pipeline import BATCH, Hessian, OtherFn, QuantizeFn, gather_hessians, quantize_layers, saved_run
+from .pipeline import BATCH, Hessian, OtherFn, QuantizeFn, gather_hessians, other_run, quantize_layers
 from .qlinear import QuantLinear
 from .qtensor import QuantizedTensor
 from .requant import requantized_note
@@ -173,19 +173,20 @@ def inputs_bytes(windows: torch.Tensor | None, importance: dict[str, torch.Tenso
 def check_progress(out: Path, key: dict | None, layers: int) -> None:
     """Refuse to start afresh over the finished layers of another run writing out (hours of work, not to be
     lost to a changed option or a touched model file): what differs, and how to go on or discard them. key
-    None: a run that makes the model it quantizes (train --quantize), which no progress can be of."""
-    partial = partial_path(out)
-    for path in (progress_path(out), progress_path(out, 0)):  # one process's, or a torchrun job's first
-        if (saved := saved_run(path)) is None:
-            continue
-        theirs, done = saved
-        if isinstance(theirs, dict) and key is not None and theirs.keys() >= key.keys():
-            theirs = {name: theirs[name] for name in key}  # the settings a measurement spent are checked once made
-        if theirs != key and partial.exists():
-            why = differences(theirs, key) if key is not None else "this command first makes the model it quantizes"
-            raise QuantkitError(f"{partial} holds {done} of {layers} layers of another run writing {out} ({why}): "
-                                f"run that command again to go on from them, or pass {option('overwrite', True)} to "
-                                "discard them and start afresh")
+    None: a run that makes the model it quantizes (train --quantize), which no progress can be of. Under
+    torchrun rank 0 looks, holding out's lock: a job writing out now is refused as that, not as progress."""
+    with distributed.first_refuses(f"open {out}"):
+        if distributed.rank() != 0:
+            return
+        with locked(out, "out"):
+            # one process's progress, or a torchrun job's first; a key without "spent" is checked before a measurement
+            found = other_run([progress_path(out), progress_path(out, 0)], key)
+            if found is not None and partial_path(out).exists():
+                _, theirs, done = found
+                why = differences(theirs, key) if key is not None else "this command first makes the model it quantizes"
+                raise QuantkitError(f"{partial_path(out)} holds {done} of {layers} layers of another run writing {out} "
+                                    f"({why}): run that command again to go on from them, or pass "
+                                    f"{option('overwrite', True)} to discard them and start afresh")
 
 
 LONG = {"header": "GGUF header's record of the importance matrix (quantize.imatrix.*)"}  # a key's long values
@@ -261,14 +262,14 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
             with distributed.first_refuses(f"lock {path}"):
                 if path is not None and distributed.rank() == 0:
                     held.enter_context(locked(path, "measurement"))
-                    if not overwrite:  # hours of a large model's measurement, not lost to a changed option
-                        for other in (path.with_name(f".{path.name}.progress-measurement{r}.pt") for r in ("", "-0")):
-                            if (saved := saved_run(other)) is not None and saved[0] != resume[1]:
-                                raise QuantkitError(
-                                    f"{other} holds {saved[1]} of {len(m.layers)} layers of another run measuring into "
-                                    f"{path} (another model, calibration, quantizer settings, candidates or number of "
-                                    f"processes): run that command again to go on from them, or pass "
-                                    f"{option('overwrite', True)} to discard them and measure afresh")
+                    found = None if overwrite else other_run(  # hours of a large model's measurement: kept
+                        [path.with_name(f".{path.name}.progress-measurement{r}.pt") for r in ("", "-0")], resume[1])
+                    if found is not None:
+                        raise QuantkitError(
+                            f"{found[0]} holds {found[2]} of {len(m.layers)} layers of another run measuring into "
+                            f"{path} (another model, calibration, quantizer settings, candidates or number of "
+                            f"processes): run that command again to go on from them, or pass "
+                            f"{option('overwrite', True)} to discard them and measure afresh")
             weights = measurement.fisher(m, windows, dev, progress and distributed.rank() == 0)
             if exl2_run:
                 cores = [lambda name, w, h, s=s: exl2.quantize(w, h.matrix(), s, damp=config.damp,
@@ -502,10 +503,7 @@ def quantize(
                    "inputs": hashlib.sha256(inputs_bytes(windows, importance)).hexdigest(),
                    "header": dict(m.imatrix)}  # a GGUF header's record of the importance matrix: written first
             if not overwrite:  # before the long work: another run's finished layers are not thrown away
-                with distributed.first_refuses(f"open {out}"):
-                    if distributed.rank() == 0:
-                        with locked(Path(out), "out"):  # a job writing out now is refused as that, not as progress
-                            check_progress(Path(out), key, len(m.layers))
+                check_progress(Path(out), key, len(m.layers))
         if checked is not None:
             with distributed.first_refuses(f"open {out}"):  # another job writing out: refused before checked, not after
                 if out is not None and distributed.rank() == 0:
@@ -519,7 +517,8 @@ def quantize(
                 with distributed.first_refuses(f"open {out}"):
                     if out is not None and distributed.rank() == 0:
                         held.enter_context(locked(Path(out), "out"))
-                config = spent(config, measured(m, config, windows, dev, progress, candidates, importance, overwrite), shapes)
+                config = spent(config, measured(m, config, windows, dev, progress, candidates, importance, overwrite),
+                               shapes)
             if types is not None:
                 types = gguf_types(m, config)
             if targets:
@@ -535,10 +534,7 @@ def quantize(
             key = {**key, "spent": settings_of(config)}  # what a measurement made of the settings
             resume = (progress_path(out, distributed.rank() if distributed.world() > 1 else None), key)
             if not overwrite and key["settings"]["target_bpw"] is not None:  # checked before, and for what it made
-                with distributed.first_refuses(f"open {out}"):
-                    if distributed.rank() == 0:
-                        with locked(Path(out), "out"):
-                            check_progress(Path(out), key, len(m.layers))
+                check_progress(Path(out), key, len(m.layers))
         m.losses = {}
         def awq_layer(i, layer, batches):  # AWQ quantizes a layer whole: scales, folding, clipping
             return awq.quantize_layer(layer, batches, bits=config.bits, group_size=config.group_size, sym=config.sym,

@@ -312,14 +312,21 @@ def read_progress(path: Path, checked: bool = True) -> dict:
     return saved["state"]
 
 
-def saved_run(path: Path) -> tuple[object, int] | None:
-    """(key, layers done) of the progress at path, its tensors not read; None when there is none, or none
-    that can be read (load_progress says so)."""
-    try:
-        state = read_progress(path, checked=False)
-        return state["key"], int(state["next_layer"])
-    except Exception:
-        return None
+def other_run(paths: list[Path], key) -> tuple[Path, object, int] | None:
+    """(path, its key, layers done) of the first progress at paths saved by a run other than key's, read
+    without its tensors; a dict key is compared on the entries key has. One that cannot be read is none
+    (load_progress says so)."""
+    for path in paths:
+        try:
+            state = read_progress(path, checked=False)
+            theirs, done = state["key"], int(state["next_layer"])
+        except Exception:
+            continue
+        if isinstance(theirs, dict) and isinstance(key, dict) and theirs.keys() >= key.keys():
+            theirs = {name: theirs[name] for name in key}
+        if theirs != key:
+            return path, theirs, done
+    return None
 
 
 def resumed(resume: tuple[Path, str], writer) -> dict | None:
