@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from quantkit import hub
 from quantkit.blocks import threads
-from quantkit.errors import COMMAND_LINE, QuantkitError, count, one_line, option
+from quantkit.errors import QuantkitError, count, one_line, option
 from quantkit.modelio import adds_bos, with_bos
 
 from . import records
@@ -101,10 +101,9 @@ def chats(source: str | os.PathLike | None, text: str, tokenizer) -> str:
 
 
 def given(split: str) -> str:
-    """The option that gives a split's text: the calibration's, or an evaluation's."""
-    if split == "train":
-        return option("calib_data")
-    return f"{option('data')} or {option('eval_data')}" if COMMAND_LINE.get() else option("data")
+    """The option that gives a split's text: the calibration's, or an evaluation's (only eval and report
+    score the hub's text: quantize scores --eval-data when given, and nothing else)."""
+    return option("calib_data" if split == "train" else "data")
 
 
 def hub_text(split: str) -> str:

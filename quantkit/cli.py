@@ -69,9 +69,9 @@ def quiet() -> None:
 @click.option("--double-quant", is_flag=True, help="NF4/FP4: quantize the absmax values to 8 bits too")
 @click.option("--duo-scaling", is_flag=True, help="AWQ: scales from activations and weights (AutoAWQ's default)")
 @click.option("--awq-loss", type=click.Choice(AWQ_LOSSES), default=None,
-              help="AWQ: judge the q/k/v and gate/up scales by their own outputs' error [default from 4 bits]; "
-                   "by their block's output on a descent from the best of those [default below 4 bits]; or by "
-                   "it on every candidate (AutoAWQ's, slowest)")
+              help="AWQ: output judges the q/k/v and gate/up scales by their own outputs' error [default from 4 bits]; "
+                   "descent by their block's output, on a descent from the best of those [default below 4 bits]; "
+                   "block by it on every candidate (AutoAWQ's, slowest)")
 @click.option("--out", required=True, type=click.Path(), help="export directory (a .gguf file for --format gguf)")
 @click.option("--format", "fmt", default="safetensors", show_default=True,
               help="safetensors: GPTQ checkpoint layout (bitsandbytes' for nf4/fp4); awq: AutoAWQ GEMM layout; "
@@ -91,20 +91,22 @@ def quiet() -> None:
 @click.option("--target-bpw", type=float, metavar="X",
               help="RTN and GPTQ: X bits per weight of the decoder linears, spent where a measurement says they "
                    "lose least (see --measurement): in the GPTQ layout each group of linears sharing an input (q/k/v, "
-                   "o, gate/up, down) gets a bits and group size; in GGUF each linear a block type, Q2_K to Q8_0, as "
-                   "--tensor-type overrides of the mix (which types the embedding and output)")
+                   "o, gate/up, down) gets a bits and group size (formats safetensors and compressed-tensors); in GGUF "
+                   "each linear a block type, Q2_K to Q8_0, as --tensor-type overrides of the mix (which types the "
+                   "embedding and output)")
 @click.option("--measurement", type=click.Path(dir_okay=False), metavar="FILE",
               help="--target-bpw, EXL2: each candidate setting's error at the output of each attention and MLP block, "
                    "weighted by the loss's gradients, read from FILE when it exists, else measured and saved there "
-                   "for other targets (EXL2 without it: the target's two nearest widths in every linear; EXL2 with "
-                   "it is experimental, benchmarks/RESULTS.md)")
+                   "for other targets (EXL2 without it: the target's two nearest widths in every linear; with it a "
+                   "lower KL divergence from 3 bits per weight up, benchmarks/RESULTS.md)")
 @click.option("--head-bits", type=float, help="EXL2: the output head's bits per weight, e.g. 6 or 8 (ExLlamaV2's "
               "head_bits; rounded onto its grid without calibration) [kept in float16]")
 @click.option("--for", "targets", multiple=True,
               help=f"refuse, before quantizing, settings this consumer cannot load: {', '.join(consumers.TARGETS)}")
 @click.option("--overwrite", is_flag=True, help="replace --out if it exists (a file, or a model or adapter directory)")
 @click.option("--max-shard-size", default=exporters.DEFAULT_MAX_SIZE, show_default=True,
-              help="safetensors: the largest shard, e.g. 5GB or 500MiB; more than one come with an index")
+              help="every format but gguf: the largest safetensors shard, e.g. 5GB or 500MiB; more than one come "
+                   "with an index")
 @click.option("--calib-data", type=click.Path(), help="text file to calibrate on, or .jsonl/.json chat or instruction "
                                                       "records (rendered by the chat template) [WikiText-2 train from "
                                                       "the hub]")
@@ -112,7 +114,8 @@ def quiet() -> None:
 @click.option("--calib-seqlen", type=int, default=512, show_default=True, help="tokens per calibration window")
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True,
               help="where the calibration windows are drawn from the text")
-@click.option("--eval-data", type=click.Path(), help="also print perplexity before and after on this text file")
+@click.option("--eval-data", type=click.Path(), help="also print perplexity before and after on this text file (or "
+                                                      "records, as --calib-data takes them)")
 @click.option("--eval-windows", type=click.IntRange(1), default=40, show_default=True)
 @click.option("--ctx", type=int, default=512, show_default=True, help="context of the --eval-data perplexity")
 @click.option("--device", help="where layers are quantized: cuda or cpu [cuda when there is a GPU]")
@@ -198,7 +201,8 @@ def given_options() -> dict[str, str]:
 
 @cli.command("eval")
 @click.argument("model", required=False)
-@click.option("--data", type=click.Path(), help="text file (default: WikiText-2 test from the hub)")
+@click.option("--data", type=click.Path(), help="text file, or .jsonl/.json chat or instruction records (rendered by "
+                                                 "the chat template) [WikiText-2 test from the hub]")
 @click.option("--protocol", type=click.Choice(["wikitext", "llamacpp"]), default="llamacpp", show_default=True)
 @click.option("--ctx", type=int, default=512, show_default=True)
 @click.option("--max-windows", type=click.IntRange(1), help="score only the first N windows")
@@ -209,12 +213,13 @@ def given_options() -> dict[str, str]:
 @click.option("--overwrite", is_flag=True, help="replace the base saved at --save-base")
 @click.option("--max-ppl-increase", type=float, help="gate: fail when PPL(Q)/PPL(base) - 1 is above this")
 @click.option("--max-kld", type=float, help="gate: fail when the mean KL divergence is above this")
-@click.option("--min-same-top", type=float, help="gate: fail when the top tokens agree less often than this")
+@click.option("--min-same-top", type=float, help="gate: fail when the top tokens agree less often than this "
+                                                  "(a fraction, e.g. 0.9)")
 @click.option("--json", "as_json", is_flag=True, help="end with one JSON line")
 @click.option("--dequantized", is_flag=True, help="a quantized export: evaluate a dequantized copy, not the packed model")
-@click.option("--device", help="cpu or cuda [cuda, in float16, when there is a GPU]")
+@click.option("--device", help="cpu or cuda [cuda, in float16 (a .gguf file: float32), when there is a GPU]")
 @click.option("--dtype", type=click.Choice(DTYPES), help="the activations' dtype [float16 on a GPU, float32 on "
-              "the CPU]; on the CPU, where layers take few rows, bfloat16 runs 4-bit layers in torch's fused int4 matmul "
+              "the CPU; a .gguf file: float32 only]; on the CPU, where layers take few rows, bfloat16 runs 4-bit layers in torch's fused int4 matmul "
               "and float32 every layout in quantkit's compiled GEMV")
 def evaluate(model, data, protocol, ctx, max_windows, base, save_base, overwrite, max_ppl_increase, max_kld,
              min_same_top, as_json, dequantized, device, dtype) -> None:
@@ -273,12 +278,13 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, overwrite
 @click.option("--json", "as_json", is_flag=True, help="end with one JSON line: the results by task and the settings "
               "they were scored with (lm-eval's results and config)")
 @click.option("--dequantized", is_flag=True, help="a quantized export: evaluate a dequantized copy, not the packed model")
-@click.option("--device", help="cpu or cuda [cuda, in float16, when there is a GPU]")
-@click.option("--dtype", type=click.Choice(DTYPES), help="the activations' dtype [float16 on a GPU, float32 on the CPU]")
+@click.option("--device", help="cpu or cuda [cuda, in float16 (a .gguf file: float32), when there is a GPU]")
+@click.option("--dtype", type=click.Choice(DTYPES), help="the activations' dtype [float16 on a GPU, float32 on the CPU; "
+              "a .gguf file: float32 only]")
 def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, seed, chat, as_json, dequantized,
             device, dtype) -> None:
     """Run EleutherAI's lm-evaluation-harness tasks on MODEL (any model quantkit loads: float, a packed
-    export, a .gguf file), through lm-eval's HFLM wrapper around the loaded model."""
+    export, a .gguf file; by default the embedded model), through lm-eval's HFLM wrapper around the loaded model."""
     import torch
 
     from quantkit.evals import harness
@@ -338,7 +344,7 @@ def listed(value: str, kind=str, option: str = "") -> list:
 @click.option("--windows", type=click.IntRange(1), default=40, show_default=True, help="evaluation windows")
 @click.option("--ctx", type=int, default=512, show_default=True)
 @click.option("--tasks", default="", help="also run these lm-eval tasks on each point (comma-separated)")
-@click.option("--lm-eval-limit", type=float, help="documents per lm-eval task")
+@click.option("--lm-eval-limit", type=float, help="documents per lm-eval task (below 1: a share of each task's)")
 @click.option("--lm-eval-fewshot", type=click.IntRange(0), help="few-shot examples per lm-eval prompt [each task's own]")
 @click.option("--lm-eval-max-length", type=click.IntRange(2), help="tokens per lm-eval window [the model's context]")
 @click.option("--lm-eval-chat", is_flag=True, help="lm-eval prompts in the tokenizer's chat template")
@@ -348,7 +354,7 @@ def listed(value: str, kind=str, option: str = "") -> list:
 def report(model, out, data, methods, bits, gguf_types, exl2_bits, exl2_measured, group_size, calib_data, calib_samples,
            calib_seqlen, windows, ctx, tasks, lm_eval_limit, lm_eval_fewshot, lm_eval_max_length, lm_eval_chat,
            lm_eval_data_dir, keep_exports) -> None:
-    """Sweep methods and sizes over MODEL: for each point the export's size and bits per weight,
+    """Sweep methods and sizes over MODEL (by default the embedded model): for each point the export's size and bits per weight,
     perplexity, divergence from the base, time and peak memory; a markdown table, JSON and plots."""
     if not os.path.isfile(data):
         raise QuantkitError(f"{data}: no such file: pass --data with the evaluation text")
@@ -379,7 +385,8 @@ def report(model, out, data, methods, bits, gguf_types, exl2_bits, exl2_measured
 T = TrainConfig  # its fields' defaults, shown in --help (read from the class: nothing is checked or imported)
 
 
-QUANTIZE_FLAGS = {"method": "--quantize"}  # train --quantize METHOD: quantize's --method
+# train --quantize METHOD: quantize's --method; a GGUF's per-tensor types are quantize's, on the merged model
+QUANTIZE_FLAGS = {"method": "--quantize", "tensor_type": "--tensor-type (of quantkit quantize OUT-merged)"}
 
 
 @cli.command()
@@ -450,12 +457,12 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
                             "drop it")
     with renamed(QUANTIZE_FLAGS):  # quantize's errors in train's words: its --method is --quantize
         if quantize_method:
-            refuse_unused({n: f for n, f in given.items() if n in ("bits", "group_size")}, quantize_method, fmt)
             exporters.check_format_name(fmt)  # before the training, not after it
             if fmt == "exl2":
                 raise QuantkitError("--quantize writes safetensors, awq, gguf or compressed-tensors: for EXL2 (a target "
                                     "bits per weight), train, then run quantkit merge OUT --out OUT-merged and quantkit "
-                                    "quantize OUT-merged --method gptq --format exl2 --bits 4.125")
+                                    "quantize OUT-merged --method gptq --format exl2 --bits 4.125 --out OUT-exl2")
+            refuse_unused({n: f for n, f in given.items() if n in ("bits", "group_size")}, quantize_method, fmt)
             if launcher.launched() > 1:
                 raise QuantkitError("--quantize runs in one process: train under torchrun, then run quantkit merge and "
                                     "quantkit quantize")

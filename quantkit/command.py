@@ -24,8 +24,8 @@ from .errors import COMMAND_LINE, Note, QuantkitError, size
               help="a GGUF file: this type for the weights whose names match (llama-quantize --tensor-type)")
 @click.option("--overwrite", is_flag=True, help="replace --out if it exists")
 def export(model, out, gguf_type, pure, overrides, overwrite) -> None:
-    """Write MODEL as GGUF: a quantkit checkpoint whose grids are GGUF blocks (4-bit or 8-bit, groups
-    of 32, no act-order) keeps its codes exactly; a float model is rounded to --gguf-type; a GGUF file
+    """Write MODEL (by default the embedded model) as GGUF: a quantkit checkpoint whose grids are GGUF
+    blocks (4-bit, or 8-bit symmetric; groups of 32, no act-order) keeps its codes exactly; a float model is rounded to --gguf-type; a GGUF file
     is requantized into that mix tensor by tensor, its metadata kept, as llama-quantize does."""
     from .atomic import check_out
 

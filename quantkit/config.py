@@ -27,6 +27,7 @@ def refuse_unused(given: dict[str, str], method: str, fmt: str, target_bpw: bool
     """Refuse an option given that the method or format does not read: it would be ignored, and the
     export would not be what was asked for (--bits 8 with --format gguf writes the mix). given: the
     options' names, each as the user wrote it (the CLI's flags, the API's keywords)."""
+    check_method(method)  # a mistyped method first: every option would seem not to belong to it
     as_method, as_format = option("method", method), option("format", fmt)
     for name, flag in given.items():
         if fmt == "exl2" and name in GRID_OPTIONS:
@@ -49,6 +50,11 @@ def refuse_unused(given: dict[str, str], method: str, fmt: str, target_bpw: bool
                 name in ("group_size", "sym") and method in CODEBOOK_METHODS:
             raise QuantkitError(f"{flag} is not an option of {as_method}: drop it, or use a method it belongs to "
                                 "(see quantkit quantize --help)")
+
+
+def check_method(method: object) -> None:
+    if method not in METHODS:
+        raise QuantkitError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
 
 
 def check_fields(cls: type, config: object, options: dict, what: str) -> None:
@@ -175,8 +181,7 @@ class QuantConfig:
             if not isinstance(getattr(self, name), (str, os.PathLike, list, tuple)):
                 raise QuantkitError(f"{name}={getattr(self, name)!r} is a {type(getattr(self, name)).__name__}, where "
                                     f"{what} belong: pass {name} as a list of them")
-        if self.method not in METHODS:
-            raise QuantkitError(f"unknown method {self.method!r}: use one of {', '.join(METHODS)}")
+        check_method(self.method)
         check_bits_group(self.bits, self.group_size)
         if self.sym is None:
             self.sym = self.method != "awq"

@@ -247,8 +247,8 @@ def check(todo: list[Point], settings: Settings, out: Path) -> None:
                                      ("--lm-eval-max-length", settings.lm_eval_max_length, 2)):
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
                 raise QuantkitError(f"{option} {value!r}: pass a whole number of at least {least}")
-        tasks = harness.prepare(settings.tasks, settings.lm_eval_data_dir)  # a wrong name or missing data: before the base
         with lm_eval_flags():  # lm-eval would find these after the base was scored
+            tasks = harness.prepare(settings.tasks, settings.lm_eval_data_dir)  # a wrong name or missing data
             harness.check_settings(m.module.config, m.tokenizer, settings.lm_eval_max_length, settings.lm_eval_chat)
             harness.check_prompts(tasks, settings.lm_eval_fewshot, settings.lm_eval_chat)  # its note: once, here
     if out.is_dir() and any(out.iterdir()) and not (out / "settings.json").is_file():

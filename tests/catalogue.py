@@ -97,6 +97,8 @@ CATALOGUE = {
     "5 bits": Bad("quantize {model} --bits 5 --out {tmp}/q", "unsupported bit width 5"),
     "group size 0": Bad("quantize {model} --group-size 0 --out {tmp}/q", "group size 0 is invalid"),
     "unknown method": Bad("quantize {model} --method magic --out {tmp}/q", "unknown method 'magic'"),
+    "unknown method with its options": Bad("quantize {model} --method GPTQ --damp 0.02 --out {tmp}/q",
+                                           "unknown method 'GPTQ'"),  # not "--damp is not an option of"
     "AWQ loss for GPTQ": Bad("quantize {model} --method gptq --awq-loss output --out {tmp}/q",
                              "use it with --method awq"),
     "unknown format": Bad("quantize {model} --format onnx --out {tmp}/q", "unknown export format 'onnx'"),
@@ -174,6 +176,8 @@ CATALOGUE = {
     "report: widths not numbers": Bad("report {model} --out {tmp}/r --data {text} --bits 4,x", "--bits '4,x'"),
     "report: unknown method": Bad("report {model} --out {tmp}/r --data {text} --methods magic", "magic"),
     "report: data missing": Bad("report {model} --out {tmp}/r --data {tmp}/nope.txt", "no such file"),
+    "report: lm-eval data missing": Bad("report {model} --out {tmp}/r --data {text} --methods rtn --tasks "
+                                        "wikitext --lm-eval-data-dir {tmp}/nope", "pass --lm-eval-data-dir or set QUANTKIT_DATA"),
     # train
     "train: data missing": Bad("train {model} --data {tmp}/nope.txt --out {tmp}/a", "nope.txt: no such file: pass an existing text file"),
     "train: rank 0": Bad("train {model} --data {text} --out {tmp}/a --rank 0", "rank"),

@@ -337,6 +337,14 @@ def test_eval_windows_must_be_counted(model, capsys, monkeypatch):
     assert code == 2 and "'--max-windows': 0 is not in the range x>=1" in line, line
 
 
+def test_eval_names_its_own_text_option_where_the_hub_is_shadowed(tiny_dir, capsys, monkeypatch, tmp_path):
+    """datasets would read ./wikitext instead of the hub's: the error names eval's --data, not quantize's --eval-data."""
+    (tmp_path / "wikitext").mkdir()
+    monkeypatch.chdir(tmp_path)
+    code, line = run(["eval", tiny_dir, "--max-windows", 1], capsys, monkeypatch)
+    assert code == 2 and line.endswith("pass a local text file (--data)"), line
+
+
 def test_windows_longer_than_the_models_context(model, capsys, monkeypatch, tmp_path):
     """The tiny model's context is 512: longer windows were scored, and calibrated on, from positions it never saw."""
     code, line = run(["eval", model, "--data", TEST, "--ctx", 1024, "--max-windows", 1], capsys, monkeypatch)

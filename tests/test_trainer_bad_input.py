@@ -191,7 +191,11 @@ def test_bad_rank(tiny_dir, text, capsys, monkeypatch, tmp_path, rank, match):
      "the AWQ GEMM layout holds 4-bit weights only, not 3-bit"),
     (["--quantize", "gptq", "--format", "exl2"], "--quantize writes safetensors, awq, gguf or compressed-tensors: for "
      "EXL2 (a target bits per weight), train, then run quantkit merge OUT --out OUT-merged and quantkit quantize "
-     "OUT-merged --method gptq --format exl2 --bits 4.125")])
+     "OUT-merged --method gptq --format exl2 --bits 4.125 --out OUT-exl2"),
+    (["--quantize", "gptq", "--format", "exl2", "--group-size", 64], "--quantize writes safetensors, awq, gguf or "
+     "compressed-tensors"),  # not "--group-size does not apply to --format exl2", which dropping it does not help
+    (["--quantize", "rtn", "--format", "gguf", "--bits", 3], "drop it, or choose the types with --gguf-type and "
+     "--tensor-type (of quantkit quantize OUT-merged)")])  # train has no --tensor-type
 def test_bad_training_settings(tiny_dir, text, capsys, monkeypatch, tmp_path, args, match):
     train_fails(tiny_dir, text, capsys, monkeypatch, tmp_path, match, *args)
 
