@@ -58,15 +58,21 @@ def llamacpp_arithmetic(module: torch.nn.Module, types: dict[str, str]) -> Itera
             h.remove()
 
 
-def windows(tokenizer, text: str, protocol: str = "llamacpp", ctx: int = 512,
-            max_windows: int | None = None, progress: bool = True) -> torch.Tensor:
-    """The text's token windows (n, ctx) as the protocol cuts them, before any BOS replacement."""
+def check_settings(protocol: str, ctx: int, max_windows: int | None) -> None:
+    """Refuse windows that cannot be cut, before any model loads."""
     if protocol not in PROTOCOLS:
         raise QuantkitError(f"unknown perplexity protocol {protocol!r}: use one of {', '.join(PROTOCOLS)}")
     if ctx < 2 or (protocol == "llamacpp" and ctx < 4):
         raise QuantkitError(f"context {ctx} is too short: use {option('ctx', 512)} or another length of at least 4")
     if max_windows is not None and max_windows < 1:
-        raise QuantkitError(f"max_windows {max_windows} scores nothing: pass 1 or more, or None for every window")
+        raise QuantkitError(f"{option('max_windows', max_windows)} scores nothing: pass 1 or more, or none for every "
+                            "window")
+
+
+def windows(tokenizer, text: str, protocol: str = "llamacpp", ctx: int = 512,
+            max_windows: int | None = None, progress: bool = True) -> torch.Tensor:
+    """The text's token windows (n, ctx) as the protocol cuts them, before any BOS replacement."""
+    check_settings(protocol, ctx, max_windows)
     ids = token_ids(tokenizer, text, progress)
     ids = with_bos(tokenizer, ids)  # one BOS for the whole text, as tokenizer(text) and llama-perplexity give it
     n = len(ids) // ctx

@@ -18,6 +18,12 @@ from .shards import DEFAULT_MAX_SIZE, parse_size
 FORMATS = ("safetensors", "awq", "gguf", "compressed-tensors", "exl2")
 
 
+def check_out_name(out: str | os.PathLike, fmt: str) -> None:
+    if fmt != "gguf" and str(out).lower().endswith(".gguf"):  # else a directory named .gguf, holding safetensors
+        raise QuantkitError(f"{option('out')} {out} names a GGUF file, and {option('format', fmt)} writes a directory: "
+                            f"add {option('format', 'gguf')}, or choose an {option('out')} without .gguf")
+
+
 def check_format_name(fmt: str) -> None:
     if fmt not in FORMATS:
         raise QuantkitError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")

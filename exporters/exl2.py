@@ -31,7 +31,7 @@ PARTS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")
 def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
     """Refuse, before any work, what the layout cannot hold."""
     if qconfig.method != "gptq":
-        raise QuantkitError(f"EXL2 is filled by GPTQ, not {qconfig.method}: use --method gptq")
+        raise QuantkitError(f"EXL2 is filled by GPTQ, not {qconfig.method}: use {option('method', 'gptq')}")
     shapes = shapes_by_name(module)
     for name, (n, k) in shapes.items():
         if k % 32:
@@ -46,14 +46,15 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
     if qconfig.head_bits is not None:
         cfg = module.config
         if cfg.tie_word_embeddings:
-            raise QuantkitError("--head-bits: this model ties its output head to the embedding, which quantkit keeps "
-                                "in float16: drop --head-bits")
+            raise QuantkitError(f"{option('head_bits')}: this model ties its output head to the embedding, which "
+                                f"quantkit keeps in float16: drop {option('head_bits')}")
         if cfg.hidden_size % 32:
-            raise QuantkitError(f"lm_head has {cfg.hidden_size} inputs: EXL2 needs a multiple of 32; drop --head-bits")
+            raise QuantkitError(f"lm_head has {cfg.hidden_size} inputs: EXL2 needs a multiple of 32; drop "
+                                f"{option('head_bits')}")
         try:
             exl2.Setting.for_target(qconfig.head_bits, cfg.vocab_size, cfg.hidden_size)
         except QuantkitError as e:
-            raise QuantkitError(f"--head-bits: {e}") from None
+            raise QuantkitError(f"{option('head_bits')}: {e}") from None
 
 
 def encode_scales(qt: QuantizedTensor) -> torch.Tensor:

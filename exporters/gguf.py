@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import torch
 
-from quantkit.errors import Note, QuantkitError, size, untrusted
+from quantkit.errors import Note, QuantkitError, option, size, untrusted
 from quantkit.modelio import Model, adds_bos, adds_eos, stored_state
 from quantkit import requant
 from quantkit.qtensor import QuantizedTensor
@@ -46,15 +46,15 @@ def check(module: torch.nn.Module, mix: str) -> None:
     cfg = module.config
     if cfg.model_type not in ARCHS:
         raise QuantkitError(f"GGUF export writes {', '.join(ARCHS)} models, not {cfg.model_type!r}: "
-                            "use --format safetensors")
+                            f"use {option('format', 'safetensors')}")
     check_mix(mix)
     act = getattr(cfg, "hidden_act", "silu")
     if act not in ("silu", "swish"):  # llama.cpp's graphs for these architectures gate with SiLU whatever the config says
         raise QuantkitError(f"the model's activation is {act!r}, and llama.cpp runs {cfg.model_type} models with SiLU: "
-                            "use --format safetensors")
+                            f"use {option('format', 'safetensors')}")
     if ARCHS[cfg.model_type] == "qwen3" and getattr(cfg, "attention_bias", False):
         raise QuantkitError("a Qwen3 with attention biases: llama.cpp's qwen3 reads none (it refuses the file): use "
-                            "--format safetensors")
+                            f"{option('format', 'safetensors')}")
     window = getattr(cfg, "sliding_window", None)
     if window and window < cfg.max_position_embeddings:  # Mistral v0.1's 4096: a refusal would shut out the model
         warnings.warn(f"the model attends to windows of {window} tokens, and llama.cpp's {ARCHS[cfg.model_type]} to the "
@@ -63,7 +63,7 @@ def check(module: torch.nn.Module, mix: str) -> None:
     kind = rope(cfg).get("rope_type", "default")
     if kind not in ROPES or kind == "llama3" and ARCHS[cfg.model_type] != "llama":
         raise QuantkitError(f"rope scaling {kind!r} of a {cfg.model_type} model is not written to GGUF: "
-                            f"quantkit writes {', '.join(ROPES[1:])} (llama3 for Llama only); use --format safetensors")
+                            f"quantkit writes {', '.join(ROPES[1:])} (llama3 for Llama only); use {option('format', 'safetensors')}")
 
 
 def rope(cfg) -> dict:

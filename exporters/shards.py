@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quantkit.atomic import reopened
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, option
 
 if TYPE_CHECKING:
     import torch
@@ -43,10 +43,10 @@ def parse_size(size: int | str) -> int:
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B|)\s*", str(size), re.IGNORECASE)
         if m is None:
-            raise QuantkitError(f"shard size {size!r} is not a size: use bytes or a number with a unit, such as 5GB or 500MiB")
+            raise QuantkitError(f"{option('max_shard_size', size)} is not a size: use bytes or a number with a unit, such as 5GB or 500MiB")
         n = int(float(m[1]) * UNITS[m[2].upper()])
     if n < 1:
-        raise QuantkitError(f"shard size {size!r} is not positive: use a size such as 5GB")
+        raise QuantkitError(f"{option('max_shard_size', size)} is not positive: use a size such as 5GB")
     return n
 
 

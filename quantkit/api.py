@@ -428,7 +428,11 @@ def quantize(
         config = replace(config, gguf_type=exporters.gguf.DEFAULT_MIX)
     for name, value in (("calib_samples", calib_samples), ("calib_seqlen", calib_seqlen), ("seed", seed)):
         whole(name, value)  # their ranges: where they are used, in the command line's words
-    targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
+    targets = (targets,) if isinstance(targets, str) else targets or ()
+    if not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) for t in targets):
+        raise QuantkitError(f"targets={targets!r} is not consumer names: pass a list of them "
+                            f"({', '.join(consumers.TARGETS)})")
+    targets = tuple(targets)
     with distributed.joined(not alone):
         dev = distributed.init(device_of(device))  # under torchrun: this process's part of the job, on its GPU
         keep = out is None if keep is None else keep
@@ -443,6 +447,7 @@ def quantize(
                                     "out is given: pass out (with keep=True the Model is kept too), or export the "
                                     "kept Model with quantkit.export(m, out, ...)")
         if out is not None:
+            exporters.check_out_name(out, format)
             check_out(out, overwrite, directory=format != "gguf",  # the measurement is read, or written to be kept
                       inputs=[calib_data, None if isinstance(model, Model) else model, config.measurement])
             exporters.parse_size(max_shard_size)
@@ -478,7 +483,7 @@ def quantize(
         if config.measurement is not None:
             measurement.check_path(config.measurement)
         if config.rules:
-            layer_rules.check(config.rules, [name for name, _, _ in linear_shapes(m.module)])
+            layer_rules.check(config.rules, [name for name, _, _ in linear_shapes(m.module)], option("rules"))
         candidates = grids(m, config, format, targets) if config.target_bpw is not None else None
         if targets and candidates is None:  # grids checked each candidate: the base grid is none of them
             consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
@@ -633,8 +638,7 @@ def ready(model: Model | PathLike | None, packed: bool | None = None, device: st
     (on the CPU, bfloat16 runs 4-bit layers through torch's fused int4 matmul where they take up to
     qlinear.FUSED_ROWS rows, as in decoding, and the other layers, and float32 all, through the compiled
     GEMV up to qlinear.GEMV_ROWS rows; evaluation windows take the sliced fallback)."""
-    if dtype is not None and dtype not in DTYPES:
-        raise QuantkitError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    check_dtype(dtype)
     if device is not None:
         device_of(device)  # before loading: a device torch cannot use is named, not a traceback
     if isinstance(model, Model) and packed is not None and model.qconfig is not None and not model.gguf_types:
@@ -701,7 +705,7 @@ def evaluate(
     device, dtype: where and in what a model loaded from a path runs (default: CUDA, in float16, when
     there is a GPU; else float32); a Model passed in is moved only when one is given."""
     check_arguments(evaluate, locals())
-    check_windows(ctx, max_windows)
+    check_windows(ctx, max_windows, protocol)
     text = calibration.load_text(data, split="test")  # before the model loads
     m = ready(model, packed, device, dtype)
     text = calibration.chats(data, text, m.tokenizer)
@@ -730,6 +734,7 @@ def compare(
     models run in it (as in evaluate). overwrite: replace a base saved at save_base."""
     check_arguments(compare, locals())
     check_windows(ctx, max_windows)
+    check_dtype(dtype)
     text = calibration.load_text(data, split="test")
     if device is not None:
         device_of(device)
@@ -813,11 +818,9 @@ def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: 
            max_shard_size: int | str = exporters.DEFAULT_MAX_SIZE, progress: bool = True) -> Path:
     """Write a Model quantized in memory (quantize with keep=True) to out in format; the path written
     (and, with progress, what it holds on stderr). A model on disk needs no export: quantize it with
-    out, or requantize a GGUF with export_gguf."""
+    out, or requantize a GGUF file with `quantkit export` (quantkit.requant.requantize)."""
     check_arguments(export, locals())
-    if not isinstance(model, Model):
-        raise QuantkitError(f"export writes a Model quantized in memory, not a {type(model).__name__}: quantize the "
-                            "model with out (or keep=True, then export that)")
+    in_memory(model, "export")
     check_held(model, "export before evaluating with a dtype or device, or quantize again with keep=True")
     if format == "gguf" and model.qconfig is not None:
         if model.qconfig.gguf_type is None:
@@ -829,11 +832,23 @@ def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: 
     return exporters.export(model, out, format, overwrite, max_shard_size, progress)
 
 
-def check_windows(ctx: int, max_windows: int | None) -> None:
-    """Refuse a context or window count that is not a whole number (evaluate, compare)."""
+def in_memory(model: object, what: str) -> None:
+    if not isinstance(model, Model):
+        raise QuantkitError(f"{what} writes a Model in memory, not a {type(model).__name__}: quantize a model on disk "
+                            "with out (or load it, or quantize it with keep=True, and pass that)")
+
+
+def check_dtype(dtype: str | None) -> None:
+    if dtype is not None and dtype not in DTYPES:
+        raise QuantkitError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+
+
+def check_windows(ctx: int, max_windows: int | None, protocol: str = "llamacpp") -> None:
+    """Refuse windows that cannot be cut (evaluate, compare), before any model loads."""
     whole("ctx", ctx)
     if max_windows is not None:
         whole("max_windows", max_windows)
+    evals.check_settings(protocol, ctx, max_windows)
 
 
 def whole(name: str, value, least: int | None = None) -> None:
@@ -875,6 +890,7 @@ def export_gguf(model: Model, out: PathLike, gguf_type: str | None = None, overw
     """GGUF of a model: a quantized checkpoint whose grids are GGUF blocks keeps its codes (the other
     weights in F16); a float model is rounded to nearest in gguf_type (F16 by default)."""
     check_arguments(export_gguf, locals())
+    in_memory(model, "export_gguf")
     if not model.tensors:  # a copy, so that model stays the float model
         quantize(Model(model.module, model.tokenizer, model.source, gguf_types=model.gguf_types,
                        checkpoint=model.checkpoint),

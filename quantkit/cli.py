@@ -160,9 +160,7 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     from .modelio import load
 
     api.device_of(device)
-    if fmt != "gguf" and str(out).lower().endswith(".gguf"):  # else a directory named .gguf, holding safetensors
-        raise QuantkitError(f"--out {out} names a GGUF file, and --format {fmt} writes a directory: add --format gguf, "
-                            "or choose an --out without .gguf")
+    exporters.check_out_name(out, fmt)
     check_out(out, overwrite, directory=fmt != "gguf", inputs=[model, calib_data, eval_data, config.measurement])
     exporters.parse_size(max_shard_size)
     m = load(model)

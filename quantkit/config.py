@@ -1,6 +1,7 @@
 """What to quantize and how: one small dataclass shared by the CLI, the API and the exports."""
 from __future__ import annotations
 
+import collections.abc
 import difflib
 import math
 import os
@@ -10,8 +11,8 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from . import blocks
 from . import rules as layer_rules
-from .errors import QuantkitError, option
-from .requant import check_mix
+from .errors import COMMAND_LINE, QuantkitError, option
+from .requant import check_mix, parse_overrides
 
 METHODS = ("rtn", "gptq", "awq", "nf4", "fp4")
 CODEBOOK_METHODS = ("nf4", "fp4")  # 4-bit code tables in flat blocks, bitsandbytes' layout
@@ -49,7 +50,7 @@ def refuse_unused(given: dict[str, str], method: str, fmt: str, target_bpw: bool
                 name == "block_size" and method not in ("gptq", *CODEBOOK_METHODS) or \
                 name in ("group_size", "sym") and method in CODEBOOK_METHODS:
             raise QuantkitError(f"{flag} is not an option of {as_method}: drop it, or use a method it belongs to "
-                                "(see quantkit quantize --help)")
+                                f"(see {'quantkit quantize --help' if COMMAND_LINE.get() else 'QuantConfig'})")
 
 
 def check_method(method: object) -> None:
@@ -100,23 +101,35 @@ def describe(hint) -> str:
 
 
 def check_arguments(fn, arguments: dict) -> None:
-    """Refuse an argument of fn declared a path (str or os.PathLike) given something else, or declared
-    a bool given text or a path: out=5 was a TypeError from pathlib, packed="no" was taken as True (a
-    number or numpy's bool is taken as one). None only where it is declared. A model argument is load's
-    to check: it names what to pass."""
+    """Refuse an argument of fn declared a path (str or os.PathLike, or those or a Model) given something
+    else, declared a bool given text or a path, or declared a function given something that cannot be
+    called: out=5 was a TypeError from pathlib, packed="no" was taken as True (a number or numpy's bool
+    is taken as one), checked=5 failed after the long work. None only where it is declared."""
     for name, hint in typing.get_type_hints(fn).items():
         args = set(typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,))
         if name not in arguments or (arguments[name] is None and type(None) in args):
             continue
         value = arguments[name]
-        if os.PathLike in args and args <= {str, os.PathLike, type(None)}:
-            bad, what = not isinstance(value, (str, os.PathLike)), " (a path as str or pathlib.Path)"
+        functions = {a for a in args if typing.get_origin(a) is collections.abc.Callable}
+        if os.PathLike in args and all(isinstance(a, type) for a in args):
+            bad, what = not isinstance(value, tuple(args)), " (a path as str or pathlib.Path)"
         elif bool in args and args <= {bool, type(None)}:
             bad, what = value is None or isinstance(value, (str, bytes, os.PathLike)), ""
+        elif functions and args <= functions | {type(None)}:
+            bad, what = not callable(value), " (a function)"
         else:
             continue
+        if bad and any(a.__name__ == "Model" for a in args if isinstance(a, type)):
+            raise not_a_model(name, value)
         if bad:
             raise QuantkitError(f"{name}={value!r} is not {describe(hint)}: pass {name} as one{what}")
+
+
+def not_a_model(name: str, value: object) -> QuantkitError:
+    kind = type(value).__name__  # not its repr: a model object's would fill the screen
+    what = "None" if value is None else f"{'an' if kind[0].lower() in 'aeiou' else 'a'} {kind}"
+    return QuantkitError(f"{name} is {what}, not a model: pass a model directory (a transformers model: save_pretrained "
+                         "it first), a .gguf file, or a quantkit Model")
 
 
 UNWEIGHTED = (*blocks.FLOAT_TYPES, "Q8_0")  # GGUF types whose blocks take no importance
@@ -192,7 +205,7 @@ class QuantConfig:
         if self.duo_scaling and self.method != "awq":
             raise QuantkitError(f"duo scaling is an AWQ option: use it with {option('method', 'awq')}")
         if self.awq_loss is not None and self.awq_loss not in AWQ_LOSSES:
-            raise QuantkitError(f"unknown AWQ loss {self.awq_loss!r}: use one of {', '.join(AWQ_LOSSES)}")
+            raise QuantkitError(f"{option('awq_loss', self.awq_loss)} is not an AWQ loss: use one of {', '.join(AWQ_LOSSES)}")
         if self.awq_loss is not None and self.method != "awq":
             raise QuantkitError(f"{option('awq_loss')} chooses how AWQ judges its scales: use it with "
                                 f"{option('method', 'awq')}")
@@ -208,11 +221,11 @@ class QuantConfig:
         elif self.double_quant:
             raise QuantkitError(f"double quantization is for {option('method', 'nf4', 'fp4')}")
         if not 0 < self.damp < 1:
-            raise QuantkitError(f"damping {self.damp} is out of range: use a fraction such as 0.01")
+            raise QuantkitError(f"{option('damp', self.damp)} is out of range: use a fraction such as 0.01")
         if self.act_order and self.group_aware:
             raise QuantkitError("act-order and group-aware ordering exclude each other: choose one")
         if self.gguf_type is not None:  # the name llama-quantize's mixes go by, whatever case or alias was given
-            self.gguf_type = check_mix(self.gguf_type)
+            self.gguf_type = check_mix(self.gguf_type, option("gguf_type"))
         if self.gguf_type is not None and self.method not in ("rtn", "gptq"):
             raise QuantkitError(f"GGUF types are filled by RTN or GPTQ, not {self.method}: use "
                                 f"{option('method', 'rtn', 'gptq')}")
@@ -230,6 +243,7 @@ class QuantConfig:
             raise QuantkitError(f"{option('pure')} chooses among the types of a quantized GGUF mix: use it with "
                                 f"{option('format', 'gguf')} and a {option('gguf_type')} such as Q4_K_M")
         self.tensor_type = (self.tensor_type,) if isinstance(self.tensor_type, str) else tuple(self.tensor_type)
+        parse_overrides(self.tensor_type)  # each PATTERN=TYPE, before the model loads
         if self.tensor_type and self.gguf_type in (None, *blocks.FLOAT_TYPES):
             raise QuantkitError(f"{option('tensor_type')} overrides the types of a quantized GGUF mix: use it with "
                                 f"{option('format', 'gguf')} and a {option('gguf_type')} such as Q4_K_M")
@@ -264,7 +278,7 @@ class QuantConfig:
                                 f"{option('target_bpw')}, or with {option('format', 'exl2')} and a target such as "
                                 f"{option('exl2', 4.125)}")
         if self.block_size < 1:
-            raise QuantkitError(f"block size {self.block_size} is invalid: use a positive number of columns such as 128")
+            raise QuantkitError(f"{option('block_size', self.block_size)} is invalid: use a positive number of columns such as 128")
         if isinstance(self.rules, (str, os.PathLike)):
             self.rules = layer_rules.read(self.rules)
         elif not all(isinstance(r, layer_rules.Rule) for r in self.rules):  # the API's list of mappings

@@ -126,7 +126,7 @@ def raw_zeros(e: Export) -> str | None:
 
 
 def no_g_idx(e: Export) -> str | None:
-    return "act-order with a g_idx (use --static-groups)" if e.g_idx else None
+    return f"act-order with a g_idx (use {option('static_groups', True)})" if e.g_idx else None
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from accelerate.utils import set_module_tensor_to_device
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from .config import QuantConfig, check_arguments
+from .config import QuantConfig, check_arguments, not_a_model
 from . import errors
 from .errors import QuantkitError, space_for, untrusted
 from .qtensor import QuantizedTensor
@@ -434,8 +434,7 @@ def load(path: str | os.PathLike | None = None, packed: bool = False) -> Model:
     quantized checkpoint keeps its packed weights in quantkit.qlinear layers (for running it)
     instead of dequantized float weights (for re-exporting it)."""
     if path is not None and not isinstance(path, (str, os.PathLike)):  # a transformers model object, say
-        raise QuantkitError(f"a {type(path).__name__} is not a model path: pass a model directory (a transformers model: "
-                            "save_pretrained it first), a .gguf file, or a quantkit Model")
+        raise not_a_model("the model", path)
     check_arguments(load, locals())  # packed="no" would be taken as True
     p = Path(path) if path is not None else default_model_dir()
     try:

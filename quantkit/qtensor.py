@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from .errors import QuantkitError
+from .errors import QuantkitError, option
 
 
 def per_slice(width: int) -> int:
@@ -44,7 +44,7 @@ def check_scales(w: torch.Tensor, scales: torch.Tensor, name: str = "a weight") 
     if not torch.isfinite(w).all():
         raise QuantkitError(f"{name} contains NaN or Inf: the checkpoint is damaged; re-download or re-export it")
     raise QuantkitError(f"{name} holds values up to {float(w.abs().max()):.3g}, too large for float16 scales: "
-                        "use NF4 (float32 scales), or with RTN or GPTQ leave it in float (a --rules entry with skip)")
+                        f"use NF4 (float32 scales), or with RTN or GPTQ leave it in float (a {option('rules')} entry with skip)")
 
 
 def group_index(in_features: int, group_size: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from . import blocks
 from .atomic import Staged, write_behind
-from .errors import Note, QuantkitError, space_for
+from .errors import Note, QuantkitError, option, space_for
 from .gguf_constants import GGML_QUANT_VERSION, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, LlamaFileType
 
 if TYPE_CHECKING:
@@ -74,17 +74,17 @@ def parse_overrides(overrides: tuple[str, ...] | list[str]) -> list[tuple[re.Pat
     name (lower-cased, as llama.cpp reads it) and the type the first match gets."""
     out = []
     for o in overrides:
-        pattern, sep, kind = o.partition("=")
+        pattern, sep, kind = o.partition("=") if isinstance(o, str) else ("", "", "")
         kind = kind.upper()
         if not sep or not pattern:
-            raise QuantkitError(f"--tensor-type {o!r} is not PATTERN=TYPE: write e.g. attn_v=Q8_0")
+            raise QuantkitError(f"{option('tensor_type')} {o!r} is not PATTERN=TYPE: write e.g. attn_v=Q8_0")
         if kind not in blocks.TYPES:
-            raise QuantkitError(f"--tensor-type {o!r}: "
+            raise QuantkitError(f"{option('tensor_type')} {o!r}: "
                                 + refusal(kind, kind in GGMLQuantizationType.__members__, blocks.TYPES))
         try:
             out.append((re.compile(pattern.lower()), kind))
         except re.error as e:
-            raise QuantkitError(f"--tensor-type {o!r}: {pattern!r} is not a regular expression ({e})") from None
+            raise QuantkitError(f"{option('tensor_type')} {o!r}: {pattern!r} is not a regular expression ({e})") from None
     return out
 
 
@@ -141,8 +141,9 @@ def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure
     mix = check_mix(mix)
     default = MIXES[mix][1]
     if default in blocks.FLOAT_TYPES and (pure or overrides):  # llama-quantize ignores both there
-        raise QuantkitError(f"{'--pure' if pure else '--tensor-type'} chooses among the types of a quantized mix, and "
-                            f"{mix} stores every weight as {default}: pass a quantized --gguf-type such as Q4_K_M")
+        raise QuantkitError(f"{option('pure') if pure else option('tensor_type')} chooses among the types of a quantized "
+                            f"mix, and {mix} stores every weight as {default}: pass a quantized {option('gguf_type')} "
+                            "such as Q4_K_M")
     manual = parse_overrides(overrides)
     tied = OUTPUT not in dict(weights)
     decided = dict.fromkeys(ROLES, 0)  # per role, the tensors the mix's rules have typed
@@ -164,7 +165,7 @@ def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure
             t = default
         types[name] = fit_row(t, k)
     if unmatched:  # a misspelt name would leave the mix's type silently
-        raise QuantkitError(f"--tensor-type pattern {sorted(unmatched)[0]!r} matches no quantized tensor of this model "
+        raise QuantkitError(f"{option('tensor_type')} pattern {sorted(unmatched)[0]!r} matches no quantized tensor of this model "
                             f"(its names run from {weights[0][0]} to {weights[-1][0]}): fix the pattern")
     return types
 

@@ -239,11 +239,26 @@ def test_the_calibration_text_is_checked_before_the_first_evaluation(model, caps
     (lambda q, m, t: q.quantize(m, method="rtn", keep=False), "keep=False writes the quantized layers to out"),
     (lambda q, m, t: q.quantize(m, method="rtn", format="gptq"), "unknown export format 'gptq'"),
     (lambda q, m, t: q.quantize(m, method="rtn", gguf_type="Q4_K_M"), "gguf_type chooses a GGUF mix, and format='safetensors' is not GGUF: add format='gguf'"),
-    (lambda q, m, t: q.export(str(m), "x"), "export writes a Model quantized in memory, not a str")])
-def test_api_arguments_are_checked_with_one_error(tiny_dir, call, match):
+    (lambda q, m, t: q.export(str(m), "x"), "export writes a Model in memory, not a str"),
+    (lambda q, m, t: q.api.export_gguf(str(m), "x.gguf"), "export_gguf writes a Model in memory, not a str"),
+    (lambda q, m, t: q.quantize(5, out="q"), "model is an int, not a model: pass a model directory"),
+    (lambda q, m, t: q.compare(m, None, TEST), "base is None, not a model: pass a model directory"),
+    (lambda q, m, t: q.quantize(m, out="q", targets=5), "targets=5 is not consumer names"),
+    (lambda q, m, t: q.quantize(m, out="q", checked=5), "checked=5 is not Callable"),
+    (lambda q, m, t: q.train(m, data=TEST, out="a", callback=5), "callback=5 is not Callable"),
+    (lambda q, m, t: q.quantize(m, out="q.gguf"), "out q.gguf names a GGUF file, and format='safetensors' writes a "
+                                                      "directory"),
+    (lambda q, m, t: q.quantize(m, out="q", format="gguf", tensor_type=[5]), "tensor_type 5 is not PATTERN=TYPE"),
+    (lambda q, m, t: q.quantize(m, out="q", format="gguf", tensor_type=["bad"]), "tensor_type 'bad' is not "
+                                                                                    "PATTERN=TYPE"),
+    (lambda q, m, t: q.quantize(m, out="q", gguf_type="Q9", format="gguf"), "in gguf_type"),
+    (lambda q, m, t: q.quantize(m, out="q", method="rtn", damp=0.05), "(see QuantConfig)"),
+    (lambda q, m, t: q.compare(m, m, TEST, dtype="int8"), "unknown dtype 'int8'")])
+def test_api_arguments_are_checked_with_one_error(tiny_dir, call, match, tmp_path, monkeypatch):
     """Each was a TypeError, ValueError or AttributeError from deep inside, or accepted and ignored."""
     import quantkit
 
+    monkeypatch.chdir(tmp_path)  # where a call not refused would write its out
     with pytest.raises(quantkit.QuantkitError, match=re.escape(match)):
         call(quantkit, str(tiny_dir), TEST)
 
@@ -822,7 +837,7 @@ def test_a_weights_file_alone_and_a_hub_cache_folder_are_named(model, tmp_path, 
     (adapter / "adapter_config.json").write_text("{}")
     with pytest.raises(quantkit.QuantkitError, match="this is a LoRA adapter: quantkit merge it into its base first"):
         quantkit.load(str(adapter))
-    with pytest.raises(quantkit.QuantkitError, match="a dict is not a model path: pass a model directory"):
+    with pytest.raises(quantkit.QuantkitError, match="model is a dict, not a model: pass a model directory"):
         quantkit.quantize({})  # a model object, say: was a TypeError from pathlib
     cfg = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps(cfg | {"auto_map": {"AutoModelForCausalLM": "modeling.MyLlama"}}))

@@ -70,9 +70,17 @@ def test_a_saved_base_passed_as_the_model_is_named(tiny_dir, tmp_path, capsys, m
             "is a saved base (log-probabilities, not a model): pass it as --base")
 
 
-def test_max_windows_below_one_is_named(tiny_dir):
+@pytest.mark.parametrize("settings, match", [(dict(max_windows=0), "max_windows=0 scores nothing"),
+                                             (dict(ctx=-5), "context -5 is too short"),
+                                             (dict(protocol="bad"), "unknown perplexity protocol 'bad'")])
+def test_windows_that_cannot_be_cut_are_refused_before_the_model_loads(tiny_dir, monkeypatch, settings, match):
     import quantkit
+    from quantkit import api
     from quantkit.errors import QuantkitError
 
-    with pytest.raises(QuantkitError, match="max_windows 0 scores nothing"):
-        quantkit.evaluate(tiny_dir, TEST, max_windows=0, progress=False)
+    monkeypatch.setattr(api, "load", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(QuantkitError, match=match):
+        quantkit.evaluate(tiny_dir, TEST, progress=False, **settings)
+    if "protocol" not in settings:  # compare takes llama.cpp's protocol only
+        with pytest.raises(QuantkitError, match=match):
+            quantkit.compare(tiny_dir, tiny_dir, TEST, progress=False, **settings)

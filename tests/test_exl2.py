@@ -316,7 +316,7 @@ def test_head_bits_quantize_an_untied_head(tmp_path, capsys):
     head = {p: state[f"lm_head.{p}"] for p in ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")}
     assert "lm_head.weight" not in state
     np.testing.assert_array_equal(decode(head, 512), m.tensors["lm_head"].dequantize().numpy())
-    with pytest.raises(quantkit.QuantkitError, match="--head-bits: 99.0 bits per weight is outside what EXL2 reaches"):
+    with pytest.raises(quantkit.QuantkitError, match="head_bits: 99.0 bits per weight is outside what EXL2 reaches"):
         quantkit.quantize(str(tmp_path / "m"), method="gptq", format="exl2", exl2=4.0, head_bits=99.0, **CALIB,
                           out=tmp_path / "q99", progress=False)
     assert torch.equal(m.module.lm_head.weight, m.tensors["lm_head"].dequantize())

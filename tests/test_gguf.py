@@ -153,11 +153,11 @@ def test_checkpoint_grid_exports_its_codes(tiny256, tmp_path):
 def test_grids_gguf_cannot_hold_are_refused(tiny256, tmp_path):
     w = weights(8, 256)
     with pytest.raises(QuantkitError, match="x: a 4-bit symmetric grid in groups of 128 has no GGUF block type: "
-                                            "quantize with --bits 4 or 8 --group-size 32"):
+                                            "quantize with bits=4 or bits=8 and group_size=32"):
         ggml.from_grid(rtn.quantize(w, 4, 128), "x")
     # 8 bits in groups of 32 were told to be what they were: Q8_0 is symmetric, and there is no Q8_1 file type
     with pytest.raises(QuantkitError, match=r"an 8-bit asymmetric grid in groups of 32 has no GGUF block type: quantize "
-                                            r"with --sym \(8 bits have no asymmetric GGUF type\)"):
+                                            r"with sym=True \(8 bits have no asymmetric GGUF type\)"):
         ggml.from_grid(rtn.quantize(w, 8, 32, sym=False), "x")
     with pytest.raises(QuantkitError, match="do not fill Q4_K blocks"):
         ggml.quantize(weights(8, 96), "Q4_K")

@@ -154,7 +154,7 @@ def test_bits_per_weight():
 def test_unsupported_block_size(block_size):
     with pytest.raises(QuantkitError, match="block size"):
         nf4.quantize(torch.randn(4, 64), "nf4", block_size)
-    with pytest.raises(QuantkitError, match="block size"):
+    with pytest.raises(QuantkitError, match=f"block_size={block_size} is not a block size"):
         QuantConfig("nf4", block_size=block_size)
 
 
@@ -237,5 +237,5 @@ def test_cli_nf4(tiny_dir, tmp_path, capsys, monkeypatch):
                                       "--out", str(tmp_path / "bad")])
     with pytest.raises(SystemExit) as e:
         main()
-    assert e.value.code == 2 and "block size 100" in capsys.readouterr().err
+    assert e.value.code == 2 and "--block-size 100 is not a block size" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()

@@ -421,6 +421,37 @@ def test_a_checkpoint_is_not_lost_to_a_run_without_resume(tiny_dir, text, capsys
     assert left(tmp_path) == ["out"] and json.loads((tmp_path / "out" / "train_log.json").read_text())["steps"] == 6
 
 
+@pytest.mark.parametrize("where", ["model", "data"])
+def test_the_api_does_not_train_into_what_it_reads(tiny_dir, text, tmp_path, where):
+    """train(model, out=model, overwrite=True) replaced the base directory it was training on (and with
+    the data inside out, deleted that): refused before the model loads, as the command line does."""
+    model = shutil.copytree(tiny_dir, tmp_path / "model")
+    data = shutil.copy(text, model / "train.txt") if where == "data" else text
+    before = sorted(p.name for p in model.iterdir())
+    loaded = []
+    real = loop.load
+    loop.load = lambda *a, **k: loaded.append(a) or real(*a, **k)
+    try:
+        with pytest.raises(QuantkitError, match=f"out {model} (is|holds) .*, which this command reads"):
+            train(str(model), data=data, out=model, overwrite=True, steps=1, seqlen=32, batch_size=2, rank=4,
+                  eval_fraction=0, progress=False)
+    finally:
+        loop.load = real
+    assert not loaded and sorted(p.name for p in model.iterdir()) == before
+
+
+@pytest.mark.parametrize("kw, match", [(dict(), "already exists"), (dict(overwrite=True, max_shard_size="big"),
+                                                                     "max_shard_size='big' is not a size")])
+def test_the_api_merge_checks_its_output_before_the_base_loads(adapter, tmp_path, monkeypatch, kw, match):
+    from quantkit.trainer import merge, merging
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
+    monkeypatch.setattr(merging, "load", lambda *a, **k: pytest.fail("the base loaded"))
+    with pytest.raises(QuantkitError, match=match):
+        merge(adapter, tmp_path / "out", **kw)
+
+
 def test_merge_refuses_what_it_would_leave_out(adapter, tiny_dir, capsys, monkeypatch, tmp_path):
     """A PEFT adapter with a bias on lora_B or whole modules saved beside it was refused as one for another
     base ("pass the --base it was trained on"), and a LoRA adapter merged onto NF4 codes it never saw."""

@@ -116,7 +116,7 @@ class TrainConfig:
         if self.fsdp and self.optimizer != "adamw":
             raise QuantkitError(f"{option('optimizer', self.optimizer)} cannot step sharded parameters (bitsandbytes "
                                 f"has no FSDP support): use {option('optimizer', 'adamw')} with {option('fsdp', True)}")
-        nf4.check("nf4", self.nf4_block)
+        nf4.check("nf4", self.nf4_block, "nf4_block")
 
     @property
     def scale(self) -> float:

@@ -26,7 +26,7 @@ from quantkit import distributed
 from quantkit.api import device_of
 from quantkit.errors import (NO_ROOM, REFUSED, QuantkitError, ResumableError, free_space, option, refused, size,
                              space_for, untrusted)
-from quantkit.atomic import Staged, fsync, partial_path, remove
+from quantkit.atomic import Staged, check_apart, check_out, fsync, partial_path, remove
 from quantkit.config import check_fields, check_arguments
 from quantkit.modelio import Model, check_context, fingerprint, load
 from quantkit.report import strict_json
@@ -400,7 +400,13 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
         if config.batch_size % world:
             raise QuantkitError(f"a batch of {config.batch_size} does not split over {world} processes: use a "
                                 f"{option('batch_size')} that is a multiple of {world}")
-        # before the model and data are read; every process reads the checkpoint, only rank 0 holds the lock
+        # before the model and data are read: out replaced with overwrite must not be what is read
+        inputs = [model.source if isinstance(model, Model) else model, data, eval_data]
+        if resume:
+            check_apart(out, inputs)
+        else:
+            check_out(out, overwrite, directory=True, inputs=inputs)
+        # every process reads the checkpoint, only rank 0 holds the lock
         partial = partial_path(out)
         checkpoints = Checkpoints(partial)
         if resume and checkpoints.latest() is None:

@@ -16,9 +16,9 @@ from tqdm import tqdm
 
 from quantkit.config import check_arguments
 from quantkit.errors import QuantkitError, option, space_for, untrusted
-from quantkit.atomic import Staged, check_apart
+from quantkit.atomic import Staged, check_apart, check_out
 from quantkit.exporters.checkpoint import licences
-from quantkit.exporters.shards import DEFAULT_MAX_SIZE, INDEX, ShardWriter
+from quantkit.exporters.shards import DEFAULT_MAX_SIZE, INDEX, ShardWriter, parse_size
 from quantkit.modelio import Model, hub_snapshot, load
 from quantkit.pipeline import write_other
 
@@ -122,6 +122,8 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
     """Write base + adapter to out as a model directory (safetensors shards in the base's dtype, its
     config and tokenizer files). base: the adapter config's base_model_name_or_path by default."""
     check_arguments(merge, locals())
+    check_out(out, overwrite, directory=True, inputs=[adapter, base])  # before the base loads
+    parse_size(max_shard_size)
     config, cfg, tensors = read(adapter, onto_nf4)
     m = base_of(cfg, base, adapter)
     check_apart(out, [adapter, m.source])

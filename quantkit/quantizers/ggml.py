@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType
 
 from .. import blocks as compiled
 from ..blocks import BITS, FLOAT_TYPES, K_TYPES, LEGACY_TYPES, TYPES, check, sizes  # noqa: F401 (read as ggml.*)
-from ..errors import QuantkitError
+from ..errors import QuantkitError, option
 from ..qtensor import QuantizedTensor
 from .gptq import GPTQResult, inverse_factor, prepare, push_error
 
@@ -561,11 +561,12 @@ def from_grid(qt: QuantizedTensor, name: str = "tensor") -> QuantizedTensor:
         return qt
     if qt.flat or kind is None or qt.group_size != 32 or qt.act_order:
         grid = f"{qt.bits}-bit {'symmetric' if qt.sym else 'asymmetric'} grid in groups of {qt.group_size}"
-        fix = "--sym (8 bits have no asymmetric GGUF type)" if qt.bits == 8 and not qt.flat and not qt.sym \
-            and qt.group_size == 32 and not qt.act_order else "--bits 4 or 8 --group-size 32 and no act-order"
+        fix = f"{option('sym', True)} (8 bits have no asymmetric GGUF type)" if qt.bits == 8 and not qt.flat and \
+            not qt.sym and qt.group_size == 32 and not qt.act_order else \
+            f"{option('bits', 4, 8)} and {option('group_size', 32)}, without act-order"
         grid += " with act-order" if not qt.flat and qt.act_order else ""
         raise QuantkitError(f"{name}: {'an' if qt.bits == 8 else 'a'} {grid} has no GGUF block type: quantize with "
-                            f"{fix}, or for GGUF directly (--format gguf)")
+                            f"{fix}, or for GGUF directly ({option('format', 'gguf')})")
     n, k = qt.shape
     check(kind, k, name)
     fields = {"d": qt.scales.reshape(-1)}

@@ -18,7 +18,7 @@ from functools import cache
 import torch
 
 from .. import blocks
-from ..errors import QuantkitError
+from ..errors import QuantkitError, option
 from ..qtensor import QuantizedTensor, check_scales
 
 # Quantiles of N(0, 1) with an exact zero, scaled to [-1, 1] (QLoRA, appendix E).
@@ -161,11 +161,12 @@ def double_quantize(qt: QuantizedTensor) -> QuantizedTensor:
                            flat=True, nested=nested, offset=float(offset))
 
 
-def check(kind: str, block_size: int) -> None:
+def check(kind: str, block_size: int, name: str = "block_size") -> None:
+    """name: the option that gave block_size."""
     if kind not in CODEBOOKS:
         raise QuantkitError(f"unknown 4-bit type {kind!r}: use one of {', '.join(CODEBOOKS)}")
     if block_size not in BLOCK_SIZES:
-        raise QuantkitError(f"block size {block_size} is not one bitsandbytes supports: use one of "
+        raise QuantkitError(f"{option(name, block_size)} is not a block size bitsandbytes supports: use one of "
                             f"{', '.join(map(str, BLOCK_SIZES))}")
 
 
