@@ -58,10 +58,10 @@ class CheckpointWriter:
     def written(self) -> int:
         return self.shards.total if self.shards else 0
 
-    def start(self, state: dict | None = None) -> None:
+    def start(self, state: dict | None = None, own: str | None = None) -> None:
         if state is None:
             self.check_range()
-            self.staged.fresh()
+            self.staged.fresh(own)
         self.shards = ShardWriter(self.staged.path, self.max_shard_size)
         if state is not None:
             self.shards.resume(state["shards"])

@@ -120,8 +120,8 @@ class Writer(checkpoint.CheckpointWriter):
         self.counts[f"{head}weights"] += n * k
         return tensors
 
-    def start(self, state: dict | None = None) -> None:
-        super().start(state)
+    def start(self, state: dict | None = None, own: str | None = None) -> None:
+        super().start(state, own)
         if state is not None:
             self.counts = dict(state["counts"])
 

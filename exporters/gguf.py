@@ -331,9 +331,9 @@ class Writer:
     def written(self) -> int:
         return sum(nbytes(*self.plan[name]) for name in self.done)
 
-    def start(self, state: dict | None = None) -> None:
+    def start(self, state: dict | None = None, own: str | None = None) -> None:
         if state is None:
-            self.staged.fresh()
+            self.staged.fresh(own)
             # a GGUF's metadata is copied as quantkit export (llama-quantize) keeps it; a directory's is made anew
             self.data_start = self.copied_header() if Path(self.model.source).is_file() else self.new_header()
             self.header = crc(self.staged.path, self.data_start)

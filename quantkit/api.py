@@ -262,6 +262,9 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
             with distributed.first_refuses(f"lock {path}"):
                 if path is not None and distributed.rank() == 0:
                     held.enter_context(locked(path, "measurement"))
+                    if path.exists():  # saved by a run that held the lock since this one looked
+                        raise QuantkitError(f"{path} was written by another run while this one started: run the "
+                                            "command again to use it")
                     found = None if overwrite else other_run(  # hours of a large model's measurement: kept
                         [path.with_name(f".{path.name}.progress-measurement{r}.pt") for r in ("", "-0")], resume[1])
                     if found is not None:
@@ -448,8 +451,10 @@ def quantize(
                                     "kept Model with quantkit.export(m, out, ...)")
         if out is not None:
             exporters.check_out_name(out, format)
+            rules_file = options.get("rules") if isinstance(options.get("rules"), (str, os.PathLike)) else None
             check_out(out, overwrite, directory=format != "gguf",  # the measurement is read, or written to be kept
-                      inputs=[calib_data, None if isinstance(model, Model) else model, config.measurement])
+                      inputs=[calib_data, None if isinstance(model, Model) else model, config.measurement,
+                              config.imatrix_file, rules_file])
             exporters.parse_size(max_shard_size)
         if isinstance(model, Model):
             check_float(model)

@@ -187,6 +187,21 @@ def created(path: Path) -> TextIO:
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w")
 
 
+def write_text(path: Path, text: str) -> None:
+    """A small file (a report's JSON, a measurement) at path, complete or not at all, and on the disk
+    before its name says so: a power cut leaves the old file or the new one, not an empty one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with created(tmp) as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync(path.parent)
+    finally:  # none left by a write that failed
+        tmp.unlink(missing_ok=True)
+
+
 def lock(path: Path, option: str) -> tuple[Path, TextIO]:
     """Hold the lock of the output at path (.{name}.lock beside it, removed when done), or refuse: another
     quantkit process is writing it. The lock's path and its open file."""
@@ -229,12 +244,22 @@ class Staged:
         check_out(out, overwrite, directory, option)
         self.out, self.directory, self.overwrite, self.option = Path(out), directory, overwrite, option
         self.path = partial_path(self.out)
+        self.refused = False  # fresh() found another run's work here
         self.lock_path, self.lock = lock(self.out, option)
 
-    def fresh(self) -> Path:
+    def fresh(self, own: str | None = None) -> Path:
         """Start over: an empty directory (or no file) at path; no progress of an earlier run, no
         previous output left aside by a commit that was killed: where that commit had moved the output aside
-        and not yet put the new one in place, the output is put back first."""
+        and not yet put the new one in place, the output is put back first. A stopped run's finished work
+        (stopped_work) goes only with overwrite, or where own names its kind: the caller checked that
+        work to be its own run's, and of no use."""
+        work = [p for kind, paths in self.stopped_work().items() if kind != own for p in paths]
+        if work and not self.overwrite:
+            self.refused = True  # abort() leaves that work where it is
+            again = errors.option("overwrite", True)
+            raise QuantkitError(f"{work[0]} holds the finished work of another run writing {self.out}, stopped: run "
+                                f"that command again to go on from it, or pass {again} to discard it (or choose "
+                                f"another {errors.option(self.option)})")
         aside = siblings(self.out, r"\.{name}\.old-\d+")
         if aside and not self.out.exists() and not self.out.is_symlink():
             max(aside, key=lambda p: p.stat().st_mtime_ns).rename(self.out)
@@ -252,6 +277,12 @@ class Staged:
         if self.directory:
             self.path.mkdir()
         return self.path
+
+    def stopped_work(self) -> dict[str, list[Path]]:
+        """A stopped run's finished work for out, by kind: quantize's layers (its processes' progress), a
+        training checkpoint (trainer.loop.Checkpoints: the latest, or the one a killed save left aside)."""
+        saved = [self.path / "checkpoint", self.path / ".checkpoint.old"]
+        return {"layers": progress_files(self.out), "checkpoint": [p for p in saved if (p / "state.pt").is_file()]}
 
     def check(self) -> None:
         """Refuse an output that appeared since the start (written by something else). Resumable: a run
@@ -293,7 +324,7 @@ class Staged:
     def abort(self, keep: bool = False) -> None:
         """Give up; keep leaves the partial output and every process's progress for a resumed run
         (cleared before unlocking, so that no other run takes progress without its output)."""
-        if not keep:
+        if not keep and not self.refused:
             for stale in [self.path, *progress_files(self.out)]:
                 remove(stale)
         self.unlock()

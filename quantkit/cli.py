@@ -129,6 +129,7 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
     if fmt == "gguf" and options["gguf_type"] is None:
         options["gguf_type"] = DEFAULT_MIX
     options["tensor_type"] = tuple(options["tensor_type"])
+    rules_file = options["rules"]  # read into the config below: out must not replace it
     options["rules"] = options["rules"] or ()
     imatrix = options.pop("imatrix")
     options.update(imatrix=imatrix == "", imatrix_file=imatrix or None)
@@ -161,7 +162,8 @@ def quantize(model, out, fmt, targets, overwrite, max_shard_size, calib_data, ca
 
     api.device_of(device)
     exporters.check_out_name(out, fmt)
-    check_out(out, overwrite, directory=fmt != "gguf", inputs=[model, calib_data, eval_data, config.measurement])
+    check_out(out, overwrite, directory=fmt != "gguf",
+              inputs=[model, calib_data, eval_data, config.measurement, config.imatrix_file, rules_file])
     exporters.parse_size(max_shard_size)
     m = load(model)
     check_apart(out, [m.source])  # the embedded model, when MODEL is not given

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from . import distributed
 from . import blocks
-from .atomic import check_writable
+from .atomic import check_writable, write_text
 from .errors import QuantkitError, option, untrusted
 from .layers import GROUPS, LINEARS, on_device
 from .modelio import Model
@@ -229,7 +229,7 @@ class Recorder:
     def add_quantized(self, name: str, qt) -> None:
         pass
 
-    def start(self, state: dict | None) -> None:
+    def start(self, state: dict | None, own: str | None = None) -> None:
         self.errors = dict(state["errors"]) if state else {}
 
     def resumable(self, state: dict) -> bool:
@@ -262,13 +262,7 @@ def save(path: str | os.PathLike, key: str, source: str, shapes: dict[str, tuple
     body = {"format": FORMAT, "key": key, "model": source, "candidates": described(settings),
             "units": {unit: {"linears": {name: list(shape) for name, shape in linears.items()}, "errors": errors[unit]}
                       for unit, linears in grouped(shapes, units).items()}}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(body, indent=1))
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_text(path, json.dumps(body, indent=1))
 
 
 def read(path: str | os.PathLike, key: str, shapes: dict[str, tuple[int, int]], units: dict[str, tuple[str, ...]],

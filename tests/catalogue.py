@@ -108,6 +108,8 @@ CATALOGUE = {
                                 "--out {tmp}/q.gguf", "no such file"),
     "imatrix not an importance matrix": Bad("quantize {model} --format gguf --gguf-type Q4_0 --imatrix {text} "
                                             "--out {tmp}/q.gguf", "give a file llama-imatrix wrote"),
+    "imatrix replaced by the output": Bad("quantize {model} --format gguf --gguf-type Q4_0 --imatrix {text} --out {text} "
+                                          "--overwrite", "which this command reads"),
     "imatrix taking the model's place": Bad("quantize --imatrix {model} --format gguf --gguf-type Q4_0 "
                                             "--out {tmp}/q.gguf", "a directory, not an importance matrix"),
     "rules file missing": Bad("quantize {model} --rules {tmp}/nope.yaml --out {tmp}/q", "no such rules file"),

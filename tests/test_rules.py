@@ -217,3 +217,16 @@ def test_what_rules_cannot_do_is_refused(tiny_dir, tmp_path, capsys, monkeypatch
     refused(["quantize", tiny_dir, "--out", tmp_path / "q", "--rules", tmp_path / "r.json", *args], capsys, monkeypatch,
             match)
     assert not (tmp_path / "q").exists()
+
+
+def test_out_replaced_with_overwrite_does_not_take_the_rules_file(tiny_dir, tmp_path, capsys, monkeypatch):
+    """--rules q/rules.json --out q --overwrite deleted the rules with the old export they sat beside."""
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q" / "config.json").write_text("{}")  # an export, which --overwrite replaces
+    rules = tmp_path / "q" / "rules.json"
+    rules.write_text(json.dumps([{"match": "down_proj", "bits": 8}]))
+    refused(["quantize", tiny_dir, "--rules", rules, "--out", tmp_path / "q", "--overwrite"], capsys, monkeypatch,
+            "holds " + str(rules) + ", which this command reads")
+    with pytest.raises(QuantkitError, match="which this command reads"):
+        quantkit.quantize(str(tiny_dir), rules=str(rules), out=tmp_path / "q", overwrite=True, progress=False)
+    assert rules.is_file()

@@ -452,6 +452,42 @@ def test_the_api_merge_checks_its_output_before_the_base_loads(adapter, tmp_path
         merge(adapter, tmp_path / "out", **kw)
 
 
+def test_a_stopped_runs_work_is_not_cleared_by_another_command(tiny_dir, text, capsys, monkeypatch, tmp_path):
+    """Every writer started afresh by clearing what a stopped run left for its output: quantize into a
+    killed training run's output deleted its checkpoint, and train, merge or a kept quantization into a
+    killed quantization's output its finished layers. Now each is refused until --overwrite."""
+    import quantkit
+
+    from .conftest import stopping_saves
+
+    def stop(record):
+        if record["step"] == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(str(tiny_dir), data=text, out=tmp_path / "out", steps=6, save_every=2, seqlen=32, batch_size=2, rank=4,
+              warmup=0, eval_fraction=0, progress=False, callback=stop)
+    fails(["quantize", tiny_dir, "--out", tmp_path / "out"], capsys, monkeypatch,
+          "checkpoint holds the finished work of another run writing")
+    assert saved_step(tmp_path) == 2
+    monkeypatch.setattr(sys, "argv", ["quantkit", "quantize", str(tiny_dir), "--out", str(tmp_path / "out"),
+                                      "--overwrite"])
+    main()
+    assert left(tmp_path) == ["out"] and (tmp_path / "out" / "model.safetensors").is_file()
+
+    real = stopping_saves(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_dir), out=tmp_path / "q", progress=False)
+    monkeypatch.setattr("quantkit.pipeline.save_progress", real)
+    fails(["train", tiny_dir, "--data", text, "--out", tmp_path / "q", *FAST, "--steps", 1], capsys, monkeypatch,
+          ".q.progress.pt holds the finished work of another run writing")
+    with pytest.raises(QuantkitError, match="holds the finished work of another run writing"):
+        quantkit.quantize(str(tiny_dir), out=tmp_path / "q", keep=True, progress=False)
+    assert left(tmp_path, "q") == [".q.partial", ".q.progress.pt"]
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "q", progress=False)  # the stopped run's command goes on
+    assert left(tmp_path, "q") == ["q"]
+
+
 def test_merge_refuses_what_it_would_leave_out(adapter, tiny_dir, capsys, monkeypatch, tmp_path):
     """A PEFT adapter with a bias on lora_B or whole modules saved beside it was refused as one for another
     base ("pass the --base it was trained on"), and a LoRA adapter merged onto NF4 codes it never saw."""
@@ -630,13 +666,14 @@ def test_error_after_the_progress_bar(tiny_dir, text, capsys, monkeypatch, tmp_p
 @pytest.mark.parametrize("writer,nth,step,kept,code", [
     ("state.pt", 1, 2, "no earlier checkpoint", errno.ENOSPC),
     ("state.pt", 2, 4, "the checkpoint of step 2 is kept", errno.ENOSPC),
-    ("adapter", 3, 4, "the checkpoint of step 2 is kept", errno.ENOSPC),
+    ("adapter", 5, 4, "the checkpoint of step 2 is kept", errno.ENOSPC),
     ("state.pt", 2, 4, "the checkpoint of step 2 is kept", errno.EFBIG),  # a traceback before
 ])
 def test_out_of_disk_space_while_checkpointing(tiny_dir, text, quiet, capsys, monkeypatch, tmp_path, writer, nth,
                                                step, kept, code):
     """The disk fills up writing state.pt (torch.save: the nth call) or the adapter (its fsync, the
-    first of two per checkpoint: the 3rd is the second checkpoint's adapter); or the file system refuses
+    first of four per checkpoint, with state.pt's and the directories': the 5th is the second
+    checkpoint's adapter); or the file system refuses
     the file. --resume is named where a checkpoint is kept (without one, it would find nothing)."""
     owner, name = {"state.pt": (loop.torch, "save"), "adapter": (loop.os, "fsync")}[writer]
     error = OSError(code, os.strerror(code))

@@ -298,6 +298,7 @@ class Checkpoints:
                 os.fsync(f.fileno())
             save_progress(tmp / "state.pt", state)
             fsync(tmp / "state.pt")  # unlike quantize's progress, the only copy once the old checkpoint goes
+            fsync(tmp)  # the names of both files too
         except OSError as e:
             remove(tmp)
             previous = self.load()["step"] if self.latest() else None
@@ -316,6 +317,7 @@ class Checkpoints:
             remove(self.old)
             self.path.rename(self.old)
         tmp.rename(self.path)
+        fsync(self.path.parent)  # the renames on the disk before the old checkpoint goes
         remove(self.old)
 
     def all(self) -> list[Path]:
@@ -417,6 +419,7 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
                                 f"{option('resume', True)}")
         amp = autocast_dtype(config.precision, dev)
         m = model if isinstance(model, Model) else load(model)
+        check_apart(out, [m.source])  # the embedded model, or a hub name's snapshot
         if m.adapter is not None:
             raise QuantkitError(f"this Model holds the LoRA adapter {m.adapter} unmerged (trained or attached in this "
                                 "process): train another on the base loaded again (quantkit.load)")
@@ -472,8 +475,8 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
                         f"this run: add {option('resume', True)} to go on from it" if ours else "another run writing it (a "
                         f"different model, data or settings): go on with that run's command and {option('resume', True)}")
                         + f", or pass {option('overwrite', True)} to start over")
-                if staged is not None:
-                    staged.fresh()
+                if staged is not None:  # a checkpoint kept is refused above: one left here is damaged
+                    staged.fresh(own="checkpoint")
             m.adapter = str(out)  # the Model in memory gets the adapter's layers (evaluate scores it with them)
             try:  # FSDP's gathers run inside the forwards, backwards and checkpoints: a lost peer fails them there
                 with distributed.collective("training", among=True) if world > 1 else nullcontext():
