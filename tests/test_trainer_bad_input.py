@@ -399,10 +399,8 @@ def test_resumed_where_auto_precision_is_float16(tiny_dir, text, monkeypatch, tm
     assert log["steps"] == 4 and log["precision"] == "fp16" and log["config"]["precision"] == "auto"  # what auto chose
 
 
-def test_a_checkpoint_is_not_lost_to_a_run_without_resume(tiny_dir, text, capsys, monkeypatch, tmp_path):
-    """Run again without --resume, a stopped run's command deleted its checkpoint and started over;
-    now it is refused (for another run's checkpoint too), Ctrl-C says where to go on from, and
-    --overwrite starts over."""
+def stopped_at_step_3(tiny_dir, text, tmp_path) -> None:
+    """train_6's run (checkpoints every 2 steps, to tmp_path/out) stopped by Ctrl-C at step 3."""
     def stop(record):
         if record["step"] == 3:
             raise KeyboardInterrupt
@@ -410,6 +408,13 @@ def test_a_checkpoint_is_not_lost_to_a_run_without_resume(tiny_dir, text, capsys
     with pytest.raises(KeyboardInterrupt):
         train(str(tiny_dir), data=text, out=tmp_path / "out", steps=6, save_every=2, seqlen=32, batch_size=2, rank=4,
               warmup=0, eval_fraction=0, progress=False, callback=stop)
+
+
+def test_a_checkpoint_is_not_lost_to_a_run_without_resume(tiny_dir, text, capsys, monkeypatch, tmp_path):
+    """Run again without --resume, a stopped run's command deleted its checkpoint and started over;
+    now it is refused (for another run's checkpoint too), Ctrl-C says where to go on from, and
+    --overwrite starts over."""
+    stopped_at_step_3(tiny_dir, text, tmp_path)
     assert "stopped: the checkpoint of step 2 is in" in capsys.readouterr().err
     args = train_6(tmp_path, tiny_dir, text)
     fails(args, capsys, monkeypatch, "holds the checkpoint of step 2 of this run: add --resume to go on from it, or "
@@ -454,19 +459,13 @@ def test_the_api_merge_checks_its_output_before_the_base_loads(adapter, tmp_path
 
 def test_a_stopped_runs_work_is_not_cleared_by_another_command(tiny_dir, text, capsys, monkeypatch, tmp_path):
     """Every writer started afresh by clearing what a stopped run left for its output: quantize into a
-    killed training run's output deleted its checkpoint, and train, merge or a kept quantization into a
-    killed quantization's output its finished layers. Now each is refused until --overwrite."""
+    killed training run's output deleted its checkpoint, and train or a kept quantization into a killed
+    quantization's output its finished layers. Now each is refused until --overwrite."""
     import quantkit
 
     from .conftest import stopping_saves
 
-    def stop(record):
-        if record["step"] == 3:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        train(str(tiny_dir), data=text, out=tmp_path / "out", steps=6, save_every=2, seqlen=32, batch_size=2, rank=4,
-              warmup=0, eval_fraction=0, progress=False, callback=stop)
+    stopped_at_step_3(tiny_dir, text, tmp_path)
     fails(["quantize", tiny_dir, "--out", tmp_path / "out"], capsys, monkeypatch,
           "checkpoint holds the finished work of another run writing")
     assert saved_step(tmp_path) == 2
