@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from quantkit.calibration import token_ids
-from quantkit.errors import QuantkitError, option
+from quantkit.errors import COMMAND_LINE, QuantkitError, option
 from quantkit.modelio import adds_bos, check_context, with_bos
 
 PROTOCOLS = ("wikitext", "llamacpp")
@@ -65,8 +65,8 @@ def check_settings(protocol: str, ctx: int, max_windows: int | None) -> None:
     if ctx < 2 or (protocol == "llamacpp" and ctx < 4):
         raise QuantkitError(f"context {ctx} is too short: use {option('ctx', 512)} or another length of at least 4")
     if max_windows is not None and max_windows < 1:
-        raise QuantkitError(f"{option('max_windows', max_windows)} scores nothing: pass 1 or more, or none for every "
-                            "window")
+        raise QuantkitError(f"{option('max_windows', max_windows)} scores nothing: pass 1 or more, or "
+                            f"{'none' if COMMAND_LINE.get() else 'None'} for every window")
 
 
 def windows(tokenizer, text: str, protocol: str = "llamacpp", ctx: int = 512,

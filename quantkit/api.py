@@ -431,11 +431,14 @@ def quantize(
         config = replace(config, gguf_type=exporters.gguf.DEFAULT_MIX)
     for name, value in (("calib_samples", calib_samples), ("calib_seqlen", calib_seqlen), ("seed", seed)):
         whole(name, value)  # their ranges: where they are used, in the command line's words
-    targets = (targets,) if isinstance(targets, str) else targets or ()
-    if not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) for t in targets):
-        raise QuantkitError(f"targets={targets!r} is not consumer names: pass a list of them "
+    given = targets
+    try:
+        targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
+    except TypeError:  # not iterable
+        targets = (targets,)
+    if not all(isinstance(t, str) for t in targets):
+        raise QuantkitError(f"targets={given!r} is not consumer names: pass a list of them "
                             f"({', '.join(consumers.TARGETS)})")
-    targets = tuple(targets)
     with distributed.joined(not alone):
         dev = distributed.init(device_of(device))  # under torchrun: this process's part of the job, on its GPU
         keep = out is None if keep is None else keep

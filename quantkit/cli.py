@@ -386,7 +386,8 @@ T = TrainConfig  # its fields' defaults, shown in --help (read from the class: n
 
 
 # train --quantize METHOD: quantize's --method; a GGUF's per-tensor types are quantize's, on the merged model
-QUANTIZE_FLAGS = {"method": "--quantize", "tensor_type": "--tensor-type (of quantkit quantize OUT-merged)"}
+QUANTIZE_FLAGS = {"method": "--quantize", "out": "--quantize-out",
+                  "tensor_type": "--tensor-type (of quantkit quantize OUT-merged)"}
 
 
 @cli.command()
@@ -473,6 +474,7 @@ def train(model, data, out, eval_data, resume, overwrite, device, quantize_metho
                 raise QuantkitError(f"{flag} calibrates --quantize, and --quantize {quantize_method} quantizes "
                                     "without one: drop it (gptq and awq calibrate)")
             quantize_out = quantize_out or f"{out}-{quantize_method}{'.gguf' if fmt == 'gguf' else ''}"
+            exporters.check_out_name(quantize_out, fmt)
     # the libraries once the options are checked: a mistake in them is answered at once
     from quantkit import trainer
 

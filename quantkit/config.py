@@ -214,7 +214,7 @@ class QuantConfig:
         if self.block_size is None:
             self.block_size = nf4.BLOCK if self.method in CODEBOOK_METHODS else 128
         if self.method in CODEBOOK_METHODS:
-            nf4.check(self.method, self.block_size)
+            nf4.check(self.method, self.block_size, "block_size")
             if self.bits != 4:
                 raise QuantkitError(f"{self.method} is a 4-bit type, not {self.bits}-bit: use {option('bits', 4)} or "
                                     "another method")

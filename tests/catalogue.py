@@ -198,6 +198,10 @@ CATALOGUE = {
     "train: quantize-out a directory for a GGUF file": Bad("train {model} --data {text} --out {text}-a --quantize rtn "
                                                            "--format gguf --quantize-out {tmp}",
                                                            "choose another --quantize-out, such as"),
+    "train: quantize-out a GGUF name for a directory": Bad(
+        "train {model} --data {text} --out {tmp}/a --quantize rtn --quantize-out {tmp}/q.gguf",
+        "q.gguf names a GGUF file, and --format safetensors writes a directory: add --format gguf, or choose an "
+        "--quantize-out without .gguf"),  # before the training, and in train's words
     "train: quantize unknown format": Bad("train {model} --data {text} --out {tmp}/a --quantize rtn --format onnx",
                                           "onnx"),
     "train: --seqlen 1": Bad("train {model} --data {text} --out {tmp}/a --seqlen 1", "leaves no token to predict"),

@@ -244,6 +244,7 @@ def test_the_calibration_text_is_checked_before_the_first_evaluation(model, caps
     (lambda q, m, t: q.quantize(5, out="q"), "model is an int, not a model: pass a model directory"),
     (lambda q, m, t: q.compare(m, None, TEST), "base is None, not a model: pass a model directory"),
     (lambda q, m, t: q.quantize(m, out="q", targets=5), "targets=5 is not consumer names"),
+    (lambda q, m, t: q.quantize(m, out="q", targets={"vllm", 5}), "is not consumer names"),
     (lambda q, m, t: q.quantize(m, out="q", checked=5), "checked=5 is not Callable"),
     (lambda q, m, t: q.train(m, data=TEST, out="a", callback=5), "callback=5 is not Callable"),
     (lambda q, m, t: q.quantize(m, out="q.gguf"), "out q.gguf names a GGUF file, and format='safetensors' writes a "

@@ -161,12 +161,12 @@ def double_quantize(qt: QuantizedTensor) -> QuantizedTensor:
                            flat=True, nested=nested, offset=float(offset))
 
 
-def check(kind: str, block_size: int, name: str = "block_size") -> None:
-    """name: the option that gave block_size."""
+def check(kind: str, block_size: int, name: str | None = None) -> None:
+    """name: the option that gave block_size, where an option did."""
     if kind not in CODEBOOKS:
         raise QuantkitError(f"unknown 4-bit type {kind!r}: use one of {', '.join(CODEBOOKS)}")
     if block_size not in BLOCK_SIZES:
-        raise QuantkitError(f"{option(name, block_size)} is not a block size bitsandbytes supports: use one of "
+        raise QuantkitError(f"{option(name, block_size) if name else block_size} is not a block size bitsandbytes supports: use one of "
                             f"{', '.join(map(str, BLOCK_SIZES))}")
 
 
