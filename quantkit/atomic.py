@@ -237,6 +237,9 @@ def locked(path: Path, option: str) -> Iterator[None]:
         f.close()
 
 
+CHECKPOINT = "checkpoint"  # trainer.loop.Checkpoints' directory in a training run's partial output
+
+
 class Staged:
     """out (a directory, or a file) under construction at .{name}.partial beside it."""
 
@@ -281,7 +284,7 @@ class Staged:
     def stopped_work(self) -> dict[str, list[Path]]:
         """A stopped run's finished work for out, by kind: quantize's layers (its processes' progress), a
         training checkpoint (trainer.loop.Checkpoints: the latest, or the one a killed save left aside)."""
-        saved = [self.path / "checkpoint", self.path / ".checkpoint.old"]
+        saved = [self.path / CHECKPOINT, self.path / f".{CHECKPOINT}.old"]
         return {"layers": progress_files(self.out), "checkpoint": [p for p in saved if (p / "state.pt").is_file()]}
 
     def check(self) -> None:

@@ -434,7 +434,7 @@ def load(path: str | os.PathLike | None = None, packed: bool = False) -> Model:
     quantized checkpoint keeps its packed weights in quantkit.qlinear layers (for running it)
     instead of dequantized float weights (for re-exporting it)."""
     if path is not None and not isinstance(path, (str, os.PathLike)):  # a transformers model object, say
-        raise not_a_model("the model", path)
+        raise not_a_model("path", path)
     check_arguments(load, locals())  # packed="no" would be taken as True
     p = Path(path) if path is not None else default_model_dir()
     try:

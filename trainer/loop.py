@@ -26,7 +26,7 @@ from quantkit import distributed
 from quantkit.api import device_of
 from quantkit.errors import (NO_ROOM, REFUSED, QuantkitError, ResumableError, free_space, option, refused, size,
                              space_for, untrusted)
-from quantkit.atomic import Staged, check_apart, check_out, fsync, partial_path, remove
+from quantkit.atomic import CHECKPOINT, Staged, check_apart, check_out, fsync, partial_path, remove
 from quantkit.config import check_fields, check_arguments
 from quantkit.modelio import Model, check_context, fingerprint, load
 from quantkit.report import strict_json
@@ -35,7 +35,6 @@ from quantkit.pipeline import free_memory, map_large_blocks, peak_memory, read_p
 from . import dataset, lora
 from .config import TrainConfig, held_out_twice
 
-CHECKPOINT = "checkpoint"
 LOG = "train_log.json"
 PLOT = "loss.png"
 # free to change on resume (checkpoints hold whole tensors, so also --fsdp and the number of processes)
