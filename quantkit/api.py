@@ -194,6 +194,8 @@ LONG = {"header": "GGUF header's record of the importance matrix (quantize.imatr
 
 def differences(theirs, ours: dict) -> str:
     """How another run's progress key differs from this run's, as its user would tell them apart."""
+    if isinstance(theirs, dict) and "merge" in theirs:  # trainer.merging's key
+        return "it merged an adapter into its base (quantkit merge)"
     if not isinstance(theirs, dict) or theirs.keys() != ours.keys():
         return "it was started by another version of quantkit"
     said = []

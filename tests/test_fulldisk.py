@@ -41,6 +41,7 @@ def test_full_disk(tmp_path):
     assert "resumes" in cases["gguf-midway"]["line"] and cases["gguf-midway"]["left"]  # its progress stays
     assert cases["merge"]["line"].startswith(f"error: {cases['merge']['path']}: the merged model needs about")
     assert cases["merge-midway"]["line"].startswith("error: out of disk space writing")  # past the check before
+    assert "resumes" in cases["merge-midway"]["line"] and ".m.progress.pt" in cases["merge-midway"]["left"]
     # the cache: the GGUF it fits is complete, the float entry it does not fit was never begun
     assert [n for n in cases["cache"]["left"] if not n.endswith(".lock")] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
 

@@ -131,6 +131,47 @@ def test_merge_an_adapter_on_lm_head(tiny_dir, tmp_path):
     assert not (tmp_path / "m2").exists()
 
 
+def test_an_interrupted_merge_resumes_after_the_last_merged_layer(tiny_dir, text, tmp_path, monkeypatch, capsys):
+    """Killed in layer 1 of 2, the same merge goes on from layer 1 and writes the bytes of one never
+    stopped (it started afresh: a 70B merge is hours of reading and writing); another run's merged
+    layers (another shard size, a quantization) are not thrown away without overwrite."""
+    import quantkit
+    from quantkit.trainer import merging
+
+    train(tiny_dir, data=text, out=tmp_path / "a", steps=2, lr=0.05, dropout=0.0, rank=4, precision="fp32", warmup=0,
+          **SHORT)
+    kw = dict(max_shard_size="30kB", progress=False)
+    merge(tmp_path / "a", tmp_path / "whole", **kw)
+    real, parts = merging.merge_part, []
+
+    def dies_in_layer_1(m, prefix, *args, **kwargs):
+        parts.append(prefix)
+        if prefix == "model.layers.1" and len(parts) == 2:
+            raise KeyboardInterrupt
+        return real(m, prefix, *args, **kwargs)
+
+    monkeypatch.setattr(merging, "merge_part", dies_in_layer_1)
+    with pytest.raises(KeyboardInterrupt):
+        merge(tmp_path / "a", tmp_path / "m", **kw)
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == [".m.partial", ".m.progress.pt", "a", "whole"]
+    with pytest.raises(QuantkitError, match=r"holds 1 of 2 layers of another run writing .*m \(it ran with "
+                                            r"max_shard_size='30kB', this command with '5GB'\).*pass overwrite=True"):
+        merge(tmp_path / "a", tmp_path / "m", progress=False)
+    with pytest.raises(QuantkitError, match=r"holds 1 of 2 layers of another run writing .*m \(it merged an adapter "
+                                            r"into its base \(quantkit merge\)\)"):
+        quantkit.quantize(str(tiny_dir), method="rtn", out=tmp_path / "m", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept
+    parts.clear()
+    merge(tmp_path / "a", tmp_path / "m", **kw)
+    assert "resuming after layer 1/2" in capsys.readouterr().err
+    assert parts[0] == "model.layers.1" and "model.layers.0" not in parts
+    assert {f.name: f.read_bytes() for f in (tmp_path / "m").iterdir()} == \
+        {f.name: f.read_bytes() for f in (tmp_path / "whole").iterdir()}
+    assert len(list((tmp_path / "m").glob("model-*-of-*.safetensors"))) > 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "m", "whole"]  # no progress, partial or lock left
+
+
 def test_all_linear_beside_other_names(tiny_dir):
     """--target all-linear,q_proj was refused: "--target all-linear matches no linear: use all-linear"."""
     from quantkit.modelio import load

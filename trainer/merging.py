@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -15,12 +16,12 @@ import torch
 from tqdm import tqdm
 
 from quantkit.config import check_arguments
-from quantkit.errors import QuantkitError, option, space_for, untrusted
-from quantkit.atomic import Staged, check_apart, check_out
+from quantkit.errors import QuantkitError, ResumableError, option, space_for, untrusted
+from quantkit.atomic import Staged, check_apart, check_out, progress_path, size_on_disk
 from quantkit.exporters.checkpoint import licences
-from quantkit.exporters.shards import DEFAULT_MAX_SIZE, INDEX, ShardWriter, parse_size
-from quantkit.modelio import Model, hub_snapshot, load
-from quantkit.pipeline import write_other
+from quantkit.exporters.shards import DEFAULT_MAX_SIZE, INDEX, ShardWriter, parse_size, state_intact
+from quantkit.modelio import Model, fingerprint, hub_snapshot, load
+from quantkit.pipeline import load_progress, other_run, save_progress, write_other
 
 from . import lora
 from .config import TrainConfig
@@ -133,18 +134,36 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
                             "cannot be merged into one weight: use the adapter unmerged (PEFT), or train without lm_head")
     dtype = m.checkpoint.dtype
     needed = sum(f.stat().st_size for f in set(m.checkpoint.where.values()))  # the base's shards, in its dtype
+    # what a killed merge's progress must match to be gone on from
+    key = {"merge": merge_key(adapter, onto_nf4), "base": fingerprint(m.source), "max_shard_size": str(max_shard_size)}
+    saved, n = progress_path(out), len(m.layers)
     staged = Staged(out, overwrite)
     try:
+        if not overwrite:  # another run's merged layers are not thrown away
+            check_progress(staged, key, n)
         named = named_base(cfg)
         if base and named and not same_model(base, named):  # after the checks: a base they refuse gets one line
             # same shapes pass every check, so a wrong base of the same architecture would merge silently
             warnings.warn(f"{adapter} was trained on {named}; merging it into {base} as asked")
-        with space_for(out, needed, "the merged model", "merge again"):
-            directory = staged.fresh()
-            writer = ShardWriter(directory, max_shard_size, {MERGED_FROM: merge_key(adapter, onto_nf4)})
-            for i in tqdm(range(len(m.layers)), unit="layer", desc="merging", disable=not progress):
-                prefix = f"model.layers.{i}"
-                merge_part(m, prefix, by_linear, config=config, onto_nf4=onto_nf4, writer=writer, dtype=dtype)
+        with space_for(out, needed - size_on_disk(staged.path), "the merged model",
+                       "run the same command again: it resumes after the last merged layer"):
+            writer = ShardWriter(staged.path, max_shard_size, {MERGED_FROM: key["merge"]})
+            state = load_progress(saved, key)
+            if state is not None and not (staged.path.is_dir() and not staged.path.is_symlink()
+                                          and state_intact(staged.path, state["writer"])):
+                print(f"ignoring progress file {saved}: the partial output it describes is gone or changed",
+                      file=sys.stderr)
+                state = None
+            if state is None:
+                staged.fresh(own="layers")  # a progress file left now is this merge's, of no use
+            else:
+                writer.resume(state["writer"])
+                print(f"resuming after layer {state['next_layer']}/{n} from {saved}", file=sys.stderr)
+            start = state["next_layer"] if state else 0
+            for i in tqdm(range(start, n), initial=start, total=n, unit="layer", desc="merging", disable=not progress):
+                merge_part(m, f"model.layers.{i}", by_linear, config=config, onto_nf4=onto_nf4, writer=writer,
+                           dtype=dtype)
+                save_progress(saved, {"key": key, "next_layer": i + 1, "writer": writer.state()})
             for prefix in ("model.embed_tokens", "model.norm", "lm_head"):
                 if prefix in by_linear:  # PEFT can target lm_head (fitted: only linears have adapters)
                     merge_part(m, prefix, by_linear, config=config, onto_nf4=onto_nf4, writer=writer, dtype=dtype)
@@ -153,11 +172,37 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
             writer.close()
             sides = {f for f in Path(m.source).iterdir() if f.is_file() and f.suffix in SIDE_FILES and f.name != INDEX}
             for f in sides | set(licences(m.source)):
-                shutil.copy2(f, directory / f.name)
+                shutil.copy2(f, staged.path / f.name)
             return staged.commit(writer.scratch())
-    except BaseException:
-        staged.abort()
+    except BaseException as e:
+        # the merged layers stay for the same command, unless the input is at fault: it would fail the same way
+        keep = saved.is_file() and not (isinstance(e, QuantkitError) and not isinstance(e, ResumableError))
+        staged.abort(keep=keep)
+        if isinstance(e, KeyboardInterrupt) and keep:  # Ctrl-C, SIGTERM
+            print(f"stopped: the merged layers are kept beside {out} ({saved.name}): run the same command to go "
+                  "on from them", file=sys.stderr)
         raise
+
+
+def check_progress(staged: Staged, key: dict, layers: int) -> None:
+    """Refuse to start afresh over the merged layers of another run writing the same output (a merge of
+    another adapter or base, a quantization): what differs, and how to go on or discard them."""
+    found = other_run([progress_path(staged.out)], key)
+    if found is None or not staged.path.exists():
+        return
+    _, theirs, done = found
+    if not isinstance(theirs, dict) or theirs.keys() != key.keys():
+        why = "it was not a merge"
+    elif theirs["merge"] != key["merge"]:
+        why = "it merged another adapter, or the adapter's files changed since it started"
+    elif theirs["base"] != key["base"]:
+        why = "it merged into another base, or the base's files changed since it started"
+    else:
+        why = f"it ran with max_shard_size={theirs['max_shard_size']!r}, this command with {key['max_shard_size']!r}"
+    staged.refused = True  # abort() leaves that work where it is
+    raise QuantkitError(f"{staged.path} holds {done} of {layers} layers of another run writing {staged.out} ({why}): "
+                        f"run that command again to go on from them, or pass {option('overwrite', True)} to discard "
+                        "them and start afresh")
 
 
 def merge_key(adapter: str | os.PathLike, onto_nf4: bool = False) -> str | None:
