@@ -361,17 +361,19 @@ def save_base(module: torch.nn.Module, tokenizer, windows: torch.Tensor, path: s
     needed = file_size(n, ctx, module.config.vocab_size)
     try:
         staged.fresh()
-        with space_for(path, needed, "the saved base", "save it again"), open(staged.path, "wb") as f:
-            writer, nll, count = None, 0.0, 0
-            for logits, targets in window_logits(module, tokenizer, windows, "llamacpp", batch_size, progress, "base"):
-                writer = writer or BaseWriter(f, windows, logits.shape[-1])
-                logits = logits.cpu()
-                writer.add(logits)
-                nll += summed_nll(logits, targets.cpu())
-                count += targets.numel()
-            f.flush()
-            os.fsync(f.fileno())
-        staged.commit()
+        with space_for(path, needed, "the saved base", "save it again"):  # the commit's fsyncs too
+            with open(staged.path, "wb") as f:
+                writer, nll, count = None, 0.0, 0
+                for logits, targets in window_logits(module, tokenizer, windows, "llamacpp", batch_size, progress,
+                                                     "base"):
+                    writer = writer or BaseWriter(f, windows, logits.shape[-1])
+                    logits = logits.cpu()
+                    writer.add(logits)
+                    nll += summed_nll(logits, targets.cpu())
+                    count += targets.numel()
+                f.flush()
+                os.fsync(f.fileno())
+            staged.commit()
     except BaseException:
         staged.abort()
         raise

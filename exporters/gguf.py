@@ -19,7 +19,7 @@ from quantkit.errors import Note, QuantkitError, option, size, untrusted
 from quantkit.modelio import Model, adds_bos, adds_eos, stored_state
 from quantkit import requant
 from quantkit.qtensor import QuantizedTensor
-from quantkit.requant import DEFAULT_MIX, MIXES, check_mix, choose  # noqa: F401 (DEFAULT_MIX: read as gguf.DEFAULT_MIX)
+from quantkit.requant import DEFAULT_MIX, MIXES, check_mix, choose, type_70b  # noqa: F401 (DEFAULT_MIX: read as gguf.DEFAULT_MIX)
 from quantkit.quantizers import ggml
 
 from quantkit.atomic import Staged, reopened
@@ -27,6 +27,7 @@ from .checkpoint import hub_name, source_card
 from .shards import crc, regular
 
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # model_type -> llama.cpp's architecture
+IMATRIX_KEYS = "quantize.imatrix."  # llama-quantize's record of the importance matrix it used
 ROPES = ("default", "linear", "yarn", "llama3")  # the rope scalings llama.cpp's converter writes for these
 NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -102,7 +103,8 @@ def tensor_types(module: torch.nn.Module, mix: str, *, pure: bool = False, weigh
              if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)) and not (name == HEAD and cfg.tie_word_embeddings)}
     weights = [(key, module.get_submodule(name).weight.shape[1]) for key, name in names.items()]
     types = choose(weights, mix, cfg.num_hidden_layers, cfg.num_attention_heads // cfg.num_key_value_heads,
-                   pure, weighted, overrides)
+                   pure, weighted, overrides, type_70b(ARCHS.get(cfg.model_type, cfg.model_type), cfg.num_hidden_layers,
+                                                       cfg.num_attention_heads, cfg.num_key_value_heads))
     return {names[key]: t for key, t in types.items()}
 
 
@@ -366,7 +368,10 @@ class Writer:
     def copied_header(self) -> int:
         """The header with the source GGUF's key-values (requant.metadata: all of them but the file type,
         quantization version and split; the alignment is the default, ours) and this file's tensors."""
-        kv = requant.metadata(requant.Header(Path(self.model.source)), self.mix, (requant.ALIGNMENT, *self.imatrix))
+        h = requant.Header(Path(self.model.source))
+        # a new importance matrix's record replaces the source's whole (a computed one names no file)
+        stale = [k for k in h.kv if k.startswith(IMATRIX_KEYS)] if self.imatrix else []
+        kv = requant.metadata(h, self.mix, (requant.ALIGNMENT, *self.imatrix, *stale))
         kv += [requant.str_kv(k, v) if isinstance(v, str) else requant.u32_kv(k, v) for k, v in self.imatrix.items()]
         infos = [requant.tensor_info(name, shape[::-1], kind, self.offsets[name])
                  for name, (shape, kind) in self.plan.items()]

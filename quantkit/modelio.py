@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import math
 import os
@@ -680,6 +681,11 @@ def load_gguf(path: Path) -> Model:
     if metadata.get("split.count") not in (None, 0, 1):
         raise QuantkitError(f"{path} is one of {metadata['split.count']} parts of a split GGUF: merge them first "
                             "(llama-gguf-split --merge)")
+    kinds = {t.name: gguf.GGMLQuantizationType(t.ggml_type).name for t in header.tensors}
+    if unread := next(((name, kind) for name, kind in kinds.items() if not dequantizable(kind)), None):
+        raise QuantkitError(f"{path}: tensor {unread[0]} is {unread[1]}, which quantkit cannot read (gguf-py has no "
+                            "dequantizer for it): requantize the file to a type such as Q8_0 or F16 with llama-quantize, "
+                            "or convert the model again")
     cfg = gguf_config(metadata, names, path)
     # llama.cpp's converter interleaves llama's q/k rope halves; qwen2's and qwen3's ropes take them as they are
     heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
@@ -693,8 +699,25 @@ def load_gguf(path: Path) -> Model:
                                 "the file is damaged; re-export it")
         rotary.inv_freq /= factors
         rotary.original_inv_freq = rotary.inv_freq.clone()
-    types = linear_types(module, {t.name: gguf.GGMLQuantizationType(t.ggml_type).name for t in header.tensors})
+    types = linear_types(module, kinds)
     return Model(module, gguf_tokenizer(path, metadata), str(path), gguf_types=types, checkpoint=checkpoint)
+
+
+@functools.cache
+def dequantizable(kind: str) -> bool:
+    """Whether GGUFCheckpoint reads tensors of this GGUF type: a float type, or one gguf-py dequantizes
+    (it has none for Q8_K, Q1_0, the integer types, F64), tried on one block of zeros."""
+    import gguf
+    import numpy as np
+
+    if kind in FLOAT_DTYPES:
+        return True
+    t = gguf.GGMLQuantizationType[kind]
+    try:
+        gguf.quants.dequantize(np.zeros(gguf.GGML_QUANT_SIZES[t][1], np.uint8), t)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def gguf_header(path: Path):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Iterator
 from tqdm import tqdm
 
 from . import blocks
-from .atomic import Staged, write_behind
+from .atomic import Staged, size_on_disk, write_behind
 from .errors import Note, QuantkitError, option, space_for
 from .gguf_constants import GGML_QUANT_VERSION, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, LlamaFileType
 
@@ -129,15 +129,21 @@ def refusal(name: str, known: bool, choices: tuple[str, ...], where: str = "") -
     return f"unknown GGUF type {name!r}{where}: use one of {', '.join(choices)}"
 
 
+def type_70b(arch: str, layers: int, heads: int, kv_heads: int) -> bool:
+    """Whether llama.cpp's loader calls the model 70B, which its attn_v rule reads: 80 layers of llama
+    with grouped KV heads (without them it is 65B), or of qwen2."""
+    return layers == 80 and (arch == "qwen2" or arch == "llama" and heads != kv_heads)
+
+
 def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure: bool = False,
-           imatrix: bool = False, overrides: tuple[str, ...] = ()) -> dict[str, str]:
+           imatrix: bool = False, overrides: tuple[str, ...] = (), is_70b: bool = False) -> dict[str, str]:
     """The GGUF type of each 2-D weight for a mix, as llama-quantize chooses it. weights: (GGUF name,
     row length) in the file's order; the output matrix is output.weight, or token_embd.weight where
     there is none (tied). pure: every tensor the mix's main type (--pure). imatrix: the rules
     llama-quantize applies when it has an importance matrix. overrides: --tensor-type PATTERN=TYPE, as
     llama-quantize applies them to a quantized mix: the first match wins over the mix's rules, and the
     layer count those rules read skips the tensors it took (llama.cpp counts the attn_v and ffn_down
-    tensors it decides)."""
+    tensors it decides). is_70b: type_70b's, whose attn_v gets Q5_K where the mix gives Q3_K or Q4_K."""
     mix = check_mix(mix)
     default = MIXES[mix][1]
     if default in blocks.FLOAT_TYPES and (pure or overrides):  # llama-quantize ignores both there
@@ -161,6 +167,8 @@ def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure
         elif role in decided:
             t = layer_type(mix, role, decided[role], layers, gqa, imatrix) or default
             decided[role] += 1
+            if is_70b and role == "attn_v" and t in ("Q3_K", "Q4_K"):  # 8 heads share each: more bits cost little
+                t = "Q5_K"
         else:
             t = default
         types[name] = fit_row(t, k)
@@ -469,7 +477,8 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
         raise QuantkitError(f"{src}: {arch}.block_count, .attention.head_count and .head_count_kv are not all "
                             "positive numbers: the file is damaged; convert it again")
     gqa = heads // kv_heads
-    types = choose(weights, mix, layers, gqa, pure, overrides=overrides)
+    types = choose(weights, mix, layers, gqa, pure, overrides=overrides,
+                   is_70b=type_70b(arch, layers, heads, kv_heads))
     again = sorted({t.type for t in h.tensors if t.type not in blocks.FLOAT_TYPES and types.get(t.name, t.type) != t.type})
     if again:  # llama-quantize asks for --allow-requantize
         warnings.warn(requantized_note(src, again, mix), Note)
@@ -477,38 +486,40 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
     total = len(head) + sum(pad(nbytes(t.dims, types.get(t.name, t.type)), h.alignment) for t in h.tensors)
     staged = Staged(out, overwrite, directory=False)
     try:
-        with space_for(out, total, "the GGUF", "run it again"), open(staged.fresh(), "wb") as f, \
-                mapped(src) as base, tqdm(total=total, desc=f"requantizing to {mix}", unit="B", unit_scale=True,
-                                          disable=not progress, file=sys.stderr) as bar:
-            f.write(head)
-            bar.update(len(head))
-            for t in order(h.tensors):
-                start = len(head) + offsets[t.name]
-                f.seek(start)
-                kind = types.get(t.name)
-                k, n = t.dims[0], math.prod(t.dims[1:])
-                step = max(1, CHUNK // k)
-                try:
-                    if kind is None or kind == t.type:  # norms, biases and what keeps its type: as they are
-                        check_source(h, t, base)
-                        f.write(h.buf[h.data + t.offset:h.data + t.offset + nbytes(t.dims, t.type)])
-                    elif base is not None and t.type in ("F32", "F16") and kind not in blocks.FLOAT_TYPES and \
-                            blocks.library():  # checked as quantized
-                        for r in range(0, n, step):
-                            f.write(blocks.quantize_at(base + h.data + t.offset + nbytes((k, r), t.type),
-                                                       t.type == "F16", min(step, n - r), k, kind))
-                    else:  # to a float type, from a quantized one, or without the compiled quantizer
-                        check_source(h, t, base)
-                        x = h.array(t)
-                        for r in range(0, n, step):
-                            f.write(quantize_rows(x[r:r + step], kind))
-                except blocks.Invalid as e:  # llama-quantize refuses these too
-                    raise QuantkitError(f"{src}: tensor {t.name} {e}: the file is damaged, or the model "
-                                        "diverged; convert it again from a sound checkpoint") from None
-                write_behind(f, start)
-                bar.update(pad(nbytes(t.dims, kind or t.type), h.alignment))
-            f.truncate(total)
-        return staged.commit()
+        # a killed run's partial is replaced: its bytes count as free; the commit's fsyncs can find the disk full too
+        with space_for(out, total - size_on_disk(staged.path), "the GGUF", "run it again"):
+            with open(staged.fresh(), "wb") as f, \
+                    mapped(src) as base, tqdm(total=total, desc=f"requantizing to {mix}", unit="B", unit_scale=True,
+                                              disable=not progress, file=sys.stderr) as bar:
+                f.write(head)
+                bar.update(len(head))
+                for t in order(h.tensors):
+                    start = len(head) + offsets[t.name]
+                    f.seek(start)
+                    kind = types.get(t.name)
+                    k, n = t.dims[0], math.prod(t.dims[1:])
+                    step = max(1, CHUNK // k)
+                    try:
+                        if kind is None or kind == t.type:  # norms, biases and what keeps its type: as they are
+                            check_source(h, t, base)
+                            f.write(h.buf[h.data + t.offset:h.data + t.offset + nbytes(t.dims, t.type)])
+                        elif base is not None and t.type in ("F32", "F16") and kind not in blocks.FLOAT_TYPES and \
+                                blocks.library():  # checked as quantized
+                            for r in range(0, n, step):
+                                f.write(blocks.quantize_at(base + h.data + t.offset + nbytes((k, r), t.type),
+                                                           t.type == "F16", min(step, n - r), k, kind))
+                        else:  # to a float type, from a quantized one, or without the compiled quantizer
+                            check_source(h, t, base)
+                            x = h.array(t)
+                            for r in range(0, n, step):
+                                f.write(quantize_rows(x[r:r + step], kind))
+                    except blocks.Invalid as e:  # llama-quantize refuses these too
+                        raise QuantkitError(f"{src}: tensor {t.name} {e}: the file is damaged, or the model "
+                                            "diverged; convert it again from a sound checkpoint") from None
+                    write_behind(f, start)
+                    bar.update(pad(nbytes(t.dims, kind or t.type), h.alignment))
+                f.truncate(total)
+            return staged.commit()
     except BaseException:
         staged.abort()
         raise

@@ -49,8 +49,8 @@ def make_tiny(path: Path, hidden: int = 64, intermediate: int = 128, layers: int
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         **{"tie_word_embeddings": True, **cfg})
+                         max_position_embeddings=512,
+                         **{"tie_word_embeddings": True, "num_attention_heads": 4, "num_key_value_heads": 2, **cfg})
     LlamaForCausalLM(config).save_pretrained(path)
     tiny_tokenizer(path)
     return path

@@ -80,3 +80,47 @@ def test_a_write_the_file_system_refuses_is_one_line(tiny_dir, tmp_path, source)
     again = subprocess.run([*command, "--out", tmp_path / "out.gguf"], capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-2000:]
     assert (tmp_path / "out.gguf").read_bytes() == (tmp_path / "whole.gguf").read_bytes()
+
+
+@pytest.mark.parametrize("command", ["requantize", "save-base"])
+def test_a_disk_full_at_the_commit_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch, command):
+    """A file system that reports the full disk only when the data is forced out (NFS, quotas, thin
+    volumes: at the commit's fsync) gave a traceback: the commit ran after the space check's scope."""
+    import errno
+
+    import quantkit
+    from quantkit import atomic
+
+    from .conftest import TEST, refused
+
+    src = tmp_path / "f32.gguf"
+    quantkit.api.export_gguf(quantkit.load(tiny_dir), src, "F32", progress=False)
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic, "fsync", full)
+    args = ["export", src, "--gguf-type", "F16", "--out", tmp_path / "out"] if command == "requantize" else \
+        ["eval", tiny_dir, "--base", tiny_dir, "--data", TEST, "--ctx", 64, "--max-windows", 2, "--save-base",
+         tmp_path / "out"]
+    refused(args, capsys, monkeypatch, f"out of disk space writing {tmp_path / 'out'}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f32.gguf"]
+
+
+def test_a_killed_requantizations_partial_counts_as_free(tiny_dir, tmp_path, capsys, monkeypatch):
+    """After a kill, the next run's space check counted the partial file it replaces as taken: on a
+    disk with room for one copy it was refused ("free some space"), naming nothing it could free."""
+    import quantkit
+    from quantkit import errors
+
+    from .conftest import cli
+
+    src = tmp_path / "f32.gguf"
+    quantkit.api.export_gguf(quantkit.load(tiny_dir), src, "F32", progress=False)
+    args = ["export", src, "--gguf-type", "Q8_0", "--out"]
+    assert cli([*args, tmp_path / "whole.gguf"], capsys, monkeypatch)[0] == 0
+    size = (tmp_path / "whole.gguf").stat().st_size
+    (tmp_path / ".out.gguf.partial").write_bytes(bytes(size // 2))  # as a kill halfway leaves it
+    monkeypatch.setattr(errors, "free_space", lambda path: size - size // 4)  # room once the partial goes
+    assert cli([*args, tmp_path / "out.gguf"], capsys, monkeypatch)[0] == 0
+    assert (tmp_path / "out.gguf").read_bytes() == (tmp_path / "whole.gguf").read_bytes()

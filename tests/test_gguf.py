@@ -541,6 +541,30 @@ def test_requantizing_through_numpy_writes_the_same_bytes(tmp_path, monkeypatch)
         assert not calls and through.read_bytes() == mapped
 
 
+def test_a_type_gguf_py_cannot_dequantize_is_refused_at_load(float_ggufs, tmp_path, capsys, monkeypatch):
+    """A GGUF holding a type gguf-py has no dequantizer for (Q8_K here; Q1_0, the integer types) loaded,
+    and its first read of that tensor ended in gguf-py's NotImplementedError, a traceback."""
+    r = gguf.GGUFReader(float_ggufs[0])
+    w = gguf.GGUFWriter(tmp_path / "q8k.gguf", r.fields["general.architecture"].contents())
+    for name, f in r.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    for t in r.tensors:
+        data = np.asarray(t.data)
+        if t.name == "token_embd.weight":
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_K]
+            data = np.zeros((data.shape[0], data.shape[1] // block * size), np.uint8)
+            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_K)
+        else:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    refused(["eval", tmp_path / "q8k.gguf", "--data", TEST, "--max-windows", 1], capsys, monkeypatch,
+            "tensor token_embd.weight is Q8_K, which quantkit cannot read (gguf-py has no dequantizer for it)")
+
+
 def by_name(src, dst, keys=lambda w: None, drop=()):
     """src rewritten with its tensors in name order (blk.0, blk.1, blk.10, ..., blk.2), as a converter
     that sorts a checkpoint's keys writes them; keys(writer) adds key-values, those named in drop go."""
@@ -574,6 +598,30 @@ def test_layer_rules_count_layers_in_llama_quantizes_order(tmp_path, capsys, mon
         assert cli(["export", src, "--out", tmp_path / "ours.gguf", "--gguf-type", mix, "--overwrite"], capsys,
                    monkeypatch)[0] == 0
         assert (tmp_path / "ours.gguf").read_bytes() == (tmp_path / "theirs.gguf").read_bytes(), mix
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["70B", "65B"])
+def test_80_layers_get_llama_quantizes_70b_rule(tmp_path, capsys, monkeypatch, kv_heads):
+    """llama.cpp calls a llama of 80 layers with grouped KV heads 70B (without them, 65B), and gives
+    its attn_v Q5_K where a mix gives Q3_K or Q4_K: every Llama-70B file was typed as a smaller model's.
+    Requantized and exported from the model directory, the types (and bytes) are llama-quantize's."""
+    from . import llamacpp
+
+    model = make_tiny(tmp_path / "model", hidden=256, intermediate=256, layers=80, num_key_value_heads=kv_heads)
+    src = tmp_path / "f32.gguf"
+    quantkit.api.export_gguf(quantkit.load(model), src, "F32", progress=False)
+    for mix in ("Q4_K_M", "Q3_K_M", "Q2_K"):
+        llamacpp.quantize(src, tmp_path / "theirs.gguf", mix)
+        theirs = gguf_tensors(tmp_path / "theirs.gguf")
+        v = {kind for name, (kind, _) in theirs.items() if name.endswith("attn_v.weight")}
+        assert (v == {"Q5_K"}) == (kv_heads == 2) or mix == "Q4_K_M" and v == {"Q5_K", "Q6_K"}, (mix, v)
+        assert cli(["export", src, "--out", tmp_path / "ours.gguf", "--gguf-type", mix, "--overwrite"], capsys,
+                   monkeypatch)[0] == 0
+        assert (tmp_path / "ours.gguf").read_bytes() == (tmp_path / "theirs.gguf").read_bytes(), mix
+        types = quantkit.exporters.gguf.tensor_types(quantkit.load(model).module, mix)
+        assert {G.gguf_name(f"{n}.weight"): t for n, t in types.items()} == {n: k for n, (k, _) in theirs.items()
+                                                                              if n.endswith(".weight") and "norm" not in n}
 
 
 @pytest.mark.slow

@@ -206,3 +206,7 @@ def test_the_file_records_the_importance_matrix(tiny, tmp_path):
     assert recorded(tmp_path / "d.gguf") == {"quantize.imatrix.dataset": str(VALID),
                                              "quantize.imatrix.entries_count": len(table),
                                              "quantize.imatrix.chunks_count": 3}
+    # and from a GGUF that records a file: the new record replaces the old whole (it kept the old file's name)
+    quantkit.quantize(str(tmp_path / "b.gguf"), method="rtn", format="gguf", gguf_type="Q4_0", imatrix=True,
+                      calib_data=VALID, calib_samples=3, calib_seqlen=32, out=tmp_path / "e.gguf", progress=False)
+    assert recorded(tmp_path / "e.gguf") == recorded(tmp_path / "d.gguf")
