@@ -324,16 +324,21 @@ def test_merge_an_adapter_whose_config_says_another_rank(adapter, capsys, monkey
     (lambda cfg, t: ({**cfg, "init_lora_weights": "pissa_niter_4"}, t), "initialized with pissa_niter_4, which changes "
      "the base weights"),
     (lambda cfg, t: ({**cfg, "init_lora_weights": "olora"}, t), "initialized with olora"),
+    (lambda cfg, t: ({**cfg, "init_lora_weights": "lora_ga"}, t), "initialized with lora_ga"),
+    (lambda cfg, t: ({**cfg, "alora_invocation_tokens": [5, 6]}, t), "is an activated LoRA (aLoRA) "
+     "(alora_invocation_tokens), which quantkit does not compute: use it with PEFT"),
+    (lambda cfg, t: ({**cfg, "use_bdlora": {"nblocks": 2}}, t), "is a block-diagonal LoRA (use_bdlora)"),
     (lambda cfg, t: (cfg, {k: v * float("nan") if "lora_B" in k else v for k, v in t.items()}),
      "holds NaN or Inf (the training diverged)"),
     (lambda cfg, t: ({**cfg, "base_model_name_or_path": 5}, t), "the adapter names no base model: pass --base"),
     (lambda cfg, t: ({**cfg, "trainable_token_indices": [1, 2]}, t), "the adapter has token embeddings trained beside "
      "it (trainable_token_indices)"),  # blamed the base
     (lambda cfg, t: ({k: v for k, v in cfg.items() if k != "peft_type"}, t), "names no peft_type")],  # "a None adapter"
-    ids=["pissa", "olora", "nan", "base-not-a-name", "token-embeddings", "no-type"])
+    ids=["pissa", "olora", "lora-ga", "alora", "bdlora", "nan", "base-not-a-name", "token-embeddings", "no-type"])
 def test_merge_an_adapter_it_would_merge_wrong(adapter, capsys, monkeypatch, tmp_path, change, match):
-    """PiSSA's and OLoRA's adapters go onto a base PEFT changes when it loads them: merged onto the base
-    as saved they were silently wrong (0.24-0.46 in the logits). An adapter of NaNs was merged into a model
+    """PiSSA's, OLoRA's and LoRA-GA's adapters go onto a base PEFT changes when it loads them: merged onto
+    the base as saved they were silently wrong (0.24-0.46 in the logits); aLoRA applies only after its
+    invocation tokens, and other variants compute other than W + scale*BA. An adapter of NaNs was merged into a model
     that eval then called a damaged file; a base named by a number was a traceback."""
     broken = shutil.copytree(adapter, tmp_path / "adapter")
     cfg, tensors = change(json.loads((broken / "adapter_config.json").read_text()),

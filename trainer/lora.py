@@ -243,7 +243,7 @@ def read(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
         raise QuantkitError(f"{d}: a {kind} adapter: quantkit reads LoRA adapters" if kind is not None else
                             f"{d}: its {CONFIG} names no peft_type: pass a PEFT LoRA adapter directory")
     init = cfg.get("init_lora_weights")
-    if isinstance(init, str) and (init.startswith("pissa") or init in ("olora", "corda", "loftq")):
+    if isinstance(init, str) and (init.startswith("pissa") or init in ("olora", "corda", "loftq", "lora_ga")):
         # PEFT subtracts these from the base when it loads them: on the base as saved, B A alone is wrong
         raise QuantkitError(f"{d}: the adapter was initialized with {init}, which changes the base weights it goes onto: "
                             "save it with PEFT's conversion to a plain LoRA (save_pretrained with "

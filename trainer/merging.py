@@ -28,6 +28,12 @@ from .config import TrainConfig
 from .loop import LOG
 
 SIDE_FILES = (".json", ".txt", ".model", ".jinja")  # config, generation config, tokenizer, chat template
+VARIANTS = {"alora_invocation_tokens": "an activated LoRA (aLoRA)", "use_qalora": "a QA-LoRA adapter",
+            "velora_config": "a VeLoRA adapter", "use_bdlora": "a block-diagonal LoRA",
+            "monteclora_config": "a MonteCLoRA adapter", "arrow_config": "an Arrow routing of adapters",
+            "kasa_config": "a KaSA adapter", "layer_replication": "LoRA on replicated layers",
+            "target_parameters": "LoRA on parameters rather than linear layers",
+            "fan_in_fan_out": "LoRA on transposed (Conv1D) weights"}  # PEFT's LoraConfig fields, by what they make
 MERGED_FROM = "quantkit.merged_from"  # a merged model's shards' metadata: merge_key of what was merged into it
 
 
@@ -46,6 +52,10 @@ def read(adapter: str | os.PathLike, onto_nf4: bool = False) -> tuple[TrainConfi
         if cfg.get(key) and (key != "bias" or biases and cfg[key] != "none"):
             raise QuantkitError(f"{adapter}: the adapter has {what} ({key}), which quantkit does not merge: merge it "
                                 "with PEFT (merge_and_unload), or train it without them")
+    # PEFT's LoRA variants compute other than W + scale*BA (aLoRA only past its invocation tokens: PEFT merges none)
+    if key := next((k for k in VARIANTS if cfg.get(k)), None):
+        raise QuantkitError(f"{adapter}: the adapter is {VARIANTS[key]} ({key}), which quantkit does not compute: "
+                            "use it with PEFT")
     log = Path(adapter) / LOG
     with untrusted(adapter, f"its {lora.CONFIG} or {LOG} is damaged", "train it again or restore it"):
         config = lora.config_of(cfg)
