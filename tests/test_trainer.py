@@ -172,6 +172,28 @@ def test_an_interrupted_merge_resumes_after_the_last_merged_layer(tiny_dir, text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "m", "whole"]  # no progress, partial or lock left
 
 
+def test_dora_is_the_base_at_its_start_under_autocast_and_keeps_no_weight_for_the_backward():
+    """DoRA's norm was taken in the autocast dtype and its magnitudes in float32: under bf16 an untrained
+    layer was not the base (ratios off by up to 0.4%), and the merge rescaled rows by what training had
+    absorbed. With dropout, F.linear(h, W) kept a weight-sized copy (QLoRA's dequantized base) until the
+    backward."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(256, 512)
+    layer = lora.LoraLinear(base, rank=4, scale=2.0, dora=True)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)  # as o_proj's and down_proj's inputs come under autocast
+    with torch.autocast("cpu", torch.bfloat16):
+        assert torch.equal(layer(x), base(x).float())
+    nf4 = lora.LoraLinear(lora.quantize_nf4(torch.nn.Linear(64, 48, bias=False), 64), rank=4, scale=2.0, dropout=0.1,
+                          dora=True)
+    nf4.dropout.examples = [(1, 5), (2, 5)]  # (seed, length) of each example, as the loop sets them
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        y = nf4(torch.randn(2, 5, 64, requires_grad=True))
+    y.sum().backward()
+    assert saved and (48, 64) not in saved and (64, 48) not in saved, saved
+    assert nf4.magnitude.grad is not None and nf4.lora_A.weight.grad is not None
+
+
 def test_all_linear_beside_other_names(tiny_dir):
     """--target all-linear,q_proj was refused: "--target all-linear matches no linear: use all-linear"."""
     from quantkit.modelio import load

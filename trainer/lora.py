@@ -11,7 +11,6 @@ import zlib
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save as serialize
 
 from quantkit.errors import QuantkitError, option, untrusted
@@ -88,12 +87,13 @@ class LoraLinear(torch.nn.Module):
         lora = self.lora_B(self.lora_A(h)) * self.scale
         if self.magnitude is None:
             return y + lora
-        w = self.weight().to(x.dtype)
-        norm = (w + self.delta().to(w.dtype)).norm(dim=1).detach()
+        with torch.no_grad():  # in float32, as the magnitudes were taken: at BA = 0 the ratio is 1 under autocast too
+            norm = (self.weight() + self.delta()).norm(dim=1)
         ratio = self.magnitude / norm
+        # through the base: F.linear(h, W) kept W (QLoRA: dequantized) in the graph until the backward
+        plain = y if isinstance(self.dropout, torch.nn.Identity) else self.base(h)
         bias = self.base.bias
-        plain = (y - bias if bias is not None else y) if isinstance(self.dropout, torch.nn.Identity) else F.linear(h, w)
-        return y + (ratio - 1) * plain + ratio * lora
+        return y + (ratio - 1) * (plain - bias if bias is not None else plain) + ratio * lora
 
 
 def merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, magnitude: torch.Tensor | None = None) -> torch.Tensor:
