@@ -764,6 +764,26 @@ def test_every_assistant_turn_is_scored(chat_dir, tmp_path):
     assert runs == ["Red it is.<|im_end|>\n", "Blue as asked.<|im_end|>\n"]  # the replies, not the user's turns
 
 
+def test_a_template_that_writes_the_last_reply_otherwise_scores_every_reply(chat_dir, tmp_path):
+    """Qwen3's template writes an empty think block before the reply after the last user turn only: a chat
+    cut after an earlier reply was no prefix of the whole, and every chat of two turns or more ended the
+    read ("the chat template does not write earlier turns as a prefix")."""
+    think = ("{% set roles = messages | map(attribute='role') | list %}"
+             "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+             "{% if m['role'] == 'assistant' and 'user' not in roles[loop.index0:] %}<think>\n\n</think>\n\n{% endif %}"
+             "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = AutoTokenizer.from_pretrained(chat_dir)
+    tok.chat_template = think
+    chat = [{"role": "user", "content": "Say red."}, {"role": "assistant", "content": "Red it is."},
+            {"role": "user", "content": "Now blue."}, {"role": "assistant", "content": "Blue as asked."}]
+    assert "Red it is." in tok.apply_chat_template(chat, tokenize=False).split("<think>")[0]  # the template as meant
+    (example,) = dataset.read(jsonl(tmp_path / "chat.jsonl", {"messages": chat}), tok, 256)
+    kept = (example.labels != dataset.IGNORE).int()
+    edges = torch.diff(kept, prepend=torch.tensor([0]), append=torch.tensor([0])).nonzero().flatten().tolist()
+    runs = [tok.decode(example.ids[a:b]) for a, b in zip(edges[::2], edges[1::2])]
+    assert runs == ["Red it is.<|im_end|>\n", "<think>\n\n</think>\n\nBlue as asked.<|im_end|>\n"]
+
+
 def test_a_chat_that_opens_with_a_reply_scores_the_reply_alone(chat_dir, tmp_path):
     """The turn's header (and a template's default system prompt) before a first reply was scored as
     part of the reply."""

@@ -92,10 +92,11 @@ def render(msgs: list[dict], tokenizer, seqlen: int, where: str) -> tuple[Exampl
             # the reply: the part that two other replies share
             shared = os.path.commonprefix([chat([{**m, "content": c}]) for c in ("a", "b")])
             begin = len(shared) if end.startswith(shared) else -1
-        if begin < 0 or not full.startswith(end):
+        stop = len(end) if full.startswith(end) else ended(full, end, m["content"], begin)
+        if begin < 0 or stop < 0:
             raise QuantkitError(f"{where}: the chat template does not write earlier turns as a prefix of later ones, "
                                 "so the replies cannot be found: use a model with a standard template")
-        spans.append((begin, len(end)))
+        spans.append((begin, stop))
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = torch.tensor(enc.input_ids[:seqlen], dtype=torch.int64)
     starts = torch.tensor([s for s, _ in enc.offset_mapping[:seqlen]])
@@ -105,6 +106,18 @@ def render(msgs: list[dict], tokenizer, seqlen: int, where: str) -> tuple[Exampl
     ends = [s for s, _ in enc.offset_mapping]
     whole = len(ends) <= seqlen or ends[seqlen] >= spans[-1][1]
     return Example(ids, torch.where(keep, ids, IGNORE)), whole
+
+
+def ended(full: str, end: str, content: str, begin: int) -> int:
+    """Where a reply ends in the whole chat when the template writes the last reply of a chat otherwise
+    than an earlier one (Qwen3's adds an empty think block before it): the reply's text and what the
+    template writes after it (end: the chat up to the reply), found from begin on; -1 when not there."""
+    at = end.rfind(content) if content else -1
+    if at < 0 or begin < 0:
+        return -1
+    tail = end[at:]  # the reply and the end of its turn
+    found = full.find(tail, begin)
+    return found + len(tail) if found >= 0 else -1
 
 
 def split(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
