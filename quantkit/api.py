@@ -663,8 +663,10 @@ def ready(model: Model | PathLike | None, packed: bool | None = None, device: st
     where = default_device(model, device)
     gguf = bool(m.gguf_types)
     # read onto the device in the dtype it runs in: no float32 copy of the whole model in host memory first
-    m.materialize(**(dict(device=torch.device(where), dtype=runs_in(torch.device(where), dtype, gguf))
-                     if where is not None else {}))
+    if where is not None:
+        m.materialize(device=torch.device(where), dtype=runs_in(torch.device(where), dtype, gguf))
+    elif any(t.is_meta for t in m.module.state_dict(keep_vars=True).values()):  # a Model not read whole: the CPU's
+        m.materialize()  # a Model in memory stays where and as it is (materialize moves the whole model)
     if where is not None or dtype is not None:
         dev = torch.device(where) if where is not None else next(m.module.parameters()).device
         m.module.to(dev, runs_in(dev, dtype, gguf))

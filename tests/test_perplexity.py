@@ -72,3 +72,17 @@ def test_too_short_text_and_bad_protocol(tiny):
         perplexity(tiny.module, tiny.tokenizer, "too short", "llamacpp", ctx=512, progress=False)
     with pytest.raises(QuantkitError, match="unknown perplexity protocol"):
         perplexity(tiny.module, tiny.tokenizer, "text", "nope", progress=False)
+
+
+def test_a_model_in_memory_is_scored_where_and_as_it_is(tiny_dir):
+    """evaluate(m) without a device or dtype read a Model held whole in memory (trained in bf16, say, or on
+    a GPU) onto the CPU in float32, against its documented promise to leave it as it is."""
+    import quantkit
+
+    m = quantkit.load(tiny_dir)
+    m.materialize(dtype=torch.bfloat16)
+    quantkit.evaluate(m, TEST, ctx=32, max_windows=1, progress=False)
+    assert {p.dtype for p in m.module.parameters()} == {torch.bfloat16}
+    lazy = quantkit.load(tiny_dir)  # not read yet: read in float32 on the CPU, as before
+    quantkit.evaluate(lazy, TEST, ctx=32, max_windows=1, progress=False)
+    assert {p.dtype for p in lazy.module.parameters()} == {torch.float32}
