@@ -200,8 +200,8 @@ def rolling_in_one_bar(hflm: type) -> type:
 
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
             scores = super()._loglikelihood_tokens(requests, disable_tqdm or self.bar is not None, override_bs)
-            if any(math.isnan(logprob) for logprob, _ in scores):  # every score after would be lm-eval's NaN
-                raise QuantkitError(f"the model's log-likelihoods are NaN: {overflow(self.model.dtype)}")
+            if not all(math.isfinite(logprob) for logprob, _ in scores):  # every score after would be NaN or inf
+                raise QuantkitError(f"the model's log-likelihoods are not finite: {overflow(self.model.dtype)}")
             if self.bar is not None:
                 self.bar.update(len(requests))
             return scores

@@ -26,7 +26,7 @@ from quantkit.atomic import check_writable
 from quantkit.errors import QuantkitError, count, option, space_for
 from quantkit.modelio import adds_bos
 
-from .perplexity import exp_or_inf, first_scored, ran_in, summed_nll, window_logits
+from .perplexity import ROWS, exp_or_inf, first_scored, ran_in, summed_nll, window_logits
 
 MAGIC = b"_logits_"
 HEADER = struct.Struct("<8sIii")
@@ -206,7 +206,12 @@ class Sums:
     same_top: list[np.ndarray] = field(default_factory=list)
 
     def add(self, logits: torch.Tensor, base: torch.Tensor, targets: torch.Tensor) -> None:
-        """One window: logits (t, vocab) of the model, base (t, vocab) log-probabilities, targets (t,)."""
+        """One window: logits (t, vocab) of the model, base (t, vocab) log-probabilities, targets (t,);
+        in float64, ROWS predictions at a time (a long window of a large vocabulary is gigabytes in float64)."""
+        for rows in zip(*(t.split(ROWS) for t in (logits, base, targets))):
+            self.add_rows(*rows)
+
+    def add_rows(self, logits: torch.Tensor, base: torch.Tensor, targets: torch.Tensor) -> None:
         logq = torch.log_softmax(logits.double(), -1)
         base = base.double()
         nll = -logq.gather(-1, targets[:, None])[:, 0]
@@ -312,15 +317,27 @@ class Divergence:
     def failures(self, max_ppl_increase: float | None = None, max_kld: float | None = None,
                  min_same_top: float | None = None) -> list[str]:
         """The limits this result breaks, each with its measured value (for a pass/fail gate)."""
+        return [text for kept, text in self.gate(max_ppl_increase, max_kld, min_same_top) if not kept]
+
+    def gate(self, max_ppl_increase: float | None = None, max_kld: float | None = None,
+             min_same_top: float | None = None) -> list[tuple[bool, str]]:
+        """Each limit given: whether this result keeps it, and its figure with its standard error against it
+        (a NaN figure, from broken logits, keeps none)."""
         check_limits(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_same_top=min_same_top)
-        out = []  # written as "not within": a NaN figure (broken logits) breaks every limit
-        if max_ppl_increase is not None and not self.ppl_ratio - 1 <= max_ppl_increase:
-            out.append(f"perplexity increase {self.ppl_ratio - 1:.4f} (PPL {self.perplexity:.4f} against the "
-                       f"base's {self.base_perplexity:.4f}) is above {option('max_ppl_increase', max_ppl_increase)}")
-        if max_kld is not None and not self.kld_mean <= max_kld:
-            out.append(f"mean KL divergence {self.kld_mean:.6f} is above {option('max_kld', max_kld)}")
-        if min_same_top is not None and not self.same_top >= min_same_top:
-            out.append(f"same top token {self.same_top:.4f} is below {option('min_same_top', min_same_top)}")
+        out = []
+        if max_ppl_increase is not None:
+            kept = self.ppl_ratio - 1 <= max_ppl_increase
+            out.append((kept, f"perplexity increase {self.ppl_ratio - 1:.4f} ± {self.ppl_ratio_unc:.4f} "
+                              f"(PPL(Q)/PPL(base) - 1) is {'within' if kept else 'above'} "
+                              f"{option('max_ppl_increase', max_ppl_increase)}"))
+        if max_kld is not None:
+            kept = self.kld_mean <= max_kld
+            out.append((kept, f"mean KL divergence {self.kld_mean:.6f} ± {self.kld_unc:.6f} is "
+                              f"{'within' if kept else 'above'} {option('max_kld', max_kld)}"))
+        if min_same_top is not None:
+            kept = self.same_top >= min_same_top
+            out.append((kept, f"same top token {self.same_top:.4f} ± {self.same_top_unc:.4f} is "
+                              f"{'within' if kept else 'below'} {option('min_same_top', min_same_top)}"))
         return out
 
     def report(self) -> str:

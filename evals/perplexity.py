@@ -21,6 +21,8 @@ from quantkit.errors import COMMAND_LINE, QuantkitError, option
 from quantkit.modelio import adds_bos, check_context, with_bos
 
 PROTOCOLS = ("wikitext", "llamacpp")
+TOKENS = 2048  # window tokens a batch holds at most (ctx 512: 4 windows)
+ROWS = 128  # predictions whose log-probabilities are taken in float64 at a time
 
 
 @dataclass
@@ -101,6 +103,8 @@ def window_logits(module: torch.nn.Module, tokenizer, windows: torch.Tensor, pro
     bos = protocol == "llamacpp" and adds_bos(tokenizer)
     device = next(module.parameters()).device
     began = time.monotonic()
+    # at most TOKENS a batch (one window at least): several long windows' logits of a large vocabulary take gigabytes
+    batch_size = max(1, min(batch_size, TOKENS // windows.shape[1]))
     with tqdm(total=len(windows), desc=desc, unit="window", disable=not progress) as bar:
         for b, batch in enumerate(windows.split(batch_size)):
             inputs = batch.clone()
@@ -108,8 +112,10 @@ def window_logits(module: torch.nn.Module, tokenizer, windows: torch.Tensor, pro
                 inputs[:, 0] = tokenizer.bos_token_id
             # the head computes only the scored positions' logits (half the window's under llamacpp)
             out = module(inputs.to(device), use_cache=False, logits_to_keep=windows.shape[1] - first)
+            computed = out.logits.dtype
             logits = out.logits[:, :-1].float()
-            check_finite(logits, b * batch_size, len(windows), out.logits.dtype, "base" if desc == "base" else "model")
+            del out  # a float16 model's logits: not kept beside their float32 copy
+            check_finite(logits, b * batch_size, len(windows), computed, "base" if desc == "base" else "model")
             yield logits, batch[:, first + 1:].to(logits.device)
             bar.set_postfix_str(f"{(bar.n + len(batch)) * windows.shape[1] / (time.monotonic() - began):.0f} tok/s",
                                 refresh=False)
@@ -144,9 +150,9 @@ def exp_or_inf(x: float) -> float:
 
 def summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
     """The negative log-likelihood of a batch's targets (b, t), summed, in float64."""
-    # a window at a time: its float64 copy is a quarter of a batch's
+    # ROWS predictions at a time: a window's float64 copy is gigabytes at a long context and a large vocabulary
     return -sum(torch.log_softmax(lg.double(), dim=-1).gather(-1, tg[:, None]).sum().item()
-                for lg, tg in zip(logits, targets))
+                for lg, tg in zip(logits.reshape(-1, logits.shape[-1]).split(ROWS), targets.reshape(-1).split(ROWS)))
 
 
 def perplexity(

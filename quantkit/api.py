@@ -763,6 +763,7 @@ def compare(
             base_file = evals.BaseFile(base)
         else:
             b = base if isinstance(base, Model) else load(base)
+            warn_base(b, m)
             difference = evals.kld.tokenizer_difference(b.tokenizer, m.tokenizer, text)
             if difference:
                 raise QuantkitError(f"{b.source} and {m.source} have different tokenizers ({difference}): compare a "
@@ -784,6 +785,17 @@ def compare(
         m = ready(m, packed if isinstance(model, Model) else None, default_device(model, device), dtype)
         with scoring(m):
             return evals.divergence(m.module, m.tokenizer, windows, base_file, progress=progress)
+
+
+def warn_base(base: Model, model: Model) -> None:
+    """A base that makes a gate pass for nothing: the model itself, or a quantized one (the figures are
+    then the distance from it, not from the float model shipped against)."""
+    if base is model or os.path.realpath(base.source) == os.path.realpath(model.source):
+        warnings.warn(f"the base is the model itself ({model.source}): every divergence is 0; compare with the float "
+                      "model it was quantized from")
+    elif base.qconfig is not None or any(t not in blocks.FLOAT_TYPES for t in (base.gguf_types or {}).values()):
+        warnings.warn(f"the base {base.source} is quantized: the figures are the model's divergence from it, not from "
+                      "the float model; compare with the float model it was quantized from")
 
 
 def write_base(base: Model, path: PathLike, text: str, ctx: int = 512, max_windows: int | None = None,

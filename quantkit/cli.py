@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -238,6 +239,9 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, overwrite
     from . import api
 
     kld.check_limits(**limits)
+    if max_ppl_increase is not None and max_ppl_increase >= 1:  # 5 meant as 5%
+        warnings.warn(f"--max-ppl-increase {max_ppl_increase:g} passes a perplexity up to {1 + max_ppl_increase:g} "
+                      "times the base's: the limit is a fraction (0.05 for 5%)")
     kld.check_save_path(save_base, overwrite)
     if base is not None and protocol != "llamacpp":
         raise QuantkitError("--base compares under the llamacpp protocol (the second half of each window): drop --protocol")
@@ -254,9 +258,13 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, overwrite
     click.echo(d.report())
     if save_base:
         click.echo(f"base log-probabilities saved to {save_base} ({size(size_on_disk(Path(save_base)))})")
-    if as_json:
+    gate = d.gate(**limits)
+    for kept, text in gate:
+        if kept:
+            click.echo(f"pass: {text}")
+    if as_json:  # the last line
         click.echo(report_.strict_json({**d.to_dict(), "model": model, "base": base, "data": data}))
-    failed = d.failures(**limits)
+    failed = [text for kept, text in gate if not kept]
     if failed:
         click.echo(f"fail: {'; '.join(failed)}", err=True)
         sys.exit(1)

@@ -151,12 +151,29 @@ def test_cli_json_and_gate(quant_dir, tiny_dir, tmp_path, capsys, monkeypatch):
     code, out, _ = cli([*reused, "--json", "--max-kld", result["kld_mean"] * 2,
                         "--min-same-top", result["same_top"] / 2], capsys, monkeypatch)
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["kld_mean"] == result["kld_mean"]
+    # a kept limit is said too, with the figure's standard error (a go/no-go reads how near it came)
+    passed = [line for line in out.splitlines() if line.startswith("pass: ")]
+    assert len(passed) == 2 and passed[0].startswith(f"pass: mean KL divergence {result['kld_mean']:.6f} ± "
+                                                      f"{result['kld_unc']:.6f} is within --max-kld")
     code, _, err = cli([*reused, "--max-ppl-increase", increase / 2, "--max-kld", 10], capsys, monkeypatch)
     failed = [line for line in err if line.startswith("fail: ")]  # after the progress bars, one line
     assert code == 1 and failed == err[-1:] and failed[0].startswith("fail: perplexity increase")
     assert f"{increase:.4f}" in failed[0] and "--max-ppl-increase" in failed[0] and "kld" not in failed[0]
     code, _, err = cli([*reused, "--min-same-top", 1.0], capsys, monkeypatch)
-    assert code == 1 and f"same top token {result['same_top']:.4f} is below --min-same-top 1" in err[-1]
+    assert code == 1 and f"same top token {result['same_top']:.4f} ± {result['same_top_unc']:.4f} is below " \
+        "--min-same-top 1" in err[-1]
+    with pytest.warns(UserWarning, match=r"^--max-ppl-increase 5 passes a perplexity up to 6 times the base's: the "
+                                         r"limit is a fraction \(0.05 for 5%\)"):  # meant as 5%
+        assert cli([*reused, "--max-ppl-increase", 5], capsys, monkeypatch)[0] == 0
+
+
+def test_a_base_that_makes_the_gate_pass_for_nothing_warns(quant_dir, tiny_dir):
+    """The model compared with itself, or with another quantized model, passes any gate: said, not silent."""
+    kw = dict(data=TEST, ctx=CTX, max_windows=1, progress=False)
+    with pytest.warns(UserWarning, match="the base is the model itself .*: every divergence is 0"):
+        assert abs(quantkit.compare(quant_dir, quant_dir, **kw).kld_mean) < 1e-5  # the saved rows' rounding
+    with pytest.warns(UserWarning, match="the base .* is quantized: the figures are the model's divergence from it"):
+        quantkit.compare(tiny_dir, quant_dir, **kw)
 
 
 def test_refusals(quant_dir, tiny_dir, tmp_path, capsys, monkeypatch):

@@ -275,4 +275,5 @@ def test_log_likelihoods_that_are_nan_stop_the_run(tiny_dir, tmp_path, capsys, m
     """A model overflowing float16 scored NaN on every document, and lm-eval reported its accuracy."""
     hot = make_hot(tiny_dir, tmp_path / "hot")
     refused(["lm-eval", hot, "--tasks", "dolly_mc", "--limit", 2, "--dtype", "float16"], capsys, monkeypatch,
-            "the model's log-likelihoods are NaN: it overflows float16: run it in float32 or bfloat16 (--dtype float32)")
+            "the model's log-likelihoods are not finite: it overflows float16: run it in float32 or bfloat16 "
+            "(--dtype float32)")

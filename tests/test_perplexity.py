@@ -86,3 +86,25 @@ def test_a_model_in_memory_is_scored_where_and_as_it_is(tiny_dir):
     lazy = quantkit.load(tiny_dir)  # not read yet: read in float32 on the CPU, as before
     quantkit.evaluate(lazy, TEST, ctx=32, max_windows=1, progress=False)
     assert {p.dtype for p in lazy.module.parameters()} == {torch.float32}
+
+
+def test_long_windows_go_a_few_at_a_time_with_the_same_figures(tiny, text, monkeypatch):
+    """Four windows a batch at any context: at 8192 tokens and a 128k vocabulary their float32 logits alone
+    took 8 GB beside the model. A batch now holds TOKENS tokens at most (one window at least), and the
+    log-probabilities go to float64 ROWS predictions at a time; the figures are those of the whole batches."""
+    import importlib
+
+    module = importlib.import_module("quantkit.evals.perplexity")
+    whole = perplexity(tiny.module, tiny.tokenizer, text, "llamacpp", 64, 6, progress=False)
+    sizes = []
+    hook = tiny.module.register_forward_pre_hook(lambda m, args, kwargs: sizes.append(kwargs["input_ids"].shape[0])
+                                                 if "input_ids" in kwargs else sizes.append(args[0].shape[0]),
+                                                 with_kwargs=True)
+    monkeypatch.setattr(module, "TOKENS", 128)
+    monkeypatch.setattr(module, "ROWS", 5)
+    try:
+        cut = perplexity(tiny.module, tiny.tokenizer, text, "llamacpp", 64, 6, progress=False)
+    finally:
+        hook.remove()
+    assert sizes == [2, 2, 2]
+    assert math.isclose(cut.perplexity, whole.perplexity, rel_tol=1e-12)
