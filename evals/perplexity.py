@@ -28,6 +28,7 @@ ROWS = 128  # predictions whose log-probabilities are taken in float64 at a time
 @dataclass
 class Perplexity:
     perplexity: float
+    perplexity_unc: float  # llama-perplexity's "+/-": the standard error of the mean loss, times the perplexity
     tokens: int  # predictions scored
     windows: int
     protocol: str
@@ -148,11 +149,16 @@ def exp_or_inf(x: float) -> float:
     return math.exp(x) if x < 709.78 else math.inf
 
 
+def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The negative log-likelihood of each of a batch's targets (b, t), flat, in float64."""
+    # ROWS predictions at a time: a window's float64 copy is gigabytes at a long context and a large vocabulary
+    return torch.cat([-torch.log_softmax(lg.double(), dim=-1).gather(-1, tg[:, None])[:, 0]
+                      for lg, tg in zip(logits.reshape(-1, logits.shape[-1]).split(ROWS), targets.reshape(-1).split(ROWS))])
+
+
 def summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
     """The negative log-likelihood of a batch's targets (b, t), summed, in float64."""
-    # ROWS predictions at a time: a window's float64 copy is gigabytes at a long context and a large vocabulary
-    return -sum(torch.log_softmax(lg.double(), dim=-1).gather(-1, tg[:, None]).sum().item()
-                for lg, tg in zip(logits.reshape(-1, logits.shape[-1]).split(ROWS), targets.reshape(-1).split(ROWS)))
+    return token_nll(logits, targets).sum().item()
 
 
 def perplexity(
@@ -166,8 +172,11 @@ def perplexity(
     progress: bool = True,
 ) -> Perplexity:
     w = windows(tokenizer, text, protocol, ctx, max_windows, progress)
-    nll, count = 0.0, 0
+    nll, nll2, count = 0.0, 0.0, 0
     for logits, targets in window_logits(module, tokenizer, w, protocol, batch_size, progress):
-        nll += summed_nll(logits, targets)
-        count += targets.numel()
-    return Perplexity(exp_or_inf(nll / count), count, len(w), protocol, ctx, *ran_in(module))
+        each = token_nll(logits, targets)
+        nll, nll2, count = nll + each.sum().item(), nll2 + each.square().sum().item(), count + each.numel()
+    ppl = exp_or_inf(nll / count)
+    var = nll2 / count - (nll / count) ** 2  # as llama-perplexity: none for a single prediction
+    unc = ppl * math.sqrt(var / (count - 1)) if var > 0 and count > 1 and math.isfinite(ppl) else 0.0
+    return Perplexity(ppl, unc, count, len(w), protocol, ctx, *ran_in(module))

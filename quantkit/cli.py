@@ -23,7 +23,8 @@ from .requant import DEFAULT_MIX
 
 
 def show(label: str, ppl) -> None:
-    click.echo(f"{label}: perplexity {ppl.perplexity:.4f} ({ppl.protocol}, ctx {ppl.ctx}, {count(ppl.windows, 'window')}, "
+    click.echo(f"{label}: perplexity {ppl.perplexity:.4f} ± {ppl.perplexity_unc:.4f} ({ppl.protocol}, ctx {ppl.ctx}, "
+               f"{count(ppl.windows, 'window')}, "
                f"{ppl.tokens} tokens, {ppl.dtype} on {ppl.device})")
 
 

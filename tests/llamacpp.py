@@ -129,9 +129,15 @@ def quantize(src: Path, out: Path, kind: str, *flags: str) -> None:
 
 
 def perplexity(model: Path, text: Path, windows: int, ctx: int = 512, flags: tuple[str, ...] = ()) -> float:
+    return estimate(model, text, windows, ctx, flags)[0]
+
+
+def estimate(model: Path, text: Path, windows: int, ctx: int = 512, flags: tuple[str, ...] = ()) -> tuple[float, float]:
+    """llama-perplexity's final estimate: the perplexity and its "+/-"."""
     log = run("llama-perplexity", "-m", str(model), "-f", str(text), "-c", str(ctx), "--chunks", str(windows), "-t", "2",
               *flags)
-    return float(re.search(r"Final estimate: PPL = ([0-9.]+)", log).group(1))
+    found = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", log)
+    return float(found.group(1)), float(found.group(2))
 
 
 # attention in float32, as transformers computes it: llama.cpp's default on the CPU is flash attention over

@@ -669,13 +669,14 @@ def test_llama_perplexity_agrees_with_ours(embedded, mix, pure):
     each K-quant) and its perplexity of the file is within 1% of ours for the model the file holds
     (the tiny tests show a file reads back as that model). Ours rounds each matmul's activations as
     llama.cpp's CPU backend does (8-bit blocks for quantized weights); without that the two differ
-    by 1-2% at Q2_K."""
+    by 1-2% at Q2_K. So is the "+/-" it prints beside it, the standard error quantkit prints too."""
     from . import llamacpp
 
     path, q = embedded.quantized(mix, pure)
-    theirs = llamacpp.perplexity(path, TEST, 8)
-    ours = quantkit.evaluate(q, TEST, max_windows=8, progress=False).perplexity
-    assert abs(ours / theirs - 1) < 0.01, (set(q.gguf_types.values()), ours, theirs)
+    theirs, theirs_unc = llamacpp.estimate(path, TEST, 8)
+    ours = quantkit.evaluate(q, TEST, max_windows=8, progress=False)
+    assert abs(ours.perplexity / theirs - 1) < 0.01, (set(q.gguf_types.values()), ours, theirs)
+    assert abs(ours.perplexity_unc / theirs_unc - 1) < 0.02, (ours.perplexity_unc, theirs_unc)
 
 
 @pytest.fixture(scope="module")
