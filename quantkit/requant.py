@@ -306,22 +306,26 @@ class Header:
             pos += LENGTH.size + length
         return out
 
-    def array(self, t: Tensor) -> np.ndarray:
-        """t's values [rows, row length]: a view of the file's float32 or float16 (both quantize as they
-        are), float32 for the other types."""
+    def array(self, t: Tensor, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """t's values [rows, row length], rows start to stop (default: all): a view of the file's float32 or
+        float16 (both quantize as they are), float32 for the other types (made a slice of rows at a time
+        by the callers: a 70B model's embedding is 8 GB in float32)."""
         import gguf
         import numpy as np
 
         k, n = t.dims[0], math.prod(t.dims[1:])
-        raw = np.frombuffer(self.buf, np.uint8, nbytes(t.dims, t.type), self.data + t.offset)
+        stop = n if stop is None else min(stop, n)
+        row = nbytes((k,), t.type)
+        raw = np.frombuffer(self.buf, np.uint8, (stop - start) * row, self.data + t.offset + start * row)
         if t.type == "F32":
-            return raw.view(np.float32).reshape(n, k)
+            return raw.view(np.float32).reshape(-1, k)
         if t.type == "F16":
-            return raw.view(np.float16).reshape(n, k)
+            return raw.view(np.float16).reshape(-1, k)
         if t.type == "BF16":
-            return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(n, k)
+            return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(-1, k)
         try:
-            return gguf.quants.dequantize(raw.reshape(n, -1), gguf.GGMLQuantizationType[t.type]).reshape(n, k)
+            return gguf.quants.dequantize(raw.reshape(stop - start, -1),
+                                          gguf.GGMLQuantizationType[t.type]).reshape(-1, k)
         except NotImplementedError:
             raise QuantkitError(f"{self.path}: tensor {t.name} is {t.type}, which gguf-py cannot read: requantize "
                                 "it with llama-quantize --allow-requantize") from None
@@ -510,9 +514,8 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
                                                            t.type == "F16", min(step, n - r), k, kind))
                         else:  # to a float type, from a quantized one, or without the compiled quantizer
                             check_source(h, t, base)
-                            x = h.array(t)
                             for r in range(0, n, step):
-                                f.write(quantize_rows(x[r:r + step], kind))
+                                f.write(quantize_rows(h.array(t, r, r + step), kind))
                     except blocks.Invalid as e:  # llama-quantize refuses these too
                         raise QuantkitError(f"{src}: tensor {t.name} {e}: the file is damaged, or the model "
                                             "diverged; convert it again from a sound checkpoint") from None
@@ -558,10 +561,11 @@ def check_source(h: Header, t: Tensor, base: int | None) -> None:
     quantized one with such a scale."""
     if base is not None and blocks.library() and t.type in blocks.TYPES:  # the compiled check knows these
         bad = blocks.invalid(base + h.data + t.offset, t.type, math.prod(t.dims))
-    else:  # numpy's view of the file (IQ types too); a quantized tensor's scales show in its values
+    else:  # numpy's view of the file (IQ types too), rows at a time; a quantized tensor's scales show in its values
         import numpy as np
 
-        bad = not np.isfinite(h.array(t)).all()
+        n, step = math.prod(t.dims[1:]), max(1, CHUNK // t.dims[0])
+        bad = not all(np.isfinite(h.array(t, r, r + step)).all() for r in range(0, n, step))
     if bad:
         raise blocks.Invalid("holds NaN or infinite values" if t.type in blocks.FLOAT_TYPES else
                              "holds a block whose float16 scale is NaN or infinite")

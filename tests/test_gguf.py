@@ -565,6 +565,23 @@ def test_a_type_gguf_py_cannot_dequantize_is_refused_at_load(float_ggufs, tmp_pa
             "tensor token_embd.weight is Q8_K, which quantkit cannot read (gguf-py has no dequantizer for it)")
 
 
+@pytest.mark.parametrize("source", ["BF16", "Q8_0"])
+def test_a_bf16_or_quantized_source_requantizes_a_slice_of_rows_at_a_time(float_ggufs, tmp_path, monkeypatch, source):
+    """Only F32 and F16 sources went a slice at a time: a BF16 (the converter's usual output) or quantized
+    source's tensor was made whole in float32 first, twice where it was checked (a 70B model's embedding:
+    8 GB). Rows at a time now, with the same bytes."""
+    from quantkit import requant
+
+    src = requant.requantize(float_ggufs[0], tmp_path / f"{source}.gguf", source, progress=False)
+    whole = requant.requantize(src, tmp_path / "whole.gguf", "Q4_K_M", progress=False).read_bytes()
+    monkeypatch.setattr(requant, "CHUNK", 8 * 256)  # 8 rows of 256 at a time
+    rows = []
+    real = requant.Header.array
+    monkeypatch.setattr(requant.Header, "array", lambda self, *a: rows.append(len(out := real(self, *a))) or out)
+    cut = requant.requantize(src, tmp_path / "cut.gguf", "Q4_K_M", progress=False).read_bytes()
+    assert cut == whole and rows and max(rows) <= 8
+
+
 def by_name(src, dst, keys=lambda w: None, drop=()):
     """src rewritten with its tensors in name order (blk.0, blk.1, blk.10, ..., blk.2), as a converter
     that sorts a checkpoint's keys writes them; keys(writer) adds key-values, those named in drop go."""
