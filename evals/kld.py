@@ -397,13 +397,19 @@ def save_base(module: torch.nn.Module, tokenizer, windows: torch.Tensor, path: s
     return exp_or_inf(nll / count)
 
 
-def divergence(module: torch.nn.Module, tokenizer, windows: torch.Tensor, base: BaseFile,
-               batch_size: int = 4, progress: bool = True) -> Divergence:
-    """Score windows (n, ctx) on the model and compare each prediction with the saved base."""
-    n, ctx = windows.shape
+def check_base(base: BaseFile, ctx: int, windows: torch.Tensor | None = None, vocab: int | None = None) -> None:
+    """Refuse a saved base that windows of ctx tokens (these, when given) of a model with a vocabulary of
+    vocab cannot be compared with: before the windows are cut and the model is read, a mistake in
+    --ctx was named as a text too short for it."""
     if ctx != base.ctx:
         raise QuantkitError(f"{base.path} was saved with a context of {base.ctx}, not {ctx}: pass "
                             f"{option('ctx', base.ctx)}")
+    if vocab is not None and vocab != base.n_vocab:
+        raise QuantkitError(f"the model has a vocabulary of {vocab}, the base {base.n_vocab}: compare a model with "
+                            "its own base")
+    if windows is None:
+        return
+    n = len(windows)
     if n > base.n:
         raise QuantkitError(f"{base.path} holds {count(base.n, 'window')}, fewer than the {n} asked for: pass "
                             f"{option('max_windows', base.n)}, or save the base again with more")
@@ -411,6 +417,13 @@ def divergence(module: torch.nn.Module, tokenizer, windows: torch.Tensor, base: 
         w, pos = divmod(int((windows != base.windows[:n]).flatten().nonzero()[0]), ctx)
         raise QuantkitError(f"{base.path} was saved from other tokens (window {w}, position {pos} differs): "
                             f"the text or the tokenizer is not the base's; pass the {option('data')} it was saved with")
+
+
+def divergence(module: torch.nn.Module, tokenizer, windows: torch.Tensor, base: BaseFile,
+               batch_size: int = 4, progress: bool = True) -> Divergence:
+    """Score windows (n, ctx) on the model and compare each prediction with the saved base."""
+    n, ctx = windows.shape
+    check_base(base, ctx, windows)
     sums, i = Sums(), 0
     for logits, targets in window_logits(module, tokenizer, windows, "llamacpp", batch_size, progress, "divergence"):
         if logits.shape[-1] != base.n_vocab:

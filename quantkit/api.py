@@ -781,7 +781,10 @@ def compare(
             del b  # one model in memory at a time
             base_file = evals.BaseFile(path)
         n = base_file.n if max_windows is None else max_windows
+        vocab = getattr(m.module.config, "vocab_size", None)
+        evals.kld.check_base(base_file, ctx, vocab=vocab)  # before the windows are cut and the model is read
         windows = evals.windows(m.tokenizer, text, "llamacpp", ctx, n, progress)
+        evals.kld.check_base(base_file, ctx, windows, vocab)
         m = ready(m, packed if isinstance(model, Model) else None, default_device(model, device), dtype)
         with scoring(m):
             return evals.divergence(m.module, m.tokenizer, windows, base_file, progress=progress)

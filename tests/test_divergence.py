@@ -211,6 +211,9 @@ def test_refusals(quant_dir, tiny_dir, tmp_path, capsys, monkeypatch):
     with_saved = ["eval", quant_dir, "--base", saved, "--ctx", CTX]
     refused([*with_saved, "--data", VALID], capsys, monkeypatch, "was saved from other tokens (window 0")
     refused([*with_saved, "--data", TEST, "--ctx", 64], capsys, monkeypatch, "context of 128, not 64: pass --ctx 128")
+    short = tmp_path / "short.txt"  # a text of fewer tokens than the context asked for: the context is the mistake
+    short.write_text(TEST.read_text()[:200])
+    refused([*with_saved, "--data", short, "--ctx", 512], capsys, monkeypatch, "context of 128, not 512: pass --ctx 128")
     refused([*with_saved, "--data", TEST, "--max-windows", 5], capsys, monkeypatch,
             "holds 2 windows, fewer than the 5 asked for")
     refused(["eval", quant_dir, "--base", saved, "--data", TEST, "--save-base", tmp_path / "again"], capsys,
