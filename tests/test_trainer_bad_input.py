@@ -129,15 +129,18 @@ def test_records_without_a_chat_template(tiny_dir, capsys, monkeypatch, tmp_path
 
 def test_records_of_plain_text_train_as_that_text(tiny_dir, tmp_path):
     """Pretraining's {"text": ...} lines (pile-val, C4) were refused as neither chats nor instructions:
-    they are the text, as calibration reads them."""
+    they are the text, each document ended by the end-of-sequence token as TRL packs them (joined by a
+    blank line, a model trained on them never learnt to stop)."""
     from quantkit.modelio import load_tokenizer
 
     tok = load_tokenizer(tiny_dir)
     texts = [VALID.read_text()[i * 3000:(i + 1) * 3000] for i in range(3)]
     records = jsonl(tmp_path / "text.jsonl", *({"text": t, "meta": {"pile_set_name": "x"}} for t in texts))
-    (tmp_path / "text.txt").write_text("\n\n".join(texts))
-    got, want = dataset.read(records, tok, 64), dataset.read(tmp_path / "text.txt", tok, 64)
-    assert len(got) == len(want) > 10 and all(torch.equal(a.ids, b.ids) for a, b in zip(got, want))
+    ids = torch.cat([torch.tensor(tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]) for t in texts])
+    got = dataset.read(records, tok, 64)
+    assert tok.eos_token_id is not None and len(got) == ids.numel() // 64 > 10
+    assert torch.equal(torch.cat([e.ids for e in got]), ids[:len(got) * 64])
+    assert all(torch.equal(e.ids, e.labels) for e in got)  # every token scored, the ends of the texts too
 
 
 def test_chat_without_an_assistant_turn(chat_dir, capsys, monkeypatch, tmp_path):

@@ -4,13 +4,16 @@ assistant's tokens scored). Batches are fixed by the seed: step s always sees th
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from quantkit.calibration import read_file, token_ids
+from quantkit.calibration.windows import tokenize
 from quantkit.calibration.records import chat_text, check_template, is_records, messages_of, parse, plain
 from quantkit.errors import QuantkitError, option
 
@@ -36,14 +39,32 @@ def read(path: str | os.PathLike, tokenizer, seqlen: int, progress: bool = True)
     if not is_records(p):
         return windows(p, text, tokenizer, seqlen, progress)
     parsed = parse(p, text)
-    joined = plain(parsed)
-    return windows(p, joined, tokenizer, seqlen, progress) if joined is not None else records(p, parsed, tokenizer, seqlen)
+    if plain(parsed) is None:
+        return records(p, parsed, tokenizer, seqlen)
+    return documents(p, [record["text"] for _, record in parsed], tokenizer, seqlen, progress)
+
+
+def documents(p: Path, texts: list[str], tokenizer, seqlen: int, progress: bool = True) -> list[Example]:
+    """Records of plain text ({"text": ...}): each a document tokenized and ended by the end-of-sequence
+    token, as TRL packs them (packed without it, a model never learns where a text stops), then cut into
+    windows; joined by a blank line where the tokenizer has no such token."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        return windows(p, "\n\n".join(texts), tokenizer, seqlen, progress)
+    end = torch.tensor([eos])
+    ids = [part for text in tqdm(texts, desc="tokenizing", unit="record", leave=False, file=sys.stderr,
+                                 disable=not progress or len(texts) < 1000)
+           for part in (tokenize(tokenizer, text, split=True, progress=False), end)]
+    return packed(p, torch.cat(ids), seqlen)
 
 
 def windows(p: Path, text: str, tokenizer, seqlen: int, progress: bool = True) -> list[Example]:
-    """Language modelling: the text tokenized once, cut into windows of seqlen tokens (the last
-    partial one dropped)."""
-    ids = token_ids(tokenizer, text, progress)
+    """Language modelling: the text tokenized once, cut into windows of seqlen tokens."""
+    return packed(p, token_ids(tokenizer, text, progress), seqlen)
+
+
+def packed(p: Path, ids: torch.Tensor, seqlen: int) -> list[Example]:
+    """Token ids cut into windows of seqlen tokens, every token scored (the last partial window dropped)."""
     n = ids.numel() // seqlen
     if n == 0:
         raise QuantkitError(f"{p} is too short: {ids.numel()} tokens, not one window of {option('seqlen', seqlen)}: "
