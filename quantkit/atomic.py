@@ -238,6 +238,7 @@ def locked(path: Path, option: str) -> Iterator[None]:
 
 
 CHECKPOINT = "checkpoint"  # trainer.loop.Checkpoints' directory in a training run's partial output
+STOPPED = {"layers": "the finished layers of a quantize, export or merge", "checkpoint": "a training checkpoint"}
 
 
 class Staged:
@@ -256,13 +257,14 @@ class Staged:
         and not yet put the new one in place, the output is put back first. A stopped run's finished work
         (stopped_work) goes only with overwrite, or where own names its kind: the caller checked that
         work to be its own run's, and of no use."""
-        work = [p for kind, paths in self.stopped_work().items() if kind != own for p in paths]
+        work = [(kind, p) for kind, paths in self.stopped_work().items() if kind != own for p in paths]
         if work and not self.overwrite:
             self.refused = True  # abort() leaves that work where it is
             again = errors.option("overwrite", True)
-            raise QuantkitError(f"{work[0]} holds the finished work of another run writing {self.out}, stopped: run "
-                                f"that command again to go on from it, or pass {again} to discard it (or choose "
-                                f"another {errors.option(self.option)})")
+            kind, path = work[0]
+            raise QuantkitError(f"{path} holds the finished work of another run writing {self.out} ({STOPPED[kind]}), "
+                                f"stopped: run that command again to go on from it, or pass {again} to discard it (or "
+                                f"choose another {errors.option(self.option)})")
         aside = siblings(self.out, r"\.{name}\.old-\d+")
         if aside and not self.out.exists() and not self.out.is_symlink():
             max(aside, key=lambda p: p.stat().st_mtime_ns).rename(self.out)
@@ -282,7 +284,7 @@ class Staged:
         return self.path
 
     def stopped_work(self) -> dict[str, list[Path]]:
-        """A stopped run's finished work for out, by kind: quantize's layers (its processes' progress), a
+        """A stopped run's finished work for out, by kind (STOPPED): quantize's or merge's layers (their progress), a
         training checkpoint (trainer.loop.Checkpoints: the latest, or the one a killed save left aside)."""
         saved = [self.path / CHECKPOINT, self.path / f".{CHECKPOINT}.old"]
         return {"layers": progress_files(self.out), "checkpoint": [p for p in saved if (p / "state.pt").is_file()]}

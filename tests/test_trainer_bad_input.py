@@ -475,7 +475,7 @@ def test_a_stopped_runs_work_is_not_cleared_by_another_command(tiny_dir, text, c
 
     stopped_at_step_3(tiny_dir, text, tmp_path)
     fails(["quantize", tiny_dir, "--out", tmp_path / "out"], capsys, monkeypatch,
-          "checkpoint holds the finished work of another run writing")
+          "checkpoint holds the finished work of another run writing " + str(tmp_path / "out") + " (a training checkpoint)")
     assert saved_step(tmp_path) == 2
     monkeypatch.setattr(sys, "argv", ["quantkit", "quantize", str(tiny_dir), "--out", str(tmp_path / "out"),
                                       "--overwrite"])
@@ -487,7 +487,8 @@ def test_a_stopped_runs_work_is_not_cleared_by_another_command(tiny_dir, text, c
         quantkit.quantize(str(tiny_dir), out=tmp_path / "q", progress=False)
     monkeypatch.setattr("quantkit.pipeline.save_progress", real)
     fails(["train", tiny_dir, "--data", text, "--out", tmp_path / "q", *FAST, "--steps", 1], capsys, monkeypatch,
-          ".q.progress.pt holds the finished work of another run writing")
+          ".q.progress.pt holds the finished work of another run writing " + str(tmp_path / "q") + " (the finished "
+          "layers of a quantize, export or merge)")
     with pytest.raises(QuantkitError, match="holds the finished work of another run writing"):
         quantkit.quantize(str(tiny_dir), out=tmp_path / "q", keep=True, progress=False)
     assert left(tmp_path, "q") == [".q.partial", ".q.progress.pt"]
