@@ -195,7 +195,7 @@ class QuantConfig:
                 raise QuantkitError(f"{name}={getattr(self, name)!r} is a {type(getattr(self, name)).__name__}, where "
                                     f"{what} belong: pass {name} as a list of them")
         check_method(self.method)
-        check_bits_group(self.bits, self.group_size)
+        check_bits_group(self.bits, self.group_size, named=True)
         if self.sym is None:
             self.sym = self.method != "awq"
         if self.group_aware is None:

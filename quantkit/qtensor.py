@@ -28,12 +28,14 @@ def whole(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
-def check_bits_group(bits: int, group_size: int) -> None:
+def check_bits_group(bits: int, group_size: int, named: bool = False) -> None:
+    """named: the values are the caller's options, and the refusal names them so (--bits 5, bits=5)."""
     if not whole(bits) or bits not in BITS:
-        raise QuantkitError(f"unsupported bit width {bits!r}: use one of {', '.join(map(str, BITS))}")
+        said = f"{option('bits', bits)} is an unsupported bit width" if named else f"unsupported bit width {bits!r}"
+        raise QuantkitError(f"{said}: use one of {', '.join(map(str, BITS))}")
     if not whole(group_size) or group_size != -1 and group_size < 1:
-        raise QuantkitError(f"group size {group_size!r} is invalid: use -1 (per channel) or a positive whole size "
-                            "such as 128")
+        said = option("group_size", group_size) if named else f"group size {group_size!r}"
+        raise QuantkitError(f"{said} is invalid: use -1 (per channel) or a positive whole size such as 128")
 
 
 def check_scales(w: torch.Tensor, scales: torch.Tensor, name: str = "a weight") -> None:

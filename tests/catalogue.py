@@ -94,8 +94,8 @@ CATALOGUE = {
                                         sharded('{"weight_map": {"x": "../model/model-00001-of-00001.safetensors"}}')),
     "GGUF damaged": Bad("quantize {tmp}/bad.gguf --out {tmp}/q", "not a readable GGUF file"),
     # quantize: the options
-    "5 bits": Bad("quantize {model} --bits 5 --out {tmp}/q", "unsupported bit width 5"),
-    "group size 0": Bad("quantize {model} --group-size 0 --out {tmp}/q", "group size 0 is invalid"),
+    "5 bits": Bad("quantize {model} --bits 5 --out {tmp}/q", "--bits 5 is an unsupported bit width"),
+    "group size 0": Bad("quantize {model} --group-size 0 --out {tmp}/q", "--group-size 0 is invalid"),
     "unknown method": Bad("quantize {model} --method magic --out {tmp}/q", "unknown method 'magic'"),
     "unknown method with its options": Bad("quantize {model} --method GPTQ --damp 0.02 --out {tmp}/q",
                                            "unknown method 'GPTQ'"),  # not "--damp is not an option of"

@@ -85,8 +85,8 @@ def test_nan_or_inf_weights(model, capsys, monkeypatch, tmp_path, bad):
     quantize_fails([model], capsys, monkeypatch, tmp_path, "model.layers.1.mlp.up_proj.weight contains NaN or Inf")
 
 
-@pytest.mark.parametrize("args,match", [(["--bits", "5"], "unsupported bit width 5"),
-                                        (["--group-size", "0"], "group size 0 is invalid"),
+@pytest.mark.parametrize("args,match", [(["--bits", "5"], "--bits 5 is an unsupported bit width"),
+                                        (["--group-size", "0"], "--group-size 0 is invalid"),
                                         (["--method", "magic"], "unknown method 'magic'"),
                                         (["--format", "onnx"], "unknown export format 'onnx'"),
                                         (["--bits", "nan"], "--bits nan is not a width"),

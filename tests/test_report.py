@@ -234,7 +234,7 @@ def test_a_disk_that_fills_while_the_plots_are_drawn(tiny_dir, tmp_path, capsys,
 
 
 @pytest.mark.parametrize("args,match", [
-    (["--methods", "rtn", "--bits", "5"], "unsupported bit width 5"),
+    (["--methods", "rtn", "--bits", "5"], "--bits 5 is an unsupported bit width"),
     (["--methods", "gguf", "--gguf-types", "Q9"], "unknown GGUF type 'Q9' in --gguf-types"),
     (["--methods", ""], "the sweep has no points"),
     (["--methods", "rtn", "--ctx", 1], "context 1 is too short"),
