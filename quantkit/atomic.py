@@ -104,9 +104,19 @@ def saved_progress(path: Path) -> list[Path]:
     return [path] * path.is_file() + siblings(path, r"{name}" + NEXT)
 
 
+def tensors_path(out: str | os.PathLike) -> Path:
+    """Where a GGUF requantization writing out saves how far its fsynced tensors go (quantkit.requant)."""
+    out = Path(out)
+    return out.with_name(f".{out.name}.progress.json")
+
+
+TENSORS = r"\.{name}\.progress\.json"  # tensors_path's name
+
+
 def progress_files(out: Path) -> list[Path]:
-    """Every process's saved progress for out."""
-    return siblings(out, PROGRESS)
+    """Every process's saved progress for out (a requantization's too, and write_text's temporary of one of its
+    saves that a kill cut short)."""
+    return siblings(out, PROGRESS) + siblings(out, TENSORS) + siblings(out, r"\." + TENSORS + r"\.tmp-\d+")
 
 
 def siblings(path: Path, pattern: str) -> list[Path]:
@@ -238,7 +248,8 @@ def locked(path: Path, option: str) -> Iterator[None]:
 
 
 CHECKPOINT = "checkpoint"  # trainer.loop.Checkpoints' directory in a training run's partial output
-STOPPED = {"layers": "the finished layers of a quantize, export or merge", "checkpoint": "a training checkpoint"}
+STOPPED = {"layers": "the finished layers of a quantize, export or merge", "checkpoint": "a training checkpoint",
+           "tensors": "the finished tensors of a GGUF requantization"}
 
 
 class Staged:
@@ -284,10 +295,12 @@ class Staged:
         return self.path
 
     def stopped_work(self) -> dict[str, list[Path]]:
-        """A stopped run's finished work for out, by kind (STOPPED): quantize's or merge's layers (their progress), a
-        training checkpoint (trainer.loop.Checkpoints: the latest, or the one a killed save left aside)."""
+        """A stopped run's finished work for out, by kind (STOPPED): quantize's or merge's layers (their progress),
+        a requantization's tensors, a training checkpoint (trainer.loop.Checkpoints: the latest, or the one a killed
+        save left aside)."""
         saved = [self.path / CHECKPOINT, self.path / f".{CHECKPOINT}.old"]
-        return {"layers": progress_files(self.out), "checkpoint": [p for p in saved if (p / "state.pt").is_file()]}
+        return {"layers": siblings(self.out, PROGRESS), "tensors": siblings(self.out, TENSORS),
+                "checkpoint": [p for p in saved if (p / "state.pt").is_file()]}
 
     def check(self) -> None:
         """Refuse an output that appeared since the start (written by something else). Resumable: a run

@@ -6,6 +6,7 @@ of rows at a time, and the file appears only when complete, as every export does
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import mmap
 import os
@@ -13,6 +14,7 @@ import re
 import struct
 import sys
 import warnings
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +23,8 @@ from typing import TYPE_CHECKING, Iterator
 from tqdm import tqdm
 
 from . import blocks
-from .atomic import Staged, size_on_disk, write_behind
-from .errors import Note, QuantkitError, option, space_for
+from .atomic import Staged, size_on_disk, tensors_path, write_behind, write_text
+from .errors import Note, QuantkitError, ResumableError, option, space_for
 from .gguf_constants import GGML_QUANT_VERSION, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, LlamaFileType
 
 if TYPE_CHECKING:
@@ -489,43 +491,110 @@ def requantize(src: str | os.PathLike, out: str | os.PathLike, mix: str = "F16",
     head, offsets = header_bytes(h, types, mix)
     total = len(head) + sum(pad(nbytes(t.dims, types.get(t.name, t.type)), h.alignment) for t in h.tensors)
     staged = Staged(out, overwrite, directory=False)
+    saved, tensors = tensors_path(out), order(h.tensors)
+    st = os.stat(src)  # what the progress must match: the same source (as a quantize's key holds the model), settings
+    key = {"source": [os.path.realpath(src), st.st_size, st.st_mtime_ns], "mix": mix, "pure": pure,
+           "overrides": list(overrides), "header": zlib.crc32(head)}
     try:
-        # a killed run's partial is replaced: its bytes count as free; the commit's fsyncs can find the disk full too
-        with space_for(out, total - size_on_disk(staged.path), "the GGUF", "run it again"):
-            with open(staged.fresh(), "wb") as f, \
+        state = resumed(staged, saved, key, head, len(tensors), overwrite)
+        # a killed run's partial is replaced or gone on with: its bytes count as free; the commit's fsyncs can find
+        # the disk full too
+        with space_for(out, total - size_on_disk(staged.path), "the GGUF",
+                       "run it again" + (": it resumes after the last saved tensor" if total > SAVED_EVERY else "")):
+            if state is None:
+                saved.unlink(missing_ok=True)  # this command's own, of another state of the file: of no use
+                staged.fresh()
+            with open(staged.path, "r+b" if state else "wb") as f, \
                     mapped(src) as base, tqdm(total=total, desc=f"requantizing to {mix}", unit="B", unit_scale=True,
                                               disable=not progress, file=sys.stderr) as bar:
-                f.write(head)
+                if state is None:
+                    f.write(head)
+                else:
+                    f.truncate(state["at"])
+                    print(f"resuming after tensor {state['next']}/{len(tensors)} from {saved}", file=sys.stderr)
                 bar.update(len(head))
-                for t in order(h.tensors):
-                    start = len(head) + offsets[t.name]
-                    f.seek(start)
+                written = 0  # since the last save
+                for i, t in enumerate(tensors):
                     kind = types.get(t.name)
-                    k, n = t.dims[0], math.prod(t.dims[1:])
-                    step = max(1, CHUNK // k)
-                    try:
-                        if kind is None or kind == t.type:  # norms, biases and what keeps its type: as they are
-                            check_source(h, t, base)
-                            f.write(h.buf[h.data + t.offset:h.data + t.offset + nbytes(t.dims, t.type)])
-                        elif base is not None and t.type in ("F32", "F16") and kind not in blocks.FLOAT_TYPES and \
-                                blocks.library():  # checked as quantized
-                            for r in range(0, n, step):
-                                f.write(blocks.quantize_at(base + h.data + t.offset + nbytes((k, r), t.type),
-                                                           t.type == "F16", min(step, n - r), k, kind))
-                        else:  # to a float type, from a quantized one, or without the compiled quantizer
-                            check_source(h, t, base)
-                            for r in range(0, n, step):
-                                f.write(quantize_rows(h.array(t, r, r + step), kind))
-                    except blocks.Invalid as e:  # llama-quantize refuses these too
-                        raise QuantkitError(f"{src}: tensor {t.name} {e}: the file is damaged, or the model "
-                                            "diverged; convert it again from a sound checkpoint") from None
-                    write_behind(f, start)
+                    if state is None or i >= state["next"]:
+                        start = len(head) + offsets[t.name]
+                        f.seek(start)
+                        write_tensor(f, h, t, kind, base)
+                        write_behind(f, start)
+                        written += f.tell() - start
                     bar.update(pad(nbytes(t.dims, kind or t.type), h.alignment))
+                    if written >= SAVED_EVERY and i + 1 < len(tensors):  # what it records is on the disk first
+                        os.fsync(f.fileno())
+                        write_text(saved, json.dumps({"key": key, "next": i + 1, "at": f.tell()}))
+                        written = 0
                 f.truncate(total)
             return staged.commit()
-    except BaseException:
-        staged.abort()
+    except BaseException as e:
+        # the saved tensors stay for the same command, unless the source is at fault: it would fail the same way
+        keep = saved.is_file() and not (isinstance(e, QuantkitError) and not isinstance(e, ResumableError))
+        staged.abort(keep=keep)
+        if isinstance(e, KeyboardInterrupt) and keep:  # Ctrl-C, SIGTERM
+            print(f"stopped: the finished tensors are kept beside {out} ({saved.name}): run the same command to go on "
+                  "from them", file=sys.stderr)
         raise
+
+
+SAVED_EVERY = 2**30  # bytes written between saves of the progress (each after an fsync): none for a smaller file
+
+
+def resumed(staged: Staged, saved: Path, key: dict, head: bytes, tensors: int, overwrite: bool) -> dict | None:
+    """The progress of a killed run of the same command to go on from (its tensors fsynced in the partial
+    file, which starts with the same header), or None. Another requantization's is refused without overwrite."""
+    try:
+        state = json.loads(saved.read_text()) if saved.is_file() and not saved.is_symlink() else None
+        next_, at = state["next"], state["at"]
+        if state["key"] != key and not overwrite:
+            staged.refused = True  # abort() leaves that work where it is
+            raise QuantkitError(f"{saved} holds {next_} of {tensors} tensors of another requantization writing "
+                                f"{staged.out} ({differences(state['key'], key)}): run that command again to go on "
+                                f"from them, or pass {option('overwrite', True)} to discard them and start afresh")
+    except (OSError, ValueError, TypeError, KeyError):  # none, or damaged: start afresh
+        return None
+    path = staged.path
+    if state["key"] != key or not isinstance(next_, int) or not isinstance(at, int) or not 0 < next_ < tensors \
+            or not path.is_file() or path.is_symlink() or path.stat().st_size < at or at < len(head):
+        return None
+    with open(path, "rb") as f:
+        if f.read(len(head)) != head:
+            return None
+    return state
+
+
+def differences(theirs: dict, ours: dict) -> str:
+    """How another requantization's key differs from this one's, as its user would tell them apart."""
+    if not isinstance(theirs, dict) or theirs.keys() != ours.keys():
+        return "it was started by another version of quantkit"
+    if theirs["source"] != ours["source"]:
+        return "it read another source file, or this one changed since"
+    changed = [f"{name}={theirs[name]!r}" for name in ("mix", "pure", "overrides") if theirs[name] != ours[name]]
+    return f"it ran with {' and '.join(changed)}" if changed else "its header differs"
+
+
+def write_tensor(f, h: Header, t: Tensor, kind: str | None, base: int | None) -> None:
+    """Tensor t of the source, in kind (None: as it is), at f's position."""
+    k, n = t.dims[0], math.prod(t.dims[1:])
+    step = max(1, CHUNK // k)
+    try:
+        if kind is None or kind == t.type:  # norms, biases and what keeps its type: as they are
+            check_source(h, t, base)
+            f.write(h.buf[h.data + t.offset:h.data + t.offset + nbytes(t.dims, t.type)])
+        elif base is not None and t.type in ("F32", "F16") and kind not in blocks.FLOAT_TYPES and \
+                blocks.library():  # checked as quantized
+            for r in range(0, n, step):
+                f.write(blocks.quantize_at(base + h.data + t.offset + nbytes((k, r), t.type), t.type == "F16",
+                                           min(step, n - r), k, kind))
+        else:  # to a float type, from a quantized one, or without the compiled quantizer
+            check_source(h, t, base)
+            for r in range(0, n, step):
+                f.write(quantize_rows(h.array(t, r, r + step), kind))
+    except blocks.Invalid as e:  # llama-quantize refuses these too
+        raise QuantkitError(f"{h.path}: tensor {t.name} {e}: the file is damaged, or the model diverged; convert it "
+                            "again from a sound checkpoint") from None
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """Killing quantkit at random moments. Each scenario (a GPTQ quantization written as shards, a
-streamed GGUF quantization, a GGUF export, a training run that checkpoints, an adapter's merge, the
-embedded model's cache fill) first runs once whole, as the reference; then it is run again and again, each run
+streamed GGUF quantization, a GGUF export, a GGUF requantization, a training run that checkpoints, an
+adapter's merge, the embedded model's cache fill) first runs once whole, as the reference; then it is run again and again, each run
 killed (SIGKILL, as `kill -9`) after a random delay within the reference's duration, and run
 again after each kill as a user would (train with --resume) until a run finishes. After every
 kill, the output either does not exist or is the complete one (equal to the reference), and
@@ -34,7 +34,7 @@ from safetensors.numpy import load_file
 from quantkit.modelio import DEFAULT_NAME, cache_dir, default_gguf
 
 POLL = 0.005  # seconds between checks on a run
-NAMES = ["quantize", "quantize-gguf", "export", "train", "merge", "cache"]
+NAMES = ["quantize", "quantize-gguf", "export", "requantize", "train", "merge", "cache"]
 
 
 class Failed(Exception):
@@ -77,6 +77,12 @@ def scenarios(root: Path) -> dict[str, Scenario]:
             return quantkit(*args, *(rerun_args if rerun else ()), "--out", work / out)
         return Scenario(job, [out], **kw)
 
+    def requantize(work: Path, rerun: bool) -> int:
+        from quantkit import requant
+
+        requant.SAVED_EVERY = 1  # its progress saved after every tensor (a 1 GiB step otherwise): kills land past saves
+        return quantkit("export", root / "f32.gguf", "--gguf-type", "Q4_K_M", "--out", work / "r.gguf")
+
     def fill(work: Path, rerun: bool) -> int:
         from quantkit.modelio import default_model_dir
 
@@ -92,6 +98,7 @@ def scenarios(root: Path) -> dict[str, Scenario]:
                         "100kB"),
         "quantize-gguf": cli("q.gguf", "quantize", model, "--method", "rtn", "--format", "gguf", "--gguf-type", "Q4_K_M"),
         "export": cli("x.gguf", "export", model, "--gguf-type", "Q4_K_M"),
+        "requantize": Scenario(requantize, ["r.gguf"]),
         "train": cli("adapter", "train", model, "--data", text, "--steps", 12, "--save-every", 2, "--seqlen", 64,
                      "--batch-size", 4, rerun_args=["--resume"],
                      files=["adapter_model.safetensors", "adapter_config.json"]),
@@ -110,6 +117,10 @@ def prepare(root: Path) -> None:
                    root / "prepare.log", None)[1]:
             raise Failed(f"could not write the model:\n{(root / 'prepare.log').read_text()[-4000:]}")
     (root / "text.txt").write_text(VALID.read_text()[:100_000])
+    if not (root / "f32.gguf").exists():  # what the requantize scenario requantizes
+        if attempt(lambda: quantkit("export", root / "model", "--gguf-type", "F32", "--out", root / "f32.gguf"),
+                   root / "prepare.log", None)[1]:
+            raise Failed(f"could not write the GGUF:\n{(root / 'prepare.log').read_text()[-4000:]}")
     if not (root / "adapter").exists():  # what the merge scenario merges
         args = ["train", root / "model", "--data", root / "text.txt", "--steps", 2, "--seqlen", 64, "--batch-size", 4,
                 "--rank", 4, "--warmup", 0, "--out", root / "adapter"]

@@ -582,6 +582,46 @@ def test_a_bf16_or_quantized_source_requantizes_a_slice_of_rows_at_a_time(float_
     assert cut == whole and rows and max(rows) <= 8
 
 
+def test_an_interrupted_requantization_resumes_after_its_last_saved_tensor(float_ggufs, tmp_path, monkeypatch, capsys):
+    """A killed requantization started afresh (hours of a 70B model's tensors lost); now the same command goes on
+    after the last tensor saved (each save after an fsync, every SAVED_EVERY bytes) with the bytes of a run never
+    stopped, and another requantization's or quantization's work there is refused without overwrite."""
+    from quantkit import requant
+
+    src = float_ggufs[1]  # F16
+    whole = requant.requantize(src, tmp_path / "whole.gguf", "Q4_K_M", progress=False).read_bytes()
+    monkeypatch.setattr(requant, "SAVED_EVERY", 1)  # a save after every tensor
+    real, calls, killed = requant.write_tensor, [], []
+
+    def dies_at_the_fifth(f, h, t, kind, base):
+        calls.append(t.name)
+        if len(calls) == 5 and not killed:
+            killed.append(t.name)
+            raise KeyboardInterrupt
+        return real(f, h, t, kind, base)
+
+    monkeypatch.setattr(requant, "write_tensor", dies_at_the_fifth)
+    with pytest.raises(KeyboardInterrupt):
+        requant.requantize(src, tmp_path / "q.gguf", "Q4_K_M", progress=False)
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == [".q.gguf.partial", ".q.gguf.progress.json", "whole.gguf"]
+    n = len(gguf_tensors(tmp_path / "whole.gguf"))
+    with pytest.raises(QuantkitError, match=rf"holds 4 of {n} tensors of another requantization writing .*q.gguf \(it "
+                                            r"ran with mix='Q4_K_M'\).*pass overwrite=True"):
+        requant.requantize(src, tmp_path / "q.gguf", "Q5_K_M", progress=False)
+    with pytest.raises(QuantkitError, match=r"holds the finished work of another run writing .*q.gguf \(the finished "
+                                            r"tensors of a GGUF requantization\)"):
+        quantkit.quantize(str(src), method="rtn", format="gguf", gguf_type="Q4_K_M", out=tmp_path / "q.gguf",
+                          progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept
+    calls.clear()
+    requant.requantize(src, tmp_path / "q.gguf", "Q4_K_M", progress=False)
+    assert f"resuming after tensor 4/{n}" in capsys.readouterr().err
+    assert calls[0] == killed[0] and len(calls) == n - 4
+    assert (tmp_path / "q.gguf").read_bytes() == whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.gguf", "whole.gguf"]
+
+
 def by_name(src, dst, keys=lambda w: None, drop=()):
     """src rewritten with its tensors in name order (blk.0, blk.1, blk.10, ..., blk.2), as a converter
     that sorts a checkpoint's keys writes them; keys(writer) adds key-values, those named in drop go."""

@@ -1,5 +1,5 @@
-"""kill -9 at random moments of quantize (shards, streamed GGUF), export, train, merge and the
-embedded model's cache fill (tests/kills.py): after every kill no output exists unless it is the complete
+"""kill -9 at random moments of quantize (shards, streamed GGUF), export (from a model, and a GGUF
+requantized), train, merge and the embedded model's cache fill (tests/kills.py): after every kill no output exists unless it is the complete
 one, and the runs after it finish with the reference's output, resuming where the command can."""
 import json
 import os
