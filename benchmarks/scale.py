@@ -55,42 +55,42 @@ SHAPES = {
 
 
 def model_dir(shape: str) -> Path:
-    """The random bf16 model of a shape, written once (tensor by tensor: never whole in memory)."""
+    """The random bf16 model of a shape, written once across processes (fill_cache: another run that asks
+    for it meanwhile waits) tensor by tensor: never whole in memory."""
     import torch
     from accelerate import init_empty_weights
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from quantkit.exporters.shards import ShardWriter
-    from quantkit.modelio import cache_dir
+    from quantkit.modelio import cache_dir, fill_cache
     from tests.conftest import tiny_tokenizer
 
-    target = cache_dir() / "scale" / f"llama-{shape}-bf16"
-    if (target / "config.json").is_file():
-        return target
-    tmp = target.with_name(target.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False, dtype="bfloat16",
                          architectures=["LlamaForCausalLM"])
     with init_empty_weights():
         skeleton = LlamaForCausalLM(config)
-    where = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU draws 7B values in minutes
-    writer, g = ShardWriter(tmp, "5GB"), torch.Generator(where).manual_seed(0)
     state = skeleton.state_dict()
-    start = time.monotonic()
-    for i, (name, t) in enumerate(state.items()):
-        value = torch.ones(t.shape) if t.dim() == 1 else torch.randn(t.shape, generator=g, device=where) * 0.02
-        writer.add(name, value.to(torch.bfloat16).cpu())
-        print(f"\rwriting {target.name}: {i + 1}/{len(state)} tensors, {writer.total / 2**30:.1f} GiB, "
-              f"{time.monotonic() - start:.0f} s", end="", file=sys.stderr)
-    writer.close()
-    for f in writer.scratch():
-        f.unlink()
-    print(file=sys.stderr)
-    config.save_pretrained(tmp)
-    tiny_tokenizer(tmp, vocab_size=SHAPES[shape]["vocab_size"])
-    tmp.rename(target)
-    return target
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir()
+        where = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU draws 7B values in minutes
+        writer, g = ShardWriter(tmp, "5GB"), torch.Generator(where).manual_seed(0)
+        start = time.monotonic()
+        for i, (name, t) in enumerate(state.items()):
+            value = torch.ones(t.shape) if t.dim() == 1 else torch.randn(t.shape, generator=g, device=where) * 0.02
+            writer.add(name, value.to(torch.bfloat16).cpu())
+            print(f"\rwriting the random {shape} model: {i + 1}/{len(state)} tensors, {writer.total / 2**30:.1f} GiB, "
+                  f"{time.monotonic() - start:.0f} s", end="", file=sys.stderr)
+        writer.close()
+        for f in writer.scratch():
+            f.unlink()
+        print(file=sys.stderr)
+        config.save_pretrained(tmp)
+        tiny_tokenizer(tmp, vocab_size=SHAPES[shape]["vocab_size"])
+
+    needed = sum(t.numel() for t in state.values()) * 2
+    return fill_cache(cache_dir() / "scale" / f"llama-{shape}-bf16", write, lambda d: (d / "config.json").is_file(),
+                      needed)
 
 
 def bound(shape: str, samples: int, seqlen: int = 512) -> int:
