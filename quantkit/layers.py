@@ -53,15 +53,12 @@ class Captured(Exception):
     """Raised by a hook to end a forward pass once what it needed is captured."""
 
 
-def linear_inputs(layer: torch.nn.Module, batches, names, stop: bool = False) -> dict[str, list[torch.Tensor]]:
-    """Each named linear's inputs, batch by batch, from one run of the layer; with stop, each run ends
-    at the last name's input (names in the layer's order), since nothing after it is needed."""
+def linear_inputs(layer: torch.nn.Module, batches, names) -> dict[str, list[torch.Tensor]]:
+    """Each named linear's inputs, batch by batch, from one run of the layer."""
     inputs, handles = {name: [] for name in names}, []
     for name in names:
         def hook(module, args, name=name):
             inputs[name].append(args[0].detach())
-            if stop and name == names[-1]:
-                raise Captured
         handles.append(layer.get_submodule(name).register_forward_pre_hook(hook))
     try:
         run_hooked(layer, batches)

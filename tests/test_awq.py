@@ -1,4 +1,6 @@
 """AWQ: scale folding, GQA, the search against autoawq 0.2.9's on the same block, the GEMM layout."""
+import copy
+import gc
 import json
 
 import pytest
@@ -8,7 +10,7 @@ import quantkit
 from quantkit import QuantkitError
 from quantkit.exporters import awq as gemm
 from quantkit.layers import linear_inputs
-from quantkit.pipeline import capture_inputs
+from quantkit.pipeline import Hessian, capture_inputs
 from quantkit.quantizers import awq, rtn
 from quantkit.quantizers.awq import fold, kv_channels, search_group
 
@@ -23,6 +25,18 @@ def layer_and_batches(tiny_dir):
     with torch.no_grad():
         batches = capture_inputs(m, windows, 2)
     return m, batches
+
+
+def hessian(xs: list[torch.Tensor]) -> torch.Tensor:
+    """H = 2 X^T X / T of the batches xs, GPTQ's: each linear's mean squared output error is tr(dW H dW^T) / 2T."""
+    h = Hessian(xs[0].shape[-1])
+    for x in xs:
+        h.add_batch(x)
+    return h.matrix()
+
+
+def input_mean(xs: list[torch.Tensor]) -> torch.Tensor:
+    return (sum(x.abs().reshape(-1, x.shape[-1]).sum(0).double() for x in xs) / sum(x[..., 0].numel() for x in xs)).float()
 
 
 def test_kv_channels_follow_grouped_query_heads(tiny_dir):
@@ -91,8 +105,7 @@ def test_scales_match_autoawq(tiny_dir, duo):
     same = 0
     for prev, linears, block, module, inp in cases:
         with torch.no_grad():
-            h = awq.hessian([inp], inp.shape[-1], inp.device)
-            ours, _ = search_group(linears, [inp], awq.input_mean([inp], inp.device), [kw], block, None, h, 4, 32, False,
+            ours, _ = search_group(linears, [inp], input_mean([inp]), [kw], block, None, hessian([inp]), 4, 32, False,
                                    duo=duo)
             with cpu_snapshots_copied():
                 _, _, theirs = ref._search_best_scale(layer, prev, linears, inp, module2inspect=module, kwargs=dict(kw))
@@ -127,14 +140,14 @@ def test_output_loss_is_the_block_loss_of_a_lone_linear(layer_and_batches):
         for lin, channels in cases:
             xs = inputs[[n for n, mod in layer.named_modules() if mod is lin][0]]
             block = awq.block_loss([lin], xs, kw, lambda x, _: lin(x), lambda s: full(s, channels), 4, 32, False)
-            h = awq.hessian(xs, lin.in_features, "cpu")
+            h = hessian(xs)
             output = awq.output_loss([lin], h, lambda s: full(s, channels), 4, 32, False)
             x_mean = torch.rand(len(torch.bincount(channels)) if channels is not None else lin.in_features,
                                 generator=torch.Generator().manual_seed(6)) + 0.1
             for alpha in (0.0, 0.3, 0.6, 0.9):
                 s = awq.candidate(x_mean, None, alpha)
                 assert output(s) == pytest.approx(block(s), rel=1e-4)
-            mean = awq.input_mean(xs, "cpu")
+            mean = input_mean(xs)
             ours = search_group([lin], xs, mean, kw, None, channels, h, 4, 32, False)
             forwards = search_group([lin], xs, mean, kw, lambda x, _: lin(x), channels, h, 4, 32, False)
             assert torch.equal(ours[0], forwards[0]) and torch.equal(ours[1], forwards[1])
@@ -211,19 +224,18 @@ def test_a_search_judges_the_attention_on_its_first_windows_and_an_output_loss_c
     m, batches = layer_and_batches  # batches of 2 windows of 48 tokens
     layer = m.layers[0]
     attn = layer.self_attn
-    lins, kw = [attn.q_proj, attn.k_proj, attn.v_proj], [k for _, k in batches]
-    xs = linear_inputs(layer, batches, ["self_attn.q_proj"])["self_attn.q_proj"]
+    lins = [attn.q_proj, attn.k_proj, attn.v_proj]
     windows, products = [], []
     block = lambda x, k: windows.append(len(x)) or attn(hidden_states=x, **k)[0]  # noqa: E731
     quadratic = awq.quadratic
     monkeypatch.setattr(awq, "quadratic", lambda dw, h: products.append(1) or quadratic(dw, h))
     with torch.no_grad():
-        h = awq.hessian(xs, attn.q_proj.in_features, "cpu")
-        mean = awq.input_mean(xs, "cpu")
-        search_group(lins, xs, mean, kw, block, None, h, 4, 32, False, block_tokens=48, descent=True)
+        g = awq.gather(layer, batches, ["head", None, None, None], 8192, 48)[0][0]
+        h, mean = g.h.matrix(), g.mean(sum(x[..., 0].numel() for x, _ in batches))
+        search_group(lins, g.xs, mean, g.kwargs, block, None, h, 4, 32, False, descent=True)
         assert set(windows) == {1} and 12 <= len(products) <= 14  # the start, coarse to fine
         products.clear()
-        search_group(lins, xs, mean, kw, None, None, h, 4, 32, False)
+        search_group(lins, g.xs, mean, g.kwargs, None, None, h, 4, 32, False)
     assert 12 <= len(products) <= 14
 
 
@@ -239,7 +251,7 @@ def test_clip_matches_autoawq():
     w = torch.randn(128, 256, generator=g) * 0.05
     w[:, 7] *= 8  # an outlier column makes clipping worthwhile
     x = torch.randn(600, 256, generator=g)
-    ours = awq.search_clip(w, awq.hessian([x], 256, "cpu"), 4, 64)
+    ours = awq.search_clip(w, hessian([x]), 4, 64)
     theirs = reference_quantizer(4, 64)._compute_best_clip(w, x)  # it samples every token here too (600 // 512 = 1)
     theirs = theirs.squeeze(-1)
     agree = torch.isclose(ours, theirs, rtol=1e-6)
@@ -261,7 +273,7 @@ def test_clip_is_judged_on_the_grid_it_is_quantized_on():
     w = torch.randn(128, 256, generator=g) * 0.05
     w[:, 7] *= 8
     x = torch.randn(600, 256, generator=g)
-    h = awq.hessian([x], 256, "cpu")
+    h = hessian([x])
 
     def err(bound):  # each (row, group)'s share of the output error, as the search judges it
         dw = awq.quantize(w, 4, 64, True, bound).dequantize() - w
@@ -359,28 +371,54 @@ def test_each_layer_is_calibrated_on_the_quantized_outputs_of_the_one_before(tin
     assert not torch.allclose(seen[1], seen[0], rtol=1e-2, atol=1e-3)
 
 
-def test_spread_takes_evenly_spaced_tokens_from_every_batch():
-    xs = [torch.arange(b * 100, b * 100 + 60).float().reshape(2, 30, 1).expand(2, 30, 3) for b in range(4)]
-    rows = torch.cat(awq.spread(xs, 48))  # 240 tokens: every 5th
-    assert rows.shape == (48, 3)
-    assert torch.equal(rows[:, 0], torch.cat([torch.arange(b * 100, b * 100 + 60, 5) for b in range(4)]).float())
-    everything = torch.cat([x.reshape(-1, 3) for x in xs])
-    assert torch.equal(torch.cat(awq.spread(xs, 1000)), everything)  # fewer than asked: all
-
-
-def test_linear_inputs_can_stop_at_the_last_input(layer_and_batches):
-    m, batches = layer_and_batches
-    layer, names = m.layers[0], ["self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj"]
+def test_gathered_statistics_are_those_of_all_inputs(layer_and_batches):
+    """What each group's searches take, gathered batch by batch from one float run that stops at
+    down_proj's input, equals what the whole inputs give: mean |x|, the Hessian of rows spread over all
+    batches, the attention's first windows, the MLP's rows spread over all batches."""
+    m, batches = layer_and_batches  # 2 batches of 2 windows of 48 tokens
+    layer = m.layers[1]
+    names = [group[0] for group in awq.GROUPS]
     ran = []
     handle = layer.mlp.down_proj.register_forward_hook(lambda *_: ran.append(1))
     try:
         with torch.no_grad():
-            whole, stopped = linear_inputs(layer, batches, names), linear_inputs(layer, batches, names, stop=True)
+            whole = linear_inputs(layer, batches, names)
+            ran.clear()
+            gathered, tokens = awq.gather(layer, batches, ["head", None, "spread", None], 40, 48)
     finally:
         handle.remove()
-    assert len(ran) == len(batches)  # down_proj ran in the whole runs only
-    for name in names:
-        assert all(torch.equal(a, b) for a, b in zip(whole[name], stopped[name], strict=True))
+    assert not ran and tokens == 192
+    for name, g in zip(names, gathered):
+        xs = whole[name]
+        assert torch.equal(g.mean(tokens), input_mean(xs)), name
+        assert torch.equal(g.h.matrix(), hessian([x.reshape(-1, x.shape[-1])[::4] for x in xs])), name  # 192 // 40
+    attention, mlp = gathered[0], gathered[2]
+    assert len(attention.xs) == 1 and torch.equal(attention.xs[0], whole[names[0]][0][:1])  # 48 tokens: one window
+    assert attention.kwargs[0].keys() == batches[0][1].keys()
+    rows = [x.reshape(-1, x.shape[-1])[::4] for x in whole[names[2]]]  # every 4th row of each batch: 48 in all
+    assert len(mlp.xs) == 2 and all(torch.equal(a, b) for a, b in zip(mlp.xs, rows, strict=True))
+    for kept in attention.xs + mlp.xs:  # copies: a view would keep its whole batch
+        assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
+    assert gathered[1].xs == gathered[3].xs == []
+
+
+def test_no_batchs_inputs_are_held_through_the_searches(layer_and_batches, monkeypatch):
+    """AWQ takes what its searches need from each batch's inputs as the batch runs: holding all of them
+    took 6.5 times the hidden states, 13 GiB for a 70B layer at 128 x 512 calibration tokens."""
+    m, batches = layer_and_batches
+    layer = copy.deepcopy(m.layers[0])
+    shape = batches[0][0].shape[:2]
+
+    def batch_sized() -> set[int]:  # the tensors of a whole batch's tokens alive
+        gc.collect()
+        return {id(o) for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and o.dim() == 3 and o.shape[:2] == shape}
+
+    before, held = batch_sized(), []
+    search = awq.search_group
+    monkeypatch.setattr(awq, "search_group", lambda *a, **k: held.append(len(batch_sized() - before)) or search(*a, **k))
+    with torch.no_grad():
+        awq.quantize_layer(layer, batches, 4, 32, False, loss="descent", block_tokens=48)
+    assert len(held) == 4 and held[0] == 0, held
 
 
 def test_the_mlp_is_judged_on_tokens_spread_over_all_batches(layer_and_batches):
@@ -394,14 +432,15 @@ def test_the_mlp_is_judged_on_tokens_spread_over_all_batches(layer_and_batches):
     seen = []
     block = lambda x, _: seen.append(x.reshape(-1, x.shape[-1]).shape[0]) or mlp(x)  # noqa: E731
     with torch.no_grad():
-        h = awq.hessian(xs, mlp.gate_proj.in_features, "cpu")
-        mean = awq.input_mean(xs, "cpu")
-        whole = search_group(lins, xs, mean, kw, block, None, h, 4, 32, False, block_tokens=10**6)
-        spread = search_group(lins, xs, mean, kw, block, None, h, 4, 32, False, block_tokens=10**6, token_wise=True)
+        h, mean = hessian(xs), input_mean(xs)
+        whole = search_group(lins, xs, mean, kw, block, None, h, 4, 32, False)
+        g = awq.gather(layer, batches, [None, None, "spread", None], 8192, 10**6)[0][2]
+        spread = search_group(lins, g.xs, mean, g.kwargs, block, None, h, 4, 32, False)
         assert torch.equal(whole[0], spread[0])
         seen.clear()
-        search_group(lins, xs, mean, kw, block, None, h, 4, 32, False, block_tokens=40, token_wise=True)
-    rows = [len(r) for r in awq.spread(xs, 40)]  # a forward per batch, on its share of the rows
+        g = awq.gather(layer, batches, [None, None, "spread", None], 8192, 40)[0][2]
+        search_group(lins, g.xs, mean, g.kwargs, block, None, h, 4, 32, False)
+    rows = [len(r) for r in g.xs]  # a forward per batch, on its share of the rows
     assert seen == rows * (len(seen) // len(rows)) and 0 < sum(rows) < sum(x[..., 0].numel() for x in xs)
 
 

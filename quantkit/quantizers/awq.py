@@ -17,7 +17,7 @@ import torch
 
 from .. import distributed
 from ..errors import QuantkitError
-from ..layers import GROUPS, LINEARS, linear_inputs
+from ..layers import GROUPS, LINEARS, Captured, run_hooked
 from ..pipeline import Hessian
 from ..qtensor import QuantizedTensor
 from . import rtn
@@ -171,11 +171,11 @@ def tokens_in(xs: list[torch.Tensor]) -> int:
     return int(distributed.sum_(n).item())
 
 
-def spread(xs: list[torch.Tensor], tokens: int) -> list[torch.Tensor]:
-    """About tokens rows, evenly spaced over all of the batches xs (under torchrun, over every process's:
-    each takes from its own batches the rows one process would): each batch's rows [T_b, K]."""
-    step = max(1, tokens_in(xs) // tokens)
-    return [x.reshape(-1, x.shape[-1])[::step] for x in xs]
+def spacing(xs: list[torch.Tensor], tokens: int) -> int:
+    """The step between the rows of each of the batches xs that takes about tokens rows, evenly spaced
+    over all of them (under torchrun, over every process's: each takes from its own the rows one process
+    would)."""
+    return max(1, tokens_in(xs) // tokens)
 
 
 def first_batches(xs: list[torch.Tensor], tokens: int) -> list[int]:
@@ -201,26 +201,74 @@ def head(x: torch.Tensor, kwargs: dict, tokens: int) -> tuple[torch.Tensor, dict
     return x[:n], {k: rows(v) for k, v in kwargs.items()}
 
 
-def input_mean(xs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Mean |x| of each input channel over the batches xs (under torchrun, every process's)."""
-    k = xs[0].shape[-1]
-    x_sum = torch.zeros(k, dtype=torch.float64, device=device)
-    for x in xs:
-        x_sum += x.abs().reshape(-1, k).sum(0)
-    return (distributed.sum_(x_sum) / tokens_in(xs)).float()
+class Gathered:
+    """What AWQ's searches take from one group's inputs, gathered batch by batch as the float layer runs,
+    so that no batch's inputs outlive its run (all of them at once took 6.5 times the hidden states: 13
+    GiB for a 70B layer at 128 x 512 tokens): the sum of |x|; the Hessian of every step-th row of each
+    batch; and the block loss's inputs xs with their keyword arguments, by block: "head", the first
+    windows of the batches numbered in first (head), "spread", every block_step-th row of each batch
+    (for a block that works on each token alone, the MLP), or None."""
+
+    def __init__(self, cols: int, device: torch.device, step: int, block: str | None = None, block_tokens: int = 0,
+                 block_step: int = 1, first: frozenset[int] = frozenset()):
+        self.sum = torch.zeros(cols, dtype=torch.float64, device=device)
+        self.h = Hessian(cols, device)
+        self.step, self.block, self.block_tokens, self.block_step, self.first = step, block, block_tokens, block_step, first
+        self.xs: list[torch.Tensor] = []
+        self.kwargs: list[dict] = []
+
+    def add(self, i: int, x: torch.Tensor, kwargs: dict) -> None:
+        """Batch i's inputs x (run with kwargs)."""
+        self.sum += x.abs().reshape(-1, x.shape[-1]).sum(0)
+        self.h.add_batch(x.reshape(-1, x.shape[-1])[::self.step])
+        if self.block == "spread":  # copies: a view would keep the whole batch
+            self.xs.append(x.reshape(-1, x.shape[-1])[::self.block_step].clone())
+            self.kwargs.append({})
+        elif self.block == "head" and i in self.first:
+            x, kwargs = head(x, kwargs, self.block_tokens)
+            self.xs.append(x.clone())
+            self.kwargs.append(kwargs)
+
+    def mean(self, tokens: int) -> torch.Tensor:
+        """Mean |x| of each input channel over the tokens of every batch (under torchrun, every process's)."""
+        return (distributed.sum_(self.sum) / tokens).float()
+
+
+def gather(layer: torch.nn.Module, batches, blocks: list[str | None], search_tokens: int,
+           block_tokens: int) -> tuple[list[Gathered], int]:
+    """Each of GROUPS' inputs Gathered (blocks: each group's block loss inputs) from one float run of
+    the layer over the batches, ended at the last group's input; and the tokens of all batches. The
+    Hessians take about search_tokens rows spread over all batches, the block losses block_tokens."""
+    hidden = [h for h, _ in batches]  # each batch's tokens are its linears' input rows
+    step, block_step = spacing(hidden, search_tokens), spacing(hidden, block_tokens)
+    first = frozenset(first_batches(hidden, block_tokens))
+    names = [group[0] for group in GROUPS]
+    gathered = [Gathered(layer.get_submodule(name).in_features, next(layer.parameters()).device, step, block,
+                         block_tokens, block_step, first) for name, block in zip(names, blocks)]
+    handles = []
+    for j, name in enumerate(names):
+        def hook(module, args, j=j, seen=iter(range(len(batches)))):
+            i = next(seen)
+            gathered[j].add(i, args[0].detach(), batches[i][1])
+            if j == len(names) - 1:  # nothing after the last group's input is needed
+                raise Captured
+        handles.append(layer.get_submodule(name).register_forward_pre_hook(hook))
+    try:
+        run_hooked(layer, batches)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return gathered, tokens_in(hidden)
 
 
 def search_group(linears: list[torch.nn.Linear], xs: list[torch.Tensor], x_mean: torch.Tensor, kwargs: list[dict],
                  block: Callable | None, channels: torch.Tensor | None, h: torch.Tensor, bits: int, group_size: int,
-                 sym: bool, *, duo: bool = False, n_grid: int = 20, block_tokens: int = 2048, token_wise: bool = False,
-                 descent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """AWQ's scale search for linears sharing the inputs xs (one tensor per batch, mean |x| x_mean,
-    Hessian h), judged by block(x, kwargs)'s output (block_loss; None: output_loss) on block_tokens
-    tokens: the first windows of the first batches (head), or with token_wise (a block that works on
-    each token alone, the MLP) rows spread over all of them. descent: the block loss only descends
-    from the candidate of least output_loss (search_scale's start). channels maps each input channel
-    to the output channel of the op that feeds it (grouped-query attention), or None. Returns the
-    op's scales and the linears'."""
+                 sym: bool, *, duo: bool = False, n_grid: int = 20, descent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ's scale search for linears sharing an input (mean |x| x_mean, Hessian h), judged by
+    block(x, kwargs)'s output on the inputs xs (block_loss; None: output_loss). descent: the block
+    loss only descends from the candidate of least output_loss (search_scale's start). channels maps
+    each input channel to the output channel of the op that feeds it (grouped-query attention), or
+    None. Returns the op's scales and the linears'."""
     w_mean = weight_mean([lin.weight for lin in linears], group_size) if duo else None
     if channels is not None:  # one scale per output channel of prev: average what shares it
         count = torch.bincount(channels).float()
@@ -228,13 +276,8 @@ def search_group(linears: list[torch.nn.Linear], xs: list[torch.Tensor], x_mean:
         w_mean = torch.zeros(len(count), device=x_mean.device).index_add_(0, channels, w_mean) / count if duo else None
     full = (lambda s: s[channels]) if channels is not None else (lambda s: s)
     own = output_loss(linears, h, full, bits, group_size, sym)
-    if block is None:
-        loss = own
-    elif token_wise:
-        loss = block_loss(linears, spread(xs, block_tokens), [{}] * len(xs), block, full, bits, group_size, sym)
-    else:  # each candidate costs a block forward per token
-        first = [head(xs[i], kwargs[i], block_tokens) for i in first_batches(xs, block_tokens)]
-        loss = block_loss(linears, [x for x, _ in first], [kw for _, kw in first], block, full, bits, group_size, sym)
+    # each candidate of a block loss costs a block forward per token
+    loss = own if block is None else block_loss(linears, xs, kwargs, block, full, bits, group_size, sym)
     s, _, _ = search_scale(x_mean, loss, n_grid, w_mean, own if block is not None and descent else None,
                            smooth=block is None or descent)
     return s, full(s)
@@ -258,15 +301,6 @@ def block_loss(linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: l
                                  "summing AWQ's losses")
         return (total[0] / total[1]).item()
     return loss
-
-
-def hessian(xs: list[torch.Tensor], cols: int, device: str | torch.device) -> torch.Tensor:
-    """H = 2 X^T X / T of the inputs xs (batches of tokens; under torchrun, every process's), GPTQ's:
-    each linear's mean squared output error is tr(dW H dW^T) / 2T."""
-    h = Hessian(cols, device)
-    for x in xs:
-        h.add_batch(x)
-    return h.reduce().matrix()
 
 
 def output_loss(linears: list[torch.nn.Linear], h: torch.Tensor, full: Callable, bits: int, group_size: int,
@@ -313,9 +347,6 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
         raise QuantkitError(f"AWQ does not know this layer's norm/linear pairing (no {', '.join(missing)}): it "
                             "supports Llama, Mistral and Qwen2-style decoders")
     attn, mlp = layer.self_attn, layer.mlp
-    # a group's input is its first linear's; the float layer's output is not needed
-    inputs = linear_inputs(layer, batches, [group[0] for group in GROUPS], stop=True)
-    kwargs = [kw for _, kw in batches]
 
     def attention(x, kw):
         return attn(hidden_states=x, **{k: v for k, v in kw.items() if k != "hidden_states"})[0]
@@ -328,19 +359,20 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
                (layer.post_attention_layernorm, (lambda x, kw: mlp(x)) if forwards else None, None),
                (mlp.up_proj, None, None)]
     linears = [[layer.get_submodule(name) for name in group] for group in GROUPS]
-    hessians = [hessian(spread(inputs[group[0]], search_tokens), lins[0].in_features, lins[0].weight.device)
-                for group, lins in zip(GROUPS, linears)]
+    # the attention's block loss runs on the first windows, the MLP's (token by token) on rows spread over all
+    blocks = ["head" if forwards else None, None, "spread" if forwards else None, None]
+    inputs, tokens = gather(layer, batches, blocks, search_tokens, block_tokens)
+    hessians = [g.h.reduce().matrix() for g in inputs]
     # under torchrun a block loss sums every process's forwards, so every process runs those searches
     # together; a search by the output loss alone, and each linear's clipping, need only the summed
     # statistics: the processes run their shares of them at once, then exchange the results
     dev = linears[0][0].weight.device
-    means = [input_mean(inputs[group[0]], dev) for group in GROUPS]
+    means = [g.mean(tokens) for g in inputs]
 
     def search(j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        prev, block, channels = feeders[j]
-        return search_group(linears[j], inputs[GROUPS[j][0]], means[j], kwargs, block, channels, hessians[j], bits,
-                            group_size, sym, duo=duo, n_grid=n_grid, block_tokens=block_tokens,
-                            token_wise=prev is layer.post_attention_layernorm, descent=loss == "descent")
+        _, block, channels = feeders[j]
+        return search_group(linears[j], inputs[j].xs, means[j], inputs[j].kwargs, block, channels, hessians[j], bits,
+                            group_size, sym, duo=duo, n_grid=n_grid, descent=loss == "descent")
 
     alone = [j for j, (_, block, _) in enumerate(feeders) if block is None]
     found = {j: search(j) for j in range(len(GROUPS)) if j not in alone}
