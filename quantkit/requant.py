@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from . import blocks
 from .atomic import Staged, size_on_disk, tensors_path, write_behind, write_text
-from .errors import Note, QuantkitError, ResumableError, option, space_for
+from .errors import Note, QuantkitError, ResumableError, count, option, space_for
 from .gguf_constants import GGML_QUANT_VERSION, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, LlamaFileType
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure
     manual = parse_overrides(overrides)
     tied = OUTPUT not in dict(weights)
     decided = dict.fromkeys(ROLES, 0)  # per role, the tensors the mix's rules have typed
-    types = {}
+    types, unfit = {}, []
     unmatched = {pattern.pattern for pattern, _ in manual}
     for name, k in weights:
         hits = [(pattern.pattern, kind) for pattern, kind in manual if pattern.search(name)]
@@ -174,9 +174,18 @@ def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure
         else:
             t = default
         types[name] = fit_row(t, k)
+        if types[name] == "F16" != t:
+            unfit.append((name, k, t))
     if unmatched:  # a misspelt name would leave the mix's type silently
+        names = f"its names run from {weights[0][0]} to {weights[-1][0]}" if weights else "it has no 2-D weights"
         raise QuantkitError(f"{option('tensor_type')} pattern {sorted(unmatched)[0]!r} matches no quantized tensor of this model "
-                            f"(its names run from {weights[0][0]} to {weights[-1][0]}): fix the pattern")
+                            f"({names}): fix the pattern")
+    if unfit:  # a file larger than its mix says; llama-quantize refuses one without a fallback type
+        name, k, t = unfit[0]
+        why = f"fill neither {t}'s blocks of {blocks.sizes(t)[0]} nor {FALLBACK[t]}'s of " \
+              f"{blocks.sizes(FALLBACK[t])[0]} (llama-quantize writes F16 there too)" if t in FALLBACK else \
+              f"do not fill {t}'s blocks of {blocks.sizes(t)[0]} (llama-quantize refuses such a file)"
+        warnings.warn(f"{count(len(unfit), 'weight')} written as F16: rows of {k} values ({name}) {why}", Note)
     return types
 
 

@@ -139,6 +139,24 @@ def test_fallback_types_read_back(tiny_dir, tmp_path, mix):
         assert torch.equal(t, theirs[key]), key
 
 
+def test_rows_that_fill_no_block_are_named_and_patterns_of_a_file_without_weights_refused():
+    """A row that fills neither a type's blocks nor its fallback's is written as F16 with a note (llama-quantize
+    refuses a file of such rows for a type without a fallback); a fallback type itself needs no note."""
+    from quantkit.requant import choose
+
+    rows = [("blk.0.attn_q.weight", 4100), ("blk.0.attn_k.weight", 4096)]
+    with pytest.warns(Note, match=r"^1 weight written as F16: rows of 4100 values \(blk.0.attn_q.weight\) do not fill "
+                                  r"Q4_0's blocks of 32 \(llama-quantize refuses such a file\)$"):
+        assert choose(rows, "Q4_0", 1, 1, pure=True) == {"blk.0.attn_q.weight": "F16", "blk.0.attn_k.weight": "Q4_0"}
+    with pytest.warns(Note, match=r"fill neither Q4_K's blocks of 256 nor Q5_0's of 32 \(llama-quantize writes F16"):
+        choose(rows, "Q4_K_M", 1, 1, pure=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert choose([("blk.0.attn_q.weight", 576)], "Q4_K_M", 1, 1, pure=True) == {"blk.0.attn_q.weight": "Q5_0"}
+    with pytest.raises(QuantkitError, match="matches no quantized tensor of this model \\(it has no 2-D weights\\)"):
+        choose([], "Q4_K_M", 1, 1, overrides=("attn_v=Q8_0",))
+
+
 def test_checkpoint_grid_exports_its_codes(tiny256, tmp_path):
     """A 4-bit symmetric g32 checkpoint becomes Q4_0 blocks with the same values, bit for bit."""
     m = quantkit.quantize(tiny256, method="rtn", bits=4, group_size=32, sym=True, out=tmp_path / "ckpt", keep=True,
