@@ -189,7 +189,8 @@ def check_progress(out: Path, key: dict | None, layers: int) -> None:
                                     f"{option('overwrite', True)} to discard them and start afresh")
 
 
-LONG = {"header": "GGUF header's record of the importance matrix (quantize.imatrix.*)"}  # a key's long values
+LONG = {"header": "GGUF header's record of the importance matrix (quantize.imatrix.*)",  # a key's long values
+        "calib_data": "calibration text (calib_data)"}
 
 
 def differences(theirs, ours: dict) -> str:
@@ -205,15 +206,16 @@ def differences(theirs, ours: dict) -> str:
                     else f"it ran on the model {path}")
     facts = {**{name: (theirs["settings"].get(name), value) for name, value in ours["settings"].items()},
              **{name: (theirs[name], ours[name]) for name in ("format", "max_shard_size", "device", "processes",
-                                                               "header")}}
+                                                               "header")},
+             **{name: ((theirs["calibration"] or {}).get(name), value) for name, value in (ours["calibration"] or {}).items()}}
     changed = [(name, a, b) for name, (a, b) in facts.items() if a != b]
     short = [(n, a, b) for n, a, b in changed if len(repr(a)) + len(repr(b)) < 80]
     if short:
         said.append(f"it ran with {' and '.join(f'{n}={a!r}' for n, a, _ in short)}, this command with "
                     f"{' and '.join(f'{n}={b!r}' for n, _, b in short)}")
     said += [f"its {LONG.get(n, n)} differs" for n, a, b in changed if (n, a, b) not in short]  # by name alone
-    if theirs["inputs"] != ours["inputs"]:
-        said.append("it ran on other calibration windows or another importance matrix")
+    if theirs["inputs"] != ours["inputs"] and not any(n in ours["calibration"] or () for n, _, _ in changed):
+        said.append("its calibration text or importance matrix has changed since it started")
     if theirs.get("spent") != ours.get("spent") and not said:
         said.append(f"its measurement for {option('target_bpw')} gave other settings")
     return "; ".join(said)
@@ -516,6 +518,8 @@ def quantize(
             key = {"model": fingerprint(m.source), "settings": settings_of(config), "format": format,
                    "max_shard_size": str(max_shard_size), "device": dev.type, "processes": distributed.world(),
                    "inputs": hashlib.sha256(inputs_bytes(windows, importance)).hexdigest(),
+                   "calibration": {"calib_data": calib_data and os.path.realpath(calib_data), "calib_samples": calib_samples,
+                                   "calib_seqlen": calib_seqlen, "seed": seed} if windows is not None else None,
                    "header": dict(m.imatrix)}  # a GGUF header's record of the importance matrix: written first
             if not overwrite:  # before the long work: another run's finished layers are not thrown away
                 check_progress(Path(out), key, len(m.layers))

@@ -11,7 +11,7 @@ import warnings
 import click
 
 from . import launcher
-from .errors import COMMAND_LINE, Note, QuantkitError, size
+from .errors import COMMAND_LINE, Note, QuantkitError, out_of_memory, size
 
 
 @click.command()
@@ -119,5 +119,11 @@ def main() -> None:
         ctx = getattr(e, "ctx", None)
         click.echo(f"error: {e.format_message()}{f' (see {ctx.command_path} --help)' if ctx else ''}", err=True)
         sys.exit(e.exit_code)
+    except Exception as e:  # after click's, which re-raising here would pass by
+        if (line := out_of_memory(e, sys.argv[1] if sys.argv[1:] else "")) is None:
+            raise
+        close_bars()
+        click.echo(f"error: {line}", err=True)
+        sys.exit(2)
     finally:
         COMMAND_LINE.reset(spelling)  # the tests run it in their own process, then call the API

@@ -1,5 +1,7 @@
 import errno
+import re
 import shutil
+import sys
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
@@ -48,6 +50,13 @@ def option(name: str, value: object = ..., *values: object) -> str:
     return " or ".join(f"{name}={v:g}" if isinstance(v, float) else f"{name}={v!r}" for v in (value, *values))
 
 
+def setting(name: str, value: object) -> str:
+    """An option with its value as the caller would have passed it: none (or off) named as "no --flag"."""
+    if value is None or value is False:
+        return f"no {option(name)}"
+    return option(name, ",".join(map(str, value)) if isinstance(value, list) else value)
+
+
 class Note(UserWarning):
     """Advice on a choice that works but costs something; the command line prints it as `note:`."""
 
@@ -72,6 +81,34 @@ def untrusted(path, what: str, fix: str):
         raise
     except Exception as e:
         raise QuantkitError(f"{path}: {what} ({type(e).__name__}: {one_line(e)}): {fix}") from None
+
+
+# what each command can lower when memory runs out: (on a GPU, on the CPU)
+LESS_MEMORY = {
+    "quantize": ("quantize on the CPU (--device cpu) or calibrate on fewer tokens (--calib-samples, --calib-seqlen)",
+                 "calibrate on fewer tokens (--calib-samples, --calib-seqlen) or use a machine with more memory"),
+    "train": ("lower --batch-size or --seqlen, or pass --gradient-checkpointing",) * 2,
+    "eval": ("score on the CPU (--device cpu), or above 2048 tokens a shorter --ctx",
+             "score a shorter --ctx (above 2048 tokens), or use a machine with more memory"),
+    "lm-eval": ("lower --batch-size or --max-length, or score on the CPU (--device cpu)",
+                "lower --batch-size or --max-length, or use a machine with more memory"),
+    "report": ("calibrate on fewer tokens (--calib-samples, --calib-seqlen) or, above 2048 tokens, score a shorter "
+               "--ctx: the points finished are kept, and the same command goes on with the rest",) * 2,
+}
+
+
+def out_of_memory(e: BaseException, command: str) -> str | None:
+    """One line for e when it says that memory ran out (torch's GPU allocator, its CPU allocator, or
+    Python's), naming what command can lower; else None."""
+    torch = sys.modules.get("torch")  # export starts without it: then only Python's MemoryError
+    gpu = torch is not None and isinstance(e, torch.OutOfMemoryError)
+    if not (gpu or isinstance(e, MemoryError) or isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):
+        return None
+    asked = re.search(r"tried to allocate (\d+) bytes", str(e)) or re.search(r"(?i)tried to allocate ([\d.]+ \w+)", str(e))
+    what = f" (it asked for {size(int(asked[1])) if asked[1].isdigit() else asked[1]} more)" if asked else ""
+    advice = LESS_MEMORY.get(command, ("free some GPU memory or run on the CPU (--device cpu)",
+                                       "use a machine with more memory"))[0 if gpu else 1]
+    return f"out of {'GPU ' if gpu else ''}memory{what}: {advice}"
 
 
 def count(n: int, noun: str) -> str:

@@ -27,7 +27,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable
 
 from . import atomic, errors
-from .errors import QuantkitError, count, space_for
+from .errors import QuantkitError, count, setting, space_for
 from .requant import check_mix
 
 if TYPE_CHECKING:
@@ -357,7 +357,9 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
             before[k] = getattr(settings, k)
     if before and before != asdict(settings):
         changed = "; ".join(f"{FILES[k]} changed since the report began (name, size or time)" if k in FILES else
-                            f"{k}: {v!r} here, {before.get(k)!r} in the report" for k, v in asdict(settings).items()
+                            f"{setting(k, v) if k != 'model' else f'the model {v}'} here, "
+                            f"{setting(k, before.get(k)) if k != 'model' else before.get(k)} in the report"
+                            for k, v in asdict(settings).items()
                             if before.get(k) != v) or "a setting this version does not have"
         raise QuantkitError(f"{out} holds a report of other settings ({changed}): run with its settings to go on, or "
                             "choose another --out")
@@ -649,6 +651,11 @@ def main(argv: list[str]) -> None:
         result = run_point(spec)
     except QuantkitError as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except Exception as e:  # the line the sweep records for the point
+        if (line := errors.out_of_memory(e, "report")) is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
         sys.exit(2)
     write_json(Path(spec["out"]) / "points" / f"{spec['point']['name']}.json", result)
 

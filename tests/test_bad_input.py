@@ -353,6 +353,33 @@ def test_eval_windows_must_be_counted(model, capsys, monkeypatch):
     assert code == 2 and "'--max-windows': 0 is not in the range x>=1" in line, line
 
 
+GPU_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free."
+CPU_OOM = ("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+           "21474836480 bytes. Error code 12 (Cannot allocate memory)")
+
+
+@pytest.mark.parametrize("command,error,match", [
+    (["eval", "--data", TEST, "--ctx", 32, "--max-windows", 1], "gpu",
+     "out of GPU memory (it asked for 2.00 GiB more): score on the CPU (--device cpu)"),
+    (["quantize", "--method", "gptq", "--calib-data", VALID, "--calib-samples", 4, "--calib-seqlen", 32, "--out", "OUT"],
+     "cpu", "out of memory (it asked for 21.5 GB more): calibrate on fewer tokens (--calib-samples, --calib-seqlen)"),
+    (["lm-eval", "--tasks", "dolly_mc", "--limit", 1], "python", "out of memory: lower --batch-size or --max-length"),
+])
+def test_running_out_of_memory_is_one_line_naming_what_to_lower(tiny_dir, capsys, monkeypatch, tmp_path, command, error,
+                                                                match):
+    import torch
+    from transformers.models.llama import modeling_llama
+
+    def runs_out(*args, **kwargs):
+        raise {"gpu": torch.OutOfMemoryError(GPU_OOM), "cpu": RuntimeError(CPU_OOM), "python": MemoryError()}[error]
+
+    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", runs_out)
+    code, line = run([command[0], tiny_dir, *[tmp_path / "q" if a == "OUT" else a for a in command[1:]]], capsys,
+                     monkeypatch)
+    assert code == 2 and line.startswith(f"error: {match}"), line
+    assert not (tmp_path / "q").exists()
+
+
 def test_eval_names_its_own_text_option_where_the_hub_is_shadowed(tiny_dir, capsys, monkeypatch, tmp_path):
     """datasets would read ./wikitext instead of the hub's: the error names eval's --data, not quantize's --eval-data."""
     (tmp_path / "wikitext").mkdir()

@@ -322,6 +322,27 @@ def test_another_runs_finished_layers_are_kept_until_overwrite(tiny_dir, tmp_pat
     assert files(tmp_path / "r") == files(tmp_path / "whole3")
 
 
+def test_another_calibration_is_named_in_the_refusal(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Finished layers calibrated otherwise are refused naming the calibration option that differs; the
+    same options on a text changed since say so."""
+    from quantkit import pipeline
+
+    text = tmp_path / "calib.txt"
+    text.write_text(VALID.read_text()[:200_000])
+
+    def args(*more):
+        return ["quantize", tiny_dir, "--method", "gptq", "--group-size", 32, "--calib-data", text, "--calib-samples",
+                4, "--calib-seqlen", 32, "--out", tmp_path / "q", *more]
+
+    real = stopping_saves(monkeypatch)
+    assert cli(args(), capsys, monkeypatch)[0] == 130
+    monkeypatch.setattr(pipeline, "save_progress", real)
+    refused(args("--calib-samples", 8, "--seed", 1), capsys, monkeypatch,
+            "(it ran with calib_samples=4 and seed=0, this command with calib_samples=8 and seed=1)")
+    text.write_text(VALID.read_text()[200_000:400_000])
+    refused(args(), capsys, monkeypatch, "(its calibration text or importance matrix has changed since it started)")
+
+
 def test_a_target_bpw_run_resumes_with_the_settings_it_spent(tiny_dir, tmp_path, monkeypatch, capsys):
     """--target-bpw's progress holds the settings its measurement spent as well as the user's: the same
     command, reading the same measurement (its path spelled another way), goes on from them, not refused

@@ -145,13 +145,13 @@ def test_lm_eval_settings_reach_every_run_and_an_older_report_goes_on(chat_dir, 
     code, _, err = cli(common, capsys, monkeypatch)  # its data folder unsaved: the one found now, saved from here
     assert code == 0 and json.loads((out / "settings.json").read_text())["lm_eval_fewshot"] is None, err
     code, _, err = cli([*common, "--lm-eval-fewshot", 0], capsys, monkeypatch)
-    assert code == 2 and "holds a report of other settings (lm_eval_fewshot: 0 here, None in the report)" in err[-1]
+    assert code == 2 and "holds a report of other settings (--lm-eval-fewshot 0 here, no --lm-eval-fewshot in the report)" in err[-1]
     # the data found elsewhere ($QUANTKIT_DATA): a run saved no folder, and found the records anew each time
     other = tmp_path / "data"
     shutil.copytree(DATA / "dolly", other / "dolly")
     monkeypatch.setenv("QUANTKIT_DATA", str(other))
     code, _, err = cli(common, capsys, monkeypatch)
-    assert code == 2 and f"(lm_eval_data_dir: '{other.resolve()}' here, '{DATA.resolve()}' in the report)" in err[-1]
+    assert code == 2 and f"(--lm-eval-data-dir {other.resolve()} here, --lm-eval-data-dir {DATA.resolve()} in the report)" in err[-1]
 
 
 def test_a_point_ends_with_the_report_killed_under_it(tiny_dir, tmp_path):
