@@ -184,10 +184,12 @@ def measure_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict
     if len(spans) != len(units):
         raise ValueError(f"each unit's linears must lie in one block of {list(BLOCKS)}: {units}")
     sq = torch.zeros(len(batches), len(units), len(candidates), dtype=torch.float64)
-    inputs = [on_device(layer, x) for x, _ in batches]
+    # the inputs and the float outputs stay where the batches are (the CPU, for a GPU run whose activations do
+    # not fit it), each batch moved to the layer as it runs
+    inputs = [x for x, _ in batches]
     kwargs = [kw for _, kw in batches]
     for b, (block, members) in enumerate(zip((attention, feed_forward), BLOCKS.values())):
-        reference = [block(x, kw) for x, kw in zip(inputs, kwargs)]
+        reference = [block(on_device(layer, x), kw).to(x.device) for x, kw in zip(inputs, kwargs)]
         weight = weights[b].to(next(layer.parameters()).device)
         for u, names in enumerate(units.values()):
             if spans[u] != b:
@@ -205,7 +207,8 @@ def measure_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict
                         continue
                     seen[key] = c
                     for j, (x, kw, r) in enumerate(zip(inputs, kwargs, reference)):
-                        sq[j, u, c] = ((block(x, kw) - r).double().square() * weight).sum()
+                        sq[j, u, c] = ((block(on_device(layer, x), kw) - on_device(layer, r)).double().square()
+                                       * weight).sum()
             finally:
                 for lin, w in zip(linears, originals):
                     lin.weight.data = w

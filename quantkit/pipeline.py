@@ -90,10 +90,13 @@ class Hessian:
 
     def matrix(self) -> torch.Tensor:
         if self.result is None:
-            h = self.result = torch.empty(self.cols, self.cols, device=self.blocks[0].device)
+            # float32 first, each float64 block freed as it goes: the sums and the result never live side by side
+            # (down_proj of a 70B model: 3 GiB of sums beside a 3 GiB result, now 1.5 GiB beside it)
+            halves = [self.blocks.pop(0).mul_(2).div_(max(self.count, 1)).float() for _ in range(len(self.blocks))]
+            h = self.result = torch.empty(self.cols, self.cols, device=halves[0].device)
             r = 0
-            while self.blocks:  # each block freed once converted
-                block = self.blocks.pop(0).mul_(2).div_(max(self.count, 1))  # 2 * sum / n
+            while halves:  # each freed once placed
+                block = halves.pop(0)  # 2 * sum / n
                 s = len(block)
                 h[r:r + s, r:] = block
                 h[r + s:, r:r + s] = block[:, s:].T
@@ -158,8 +161,8 @@ def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, di
 
         def hook(module, args, h=h, last=group is groups[-1], captured=group[0] == capture):
             h.add_batch(args[0])
-            if captured:
-                kept.append(args[0])
+            if captured:  # kept where the batches are (the CPU, for a GPU run whose activations do not fit it)
+                kept.append(args[0].to(batches[0][0].device))
             if last:
                 raise Captured
 
@@ -183,7 +186,7 @@ def replaying_attention(layer: torch.nn.Module, outputs: list[torch.Tensor] | No
         yield
         return
     queue = iter(outputs)
-    layer.self_attn.forward = lambda *args, **kwargs: (next(queue), None)
+    layer.self_attn.forward = lambda *args, **kwargs: (on_device(layer, next(queue)), None)
     try:
         yield
     finally:
@@ -433,7 +436,7 @@ def quantize_layer(i: int, layer: torch.nn.Module, quantize: QuantizeFn, batches
                     linear.weight.data.copy_(qt.dequantize().to(linear.weight.device))  # in place: no second copy
                 tensors[f"model.layers.{i}.{name}"] = qt
             if o_inputs:
-                attention = [layer.self_attn.o_proj(x) for x in o_inputs]
+                attention = [layer.self_attn.o_proj(on_device(layer, x)).to(x.device) for x in o_inputs]
             del hessians, h, o_inputs
             free_memory()
         if batches is not None:
