@@ -2,7 +2,7 @@
 input they share, and the hooks that read those inputs."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 if TYPE_CHECKING:
     import torch
@@ -55,23 +55,29 @@ class Captured(Exception):
 
 def linear_inputs(layer: torch.nn.Module, batches, names) -> dict[str, list[torch.Tensor]]:
     """Each named linear's inputs, batch by batch, from one run of the layer."""
-    inputs, handles = {name: [] for name in names}, []
-    for name in names:
-        def hook(module, args, name=name):
-            inputs[name].append(args[0].detach())
-        handles.append(layer.get_submodule(name).register_forward_pre_hook(hook))
-    try:
-        run_hooked(layer, batches)
-    finally:
-        for handle in handles:
-            handle.remove()
+    inputs = {name: [] for name in names}
+    run_hooked(layer, batches, {name: lambda i, x, name=name: inputs[name].append(x) for name in names})
     return inputs
 
 
-def run_hooked(layer: torch.nn.Module, batches) -> None:
-    """Run the layer on each batch for what its hooks take; a hook raises Captured to end a run early."""
-    for hidden, kwargs in batches:
-        try:
-            layer(on_device(layer, hidden), **kwargs)
-        except Captured:
-            pass
+def run_hooked(layer: torch.nn.Module, batches, takes: dict[str, Callable[[int, torch.Tensor], None]],
+               stop: bool = False) -> None:
+    """Run the layer on each batch, handing each named linear's input, with the batch's number, to its
+    take(i, x); with stop, each run ends at the last name's input (names in the layer's order), since
+    nothing after it is needed."""
+    handles, last, batch = [], list(takes)[-1], [0]
+    for name, take in takes.items():
+        def hook(module, args, name=name, take=take):
+            take(batch[0], args[0].detach())
+            if stop and name == last:
+                raise Captured
+        handles.append(layer.get_submodule(name).register_forward_pre_hook(hook))
+    try:
+        for batch[0], (hidden, kwargs) in enumerate(batches):
+            try:
+                layer(on_device(layer, hidden), **kwargs)
+            except Captured:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()

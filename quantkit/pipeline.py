@@ -154,25 +154,19 @@ def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, di
     """One Hessian per input shared by a group of linears, filled by running the layer once;
     the run stops at the last group's input, since nothing after it is needed. The inputs of the
     linear named capture are returned too."""
-    hessians, handles, kept = {}, [], []
+    hessians, takes, kept = {}, {}, []
     for group in groups:
         first = layer.get_submodule(group[0])
         h = Hessian(first.in_features, first.weight.device)
 
-        def hook(module, args, h=h, last=group is groups[-1], captured=group[0] == capture):
-            h.add_batch(args[0])
+        def take(i, x, h=h, captured=group[0] == capture):
+            h.add_batch(x)
             if captured:  # kept where the batches are (the CPU, for a GPU run whose activations do not fit it)
-                kept.append(args[0].to(batches[0][0].device))
-            if last:
-                raise Captured
+                kept.append(x.to(batches[0][0].device))
 
-        handles.append(first.register_forward_pre_hook(hook))
+        takes[group[0]] = take
         hessians.update({name: h for name in group})
-    try:
-        run_hooked(layer, batches)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_hooked(layer, batches, takes, stop=True)
     for h in {id(h): h for h in hessians.values()}.values():  # summed over the processes of a torchrun job
         h.reduce()
     return hessians, kept

@@ -17,7 +17,7 @@ import torch
 
 from .. import distributed
 from ..errors import QuantkitError
-from ..layers import GROUPS, LINEARS, Captured, run_hooked
+from ..layers import GROUPS, LINEARS, run_hooked
 from ..pipeline import Hessian
 from ..qtensor import QuantizedTensor
 from . import rtn
@@ -245,19 +245,8 @@ def gather(layer: torch.nn.Module, batches, blocks: list[str | None], search_tok
     names = [group[0] for group in GROUPS]
     gathered = [Gathered(layer.get_submodule(name).in_features, next(layer.parameters()).device, step, block,
                          block_tokens, block_step, first) for name, block in zip(names, blocks)]
-    handles = []
-    for j, name in enumerate(names):
-        def hook(module, args, j=j, seen=iter(range(len(batches)))):
-            i = next(seen)
-            gathered[j].add(i, args[0].detach(), batches[i][1])
-            if j == len(names) - 1:  # nothing after the last group's input is needed
-                raise Captured
-        handles.append(layer.get_submodule(name).register_forward_pre_hook(hook))
-    try:
-        run_hooked(layer, batches)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_hooked(layer, batches, {name: lambda i, x, g=g: g.add(i, x, batches[i][1]) for name, g in zip(names, gathered)},
+               stop=True)
     return gathered, tokens_in(hidden)
 
 
