@@ -214,7 +214,7 @@ def differences(theirs, ours: dict) -> str:
         said.append(f"it ran with {' and '.join(f'{n}={a!r}' for n, a, _ in short)}, this command with "
                     f"{' and '.join(f'{n}={b!r}' for n, _, b in short)}")
     said += [f"its {LONG.get(n, n)} differs" for n, a, b in changed if (n, a, b) not in short]  # by name alone
-    if theirs["inputs"] != ours["inputs"] and not any(n in ours["calibration"] or () for n, _, _ in changed):
+    if theirs["inputs"] != ours["inputs"] and not any(n in (ours["calibration"] or {}) for n, _, _ in changed):
         said.append("its calibration text or importance matrix has changed since it started")
     if theirs.get("spent") != ours.get("spent") and not said:
         said.append(f"its measurement for {option('target_bpw')} gave other settings")

@@ -378,7 +378,7 @@ def test_a_gguf_run_on_a_moved_calibration_text_is_another_run(tiny_dir, tmp_pat
         quantkit.quantize(str(tiny_dir), out=tmp_path / "q.gguf", calib_data=VALID, **kw)
     monkeypatch.setattr(pipeline, "save_progress", real)
     with pytest.raises(QuantkitError, match=r"\(its GGUF header's record of the importance matrix \(quantize\.imatrix\.\*\) "
-                                            r"differs\)"):
+                                            r"differs; its calibration text \(calib_data\) differs\)"):
         quantkit.quantize(str(tiny_dir), out=tmp_path / "q.gguf", calib_data=moved, **kw)
     with pytest.raises(QuantkitError, match=r"\(it ran with imatrix=True, this command with imatrix=False;"):
         quantkit.quantize(str(tiny_dir), out=tmp_path / "q.gguf", **{**kw, "imatrix": False, "calib_samples": 128,

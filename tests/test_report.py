@@ -64,8 +64,8 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch, text)
     assert all((out / "points" / f"{p}.json").stat().st_mtime_ns == stamps[p] for p in ("rtn-w4", "nf4", "gguf-Q8_0", "exl2-4"))
 
     code, _, err = cli([*common, "--windows", 2], capsys, monkeypatch)
-    assert code == 2 and err[-1].startswith(f"error: {out} holds a report of other settings (windows: 2 here, 3 in "
-                                            "the report)")
+    assert code == 2 and err[-1].startswith(f"error: {out} holds a report of other settings (--windows 2 here, "
+                                            "--windows 3 in the report)")
 
     # another sweep with the same settings: its points join the report's, none is dropped from it
     code, printed = both(["report", tiny_dir, "--out", out, "--data", text, "--calib-data", VALID, "--calib-samples",
