@@ -204,17 +204,18 @@ def differences(theirs, ours: dict) -> str:
         path = theirs["model"].split("|")[0]
         said.append("the model's files changed since it started" if path == ours["model"].split("|")[0]
                     else f"it ran on the model {path}")
+    calibration = ours["calibration"] or {}  # none where nothing calibrates
     facts = {**{name: (theirs["settings"].get(name), value) for name, value in ours["settings"].items()},
              **{name: (theirs[name], ours[name]) for name in ("format", "max_shard_size", "device", "processes",
                                                                "header")},
-             **{name: ((theirs["calibration"] or {}).get(name), value) for name, value in (ours["calibration"] or {}).items()}}
+             **{name: ((theirs["calibration"] or {}).get(name), value) for name, value in calibration.items()}}
     changed = [(name, a, b) for name, (a, b) in facts.items() if a != b]
     short = [(n, a, b) for n, a, b in changed if len(repr(a)) + len(repr(b)) < 80]
     if short:
         said.append(f"it ran with {' and '.join(f'{n}={a!r}' for n, a, _ in short)}, this command with "
                     f"{' and '.join(f'{n}={b!r}' for n, _, b in short)}")
     said += [f"its {LONG.get(n, n)} differs" for n, a, b in changed if (n, a, b) not in short]  # by name alone
-    if theirs["inputs"] != ours["inputs"] and not any(n in (ours["calibration"] or {}) for n, _, _ in changed):
+    if theirs["inputs"] != ours["inputs"] and not any(n in calibration for n, _, _ in changed):
         said.append("its calibration text or importance matrix has changed since it started")
     if theirs.get("spent") != ours.get("spent") and not said:
         said.append(f"its measurement for {option('target_bpw')} gave other settings")

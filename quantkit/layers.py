@@ -65,15 +65,15 @@ def run_hooked(layer: torch.nn.Module, batches, takes: dict[str, Callable[[int, 
     """Run the layer on each batch, handing each named linear's input, with the batch's number, to its
     take(i, x); with stop, each run ends at the last name's input (names in the layer's order), since
     nothing after it is needed."""
-    handles, last, batch = [], list(takes)[-1], [0]
+    handles, last, i = [], list(takes)[-1], 0
     for name, take in takes.items():
         def hook(module, args, name=name, take=take):
-            take(batch[0], args[0].detach())
+            take(i, args[0].detach())  # i: the batch running now
             if stop and name == last:
                 raise Captured
         handles.append(layer.get_submodule(name).register_forward_pre_hook(hook))
     try:
-        for batch[0], (hidden, kwargs) in enumerate(batches):
+        for i, (hidden, kwargs) in enumerate(batches):
             try:
                 layer(on_device(layer, hidden), **kwargs)
             except Captured:
