@@ -3,6 +3,7 @@
     python benchmarks/kernel_bench.py [--batches 1,16,512] [--repeats 5]
     python benchmarks/kernel_bench.py --sweep [--batches 1,512] [--layouts 4-bit,4-bit act-order,NF4]
     python benchmarks/kernel_bench.py --kernels DIR      # another version of quantkit/kernels/
+    python benchmarks/kernel_bench.py --gemv-rows 1 --batches 2,4,8   # the GEMM where the GEMV would run
     python benchmarks/kernel_bench.py --dense --batches 4,8,16,32,64,128,256,512   # where DENSE_ROWS starts
     python benchmarks/kernel_bench.py --rows 1,16,64,128,512   # CPU: the fused paths against the fallback by rows
     python benchmarks/kernel_bench.py --split 1,4,8,16,32      # CPU: where the GEMV splits over the cores
@@ -445,10 +446,12 @@ def main() -> None:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="--sweep, --dense: which layouts")
     p.add_argument("--dense", action="store_true", help="GPU: the fused kernels against dequantize + torch's matmul")
     p.add_argument("--kernels", help="GPU: a folder to use in place of quantkit/kernels/")
+    p.add_argument("--gemv-rows", type=int, help="GPU: kernels.GEMV_ROWS for the run (rows of x up to which the GEMV runs)")
     p.add_argument("--rows", help="CPU: the fused paths against the fallback at these rows of input (1,16,...)")
     p.add_argument("--split", help="CPU: the GEMV on one thread against split over the cores at these rows (1,4,...)")
     a = p.parse_args()
-    gpu_only = [f"--{o}" for o in ("sweep", "dense", "kernels") if getattr(a, o)]
+    gpu_only = [f"--{o}" for o, v in (("sweep", a.sweep), ("dense", a.dense), ("kernels", a.kernels),
+                                      ("gemv-rows", a.gemv_rows)) if v not in (None, False)]
     if gpu_only and not torch.cuda.is_available():
         p.error(f"{gpu_only[0]} times the GPU kernels, and torch sees no CUDA GPU: drop it for the CPU table")
     if a.kernels:
@@ -463,6 +466,10 @@ def main() -> None:
         sys.modules["quantkit.kernels"] = quantkit.kernels = other  # before quantkit.qlinear takes it
         spec.loader.exec_module(other)
         print(f"kernels from {other.__file__}", flush=True)
+    if a.gemv_rows is not None:
+        from quantkit import kernels
+
+        kernels.GEMV_ROWS = a.gemv_rows
     batches = [int(b) for b in a.batches.split(",")]
     print(" ".join(sys.argv), flush=True)
     if torch.cuda.is_available():

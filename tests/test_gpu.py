@@ -38,7 +38,7 @@ def test_same_codes_on_the_gpu(model_dir, options):
 
 
 @pytest.mark.parametrize("options", [dict(method="gptq", bits=4, group_size=64), dict(method="awq", bits=4, group_size=64),
-                                     dict(method="rtn", bits=3, mse=True), dict(method="rtn", gguf_type="Q4_K_M")],
+                                     dict(method="rtn", bits=3, mse=True), dict(method="rtn", gguf_type="Q4_K_M", format="gguf")],
                          ids=["gptq", "awq", "rtn-mse", "Q4_K_M"])
 def test_searches_within_rounding_on_the_gpu(model_dir, options):
     """Methods that search or feed errors forward: a sum taken in another order tips near ties, and

@@ -123,12 +123,12 @@ def test_matmul_dtypes_and_split(dtype, rows, act_order):
 @pytest.mark.parametrize("bits, group_size, k", [(4, 64, 448), (4, 96, 288), (3, 96, 288)])
 def test_act_order_read_through_the_order(dtype, bits, group_size, k, monkeypatch):
     """Act-order with whole groups, read through the order (kernel_args' ORDER) in every activation
-    dtype: the GEMV (1 and 3 rows) and the GEMM (9), K split, tiles of one group (64), tiles across
+    dtype: the GEMV (1 and 2 rows) and the GEMM (3 and 9), K split, tiles of one group (64), tiles across
     groups with K not whole tiles (96: GROUP 0), 3-bit codes value by value, and from DENSE_ROWS."""
     qt = grid(bits, group_size, True, seed=11, n=96, k=k)
     layer = GPTQLinear.from_tensor(qt).to(DEVICE)
     assert layer.kernel_args(64)[1]["ORDER"]
-    for rows in (1, 3, 9):
+    for rows in (1, 2, 3, 9):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype).to(DEVICE)
         for dense_rows in (1 << 30, 1):
             monkeypatch.setattr(kernels, "DENSE_ROWS", dict.fromkeys(kernels.DENSE_ROWS, dense_rows))

@@ -15,7 +15,11 @@ import torch
 from quantkit.errors import QuantkitError
 
 GPTQ, NF4 = 0, 1  # jit.py's FMT
-GEMV_ROWS = 4  # up to this many rows of x (below DENSE_ROWS) take the GEMV: a tensor-core tile would be mostly padding
+# Up to this many rows of x (below DENSE_ROWS) take the GEMV, from one more the GEMM's 16-row tile. On an
+# H200 (benchmarks/RESULTS.md, "The ninth GPU run") the 4-bit GEMV took 0.78-0.89 of the GEMM's time at 2
+# rows and 1.23-1.60x at 4, where the GEMM's time stays flat from 2 to 8 rows; a GEMV program that read W
+# once for 4 rows took 0.90-1.08x the time of a program per row. NF4 goes dense from 3 rows (its GEMM is slow)
+GEMV_ROWS = 2
 DEQUANT_TILE = (32, 64)  # outputs, inputs
 # Tiles (outputs, inputs per step) by layout and launch options, from sweeps on an H200 and an H100
 # (benchmarks/RESULTS.md, kernel_bench.py --sweep); NF4's GEMM keeps the tile that compiled for it there
