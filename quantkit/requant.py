@@ -155,7 +155,7 @@ def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure
     manual = parse_overrides(overrides)
     tied = OUTPUT not in dict(weights)
     decided = dict.fromkeys(ROLES, 0)  # per role, the tensors the mix's rules have typed
-    types, unfit = {}, []
+    types, unfit, fallen = {}, [], []
     unmatched = {pattern.pattern for pattern, _ in manual}
     for name, k in weights:
         hits = [(pattern.pattern, kind) for pattern, kind in manual if pattern.search(name)]
@@ -176,6 +176,8 @@ def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure
         types[name] = fit_row(t, k)
         if types[name] == "F16" != t:
             unfit.append((name, k, t))
+        elif types[name] != t:
+            fallen.append((name, k, t))
     if unmatched:  # a misspelt name would leave the mix's type silently
         names = f"its names run from {weights[0][0]} to {weights[-1][0]}" if weights else "it has no 2-D weights"
         raise QuantkitError(f"{option('tensor_type')} pattern {sorted(unmatched)[0]!r} matches no quantized tensor of this model "
@@ -186,6 +188,12 @@ def choose(weights: list[tuple[str, int]], mix: str, layers: int, gqa: int, pure
               f"{blocks.sizes(FALLBACK[t])[0]} (llama-quantize writes F16 there too)" if t in FALLBACK else \
               f"do not fill {t}'s blocks of {blocks.sizes(t)[0]} (llama-quantize refuses such a file)"
         warnings.warn(f"{count(len(unfit), 'weight')} written as F16: rows of {k} values ({name}) {why}", Note)
+    if fallen:  # as llama-quantize says it: the file is larger than the mix's name suggests
+        name, k, t = fallen[0]
+        bits = {u: 8 * blocks.sizes(u)[1] / blocks.sizes(u)[0] for u in (t, FALLBACK[t])}
+        warnings.warn(f"{len(fallen)} of {count(len(weights), 'weight')} take llama-quantize's fallback types: rows of {k} "
+                      f"values ({name}) do not fill {t}'s blocks of {blocks.sizes(t)[0]}, so {FALLBACK[t]} "
+                      f"({bits[FALLBACK[t]]:g} bits a weight where {t} has {bits[t]:g})", Note)
     return types
 
 

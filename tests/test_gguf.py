@@ -141,7 +141,8 @@ def test_fallback_types_read_back(tiny_dir, tmp_path, mix):
 
 def test_rows_that_fill_no_block_are_named_and_patterns_of_a_file_without_weights_refused():
     """A row that fills neither a type's blocks nor its fallback's is written as F16 with a note (llama-quantize
-    refuses a file of such rows for a type without a fallback); a fallback type itself needs no note."""
+    refuses a file of such rows for a type without a fallback); rows that take a fallback type are counted in
+    a note, as llama-quantize counts them (the file is larger than the mix's name says)."""
     from quantkit.requant import choose
 
     rows = [("blk.0.attn_q.weight", 4100), ("blk.0.attn_k.weight", 4096)]
@@ -150,9 +151,14 @@ def test_rows_that_fill_no_block_are_named_and_patterns_of_a_file_without_weight
         assert choose(rows, "Q4_0", 1, 1, pure=True) == {"blk.0.attn_q.weight": "F16", "blk.0.attn_k.weight": "Q4_0"}
     with pytest.warns(Note, match=r"fill neither Q4_K's blocks of 256 nor Q5_0's of 32 \(llama-quantize writes F16"):
         choose(rows, "Q4_K_M", 1, 1, pure=True)
+    with pytest.warns(Note, match=r"^1 of 2 weights take llama-quantize's fallback types: rows of 576 values "
+                                  r"\(blk.0.attn_q.weight\) do not fill Q4_K's blocks of 256, so Q5_0 \(5.5 bits a weight "
+                                  r"where Q4_K has 4.5\)$"):
+        assert choose([("blk.0.attn_q.weight", 576), ("blk.0.attn_k.weight", 4096)], "Q4_K_M", 1, 1, pure=True) == \
+            {"blk.0.attn_q.weight": "Q5_0", "blk.0.attn_k.weight": "Q4_K"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert choose([("blk.0.attn_q.weight", 576)], "Q4_K_M", 1, 1, pure=True) == {"blk.0.attn_q.weight": "Q5_0"}
+        assert choose([("blk.0.attn_q.weight", 4096)], "Q4_K_M", 1, 1, pure=True) == {"blk.0.attn_q.weight": "Q4_K"}
     with pytest.raises(QuantkitError, match="matches no quantized tensor of this model \\(it has no 2-D weights\\)"):
         choose([], "Q4_K_M", 1, 1, overrides=("attn_v=Q8_0",))
 
