@@ -279,14 +279,15 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
                             f"processes): run that command again to go on from them, or pass "
                             f"{option('overwrite', True)} to discard them and measure afresh")
             weights = measurement.fisher(m, windows, dev, progress and distributed.rank() == 0)
+            labels = None  # what each candidate makes of each linear, where two can make the same
             if exl2_run:
                 cores = [lambda name, w, h, s=s: exl2.quantize(w, h.matrix(), s, damp=config.damp,
                                                                block_size=config.block_size, name=name).tensor
                          for s in settings]
             elif gguf_run:
                 plain = replace(config, target_bpw=None, measurement=None)
-                cores = [quantizer(plain, {}, {name: t.of(k) for name, (_, k) in shapes.items()}, importance)
-                         for t in settings]
+                labels = [{name: t.of(k) for name, (_, k) in shapes.items()} for t in settings]
+                cores = [quantizer(plain, {}, types, importance) for types in labels]
             else:
                 cores = [quantizer(replace(config, bits=g.bits, group_size=g.group_size, target_bpw=None,
                                            measurement=None), {}) for g in settings]
@@ -297,7 +298,7 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
                 hessians = gather_hessians(layer, batches, GROUPS)[0] if hessian else dict.fromkeys(LINEARS)
                 sq = measurement.measure_layer(layer, batches, hessians, cores,
                                                torch.stack([weights[prefix + b] for b in measurement.BLOCKS]), units,
-                                               prefix=prefix)
+                                               prefix=prefix, labels=labels)
                 # every batch's figures, from the process that ran it, summed in one order: a single process's sums
                 sq = distributed.gather_rows(sq).sum(0)
                 for u, unit in enumerate(units):  # in nats: the predicted rise of the mean loss

@@ -38,7 +38,7 @@ from .atomic import check_writable, write_text
 from .errors import QuantkitError, option, untrusted
 from .layers import GROUPS, LINEARS, on_device
 from .modelio import Model
-from .pipeline import QuantizeFn, capture_inputs, digest, run_layer
+from .pipeline import QuantizeFn, capture_inputs, run_layer
 from .requant import fit_row
 
 FORMAT = "quantkit-measurement/3"  # 2: EXL2's, errors relative to the hidden state; 1: per linear
@@ -166,14 +166,15 @@ def fisher(m: Model, windows: torch.Tensor, device: torch.device, progress: bool
 @torch.no_grad()
 def measure_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]], hessians: dict,
                   candidates: list[QuantizeFn], weights: torch.Tensor, units: dict[str, tuple[str, ...]],
-                  prefix: str = "") -> torch.Tensor:
+                  prefix: str = "", labels: list[dict[str, str]] | None = None) -> torch.Tensor:
     """One decoder layer's measurement: the linears of each unit quantized by each candidate (a
     per-linear core: name, weight, Hessian -> QuantizedTensor), the rest of the layer float, and the
     output of the unit's block (BLOCKS) run on the float block's inputs, batch by batch. Returns each
     batch's squared output error weighted per channel by weights ([blocks, hidden], fisher's),
-    float64 [batches, units, candidates]. The weights stay float. A candidate that quantizes a unit
-    as an earlier one did (Q2_K and Q3_K rows that both fall back to one type) gets its error
-    without running the block again."""
+    float64 [batches, units, candidates]. The weights stay float. labels: what each candidate makes of
+    each linear, by full name (a GGUF type after llama-quantize's fallback): a candidate whose labels
+    for a unit's linears are an earlier one's (Q2_K and Q3_K rows that both fall back to Q4_0) gets
+    that one's error, neither quantizing nor running the block again."""
     def attention(x, kw):
         return layer.self_attn(hidden_states=layer.input_layernorm(x), **kw)[0]
 
@@ -196,16 +197,16 @@ def measure_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict
                 continue
             linears = [layer.get_submodule(name) for name in names]
             originals = [lin.weight.data for lin in linears]
-            seen: dict[str, int] = {}  # the quantized weights' hash -> the first candidate that gave them
+            seen: dict[tuple, int] = {}  # the unit's labels -> the first candidate that had them
             try:
                 for c, core in enumerate(candidates):
-                    for lin, name, w in zip(linears, names, originals):
-                        lin.weight.data = core(prefix + name, w, hessians[name]).dequantize().to(w.device, w.dtype)
-                    key = digest([lin.weight.data for lin in linears])
-                    if key in seen:  # the same weights (llama-quantize's fallback of two types): the same error
+                    key = tuple(labels[c][prefix + name] for name in names) if labels else c
+                    if key in seen:  # the same weights: the same error
                         sq[:, u, c] = sq[:, u, seen[key]]
                         continue
                     seen[key] = c
+                    for lin, name, w in zip(linears, names, originals):
+                        lin.weight.data = core(prefix + name, w, hessians[name]).dequantize().to(w.device, w.dtype)
                     for j, (x, kw, r) in enumerate(zip(inputs, kwargs, reference)):
                         sq[j, u, c] = ((block(on_device(layer, x), kw) - on_device(layer, r)).double().square()
                                        * weight).sum()

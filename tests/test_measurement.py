@@ -100,18 +100,31 @@ def test_a_units_error_is_its_blocks_weighted_output_error(tiny_dir):
             assert float(got) == pytest.approx(float(((out - ref).double().square() * weights[1]).sum()), rel=1e-4)
     assert float(groups[0, 3, 0]) < float(blocks[0, 1, 0])
     assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())  # left float
-    # a candidate that quantizes as an earlier one did (two GGUF types falling back to one) is not run again
-    calls = []
+    # a candidate labelled as an earlier one for a unit's linears (two GGUF types falling back to one) is
+    # neither quantized nor run again there; it is where a label differs
+    calls, quantized = [], []
     handle = layer.mlp.register_forward_hook(lambda *_: calls.append(1))
+    wider = quantizer(QuantConfig(method="gptq", bits=4, group_size=32), {})
+
+    def counted(fn):
+        return lambda name, w, h: quantized.append(name) or fn(name, w, h)
+
+    names = [n for unit in measurement.BLOCK_UNITS.values() for n in unit]
+    labels = [dict.fromkeys(names, "a"), dict.fromkeys(names, "b"), dict.fromkeys(names, "a")]
     try:
-        wider = quantizer(QuantConfig(method="gptq", bits=4, group_size=32), {})
-        again = measurement.measure_layer(layer, [(x, kw)], hessians, [core, wider, core], weights,
-                                          measurement.BLOCK_UNITS)
+        again = measurement.measure_layer(layer, [(x, kw)], hessians, [counted(core), counted(wider), counted(core)],
+                                          weights, measurement.BLOCK_UNITS, labels=labels)
+        assert len(calls) == 3  # the float MLP, then one forward per distinct candidate
+        assert sorted(quantized) == sorted(names * 2)
+        labels[2]["self_attn.o_proj"] = "c"  # the attention's third candidate differs: quantized and run
+        calls.clear(), quantized.clear()
+        measurement.measure_layer(layer, [(x, kw)], hessians, [counted(core), counted(wider), counted(core)],
+                                  weights, measurement.BLOCK_UNITS, labels=labels)
+        assert len(calls) == 3 and len(quantized) == 2 * len(names) + len(measurement.BLOCK_UNITS["self_attn"])
     finally:
         handle.remove()
     assert torch.equal(again[..., 0], blocks[..., 0]) and torch.equal(again[..., 2], again[..., 0])
     assert float(again[0, 1, 1]) < float(again[0, 1, 0])  # 4 bits lose less than 3
-    assert len(calls) == 3  # the float MLP, then one forward per distinct candidate
 
 
 @pytest.fixture(scope="module")
