@@ -180,7 +180,7 @@ def descent(a) -> None:
     import quantkit
     from quantkit.calibration import load_text, sample_windows
     from quantkit.layers import GROUPS, linear_inputs
-    from quantkit.pipeline import capture_inputs, run_layer
+    from quantkit.pipeline import Hessian, capture_inputs, run_layer
     from quantkit.quantizers import awq
 
     m = quantkit.load()
@@ -210,7 +210,10 @@ def descent(a) -> None:
                     _, exhaustive, losses = awq.search_scale(x_mean, loss, 20)
                     seconds["exhaustive"] += time.perf_counter() - t
                     t = time.perf_counter()
-                    own = awq.output_loss(linears, awq.hessian(xs[:n], xs[0].shape[-1], "cpu"), lambda s: s, a.bits, 128, False)
+                    h = Hessian(xs[0].shape[-1])
+                    for x in xs[:n]:
+                        h.add_batch(x)
+                    own = awq.output_loss(linears, h.matrix(), lambda s: s, a.bits, 128, False)
                     _, chosen, tried = awq.search_scale(x_mean, loss, 20, start=own)
                     seconds["descent"] += time.perf_counter() - t
                     same += chosen == exhaustive
