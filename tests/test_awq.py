@@ -230,8 +230,8 @@ def test_a_search_judges_the_attention_on_its_first_windows_and_an_output_loss_c
     quadratic = awq.quadratic
     monkeypatch.setattr(awq, "quadratic", lambda dw, h: products.append(1) or quadratic(dw, h))
     with torch.no_grad():
-        g = awq.gather(layer, batches, ["head", None, None, None], 8192, 48)[0][0]
-        h, mean = g.h.matrix(), g.mean(sum(x[..., 0].numel() for x, _ in batches))
+        g = awq.gather(layer, batches, ["head", None, None, None], 8192, 48)[0]
+        h, mean = g.h.matrix(), g.mean()
         search_group(lins, g.xs, mean, g.kwargs, block, None, h, 4, 32, False, descent=True)
         assert set(windows) == {1} and 12 <= len(products) <= 14  # the start, coarse to fine
         products.clear()
@@ -372,34 +372,54 @@ def test_each_layer_is_calibrated_on_the_quantized_outputs_of_the_one_before(tin
 
 
 def test_gathered_statistics_are_those_of_all_inputs(layer_and_batches):
-    """What each group's searches take, gathered batch by batch from one float run that stops at
-    down_proj's input, equals what the whole inputs give: mean |x|, the Hessian of rows spread over all
-    batches, the attention's first windows, the MLP's rows spread over all batches."""
+    """What each group's searches take, gathered batch by batch from one float run that stops at the
+    MLP's input, equals what the whole inputs give: mean |x|, the Hessian of rows spread over all
+    batches, the attention's first windows, the MLP's rows spread over all batches; down_proj's come from
+    the MLP run on gate/up's Hessian rows alone."""
     m, batches = layer_and_batches  # 2 batches of 2 windows of 48 tokens
     layer = m.layers[1]
     names = [group[0] for group in awq.GROUPS]
-    ran = []
-    handle = layer.mlp.down_proj.register_forward_hook(lambda *_: ran.append(1))
+    rows_run = []
+    handles = [layer.mlp.gate_proj.register_forward_hook(lambda _, args, out: rows_run.append(len(args[0]))),
+               layer.mlp.down_proj.register_forward_hook(lambda *_: rows_run.append(-1))]
     try:
         with torch.no_grad():
             whole = linear_inputs(layer, batches, names)
-            ran.clear()
-            gathered, tokens = awq.gather(layer, batches, ["head", None, "spread", None], 40, 48)
+            rows_run.clear()
+            gathered = awq.gather(layer, batches, ["head", None, "spread", None], 40, 48)
     finally:
-        handle.remove()
-    assert not ran and tokens == 192
-    for name, g in zip(names, gathered):
+        for handle in handles:
+            handle.remove()
+    step = 5  # 192 tokens // 40 is 4, which divides the windows' 48 tokens; 5 shares no factor with it
+    assert rows_run == [20, 20]  # gate/up (and no down_proj) ran on every 5th row of each batch of 96 alone
+    for name, g in zip(names[:-1], gathered):
         xs = whole[name]
-        assert torch.equal(g.mean(tokens), input_mean(xs)), name
-        assert torch.equal(g.h.matrix(), hessian([x.reshape(-1, x.shape[-1])[::4] for x in xs])), name  # 192 // 40
+        assert torch.equal(g.mean(), input_mean(xs)), name
+        assert torch.equal(g.h.matrix(), hessian([x.reshape(-1, x.shape[-1])[::step] for x in xs])), name
+    down = [x.reshape(-1, x.shape[-1])[::step] for x in whole[names[-1]]]
+    torch.testing.assert_close(gathered[-1].mean(), input_mean(down), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gathered[-1].h.matrix(), hessian(down), rtol=1e-4, atol=1e-6)
     attention, mlp = gathered[0], gathered[2]
     assert len(attention.xs) == 1 and torch.equal(attention.xs[0], whole[names[0]][0][:1])  # 48 tokens: one window
     assert attention.kwargs[0].keys() == batches[0][1].keys()
-    rows = [x.reshape(-1, x.shape[-1])[::4] for x in whole[names[2]]]  # every 4th row of each batch: 48 in all
+    rows = [x.reshape(-1, x.shape[-1])[::5] for x in whole[names[2]]]  # every 5th row of each batch (192 // 48 is 4)
     assert len(mlp.xs) == 2 and all(torch.equal(a, b) for a, b in zip(mlp.xs, rows, strict=True))
     for kept in attention.xs + mlp.xs:  # copies: a view would keep its whole batch
         assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
     assert gathered[1].xs == gathered[3].xs == []
+
+
+@pytest.mark.parametrize("tokens", [48, 96, 200])
+def test_rows_spread_over_the_batches_take_every_position_in_a_window_alike(tokens):
+    """A step dividing the window length took the same positions of every window: at 128 x 512 tokens,
+    every 8th row gave the windows' first tokens (the attention's sink, with the largest activations)
+    8 times their share of AWQ's Hessians."""
+    xs = [torch.zeros(8, 48, 2)] * 4  # 4 batches of 8 windows of 48 tokens
+    step = awq.spacing(xs, tokens)
+    assert step >= 1536 // tokens
+    positions = torch.arange(0, 8 * 48, step) % 48  # a batch's rows, by position in their window
+    counts = torch.bincount(positions, minlength=48)
+    assert counts.max() - counts.min() <= 1, (step, counts)
 
 
 def test_no_batchs_inputs_are_held_through_the_searches(layer_and_batches, monkeypatch):
@@ -434,11 +454,11 @@ def test_the_mlp_is_judged_on_tokens_spread_over_all_batches(layer_and_batches):
     with torch.no_grad():
         h, mean = hessian(xs), input_mean(xs)
         whole = search_group(lins, xs, mean, kw, block, None, h, 4, 32, False)
-        g = awq.gather(layer, batches, [None, None, "spread", None], 8192, 10**6)[0][2]
+        g = awq.gather(layer, batches, [None, None, "spread", None], 8192, 10**6)[2]
         spread = search_group(lins, g.xs, mean, g.kwargs, block, None, h, 4, 32, False)
         assert torch.equal(whole[0], spread[0])
         seen.clear()
-        g = awq.gather(layer, batches, [None, None, "spread", None], 8192, 40)[0][2]
+        g = awq.gather(layer, batches, [None, None, "spread", None], 8192, 40)[2]
         search_group(lins, g.xs, mean, g.kwargs, block, None, h, 4, 32, False)
     rows = [len(r) for r in g.xs]  # a forward per batch, on its share of the rows
     assert seen == rows * (len(seen) // len(rows)) and 0 < sum(rows) < sum(x[..., 0].numel() for x in xs)

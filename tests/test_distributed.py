@@ -68,7 +68,7 @@ def test_two_processes_write_what_one_writes(tiny_dir, tmp_path, args):
     each rank quantizes every other linear (a linear the rules skip travels as nothing). The files
     equal a single process's, byte for byte. AWQ takes 40 windows of 128 in 5 batches: at 3 bits (the
     descent) its attention loss then runs on the first 2 batches, one on each process, and its MLP loss
-    on every other token of all 5, every process searching those scales together; the output loss's
+    on every third token of all 5 (every other would take the same positions of every window), every process searching those scales together; the output loss's
     searches (all of them at 4 bits) and each linear's clipping are shared out among the processes."""
     if "RULES" in args:
         rules = tmp_path.with_name(f"{tmp_path.name}-rules.json")
