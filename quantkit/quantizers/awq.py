@@ -177,8 +177,8 @@ def spacing(xs: list[torch.Tensor], tokens: int) -> int:
     tokens rows, evenly spaced over all of them (under torchrun, over every process's: each takes from its
     own the rows one process would). The step shares no factor with the window length, so every position
     in a window is taken alike: a step dividing it took the same positions of every window (at 128 x 512
-    tokens, every 8th row gave the windows' first tokens, whose activations can be hundreds of times the
-    rest, 8 times their share: 62% of down_proj's Hessian in a layer of SmolLM2 where they hold 19%)."""
+    tokens, every 8th row gave the windows' first tokens 8 times their share: 62% of down_proj's Hessian
+    trace in a layer of SmolLM2 where they hold 19%)."""
     step = max(1, tokens_in(xs) // tokens)
     while math.gcd(step, xs[0].shape[-2]) > 1:
         step += 1
@@ -249,8 +249,8 @@ def gather(layer: torch.nn.Module, batches, blocks: list[str | None], search_tok
     """Each of GROUPS' inputs Gathered (blocks: each group's block loss inputs). One float run of the
     layer over the batches, ended at the MLP's input, gives the attention's groups and gate/up's from
     every token; down_proj's come from the MLP run on gate/up's Hessian rows alone, since it works on each
-    token alone (at 128 windows, gate/up skipped for 7 tokens in 8: a quarter of the float run's
-    multiplies). The Hessians take about search_tokens rows spread over all batches, the block losses
+    token alone (at 128 x 512 tokens, gate/up skipped for 8 tokens in 9: about a quarter of the float
+    run's multiplies). The Hessians take about search_tokens rows spread over all batches, the block losses
     block_tokens."""
     hidden = [h for h, _ in batches]  # each batch's tokens are its linears' input rows
     step, block_step = spacing(hidden, search_tokens), spacing(hidden, block_tokens)
