@@ -6,9 +6,10 @@ import subprocess
 import sys
 
 
-def child(script: str, **kw) -> dict:
-    """Run `script run --key=value ...` and return the JSON object its last line prints."""
-    args = [sys.executable, script, "run"] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+def child(script: str, python: str = sys.executable, **kw) -> dict:
+    """Run `script run --key=value ...` (by python: another environment's) and return the JSON object
+    its last line prints."""
+    args = [python, script, "run"] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
     done = subprocess.run(args, capture_output=True, text=True)
     if done.returncode:  # the child's own error, not only its exit status
         tail = "\n".join(done.stderr.strip().splitlines()[-15:])

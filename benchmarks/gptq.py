@@ -3,6 +3,7 @@
     python benchmarks/gptq.py table [--samples 128] [--seqlen 512] [--windows 40]
     python benchmarks/gptq.py speed [--samples 32] [--bits 3] [--group-size 128] [--windows 20]
     python benchmarks/gptq.py defaults [--samples 32] [--windows 20] [--settings w3g128,w4g128,w3g-1,w4g-1]
+    python benchmarks/gptq.py gptqmodel --python VENV/bin/python [--settings w3g128,w4g128]
 
 `table`: base, RTN and GPTQ (act-order and MSE clipping) perplexity (llama.cpp protocol, ctx 512,
 first --windows windows of the wikitext-2 test file) at w4 g128, w3 g128 and w4 per channel, sym
@@ -10,13 +11,16 @@ and asym; GPTQ calibrated on --samples seeded windows of --seqlen tokens of the 
 the share of RTN's gap to the base that GPTQ closes.
 `speed`: our GPTQ and auto-gptq 0.7.1's GPTQ, both with the reference's defaults (true-sequential,
 no act-order), driven over the same layers with the same windows: quantization wall time and peak
-RSS as ours / theirs, and both perplexities; then ours with act-order and MSE clipping against
-GPTQModel 7.7's figures at the same settings, which the issue measured on this kind of machine
-(GPTQModel needs torch 2.15 and its CUDA packages, so it is not re-run here).
+RSS as ours / theirs, and both perplexities; then ours with act-order and MSE clipping.
 `defaults`: each GPTQ option's effect on perplexity and quantization time at w3/w4, g128 and per
 channel (symmetric, --samples x --seqlen calibration tokens): the reference's settings (no act-order,
 min-max grids), MSE clipping, the orderings that keep the plain g_idx layout (group-aware;
 act-order with static groups) and act-order with its permuted g_idx.
+`gptqmodel`: quantkit's plain command against GPTQModel's defaults (symmetric, --samples x --seqlen
+tokens): both calibrated on the same windows (quantkit's sample, handed over as a file), GPTQModel's
+checkpoint loaded and scored by quantkit's evaluation as ours is. GPTQModel runs in the environment of
+--python (it asks for torch 2.14.1 and a newer transformers than quantkit's pins: a venv of its own,
+`pip install torch==2.14.1 gptqmodel==7.7.0`); its time is its `quantize` call, the float model loaded.
 Each run is a child process (`run`), so that peak RSS is that run's own.
 """
 from __future__ import annotations
@@ -34,7 +38,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 VALID = DATA / "wikitext-2" / "wiki.valid.tokens"
 TEST = DATA / "wikitext-2-raw" / "wiki.test.raw"
-GPTQMODEL = {"perplexity": 100.3, "seconds": 346.0, "peak_rss_gib": 1.43e9 / 2**30}  # w3 g128 sym, 32 x 512, 20 windows
 BEST = dict(act_order=True, mse=True)
 SETTINGS = [(4, 128, True), (4, 128, False), (3, 128, True), (3, 128, False), (4, -1, True), (4, -1, False)]
 
@@ -67,13 +70,43 @@ def autogptq_quantize(m, windows, bits, group_size, sym, act_order) -> None:
         batches = run_layer(layer, batches)
 
 
+def gptqmodel_run(a) -> dict:
+    """GPTQModel's GPTQ at its defaults but bits, group size and symmetry, on the windows in a.tokens, saved
+    to a.path; in GPTQModel's environment, where quantkit is not imported."""
+    import os
+
+    # 7.7.0 sizes its CPU pool at half the cores, then asks for 2 workers of it to load: on 2 cores it refuses
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count()))
+    import gptqmodel
+    import torch
+    from gptqmodel import GPTQModel, QuantizeConfig
+    from safetensors.torch import load_file
+
+    windows = load_file(a.tokens)["windows"]
+    model, out = Path(a.model).resolve(), Path(a.path).resolve()
+    os.chdir(out.parent)  # it writes a log folder into the working directory
+    m = GPTQModel.load(str(model), QuantizeConfig(bits=a.bits, group_size=a.group_size, sym=a.sym), device="cpu")
+    start = time.perf_counter()
+    m.quantize([{"input_ids": w[None], "attention_mask": torch.ones_like(w)[None]} for w in windows], batch_size=1)
+    seconds = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    m.save(str(out))
+    return {"seconds": seconds, "peak_rss_gib": rss, "version": gptqmodel.__version__}
+
+
 def run(a) -> dict:
-    """One measurement in this process: load, quantize (timed, peak RSS after it), evaluate."""
+    """One measurement in this process: load, quantize (timed, peak RSS after it), evaluate; or
+    GPTQModel's quantization (impl gptqmodel); or a saved checkpoint's perplexity (impl saved)."""
+    if a.impl == "gptqmodel":
+        return gptqmodel_run(a)
     import torch
 
     import quantkit
     from quantkit.calibration import load_text, sample_windows
 
+    if a.impl == "saved":
+        m = quantkit.load(a.path)
+        return {"perplexity": quantkit.evaluate(m, TEST, "llamacpp", 512, a.windows, progress=False).perplexity}
     torch.manual_seed(0)
     m = quantkit.load()
     m.materialize()  # auto-gptq works on the layers in place, outside the pipeline; both timed from memory
@@ -83,9 +116,10 @@ def run(a) -> dict:
             windows = sample_windows(m.tokenizer, load_text(VALID), a.samples, a.seqlen, seed=0)
             autogptq_quantize(m, windows, a.bits, a.group_size, a.sym, a.act_order)
     elif a.method != "base":
-        quantkit.quantize(m, method=a.method, bits=a.bits, group_size=a.group_size, sym=a.sym, act_order=a.act_order,
-                          static_groups=a.static_groups, group_aware=a.group_aware, mse=a.mse, calib_data=VALID,
-                          calib_samples=a.samples, calib_seqlen=a.seqlen, seed=0, progress=False)
+        options = {} if a.impl == "defaults" else dict(act_order=a.act_order, static_groups=a.static_groups,
+                                                          group_aware=a.group_aware, mse=a.mse)
+        quantkit.quantize(m, method=a.method, bits=a.bits, group_size=a.group_size, sym=a.sym, calib_data=VALID,
+                          calib_samples=a.samples, calib_seqlen=a.seqlen, seed=0, progress=False, **options)
     seconds = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     ppl = quantkit.evaluate(m, TEST, "llamacpp", 512, a.windows, progress=False).perplexity
@@ -120,8 +154,6 @@ def speed(a) -> None:
     best = child(__file__, impl="ours", **BEST, **kw)
     print(f"quantkit, act-order + MSE clipping: {best['seconds']:.1f} s, peak RSS {best['peak_rss_gib']:.2f} GiB, "
           f"perplexity {best['perplexity']:.3f}")
-    if (a.bits, a.group_size, a.samples, a.windows) == (3, 128, 32, 20):
-        ratios(best, GPTQMODEL, "ours (act-order + MSE) / GPTQModel 7.7 as measured in the issue")
 
 
 VARIANTS = {  # name: options; the first is the anchor
@@ -155,6 +187,43 @@ def defaults(a) -> None:
                   f"{r['perplexity'] / anchor['perplexity']:.3f} | {r['seconds'] / anchor['seconds']:.2f} |", flush=True)
 
 
+def against_gptqmodel(a) -> None:
+    """quantkit's GPTQ defaults against GPTQModel's, on the same windows, scored by one evaluation."""
+    import subprocess
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    import quantkit
+    from quantkit.api import calibration_windows
+    from quantkit.modelio import default_model_dir
+
+    if subprocess.run([a.python, "-c", "import gptqmodel"], capture_output=True).returncode:
+        print(f"error: {a.python} cannot import gptqmodel: make a venv with `pip install torch==2.14.1 "
+              "gptqmodel==7.7.0` and pass its Python as --python", file=sys.stderr)
+        sys.exit(2)
+    model = default_model_dir()  # the embedded model as float32 safetensors, which GPTQModel loads
+    print(f"GPTQ, symmetric, {a.samples} x {a.seqlen} calibration tokens (the same windows), {a.windows} test "
+          "windows; each ratio against GPTQModel's defaults in the same row")
+    print("| setting | run | perplexity | time | peak RSS | perplexity / GPTQModel | time / GPTQModel |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    with tempfile.TemporaryDirectory(prefix="gptqmodel-") as tmp:
+        tokens = Path(tmp) / "windows.safetensors"
+        save_file({"windows": calibration_windows(quantkit.load(), VALID, a.samples, a.seqlen, 0, False)}, str(tokens))
+        for setting in (a.settings or "w3g128,w4g128").split(","):
+            bits, group_size = map(int, setting[1:].split("g"))
+            kw = dict(bits=bits, group_size=group_size, sym=True)
+            out = Path(tmp) / setting
+            theirs = child(__file__, python=a.python, impl="gptqmodel", model=model, tokens=tokens, path=out, **kw)
+            theirs |= child(__file__, impl="saved", path=out, windows=a.windows)
+            ours = child(__file__, impl="defaults", method="gptq", samples=a.samples, seqlen=a.seqlen,
+                         windows=a.windows, **kw)
+            for who, r in ((f"GPTQModel {theirs['version']}, its defaults", theirs), ("quantkit, its defaults", ours)):
+                print(f"| w{bits} g{group_size} | {who} | {r['perplexity']:.3f} | {r['seconds']:.1f} s | "
+                      f"{r['peak_rss_gib']:.2f} GiB | {r['perplexity'] / theirs['perplexity']:.3f} | "
+                      f"{r['seconds'] / theirs['seconds']:.2f} |", flush=True)
+
+
 def ratios(ours: dict, theirs: dict, label: str) -> None:
     print(f"{label}: time {ours['seconds'] / theirs['seconds']:.2f}, "
           f"peak RSS {ours['peak_rss_gib'] / theirs['peak_rss_gib']:.2f}, "
@@ -163,8 +232,13 @@ def ratios(ours: dict, theirs: dict, label: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["table", "speed", "defaults", "run"])
-    p.add_argument("--impl", choices=["ours", "autogptq"], default="ours")
+    p.add_argument("mode", choices=["table", "speed", "defaults", "gptqmodel", "run"])
+    p.add_argument("--impl", choices=["ours", "defaults", "autogptq", "gptqmodel", "saved"], default="ours",
+                   help="defaults: ours without the order and clipping options (quantize's own defaults)")
+    p.add_argument("--python", default=sys.executable, help="gptqmodel: the Python of GPTQModel's environment")
+    p.add_argument("--model", help="run --impl gptqmodel: the float model's directory")
+    p.add_argument("--tokens", help="run --impl gptqmodel: a safetensors file of the calibration windows")
+    p.add_argument("--path", help="run --impl gptqmodel and saved: the checkpoint written and read")
     p.add_argument("--method", default="gptq")
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--group-size", type=int, default=128)
@@ -185,7 +259,7 @@ def main() -> None:
         table(a)
     else:
         a.samples, a.windows = a.samples or 32, a.windows or 20
-        speed(a) if a.mode == "speed" else defaults(a)
+        {"speed": speed, "defaults": defaults, "gptqmodel": against_gptqmodel}[a.mode](a)
 
 
 if __name__ == "__main__":
