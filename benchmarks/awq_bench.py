@@ -4,6 +4,7 @@
     python benchmarks/awq_bench.py table [--samples 128] [--windows 40] [--duo True]
     python benchmarks/awq_bench.py speed [--samples 16] [--bits 4] [--layers 30]
     python benchmarks/awq_bench.py losses [--samples 32] [--windows 20] [--losses block,descent,output] [--widths 4,3] [--duo True]
+    python benchmarks/awq_bench.py defaults [--samples 32] [--windows 20] [--widths 4,3]
 
 `table`: base, RTN (asymmetric), AWQ (--duo: with duo scaling) and GPTQ (act-order, MSE clipping)
 perplexity at w4 g64 and w3 g64 (llama.cpp protocol, ctx 512, first --windows windows of the wikitext-2 test file),
@@ -16,6 +17,10 @@ search takes minutes per layer on a CPU).
 w4 and w3 (--widths) in groups of 128, each with its own defaults otherwise: whole-model quantization
 time, perplexity and KLD from the float model (log-probabilities saved once, in a temporary directory);
 --duo True: the AWQ runs with duo scaling.
+`defaults`: each tool at its own defaults on the whole model, with zero points: quantkit's AWQ
+(`quantize` given no AWQ option) against autoawq 0.2.9's (duo scaling, as `speed` drives it), on the
+same --samples windows; perplexity, KLD from the float model and time, as ratios to autoawq's. Groups
+of 64: autoawq's default 128 does not divide SmolLM2's 576 inputs, which it refuses.
 `descent`: on every --every-th layer of the float model, for q/k/v and gate/up, the exhaustive block
 search against --awq-loss descent's (the same losses, 8192 calibration tokens, g128 asym): how often
 they choose the same scales, the block loss of the descent's choice over the exhaustive one's, and
@@ -99,7 +104,7 @@ def run(a) -> dict:
         if a.impl == "autoawq":
             windows = sample_windows(m.tokenizer, load_text(VALID), a.samples, 512, seed=0)
             autoawq_quantize(m, windows, a.bits, a.group_size, a.layers)
-        elif a.layers < len(m.layers):  # our search over the same first layers
+        elif a.method == "awq" and a.layers < len(m.layers):  # our search over the same first layers
             from quantkit.pipeline import capture_inputs, run_layer
             from quantkit.quantizers.awq import quantize_layer
 
@@ -174,6 +179,25 @@ def losses(a) -> None:
             print(f"| w{bits} | " + " | ".join(cells) + " |", flush=True)
 
 
+def defaults(a) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        kw = dict(group_size=64, samples=a.samples, windows=a.windows, layers=a.layers, base=f"{tmp}/base.logits")
+        child(__file__, method="base", **kw)
+        print(f"g64 with zero points, {a.samples} x 512 calibration tokens (the same windows), {a.windows} test "
+              f"windows, {a.layers} layers quantized; each ratio against autoawq's run of the same width")
+        print("| bits | run | perplexity | KLD | time | perplexity / autoawq | KLD / autoawq | time / autoawq |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for bits in map(int, a.widths.split(",")):
+            theirs = child(__file__, impl="autoawq", bits=bits, **kw)
+            ours = child(__file__, method="awq", bits=bits, defaults=True, **kw)
+            for who, r in (("autoawq 0.2.9, its defaults", theirs), ("quantkit, its defaults", ours)):
+                print(f"| w{bits} | {who} | {r['perplexity']:.3f} | {r['kld']:.4f} | {r['seconds']:.1f} s | "
+                      f"{r['perplexity'] / theirs['perplexity']:.3f} | {r['kld'] / theirs['kld']:.3f} | "
+                      f"{r['seconds'] / theirs['seconds']:.2f} |", flush=True)
+
+
 def descent(a) -> None:
     import torch
 
@@ -229,7 +253,7 @@ def descent(a) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["table", "speed", "losses", "descent", "run"])
+    p.add_argument("mode", choices=["table", "speed", "losses", "defaults", "descent", "run"])
     p.add_argument("--impl", choices=["ours", "autoawq"], default="ours")
     p.add_argument("--method", default="awq")
     p.add_argument("--bits", type=int, default=4)
@@ -240,18 +264,18 @@ def main() -> None:
     p.add_argument("--defaults", type=flag, default=False, help="run: each method's own defaults (sym, clipping)")
     p.add_argument("--samples", type=int)
     p.add_argument("--seed", type=int, default=0, help="run: the calibration windows' seed (whole-model runs)")
-    p.add_argument("--windows", type=int, help="test windows scored [40; losses: 20]")
-    p.add_argument("--layers", type=int, default=30, help="speed: quantize only the first N decoder layers")
+    p.add_argument("--windows", type=int, help="test windows scored [40; losses and defaults: 20]")
+    p.add_argument("--layers", type=int, default=30, help="speed, defaults: quantize only the first N decoder layers")
     p.add_argument("--every", type=int, default=3, help="descent: search every N-th layer")
     p.add_argument("--losses", default=",".join(AWQ_LOSSES), help="losses: the AWQ losses to run")
-    p.add_argument("--widths", default="4,3", help="losses: the bit widths to run")
+    p.add_argument("--widths", default="4,3", help="losses, defaults: the bit widths to run")
     a = p.parse_args()
-    a.windows = a.windows or (20 if a.mode == "losses" else 40)
+    a.windows = a.windows or (20 if a.mode in ("losses", "defaults") else 40)
     if a.mode == "run":
         print(json.dumps(run(a)))
-    elif a.mode == "losses":
+    elif a.mode in ("losses", "defaults"):
         a.samples = a.samples or 32
-        losses(a)
+        losses(a) if a.mode == "losses" else defaults(a)
     elif a.mode == "descent":
         a.samples = a.samples or 32
         descent(a)
