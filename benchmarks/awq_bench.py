@@ -4,7 +4,7 @@
     python benchmarks/awq_bench.py table [--samples 128] [--windows 40] [--duo True]
     python benchmarks/awq_bench.py speed [--samples 16] [--bits 4] [--layers 30]
     python benchmarks/awq_bench.py losses [--samples 32] [--windows 20] [--losses block,descent,output] [--widths 4,3] [--duo True]
-    python benchmarks/awq_bench.py defaults [--samples 32] [--windows 20] [--widths 4,3]
+    python benchmarks/awq_bench.py defaults [--samples 32] [--windows 20] [--widths 4,3] [--seed 0]
 
 `table`: base, RTN (asymmetric), AWQ (--duo: with duo scaling) and GPTQ (act-order, MSE clipping)
 perplexity at w4 g64 and w3 g64 (llama.cpp protocol, ctx 512, first --windows windows of the wikitext-2 test file),
@@ -102,13 +102,13 @@ def run(a) -> dict:
     start = time.perf_counter()
     with torch.no_grad():
         if a.impl == "autoawq":
-            windows = sample_windows(m.tokenizer, load_text(VALID), a.samples, 512, seed=0)
+            windows = sample_windows(m.tokenizer, load_text(VALID), a.samples, 512, seed=a.seed)
             autoawq_quantize(m, windows, a.bits, a.group_size, a.layers)
         elif a.method == "awq" and a.layers < len(m.layers):  # our search over the same first layers
             from quantkit.pipeline import capture_inputs, run_layer
             from quantkit.quantizers.awq import quantize_layer
 
-            windows = sample_windows(m.tokenizer, load_text(VALID), a.samples, 512, seed=0)
+            windows = sample_windows(m.tokenizer, load_text(VALID), a.samples, 512, seed=a.seed)
             batches = capture_inputs(m, windows, 8)
             for layer in m.layers[: a.layers]:
                 quantize_layer(layer, batches, a.bits, a.group_size, False, a.duo,
@@ -183,10 +183,12 @@ def defaults(a) -> None:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        kw = dict(group_size=64, samples=a.samples, windows=a.windows, layers=a.layers, base=f"{tmp}/base.logits")
+        kw = dict(group_size=64, samples=a.samples, windows=a.windows, layers=a.layers, seed=a.seed,
+                  base=f"{tmp}/base.logits")
         child(__file__, method="base", **kw)
         print(f"g64 with zero points, {a.samples} x 512 calibration tokens (the same windows), {a.windows} test "
-              f"windows, {a.layers} layers quantized; each ratio against autoawq's run of the same width")
+              f"windows, {a.layers} layers quantized, calibration seed {a.seed}; each ratio against autoawq's run of "
+              "the same width")
         print("| bits | run | perplexity | KLD | time | perplexity / autoawq | KLD / autoawq | time / autoawq |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for bits in map(int, a.widths.split(",")):
@@ -263,7 +265,7 @@ def main() -> None:
     p.add_argument("--base", default="", help="run: the float model's log-probabilities (saved by method base)")
     p.add_argument("--defaults", type=flag, default=False, help="run: each method's own defaults (sym, clipping)")
     p.add_argument("--samples", type=int)
-    p.add_argument("--seed", type=int, default=0, help="run: the calibration windows' seed (whole-model runs)")
+    p.add_argument("--seed", type=int, default=0, help="run, defaults: the calibration windows' seed")
     p.add_argument("--windows", type=int, help="test windows scored [40; losses and defaults: 20]")
     p.add_argument("--layers", type=int, default=30, help="speed, defaults: quantize only the first N decoder layers")
     p.add_argument("--every", type=int, default=3, help="descent: search every N-th layer")
