@@ -231,7 +231,7 @@ def descent(a) -> None:
                     xs = inputs[GROUPS[g][0]]
                     x_mean = sum(x.abs().reshape(-1, x.shape[-1]).sum(0) for x in xs) / sum(x[..., 0].numel() for x in xs)
                     n = max(1, int((torch.tensor([x[..., 0].numel() for x in xs]).cumsum(0) <= 8192).sum()))
-                    loss = awq.block_loss(linears, xs[:n], kwargs[:n], block, lambda s: s, a.bits, 128, False)
+                    loss = awq.block_loss(linears, xs[:n], kwargs[:n], block, a.bits, 128, False)
                     t = time.perf_counter()
                     _, exhaustive, losses = awq.search_scale(x_mean, loss, 20)
                     seconds["exhaustive"] += time.perf_counter() - t
@@ -239,7 +239,7 @@ def descent(a) -> None:
                     h = Hessian(xs[0].shape[-1])
                     for x in xs[:n]:
                         h.add_batch(x)
-                    own = awq.output_loss(linears, h.matrix(), lambda s: s, a.bits, 128, False)
+                    own = awq.output_loss(linears, h.matrix(), a.bits, 128, False)
                     _, chosen, tried = awq.search_scale(x_mean, loss, 20, start=own)
                     seconds["descent"] += time.perf_counter() - t
                     same += chosen == exhaustive

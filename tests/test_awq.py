@@ -12,9 +12,9 @@ from quantkit.exporters import awq as gemm
 from quantkit.layers import linear_inputs
 from quantkit.pipeline import Hessian, capture_inputs
 from quantkit.quantizers import awq, rtn
-from quantkit.quantizers.awq import fold, kv_channels, search_group
+from quantkit.quantizers.awq import fold, search_group
 
-from .conftest import VALID, loaded
+from .conftest import VALID, loaded, make_tiny
 from .refs import autoawq, cpu_snapshots_copied
 
 
@@ -39,22 +39,21 @@ def input_mean(xs: list[torch.Tensor]) -> torch.Tensor:
     return (sum(x.abs().reshape(-1, x.shape[-1]).sum(0).double() for x in xs) / sum(x[..., 0].numel() for x in xs)).float()
 
 
-def test_kv_channels_follow_grouped_query_heads(tiny_dir):
-    attn = loaded(tiny_dir).layers[0].self_attn  # 4 query heads of 16, 2 kv heads
-    expected = torch.cat([torch.arange(16), torch.arange(16), 16 + torch.arange(16), 16 + torch.arange(16)])
-    assert torch.equal(kv_channels(attn), expected)
+@pytest.fixture(scope="module")
+def mha_dir(tmp_path_factory):
+    """make_tiny's model without grouped-query attention: a kv head for each query head."""
+    return make_tiny(tmp_path_factory.mktemp("mha") / "model", num_key_value_heads=4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_folding_keeps_the_float_model(layer_and_batches, qwen3_dir, arch):
+def test_folding_keeps_the_float_model(mha_dir, qwen3_dir, arch):
     """Each group's scales folded into the op before it leave the layer's function as it was (Qwen3:
-    its q/k norms come after q_proj and k_proj, v_proj's rows are free to take o_proj's scales)."""
-    if arch == "llama":
-        m, batches = layer_and_batches
-    else:
-        m = loaded(qwen3_dir)
-        with torch.no_grad():
-            batches = capture_inputs(m, torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0)), 2)
+    its q/k norms come after q_proj and k_proj; o_proj's scales fold into v_proj's rows where each
+    o_proj input has a v_proj output of its own, as in this Llama, not under Qwen3's grouped-query
+    attention)."""
+    m = loaded(mha_dir if arch == "llama" else qwen3_dir)
+    with torch.no_grad():
+        batches = capture_inputs(m, torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0)), 2)
     layer = m.layers[1]
     hidden, kwargs = batches[0]
     with torch.no_grad():
@@ -62,16 +61,36 @@ def test_folding_keeps_the_float_model(layer_and_batches, qwen3_dir, arch):
         g = torch.Generator().manual_seed(1)
         attn, mlp = layer.self_attn, layer.mlp
         s = torch.rand(64, generator=g) + 0.5
-        fold(layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], s, s)
-        # per v_proj output channel, shared by the query heads that read it
-        s = torch.rand(attn.v_proj.out_features, generator=g) + 0.5
-        fold(attn.v_proj, [attn.o_proj], s, s[kv_channels(attn)])
+        fold(layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], s)
+        if arch == "llama":
+            fold(attn.v_proj, [attn.o_proj], torch.rand(64, generator=g) + 0.5)
         s = torch.rand(64, generator=g) + 0.5
-        fold(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], s, s)
+        fold(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], s)
         s = torch.rand(128, generator=g) + 0.5
-        fold(mlp.up_proj, [mlp.down_proj], s, s)
+        fold(mlp.up_proj, [mlp.down_proj], s)
         after = layer(hidden, **kwargs)
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_o_proj_is_scaled_only_without_grouped_query_attention(tiny_dir, mha_dir, monkeypatch, kv_heads):
+    """o_proj's scales fold into v_proj's rows where each o_proj input is a v_proj output of its own
+    (4 kv heads for 4 query heads); under grouped-query attention (2) o_proj is not scaled, and its
+    weight goes to the clipping search as it was."""
+    m = loaded(mha_dir if kv_heads == 4 else tiny_dir)
+    layer = m.layers[0]
+    attn = layer.self_attn
+    original = attn.o_proj.weight.detach().clone()
+    folded, clipped = [], []
+    monkeypatch.setattr(awq, "fold", lambda prev, lins, s: folded.append(prev) or fold(prev, lins, s))
+    search_clip = awq.search_clip
+    monkeypatch.setattr(awq, "search_clip", lambda w, *a, **k: clipped.append(w.clone()) or search_clip(w, *a, **k))
+    windows = torch.randint(0, 512, (4, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        awq.quantize_layer(layer, capture_inputs(m, windows, 2), 4, 32, False, loss="output")
+    assert len(folded) == (4 if kv_heads == 4 else 3) and (attn.v_proj in folded) == (kv_heads == 4)
+    if kv_heads == 2:
+        assert torch.equal(clipped[1], original)  # clipped: v, o, gate, up, down (not q, k)
 
 
 def reference_quantizer(bits, group_size):
@@ -105,8 +124,7 @@ def test_scales_match_autoawq(tiny_dir, duo):
     same = 0
     for prev, linears, block, module, inp in cases:
         with torch.no_grad():
-            ours, _ = search_group(linears, [inp], input_mean([inp]), [kw], block, None, hessian([inp]), 4, 32, False,
-                                   duo=duo)
+            ours = search_group(linears, [inp], input_mean([inp]), [kw], block, hessian([inp]), 4, 32, False, duo=duo)
             with cpu_snapshots_copied():
                 _, _, theirs = ref._search_best_scale(layer, prev, linears, inp, module2inspect=module, kwargs=dict(kw))
         if torch.allclose(ours, theirs.float(), rtol=1e-5):
@@ -128,29 +146,26 @@ def test_scales_match_autoawq(tiny_dir, duo):
 
 
 def test_output_loss_is_the_block_loss_of_a_lone_linear(layer_and_batches):
-    """o_proj and down_proj are judged through their inputs' Hessian: the same losses, so the same
-    scales, as running the linear on every token per candidate (o_proj under grouped-query attention)."""
+    """A group of one linear (down_proj; o_proj without grouped-query attention) is judged through its
+    inputs' Hessian: the same losses, so the same scales, as running the linear on every token per
+    candidate."""
     m, batches = layer_and_batches
     layer = m.layers[0]
     inputs = linear_inputs(layer, batches, ["self_attn.o_proj", "mlp.down_proj"])
     kw = [k for _, k in batches]
-    cases = [(layer.self_attn.o_proj, kv_channels(layer.self_attn)), (layer.mlp.down_proj, None)]
-    full = lambda s, c: s[c] if c is not None else s  # noqa: E731
     with torch.no_grad():
-        for lin, channels in cases:
+        for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
             xs = inputs[[n for n, mod in layer.named_modules() if mod is lin][0]]
-            block = awq.block_loss([lin], xs, kw, lambda x, _: lin(x), lambda s: full(s, channels), 4, 32, False)
+            block = awq.block_loss([lin], xs, kw, lambda x, _: lin(x), 4, 32, False)
             h = hessian(xs)
-            output = awq.output_loss([lin], h, lambda s: full(s, channels), 4, 32, False)
-            x_mean = torch.rand(len(torch.bincount(channels)) if channels is not None else lin.in_features,
-                                generator=torch.Generator().manual_seed(6)) + 0.1
+            output = awq.output_loss([lin], h, 4, 32, False)
+            x_mean = torch.rand(lin.in_features, generator=torch.Generator().manual_seed(6)) + 0.1
             for alpha in (0.0, 0.3, 0.6, 0.9):
                 s = awq.candidate(x_mean, None, alpha)
                 assert output(s) == pytest.approx(block(s), rel=1e-4)
             mean = input_mean(xs)
-            ours = search_group([lin], xs, mean, kw, None, channels, h, 4, 32, False)
-            forwards = search_group([lin], xs, mean, kw, lambda x, _: lin(x), channels, h, 4, 32, False)
-            assert torch.equal(ours[0], forwards[0]) and torch.equal(ours[1], forwards[1])
+            ours = search_group([lin], xs, mean, kw, None, h, 4, 32, False)
+            assert torch.equal(ours, search_group([lin], xs, mean, kw, lambda x, _: lin(x), h, 4, 32, False))
 
 
 @pytest.mark.parametrize("k, blocks", [(37, 8), (64, 8), (5, 8), (40, 1)])
@@ -232,10 +247,10 @@ def test_a_search_judges_the_attention_on_its_first_windows_and_an_output_loss_c
     with torch.no_grad():
         g = awq.gather(layer, batches, ["head", None, None, None], 8192, 48)[0]
         h, mean = g.h.matrix(), g.mean()
-        search_group(lins, g.xs, mean, g.kwargs, block, None, h, 4, 32, False, descent=True)
+        search_group(lins, g.xs, mean, g.kwargs, block, h, 4, 32, False, descent=True)
         assert set(windows) == {1} and 12 <= len(products) <= 14  # the start, coarse to fine
         products.clear()
-        search_group(lins, g.xs, mean, g.kwargs, None, None, h, 4, 32, False)
+        search_group(lins, g.xs, mean, g.kwargs, None, h, 4, 32, False)
     assert 12 <= len(products) <= 14
 
 
@@ -438,7 +453,7 @@ def test_no_batchs_inputs_are_held_through_the_searches(layer_and_batches, monke
     monkeypatch.setattr(awq, "search_group", lambda *a, **k: held.append(len(batch_sized() - before)) or search(*a, **k))
     with torch.no_grad():
         awq.quantize_layer(layer, batches, 4, 32, False, loss="descent", block_tokens=48)
-    assert len(held) == 4 and held[0] == 0, held
+    assert len(held) == 3 and held[0] == 0, held  # q/k/v, gate/up, down: no o_proj under grouped-query attention
 
 
 def test_the_mlp_is_judged_on_tokens_spread_over_all_batches(layer_and_batches):
@@ -453,13 +468,13 @@ def test_the_mlp_is_judged_on_tokens_spread_over_all_batches(layer_and_batches):
     block = lambda x, _: seen.append(x.reshape(-1, x.shape[-1]).shape[0]) or mlp(x)  # noqa: E731
     with torch.no_grad():
         h, mean = hessian(xs), input_mean(xs)
-        whole = search_group(lins, xs, mean, kw, block, None, h, 4, 32, False)
+        whole = search_group(lins, xs, mean, kw, block, h, 4, 32, False)
         g = awq.gather(layer, batches, [None, None, "spread", None], 8192, 10**6)[2]
-        spread = search_group(lins, g.xs, mean, g.kwargs, block, None, h, 4, 32, False)
-        assert torch.equal(whole[0], spread[0])
+        spread = search_group(lins, g.xs, mean, g.kwargs, block, h, 4, 32, False)
+        assert torch.equal(whole, spread)
         seen.clear()
         g = awq.gather(layer, batches, [None, None, "spread", None], 8192, 40)[2]
-        search_group(lins, g.xs, mean, g.kwargs, block, None, h, 4, 32, False)
+        search_group(lins, g.xs, mean, g.kwargs, block, h, 4, 32, False)
     rows = [len(r) for r in g.xs]  # a forward per batch, on its share of the rows
     assert seen == rows * (len(seen) // len(rows)) and 0 < sum(rows) < sum(x[..., 0].numel() for x in xs)
 

@@ -140,18 +140,8 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool = False, bou
     return rtn.quantize(clip(w, bound, group_size) if bound is not None else w, bits, group_size, sym)
 
 
-def kv_channels(attn: torch.nn.Module) -> torch.Tensor:
-    """For each input channel of o_proj, the output channel of v_proj it reads (grouped-query attention:
-    query heads share a kv head), so a scale folded into v_proj is shared by those o_proj channels."""
-    hd, n_kv = attn.head_dim, attn.v_proj.out_features // attn.head_dim
-    heads = attn.o_proj.in_features // hd
-    dev = attn.o_proj.weight.device
-    kv_head = torch.arange(heads, device=dev) // (heads // n_kv)
-    return (kv_head[:, None] * hd + torch.arange(hd, device=dev)).reshape(-1)
-
-
-def fold(prev: torch.nn.Module, linears: list[torch.nn.Linear], s: torch.Tensor, s_full: torch.Tensor) -> None:
-    """Scale the linears' input channels by s_full and the op that feeds them (a norm's weight, or a
+def fold(prev: torch.nn.Module, linears: list[torch.nn.Linear], s: torch.Tensor) -> None:
+    """Scale the linears' input channels by s and the op that feeds them (a norm's weight, or a
     linear's output rows) by 1/s: the float function is unchanged."""
     if isinstance(prev, torch.nn.Linear):
         prev.weight.data /= s[:, None]
@@ -160,7 +150,7 @@ def fold(prev: torch.nn.Module, linears: list[torch.nn.Linear], s: torch.Tensor,
     else:
         prev.weight.data /= s
     for lin in linears:
-        lin.weight.data *= s_full
+        lin.weight.data *= s
 
 
 AWQ_LAYOUT = ("input_layernorm", "post_attention_layernorm", *LINEARS)
@@ -273,29 +263,22 @@ def gather(layer: torch.nn.Module, batches, blocks: list[str | None], search_tok
 
 
 def search_group(linears: list[torch.nn.Linear], xs: list[torch.Tensor], x_mean: torch.Tensor, kwargs: list[dict],
-                 block: Callable | None, channels: torch.Tensor | None, h: torch.Tensor, bits: int, group_size: int,
-                 sym: bool, *, duo: bool = False, n_grid: int = 20, descent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """AWQ's scale search for linears sharing an input (mean |x| x_mean, Hessian h), judged by
-    block(x, kwargs)'s output on the inputs xs (block_loss; None: output_loss). descent: the block
-    loss only descends from the candidate of least output_loss (search_scale's start). channels maps
-    each input channel to the output channel of the op that feeds it (grouped-query attention), or
-    None. Returns the op's scales and the linears'."""
+                 block: Callable | None, h: torch.Tensor, bits: int, group_size: int, sym: bool, *, duo: bool = False,
+                 n_grid: int = 20, descent: bool = False) -> torch.Tensor:
+    """AWQ's scales for linears sharing an input (mean |x| x_mean, Hessian h), judged by block(x,
+    kwargs)'s output on the inputs xs (block_loss; None: output_loss). descent: the block loss only
+    descends from the candidate of least output_loss (search_scale's start)."""
     w_mean = weight_mean([lin.weight for lin in linears], group_size) if duo else None
-    if channels is not None:  # one scale per output channel of prev: average what shares it
-        count = torch.bincount(channels).float()
-        x_mean = torch.zeros(len(count), device=x_mean.device).index_add_(0, channels, x_mean) / count
-        w_mean = torch.zeros(len(count), device=x_mean.device).index_add_(0, channels, w_mean) / count if duo else None
-    full = (lambda s: s[channels]) if channels is not None else (lambda s: s)
-    own = output_loss(linears, h, full, bits, group_size, sym)
+    own = output_loss(linears, h, bits, group_size, sym)
     # each candidate of a block loss costs a block forward per token
-    loss = own if block is None else block_loss(linears, xs, kwargs, block, full, bits, group_size, sym)
+    loss = own if block is None else block_loss(linears, xs, kwargs, block, bits, group_size, sym)
     s, _, _ = search_scale(x_mean, loss, n_grid, w_mean, own if block is not None and descent else None,
                            smooth=block is None or descent)
-    return s, full(s)
+    return s
 
 
 def block_loss(linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: list[dict], block: Callable,
-               full: Callable, bits: int, group_size: int, sym: bool) -> Callable[[torch.Tensor], float]:
+               bits: int, group_size: int, sym: bool) -> Callable[[torch.Tensor], float]:
     """loss(s): the mean squared change of block(x)'s output with the linears' input channels scaled
     by s and quantized (a forward of the block per candidate; under torchrun, over every process's xs)."""
     reference = [block(x, kw) for x, kw in zip(xs, kwargs)]
@@ -304,7 +287,7 @@ def block_loss(linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: l
     def loss(s: torch.Tensor) -> float:
         originals = [lin.weight.data for lin in linears]
         for lin in linears:
-            lin.weight.data = fake_quantize(lin.weight * full(s), bits, group_size, sym).div_(full(s))
+            lin.weight.data = fake_quantize(lin.weight * s, bits, group_size, sym).div_(s)
         err = sum(((block(x, kw) - ref).pow(2).sum().item() for x, kw, ref in zip(xs, kwargs, reference)), 0.0)
         for lin, w in zip(linears, originals):
             lin.weight.data = w
@@ -314,7 +297,7 @@ def block_loss(linears: list[torch.nn.Linear], xs: list[torch.Tensor], kwargs: l
     return loss
 
 
-def output_loss(linears: list[torch.nn.Linear], h: torch.Tensor, full: Callable, bits: int, group_size: int,
+def output_loss(linears: list[torch.nn.Linear], h: torch.Tensor, bits: int, group_size: int,
                 sym: bool) -> Callable[[torch.Tensor], float]:
     """loss(s): the mean squared change of the linears' own outputs, tr(dW H dW^T) / 2N with H the
     Hessian of their inputs (hessian): a K x K product per candidate instead of a forward over the
@@ -322,7 +305,7 @@ def output_loss(linears: list[torch.nn.Linear], h: torch.Tensor, full: Callable,
     w = torch.cat([lin.weight.data for lin in linears])
 
     def loss(s: torch.Tensor) -> float:
-        dw = fake_quantize(w * full(s), bits, group_size, sym).div_(full(s)).sub_(w)
+        dw = fake_quantize(w * s, bits, group_size, sym).div_(s).sub_(w)
         return quadratic(dw, h) / (2 * len(w))
     return loss
 
@@ -345,14 +328,15 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
                    loss: str, n_grid: int = 20, prefix: str = "", search_tokens: int = 8192,
                    block_tokens: int = 2048) -> dict[str, QuantizedTensor]:
     """AWQ on one decoder layer in place: search and fold the scales of each group of linears that
-    share an input, search each linear's clipping (not q/k: their errors pass through softmax),
-    quantize. Returns the quantized tensors by full name. loss "block" judges q/k/v by the attention
-    block's output and gate/up by the MLP's (AutoAWQ's losses), on block_tokens tokens (the first
-    windows for attention; for the MLP, which works on each token alone, tokens spread over all);
-    "descent" runs the blocks only on a descent from the candidate of least output loss; "output" judges them by
-    their own outputs (output_loss), without forwards. o_proj and down_proj, whose blocks are
-    themselves, always go through output_loss. The output losses and the clipping are judged through
-    each input's Hessian over search_tokens tokens spread over the batches."""
+    share an input (o_proj's only without grouped-query attention), search each linear's clipping
+    (not q/k: their errors pass through softmax), quantize. Returns the quantized tensors by full
+    name. loss "block" judges q/k/v by the attention block's output and gate/up by the MLP's
+    (AutoAWQ's losses), on block_tokens tokens (the first windows for attention; for the MLP, which
+    works on each token alone, tokens spread over all); "descent" runs the blocks only on a descent
+    from the candidate of least output loss; "output" judges them by their own outputs
+    (output_loss), without forwards. o_proj and down_proj, whose blocks are themselves, always go
+    through output_loss. The output losses and the clipping are judged through each input's Hessian
+    over search_tokens tokens spread over the batches."""
     missing = [name for name in AWQ_LAYOUT if not hasattr_path(layer, name)]
     if missing:
         raise QuantkitError(f"AWQ does not know this layer's norm/linear pairing (no {', '.join(missing)}): it "
@@ -363,12 +347,17 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
         return attn(hidden_states=x, **{k: v for k, v in kw.items() if k != "hidden_states"})[0]
 
     forwards = loss != "output"
-    # for each of GROUPS: the op whose output feeds it, the block whose output judges it (None: the
-    # linears' own outputs), the channel map
-    feeders = [(layer.input_layernorm, attention if forwards else None, None),
-               (attn.v_proj, None, kv_channels(attn)),
-               (layer.post_attention_layernorm, (lambda x, kw: mlp(x)) if forwards else None, None),
-               (mlp.up_proj, None, None)]
+    # o_proj's inputs take scales only where each reads a v_proj output of its own: under grouped-query
+    # attention one v_proj channel feeds a channel of several heads, and the scale they would share
+    # scored worse than none on the embedded model at w3 and w4 (benchmarks/RESULTS.md); AutoAWQ
+    # skips it too
+    tied = attn.v_proj.out_features != attn.o_proj.in_features
+    # for each of GROUPS: the op whose output feeds it (None: not scaled), the block whose output
+    # judges it (None: the linears' own outputs)
+    feeders = [(layer.input_layernorm, attention if forwards else None),
+               (None if tied else attn.v_proj, None),
+               (layer.post_attention_layernorm, (lambda x, kw: mlp(x)) if forwards else None),
+               (mlp.up_proj, None)]
     linears = [[layer.get_submodule(name) for name in group] for group in GROUPS]
     # the attention's block loss runs on the first windows, the MLP's (token by token) on rows spread over all
     blocks = ["head" if forwards else None, None, "spread" if forwards else None, None]
@@ -380,23 +369,23 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
     dev = linears[0][0].weight.device
     means = [g.mean() for g in inputs]
 
-    def search(j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        _, block, channels = feeders[j]
-        return search_group(linears[j], inputs[j].xs, means[j], inputs[j].kwargs, block, channels, hessians[j], bits,
+    def search(j: int) -> torch.Tensor:
+        return search_group(linears[j], inputs[j].xs, means[j], inputs[j].kwargs, feeders[j][1], hessians[j], bits,
                             group_size, sym, duo=duo, n_grid=n_grid, descent=loss == "descent")
 
-    alone = [j for j, (_, block, _) in enumerate(feeders) if block is None]
-    found = {j: search(j) for j in range(len(GROUPS)) if j not in alone}
+    scaled = [j for j, (prev, _) in enumerate(feeders) if prev is not None]
+    alone = [j for j in scaled if feeders[j][1] is None]
+    found = {j: search(j) for j in scaled if j not in alone}
     found |= {j: search(j) for n, j in enumerate(alone) if distributed.owner(n) == distributed.rank()}
     # every process folds the same scales, each group's from one process
-    scales = [distributed.shared(found.get(j), distributed.owner(alone.index(j)) if j in alone else 0, dev)
-              for j in range(len(GROUPS))]
+    scales = {j: distributed.shared(found.get(j), distributed.owner(alone.index(j)) if j in alone else 0, dev)
+              for j in scaled}
     del inputs, found
     # every scale folded after all searches and before any quantization, as the reference does: o_proj's
     # and down_proj's fold into the rows of v_proj and up_proj, which must be final when quantized
-    for lins, (prev, _, _), (s, s_full), h in zip(linears, feeders, scales, hessians):
-        fold(prev, lins, s, s_full)
-        h.div_(s_full[:, None]).div_(s_full[None, :])  # the inputs are now x / s
+    for j, s in scales.items():
+        fold(feeders[j][0], linears[j], s)
+        hessians[j].div_(s[:, None]).div_(s[None, :])  # the inputs are now x / s
     names = [name for group in GROUPS for name in group]
     flat = [(lin, h) for lins, h in zip(linears, hessians) for lin in lins]
     mine = {}
