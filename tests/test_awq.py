@@ -146,9 +146,8 @@ def test_scales_match_autoawq(tiny_dir, duo):
 
 
 def test_output_loss_is_the_block_loss_of_a_lone_linear(layer_and_batches):
-    """A group of one linear (down_proj; o_proj without grouped-query attention) is judged through its
-    inputs' Hessian: the same losses, so the same scales, as running the linear on every token per
-    candidate."""
+    """A group of one linear (o_proj, down_proj) is judged through its inputs' Hessian: the same
+    losses, so the same scales, as running the linear on every token per candidate."""
     m, batches = layer_and_batches
     layer = m.layers[0]
     inputs = linear_inputs(layer, batches, ["self_attn.o_proj", "mlp.down_proj"])

@@ -349,8 +349,8 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
     forwards = loss != "output"
     # o_proj's inputs take scales only where each reads a v_proj output of its own: under grouped-query
     # attention one v_proj channel feeds a channel of several heads, and the scale they would share
-    # scored worse than none on the embedded model at w3 and w4 (benchmarks/RESULTS.md); AutoAWQ
-    # skips it too
+    # scored worse than none on the embedded model at w4 and tied at w3 (benchmarks/RESULTS.md);
+    # AutoAWQ skips it too
     tied = attn.v_proj.out_features != attn.o_proj.in_features
     # for each of GROUPS: the op whose output feeds it (None: not scaled), the block whose output
     # judges it (None: the linears' own outputs)
@@ -382,7 +382,8 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
               for j in scaled}
     del inputs, found
     # every scale folded after all searches and before any quantization, as the reference does: o_proj's
-    # and down_proj's fold into the rows of v_proj and up_proj, which must be final when quantized
+    # (where scaled) and down_proj's fold into the rows of v_proj and up_proj, which must be final when
+    # quantized
     for j, s in scales.items():
         fold(feeders[j][0], linears[j], s)
         hessians[j].div_(s[:, None]).div_(s[None, :])  # the inputs are now x / s
