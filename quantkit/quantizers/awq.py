@@ -367,13 +367,13 @@ def quantize_layer(layer: torch.nn.Module, batches, bits: int, group_size: int, 
     # together; a search by the output loss alone, and each linear's clipping, need only the summed
     # statistics: the processes run their shares of them at once, then exchange the results
     dev = linears[0][0].weight.device
-    means = [g.mean() for g in inputs]
+    scaled = [j for j, (prev, _) in enumerate(feeders) if prev is not None]
+    means = {j: inputs[j].mean() for j in scaled}  # each a sum over the processes: for the searches alone
 
     def search(j: int) -> torch.Tensor:
         return search_group(linears[j], inputs[j].xs, means[j], inputs[j].kwargs, feeders[j][1], hessians[j], bits,
                             group_size, sym, duo=duo, n_grid=n_grid, descent=loss == "descent")
 
-    scaled = [j for j, (prev, _) in enumerate(feeders) if prev is not None]
     alone = [j for j in scaled if feeders[j][1] is None]
     found = {j: search(j) for j in scaled if j not in alone}
     found |= {j: search(j) for n, j in enumerate(alone) if distributed.owner(n) == distributed.rank()}
