@@ -21,6 +21,9 @@ time, perplexity and KLD from the float model (log-probabilities saved once, in 
 (`quantize` given no AWQ option) against autoawq 0.2.9's (duo scaling, as `speed` drives it), on the
 same --samples windows; perplexity, KLD from the float model and time, as ratios to autoawq's. Groups
 of 64: autoawq's default 128 does not divide SmolLM2's 576 inputs, which it refuses.
+`choices`: why our AWQ scores differently on machines with and without AVX-512 at the same seed: its
+defaults run twice on this machine, as it is and with torch's kernels held to AVX2 (ATEN_CPU_CAPABILITY),
+each layer's chosen alphas and how many clipping steps differ (by (row, group)), and both scores.
 `descent`: on every --every-th layer of the float model, for q/k/v and gate/up, the exhaustive block
 search against --awq-loss descent's (the same losses, 8192 calibration tokens, g128 asym): how often
 they choose the same scales, the block loss of the descent's choice over the exhaustive one's, and
@@ -28,6 +31,7 @@ the block forwards and seconds each took.
 Each run is a child process (`run`).
 
     python benchmarks/awq_bench.py descent [--bits 4] [--every 3] [--samples 32]
+    python benchmarks/awq_bench.py choices [--bits 4] [--seed 0] [--samples 32] [--windows 20]
 """
 from __future__ import annotations
 
@@ -96,6 +100,8 @@ def run(a) -> dict:
     import quantkit
     from quantkit.calibration import load_text, sample_windows
 
+    if a.trace:
+        traced = trace()
     torch.manual_seed(0)
     m = quantkit.load()
     m.materialize()  # the first layers are worked on in place, outside the pipeline
@@ -123,6 +129,8 @@ def run(a) -> dict:
             quantkit.quantize(m, method=a.method, bits=a.bits, group_size=a.group_size, calib_data=VALID,
                               calib_samples=a.samples, calib_seqlen=512, seed=a.seed, progress=False, **extra)
     seconds = time.perf_counter() - start
+    if a.trace:
+        torch.save(traced | {"capability": torch.backends.cpu.get_cpu_capability()}, a.trace)
     if a.base:  # perplexity and KLD against the float model's saved log-probabilities
         base = a.method == "base"
         d = quantkit.compare(m, m if base else a.base, TEST, 512, a.windows, save_base=a.base if base else None,
@@ -131,6 +139,62 @@ def run(a) -> dict:
     ppl = quantkit.evaluate(m, TEST, "llamacpp", 512, a.windows, progress=False).perplexity
     return {"seconds": seconds, "perplexity": ppl}
 
+
+
+def trace() -> dict:
+    """Spies on our AWQ's searches: the dict they fill as it runs, with each search's alpha (alphas) and
+    each clipped linear's clipping step per (row, group) (steps: bound = max|w| (1 - step / 20))."""
+    import torch
+
+    import quantkit.quantizers.awq as awq
+
+    traced = {"alphas": [], "steps": []}
+    scale, clip = awq.search_scale, awq.search_clip
+
+    def search_scale(*args, **kw):
+        found = scale(*args, **kw)
+        traced["alphas"].append(found[1])
+        return found
+
+    def search_clip(w, h, bits, group_size, *args, **kw):
+        bound = clip(w, h, bits, group_size, *args, **kw)
+        full = w.abs().reshape(len(w), bound.shape[1], -1).amax(dim=2)
+        step = torch.where(full > 0, (1 - bound / full) * kw.get("n_grid", 20), 0)
+        traced["steps"].append(step.round().to(torch.uint8))
+        return bound
+
+    awq.search_scale, awq.search_clip = search_scale, search_clip
+    return traced
+
+
+def choices(a) -> None:
+    import tempfile
+
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        kw = dict(group_size=64, samples=a.samples, windows=a.windows, layers=30, seed=a.seed, base=f"{tmp}/base.logits")
+        child(__file__, method="base", **kw)
+        runs = []
+        for cap in ("", "AVX2"):
+            path = f"{tmp}/{cap or 'native'}.pt"
+            r = child(__file__, env={"ATEN_CPU_CAPABILITY": cap.lower()} if cap else None, method="awq", bits=a.bits,
+                      defaults=True, trace=path, **kw)
+            runs.append(r | torch.load(path, weights_only=True))
+    one, two = runs
+    print(f"w{a.bits} g64 with zero points, {a.samples} x 512 calibration tokens, seed {a.seed}, {a.windows} test windows")
+    for r in runs:
+        print(f"torch's CPU kernels {r['capability']}: perplexity {r['perplexity']:.3f}, KLD {r['kld']:.4f}, "
+              f"{r['seconds']:.1f} s")
+    searches, clipped = len(one["alphas"]) // 30, len(one["steps"]) // 30
+    print(f"| layer | alphas, {one['capability']} | alphas, {two['capability']} | clipping steps that differ, by linear |")
+    print("| --- | --- | --- | --- |")
+    for layer in range(30):
+        alphas = [r["alphas"][layer * searches:(layer + 1) * searches] for r in runs]
+        steps = zip(*(r["steps"][layer * clipped:(layer + 1) * clipped] for r in runs))
+        differ = ", ".join(f"{(x != y).sum().item()}/{x.numel()}" for x, y in steps)
+        print(f"| {layer} | {' '.join(f'{x:.2f}' for x in alphas[0])} | {' '.join(f'{x:.2f}' for x in alphas[1])} | "
+              f"{differ} |")
 
 
 def table(a) -> None:
@@ -255,7 +319,7 @@ def descent(a) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["table", "speed", "losses", "defaults", "descent", "run"])
+    p.add_argument("mode", choices=["table", "speed", "losses", "defaults", "descent", "choices", "run"])
     p.add_argument("--impl", choices=["ours", "autoawq"], default="ours")
     p.add_argument("--method", default="awq")
     p.add_argument("--bits", type=int, default=4)
@@ -265,22 +329,23 @@ def main() -> None:
     p.add_argument("--base", default="", help="run: the float model's log-probabilities (saved by method base)")
     p.add_argument("--defaults", type=flag, default=False, help="run: each method's own defaults (sym, clipping)")
     p.add_argument("--samples", type=int)
-    p.add_argument("--seed", type=int, default=0, help="run, defaults: the calibration windows' seed")
-    p.add_argument("--windows", type=int, help="test windows scored [40; losses and defaults: 20]")
+    p.add_argument("--seed", type=int, default=0, help="run, defaults, choices: the calibration windows' seed")
+    p.add_argument("--windows", type=int, help="test windows scored [40; losses, defaults and choices: 20]")
     p.add_argument("--layers", type=int, default=30, help="speed, defaults: quantize only the first N decoder layers")
     p.add_argument("--every", type=int, default=3, help="descent: search every N-th layer")
     p.add_argument("--losses", default=",".join(AWQ_LOSSES), help="losses: the AWQ losses to run")
     p.add_argument("--widths", default="4,3", help="losses, defaults: the bit widths to run")
+    p.add_argument("--trace", default="", help="run: save our AWQ's choices to this file")
     a = p.parse_args()
-    a.windows = a.windows or (20 if a.mode in ("losses", "defaults") else 40)
+    a.windows = a.windows or (20 if a.mode in ("losses", "defaults", "choices") else 40)
     if a.mode == "run":
         print(json.dumps(run(a)))
     elif a.mode in ("losses", "defaults"):
         a.samples = a.samples or 32
         losses(a) if a.mode == "losses" else defaults(a)
-    elif a.mode == "descent":
+    elif a.mode in ("descent", "choices"):
         a.samples = a.samples or 32
-        descent(a)
+        descent(a) if a.mode == "descent" else choices(a)
     elif a.mode == "table":
         a.samples = a.samples or 128
         table(a)

@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 
-def child(script: str, python: str = sys.executable, **kw) -> dict:
-    """Run `script run --key=value ...` (by python: another environment's) and return the JSON object
-    its last line prints."""
+def child(script: str, python: str = sys.executable, env: dict[str, str] | None = None, **kw) -> dict:
+    """Run `script run --key=value ...` (by python: another environment's; env: with these variables
+    set too) and return the JSON object its last line prints."""
     args = [python, script, "run"] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
-    done = subprocess.run(args, capture_output=True, text=True)
+    done = subprocess.run(args, capture_output=True, text=True, env=os.environ | (env or {}))
     if done.returncode:  # the child's own error, not only its exit status
         tail = "\n".join(done.stderr.strip().splitlines()[-15:])
         raise SystemExit(f"{' '.join(args[1:])} failed (exit {done.returncode}):\n{tail}")
