@@ -173,7 +173,8 @@ def choices(a) -> None:
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
-        kw = dict(group_size=64, samples=a.samples, windows=a.windows, layers=30, seed=a.seed, base=f"{tmp}/base.logits")
+        kw = dict(group_size=64, samples=a.samples, windows=a.windows, layers=a.layers, seed=a.seed,
+                  base=f"{tmp}/base.logits")
         child(__file__, method="base", **kw)
         runs = []
         for cap in ("", "AVX2"):
@@ -182,14 +183,16 @@ def choices(a) -> None:
                       defaults=True, trace=path, **kw)
             runs.append(r | torch.load(path, weights_only=True))
     one, two = runs
-    print(f"w{a.bits} g64 with zero points, {a.samples} x 512 calibration tokens, seed {a.seed}, {a.windows} test windows")
+    print(f"w{a.bits} g64 with zero points, {a.samples} x 512 calibration tokens, seed {a.seed}, "
+          f"{a.windows} test windows")
     for r in runs:
         print(f"torch's CPU kernels {r['capability']}: perplexity {r['perplexity']:.3f}, KLD {r['kld']:.4f}, "
               f"{r['seconds']:.1f} s")
-    searches, clipped = len(one["alphas"]) // 30, len(one["steps"]) // 30
-    print(f"| layer | alphas, {one['capability']} | alphas, {two['capability']} | clipping steps that differ, by linear |")
+    searches, clipped = len(one["alphas"]) // a.layers, len(one["steps"]) // a.layers
+    print(f"| layer | alphas, {one['capability']} | alphas, {two['capability']} | "
+          "clipping steps that differ, by linear |")
     print("| --- | --- | --- | --- |")
-    for layer in range(30):
+    for layer in range(a.layers):
         alphas = [r["alphas"][layer * searches:(layer + 1) * searches] for r in runs]
         steps = zip(*(r["steps"][layer * clipped:(layer + 1) * clipped] for r in runs))
         differ = ", ".join(f"{(x != y).sum().item()}/{x.numel()}" for x, y in steps)
@@ -331,7 +334,8 @@ def main() -> None:
     p.add_argument("--samples", type=int)
     p.add_argument("--seed", type=int, default=0, help="run, defaults, choices: the calibration windows' seed")
     p.add_argument("--windows", type=int, help="test windows scored [40; losses, defaults and choices: 20]")
-    p.add_argument("--layers", type=int, default=30, help="speed, defaults: quantize only the first N decoder layers")
+    p.add_argument("--layers", type=int, default=30,
+                   help="speed, defaults, choices: quantize only the first N decoder layers")
     p.add_argument("--every", type=int, default=3, help="descent: search every N-th layer")
     p.add_argument("--losses", default=",".join(AWQ_LOSSES), help="losses: the AWQ losses to run")
     p.add_argument("--widths", default="4,3", help="losses, defaults: the bit widths to run")
