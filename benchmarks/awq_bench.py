@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from children import child, flag
+from children import child, flag, ints
 
 from quantkit.config import AWQ_LOSSES, QuantConfig
 
@@ -240,7 +240,7 @@ def losses(a) -> None:
               "perplexity, KLD from the float model, seconds (ratio to GPTQ's)")
         print("| bits | GPTQ (anchor) | " + " | ".join(f"AWQ, --awq-loss {loss}" for loss in losses) + " |")
         print("| --- | --- |" + " --- |" * len(losses))
-        for bits in map(int, a.widths.split(",")):
+        for bits in a.widths:
             gptq = child(__file__, method="gptq", bits=bits, **kw)
             awq = [child(__file__, method="awq", loss=loss, bits=bits, duo=a.duo, **kw) for loss in losses]
             cells = [f"{r['perplexity']:.3f}, {r['kld']:.4f}, {r['seconds']:.0f} s ({r['seconds'] / gptq['seconds']:.2f})"
@@ -251,27 +251,27 @@ def losses(a) -> None:
 def defaults(a) -> None:
     import tempfile
 
-    seeds = [int(s) for s in a.seeds.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         kw = dict(group_size=64, samples=a.samples, windows=a.windows, layers=a.layers, base=f"{tmp}/base.logits")
-        child(__file__, method="base", seed=seeds[0], **kw)  # the test windows do not depend on the seed
+        child(__file__, method="base", seed=a.seeds[0], **kw)  # the test windows do not depend on the seed
         print(f"g64 with zero points, {a.samples} x 512 calibration tokens (the same windows), {a.windows} test "
-              f"windows, {a.layers} layers quantized, calibration seeds {a.seeds}; each ratio against autoawq's run of "
-              "the same width and seed, and on the means over the seeds")
+              f"windows, {a.layers} layers quantized, calibration seeds {','.join(map(str, a.seeds))}; each ratio "
+              "against autoawq's run of the same width and seed, and on the means over the seeds")
         print("| bits | seed | run | perplexity | KLD | time | perplexity / autoawq | KLD / autoawq | time / autoawq |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        for bits in map(int, a.widths.split(",")):
-            runs = {"autoawq 0.2.9, its defaults": [], "quantkit, its defaults": []}
-            for seed in seeds:
+        anchor = "autoawq 0.2.9, its defaults"
+        for bits in a.widths:
+            runs = {anchor: [], "quantkit, its defaults": []}
+            for seed in a.seeds:
                 theirs = child(__file__, impl="autoawq", bits=bits, seed=seed, **kw)
                 ours = child(__file__, method="awq", bits=bits, defaults=True, seed=seed, **kw)
                 for who, r in zip(runs, (theirs, ours)):
                     runs[who].append(r)
                     row(f"w{bits} | {seed} | {who}", r, theirs)
-            if len(seeds) > 1:  # one calibration sample decides little: two equally good runs differ by ~0.5%
+            if len(a.seeds) > 1:  # one calibration sample decides little: two equally good runs differ by ~0.5%
                 means = {who: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0]} for who, rs in runs.items()}
                 for who, r in means.items():
-                    row(f"w{bits} | mean | {who}", r, means["autoawq 0.2.9, its defaults"])
+                    row(f"w{bits} | mean | {who}", r, means[anchor])
 
 
 def row(label: str, r: dict, anchor: dict) -> None:
@@ -346,13 +346,13 @@ def main() -> None:
     p.add_argument("--defaults", type=flag, default=False, help="run: each method's own defaults (sym, clipping)")
     p.add_argument("--samples", type=int)
     p.add_argument("--seed", type=int, default=0, help="run, choices: the calibration windows' seed")
-    p.add_argument("--seeds", default="0,1", help="defaults: the calibration seeds, each run by both tools")
+    p.add_argument("--seeds", type=ints, default=[0, 1], help="defaults: the calibration seeds, each run by both tools")
     p.add_argument("--windows", type=int, help="test windows scored [40; losses and choices: 20; defaults: 160]")
     p.add_argument("--layers", type=int, default=30,
                    help="speed, defaults, choices: quantize only the first N decoder layers")
     p.add_argument("--every", type=int, default=3, help="descent: search every N-th layer")
     p.add_argument("--losses", default=",".join(AWQ_LOSSES), help="losses: the AWQ losses to run")
-    p.add_argument("--widths", default="4,3", help="losses, defaults: the bit widths to run")
+    p.add_argument("--widths", type=ints, default=[4, 3], help="losses, defaults: the bit widths to run")
     p.add_argument("--trace", default="", help="run: save our AWQ's choices to this file")
     a = p.parse_args()
     a.windows = a.windows or {"losses": 20, "choices": 20, "defaults": 160}.get(a.mode, 40)

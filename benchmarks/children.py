@@ -1,6 +1,7 @@
 """Each benchmark measurement runs in its own child process, so its time and peak RSS are its own."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -21,3 +22,11 @@ def child(script: str, python: str = sys.executable, env: dict[str, str] | None 
 def flag(s: str) -> bool:
     """A child's True/False argument."""
     return s == "True"
+
+
+def ints(s: str) -> list[int]:
+    """A comma-separated list of whole numbers (an argparse type: a bad one is argparse's one-line error)."""
+    try:
+        return [int(x) for x in s.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of whole numbers, like 0,1") from None
