@@ -71,9 +71,9 @@ def quiet() -> None:
 @click.option("--double-quant", is_flag=True, help="NF4/FP4: quantize the absmax values to 8 bits too")
 @click.option("--duo-scaling", is_flag=True, help="AWQ: scales from activations and weights (AutoAWQ's default)")
 @click.option("--awq-loss", type=click.Choice(AWQ_LOSSES), default=None,
-              help="AWQ: output judges the q/k/v and gate/up scales by their own outputs' error [default from 4 bits]; "
-                   "descent by their block's output, on a descent from the best of those [default below 4 bits]; "
-                   "block by it on every candidate (AutoAWQ's, slowest)")
+              help="AWQ: descent judges the q/k/v and gate/up scales by their block's output, on a descent from "
+                   "the candidate of least output error [default]; output by their own outputs' error alone "
+                   "(faster); block by the block's output on every candidate (AutoAWQ's, slowest)")
 @click.option("--out", required=True, type=click.Path(), help="export directory (a .gguf file for --format gguf)")
 @click.option("--format", "fmt", default="safetensors", show_default=True,
               help="safetensors: GPTQ checkpoint layout (bitsandbytes' for nf4/fp4); awq: AutoAWQ GEMM layout; "

@@ -478,10 +478,9 @@ def test_the_mlp_is_judged_on_tokens_spread_over_all_batches(layer_and_batches):
     assert seen == rows * (len(seen) // len(rows)) and 0 < sum(rows) < sum(x[..., 0].numel() for x in xs)
 
 
-def test_awq_loss_defaults_by_width_for_awq_only():
-    assert quantkit.QuantConfig(method="awq", bits=4).awq_loss == "output"
-    assert quantkit.QuantConfig(method="awq", bits=8).awq_loss == "output"
-    assert quantkit.QuantConfig(method="awq", bits=3).awq_loss == "descent"
+def test_awq_loss_defaults_to_the_descent_for_awq_only():
+    for bits in (3, 4, 8):
+        assert quantkit.QuantConfig(method="awq", bits=bits).awq_loss == "descent"
     assert quantkit.QuantConfig(method="awq", bits=3, awq_loss="block").awq_loss == "block"
     assert quantkit.QuantConfig(method="gptq").awq_loss is None
     with pytest.raises(QuantkitError, match="use it with method='awq'"):

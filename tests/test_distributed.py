@@ -61,15 +61,16 @@ def files(directory: Path) -> dict[str, bytes]:
     ["--method", "gptq", "--group-size", 32, "--rules", "RULES"],
     ["--method", "gptq", "--target-bpw", "3.6"],
     ["--method", "awq", "--bits", "3", "--group-size", 32],
-    ["--method", "awq", "--group-size", 32],
+    ["--method", "awq", "--group-size", 32, "--awq-loss", "output"],
 ], ids=["gptq", "gguf-imatrix", "exl2-measured", "gptq-rules", "gptq-target", "awq-descent", "awq-output"])
 def test_two_processes_write_what_one_writes(tiny_dir, tmp_path, args):
     """24 windows in 3 batches: rank 0 calibrates on two, rank 1 on one; the Hessians are summed and
     each rank quantizes every other linear (a linear the rules skip travels as nothing). The files
-    equal a single process's, byte for byte. AWQ takes 40 windows of 128 in 5 batches: at 3 bits (the
-    descent) its attention loss then runs on the first 2 batches, one on each process, and its MLP loss
-    on every third token of all 5 (every other would take the same positions of every window), every process searching those scales together; the output loss's
-    searches (all of them at 4 bits) and each linear's clipping are shared out among the processes."""
+    equal a single process's, byte for byte. AWQ takes 40 windows of 128 in 5 batches: with the descent
+    (the default) its attention loss then runs on the first 2 batches, one on each process, and its MLP
+    loss on every third token of all 5 (every other would take the same positions of every window),
+    every process searching those scales together; the output loss's searches (all of them with
+    --awq-loss output) and each linear's clipping are shared out among the processes."""
     if "RULES" in args:
         rules = tmp_path.with_name(f"{tmp_path.name}-rules.json")
         rules.write_text(json.dumps([{"match": r"layers\.0\.mlp\.down_proj", "bits": 8},
