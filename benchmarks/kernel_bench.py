@@ -54,6 +54,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from children import ints
+
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (out, in): q/k/v/o, gate/up, down
 ROTATE = 1 << 30  # CPU: bytes of each dense float32 weight's copies timed in turn, so that none is served from cache
 DATASHEET_TBPS = {"H100 80GB HBM3": 3.35, "H100 PCIe": 2.0, "H200": 4.8}
@@ -440,15 +442,15 @@ def timed(fn, rep: int = 200) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", default="1,16,512")
+    p.add_argument("--batches", type=ints, default=[1, 16, 512])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="GPU: time the kernels' other tiles instead")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="--sweep, --dense: which layouts")
     p.add_argument("--dense", action="store_true", help="GPU: the fused kernels against dequantize + torch's matmul")
     p.add_argument("--kernels", help="GPU: a folder to use in place of quantkit/kernels/")
     p.add_argument("--gemv-rows", type=int, help="GPU: kernels.GEMV_ROWS for the run (rows of x up to which the GEMV runs)")
-    p.add_argument("--rows", help="CPU: the fused paths against the fallback at these rows of input (1,16,...)")
-    p.add_argument("--split", help="CPU: the GEMV on one thread against split over the cores at these rows (1,4,...)")
+    p.add_argument("--rows", type=ints, help="CPU: the fused paths against the fallback at these rows of input (1,16,...)")
+    p.add_argument("--split", type=ints, help="CPU: the GEMV on one thread against split over the cores at these rows (1,4,...)")
     a = p.parse_args()
     gpu_only = [f"--{o}" for o, v in (("sweep", a.sweep), ("dense", a.dense), ("kernels", a.kernels),
                                       ("gemv-rows", a.gemv_rows)) if v not in (None, False)]
@@ -470,17 +472,17 @@ def main() -> None:
         from quantkit import kernels
 
         kernels.GEMV_ROWS = a.gemv_rows
-    batches = [int(b) for b in a.batches.split(",")]
     print(" ".join(sys.argv), flush=True)
     if torch.cuda.is_available():
-        sweep(batches, a.layouts.split(",")) if a.sweep else dense(batches, a.layouts.split(",")) if a.dense else gpu(batches)
+        sweep(a.batches, a.layouts.split(",")) if a.sweep else dense(a.batches, a.layouts.split(",")) if a.dense \
+            else gpu(a.batches)
     else:
         if a.split:
-            split([int(r) for r in a.split.split(",")], a.repeats)
+            split(a.split, a.repeats)
         elif a.rows:
-            crossover([int(r) for r in a.rows.split(",")], a.repeats)
+            crossover(a.rows, a.repeats)
         else:
-            cpu(batches, a.repeats)
+            cpu(a.batches, a.repeats)
 
 
 if __name__ == "__main__":
