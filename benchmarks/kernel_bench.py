@@ -474,15 +474,18 @@ def main() -> None:
         kernels.GEMV_ROWS = a.gemv_rows
     print(" ".join(sys.argv), flush=True)
     if torch.cuda.is_available():
-        sweep(a.batches, a.layouts.split(",")) if a.sweep else dense(a.batches, a.layouts.split(",")) if a.dense \
-            else gpu(a.batches)
-    else:
-        if a.split:
-            split(a.split, a.repeats)
-        elif a.rows:
-            crossover(a.rows, a.repeats)
+        if a.sweep:
+            sweep(a.batches, a.layouts.split(","))
+        elif a.dense:
+            dense(a.batches, a.layouts.split(","))
         else:
-            cpu(a.batches, a.repeats)
+            gpu(a.batches)
+    elif a.split:
+        split(a.split, a.repeats)
+    elif a.rows:
+        crossover(a.rows, a.repeats)
+    else:
+        cpu(a.batches, a.repeats)
 
 
 if __name__ == "__main__":

@@ -156,7 +156,7 @@ class QuantConfig:
     # AWQ: what judges the scales of q/k/v and gate/up: their block's output on a descent from the
     # candidate the output loss ranks best ("descent", the default: over six seeds at w4 0.7% lower
     # perplexity and 2.7% lower KLD than "output", and lower KLD at w3), their own outputs through their
-    # inputs' Hessian ("output": no forwards per candidate, 0.75x the descent's time), or their
+    # inputs' Hessian ("output": no forwards per candidate, 0.75-0.89x the descent's time), or their
     # block's output on every candidate ("block", AutoAWQ's); benchmarks/RESULTS.md
     awq_loss: str | None = None
     gguf_type: str | None = None  # GGUF mix (Q4_K_M, Q8_0, ...): blocks of llama.cpp's types instead of our grids
