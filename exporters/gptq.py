@@ -68,24 +68,26 @@ def dynamic(qconfig: QuantConfig, names: list[str], head: tuple[int, int] | None
     wins; "-:" leaves the module unquantized, "+:" overrides the settings. vLLM reads them in order;
     GPTQModel moves every "-:" first, so the linears left in float are one "-:" of their exact names,
     which takes nothing a "+:" should. vLLM matches the name of a fused linear, which the rules that
-    decide its parts need not match (`gate_proj|up_proj`): where it would get other settings than its
-    parts share, it comes first by exact name. A packed lm_head comes first by exact name too where it
-    has settings of its own or a rule's pattern could take it (quantkit's rules decide the decoder
-    linears alone)."""
+    decide its parts need not match (`gate_proj|up_proj`): where the written patterns would give it other
+    settings than its parts share, it comes first by exact name. A packed lm_head comes first by exact
+    name too where it has settings of its own or a rule's pattern could take it (quantkit's rules decide
+    the decoder linears alone)."""
     skipped = [n for n in names if qconfig.for_linear(n) is None]
+    patterns = {f"+:.*(?:{r.match})": {k: v for k, v in (("bits", r.bits), ("group_size", r.group_size)) if v is not None}
+                for r in qconfig.rules if not r.skip}
     exact = {}
     if head is not None and (head != (qconfig.bits, qconfig.group_size) or qconfig.rules):
         exact["+:lm_head$"] = {"bits": head[0], "group_size": head[1]}
     for name, parts in fused(names).items():
         mine = {setting(qconfig.for_linear(p)) for p in parts}
-        if len(mine) == 1 and (s := mine.pop()) != setting(qconfig.for_linear(name)):
+        # skips are written as their parts' exact names, so only the "+:" patterns can take the fused name
+        read = override({"bits": qconfig.bits, "group_size": qconfig.group_size, "dynamic": patterns}, name)
+        if len(mine) == 1 and (s := mine.pop()) != (read["bits"], read["group_size"]):
             if s is None:
                 skipped.append(name)
             else:
                 exact[f"+:{re.escape(name)}$"] = {"bits": s[0], "group_size": s[1]}
-    return ({f"-:{layer_rules.exact(skipped)}": {}} if skipped else {}) | exact | {
-        f"+:.*(?:{r.match})": {k: v for k, v in (("bits", r.bits), ("group_size", r.group_size)) if v is not None}
-        for r in qconfig.rules if not r.skip}
+    return ({f"-:{layer_rules.exact(skipped)}": {}} if skipped else {}) | exact | patterns
 
 
 def override(qc: dict, name: str) -> dict | None:

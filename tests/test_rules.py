@@ -119,6 +119,30 @@ def test_dynamic_reads_alike_where_a_skip_rule_follows_an_override():
         assert reader(d, "model.layers.1.mlp.gate_up_proj") is False, reader
 
 
+@pytest.mark.parametrize("rules", [[{"match": r"layers\.0\.", "skip": True}],
+                                   [{"match": r"layers\.0\.", "skip": True}, {"match": "self_attn|mlp", "bits": 8}]])
+def test_dynamic_leaves_a_fused_linear_in_float_where_a_skip_rule_also_matches_its_name(rules):
+    """A skip rule that matches the fused name too (a whole layer in float): both sides of quantkit's reading
+    were None, so the fused name was not written, and vLLM, matching qkv_proj against the parts' exact
+    names, built it packed at the base settings (or a later rule's) over float tensors."""
+    from quantkit.exporters.gptq import dynamic
+    from quantkit.layers import fused
+
+    config = QuantConfig(bits=4, group_size=64, rules=rules)
+    names = [f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn.q_proj", "self_attn.k_proj",
+                                                                  "self_attn.v_proj", "self_attn.o_proj",
+                                                                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    d = dynamic(config, names)
+    want = settings(config, names)
+    groups = fused(names)
+    assert set(groups) == {f"model.layers.{i}.{f}" for i in range(2) for f in ("self_attn.qkv_proj", "mlp.gate_up_proj")}
+    for reader in (vllm_dynamic, gptqmodel_dynamic):
+        for name, parts in groups.items():
+            got = reader(d, name)
+            part = want[parts[0]]
+            assert (None if got is False else (got.get("bits", 4), got.get("group_size", 64))) == part, (reader, name)
+
+
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_gptq_layout_holds_each_linears_settings(tiny_dir, rules_file, tmp_path, method):
     original = loaded(tiny_dir)
