@@ -146,6 +146,8 @@ class CheckpointWriter:
         return self.staged.commit(self.shards.scratch())
 
     def abort(self, keep: bool = False) -> None:
+        if self.shards is not None:
+            self.shards.release()
         self.staged.abort(keep)
 
 

@@ -190,6 +190,13 @@ class ShardWriter:
             files.append(self.dir / INDEX)
         return files
 
+    def release(self) -> None:
+        """Close the open spill when the run fails: its files stay for the abort to keep or remove, and a
+        failure kept with its traceback (a notebook's) would hold a removed spill's space until it goes."""
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
+
     def scratch(self) -> list[Path]:
         """The files only a resumed run needs: the commit removes them."""
         return [*self.dir.glob(".spill-*"), *self.dir.glob(".shard-*.safetensors")]

@@ -855,6 +855,7 @@ def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: 
     check_arguments(export, locals())
     in_memory(model, "export")
     check_held(model, "export before evaluating with a dtype or device, or quantize again with keep=True")
+    exporters.check_out_name(out, format)
     if format == "gguf" and model.qconfig is not None:
         if model.qconfig.gguf_type is None:
             raise QuantkitError(f"this Model is quantized to {model.qconfig.method}'s grids, not GGUF blocks: quantize "

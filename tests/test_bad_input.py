@@ -186,6 +186,41 @@ def test_api_export_refuses_a_model_evaluate_converted(tiny_dir, tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+def test_api_export_refuses_a_gguf_name_for_a_directory_and_closes_a_failed_exports_spill(tiny_dir, tmp_path,
+                                                                                          monkeypatch):
+    """export(m, "x.gguf") wrote a safetensors directory named x.gguf (quantize(out="x.gguf") refused it); a failed
+    export removed its partial directory but kept its spill open, deleted, holding its space while the failure
+    was kept (as a notebook keeps the last traceback: here pytest's)."""
+    import errno
+
+    from quantkit.exporters import checkpoint
+
+    m = quantkit.quantize(str(tiny_dir), method="rtn", group_size=32, keep=True, progress=False)
+    with pytest.raises(quantkit.QuantkitError, match="names a GGUF file, and format='safetensors' writes a directory"):
+        quantkit.export(m, tmp_path / "a.gguf", progress=False)
+    assert not (tmp_path / "a.gguf").exists()
+    add = checkpoint.CheckpointWriter.add
+
+    def full(self, key, t):
+        if key == "model.norm.weight":  # after the layers: the open shard's spill holds them
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return add(self, key, t)
+
+    monkeypatch.setattr(checkpoint.CheckpointWriter, "add", full)
+    with pytest.raises(quantkit.QuantkitError, match="out of disk space") as failure:
+        quantkit.export(m, tmp_path / "b", progress=False)
+    assert failure.tb is not None and sorted(p.name for p in tmp_path.iterdir()) == []
+    fds = Path("/proc/self/fd")
+    if fds.is_dir():
+        held = []
+        for fd in fds.iterdir():
+            try:
+                held.append(os.readlink(fd))
+            except OSError:  # closed since the listing
+                pass
+        assert not [t for t in held if ".spill-" in t], held
+
+
 def test_api_exports_gguf_blocks_kept_and_no_other_grids(tiny256, tmp_path):
     """export(m, "x.gguf", format="gguf") of a Model quantized to another grid said "pass both or neither
     (gguf_type)", an argument export does not take; GGUF blocks kept export as quantize writes them."""

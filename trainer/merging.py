@@ -147,7 +147,7 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
     # what a killed merge's progress must match to be gone on from
     key = {"merge": merge_key(adapter, onto_nf4), "base": fingerprint(m.source), "max_shard_size": str(max_shard_size)}
     saved, n = progress_path(out), len(m.layers)
-    staged = Staged(out, overwrite)
+    staged, writer = Staged(out, overwrite), None
     try:
         if not overwrite:  # another run's merged layers are not thrown away
             check_progress(staged, key, n)
@@ -187,6 +187,8 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
     except BaseException as e:
         # the merged layers stay for the same command, unless the input is at fault: it would fail the same way
         keep = saved.is_file() and not (isinstance(e, QuantkitError) and not isinstance(e, ResumableError))
+        if writer is not None:
+            writer.release()
         staged.abort(keep=keep)
         if isinstance(e, KeyboardInterrupt) and keep:  # Ctrl-C, SIGTERM
             print(f"stopped: the merged layers are kept beside {out} ({saved.name}): run the same command to go "
