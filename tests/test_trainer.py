@@ -1,6 +1,7 @@
 """The trainer against its judges: PEFT loads our adapters (and we load PEFT's) with the same logits,
 merges equal PEFT's, QLoRA's base is bitsandbytes' NF4, a resumed run repeats an uninterrupted
 one, and two processes repeat one."""
+import functools
 import json
 import math
 from pathlib import Path
@@ -449,6 +450,20 @@ def test_fp16_with_a_gradient_scaler(tiny_dir, text, tmp_path):
     assert [r["grad_norm"] for r in half.log] == pytest.approx([r["grad_norm"] for r in full.log], rel=5e-2)
     assert load_file(tmp_path / "fp16" / lora.WEIGHTS)[
         "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"].abs().sum() > 0
+
+
+def test_fp16_steps_the_scaler_skips_take_none_of_the_schedule(tiny_dir, text, tmp_path, monkeypatch):
+    """A step whose fp16 gradients overflowed is skipped by the scaler (which then lowers its scale); it took
+    its step of the learning-rate schedule all the same, so a run that began with such steps lost that much
+    of its warmup. Here the scale starts at 2^20, where the first steps overflow."""
+    monkeypatch.setattr(torch.amp, "GradScaler", functools.partial(torch.amp.GradScaler, init_scale=2.0 ** 20))
+    result = train(tiny_dir, data=text, out=tmp_path / "a", precision="fp16", steps=8, rank=4, lr=1e-2, warmup=3,
+                   dropout=0.0, **SHORT)
+    skipped = [not math.isfinite(r["grad_norm"]) for r in result.log]
+    assert skipped[0] and not all(skipped), skipped
+    factors = [1 / 4, 2 / 4, 3 / 4] + [0.5 * (1 + math.cos(math.pi * k / 5)) for k in range(5)]  # 3 warm of 8
+    taken = [r["lr"] for r, s in zip(result.log, skipped) if not s]
+    assert taken == pytest.approx([1e-2 * f for f in factors[:len(taken)]])
 
 
 def test_auto_precision_is_bf16_only_where_the_cpu_multiplies_it(monkeypatch):

@@ -615,7 +615,8 @@ def run(m: Model, config: TrainConfig, names: list[str], *, train_set: list[data
                 scaler.update()
             else:
                 opt.step()
-            sched.step()
+            if math.isfinite(norm):  # as transformers' Trainer: a step the scaler skipped takes none of the schedule
+                sched.step()
             opt.zero_grad(set_to_none=True)
             record = {"step": step + 1, "loss": loss_sum, "lr": lr, "grad_norm": norm, "tokens": seen + tokens}
             result.log.append(record)
