@@ -367,7 +367,7 @@ class Lean:
     layer as the other paths do (float32, the quantized linears dequantized)."""
 
     def __init__(self, layer: torch.nn.Module):
-        self.layer, self.quantized = layer, {}
+        self.layer, self.quantized, self.dense = layer, {}, {}
         linears = {name: layer.get_submodule(name) for name in LINEARS}
         kept = {name: linear.weight.data for name, linear in linears.items()}
         for linear in linears.values():
@@ -378,14 +378,18 @@ class Lean:
             linear.forward = lambda x, name=name, linear=linear: F.linear(x, self.weight(name), linear.bias)
 
     def weight(self, name: str) -> torch.Tensor:
+        if name in self.dense:
+            return self.dense[name]
         qt, weight = self.quantized.get(name), self.layer.get_submodule(name).weight
         return qt.dequantize().to(weight.device) if qt is not None else weight.float()
 
     def set(self, name: str, qt: QuantizedTensor) -> None:
         """name quantized to qt: the checkpoint's weight is let go."""
         weight = self.layer.get_submodule(name).weight
-        # integer grids dequantize where the layer is; GGUF blocks only on the CPU (numpy)
-        self.quantized[name] = qt if qt.ggml is not None else qt.to(weight.device)
+        if qt.ggml is None:  # integer grids dequantize where the layer is, at each call
+            self.quantized[name] = qt.to(weight.device)
+        else:  # GGUF blocks only on the CPU (numpy, a 70B layer in minutes): once, kept as finish() leaves it
+            self.dense[name] = qt.dequantize().to(weight.device)
         weight.data = weight.new_empty(0)
 
     def finish(self) -> None:

@@ -518,6 +518,23 @@ def test_a_streamed_layer_keeps_its_linears_small_and_quantizes_as_in_memory(tin
         assert torch.equal(back.tensors[name].codes, qt.codes) and torch.equal(back.tensors[name].scales, qt.scales)
 
 
+def test_a_streamed_gguf_layer_dequantizes_each_linear_once(tiny256, tmp_path, monkeypatch):
+    """GGUF blocks dequantize only on the CPU (gguf-py's numpy): a streamed layer with calibration dequantized
+    each quantized linear again at every call, 9 times a batch and layer (a 70B layer: minutes a batch)."""
+    from quantkit.qtensor import QuantizedTensor
+
+    real, calls = QuantizedTensor.dequantize, []
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.ggml)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(QuantizedTensor, "dequantize", counted)
+    quantkit.quantize(str(tiny256), method="rtn", format="gguf", gguf_type="Q4_0", imatrix=True, calib_data=VALID,
+                      calib_samples=16, calib_seqlen=32, out=tmp_path / "q.gguf", progress=False)  # 2 batches
+    assert calls == ["Q4_0"] * 7 * 2
+
+
 def test_a_lean_layer_is_whole_again_when_quantization_fails(tiny_dir):
     """A quantizer failing midway through a layer leaves it whole: every linear float32 with its own
     forward again (the ones already quantized dequantized)."""
