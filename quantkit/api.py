@@ -699,9 +699,14 @@ def check_dequantized(m: Model, packed: bool | None) -> None:
 
 def scoring(m: Model):
     """Within: the model computes as its consumer does (a GGUF's linears with llama.cpp's arithmetic,
-    under either protocol: the same file is the same model)."""
+    under either protocol: the same file is the same model); a Model a bf16 or fp16 training left (its
+    frozen base in that dtype, its adapter in float32) under that autocast, as it trained."""
     if m.gguf_types:
         return evals.llamacpp_arithmetic(m.module, m.gguf_types)
+    floats = {p.dtype for p in m.module.parameters() if p.is_floating_point()}
+    if m.adapter is not None and len(floats) > 1:
+        narrowest = min(floats, key=lambda d: torch.finfo(d).bits)
+        return torch.autocast(next(m.module.parameters()).device.type, narrowest)
     return nullcontext()
 
 

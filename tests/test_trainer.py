@@ -39,6 +39,23 @@ def base(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_model_trained_in_half_precision_scores_as_it_trained(tiny_dir, text, tmp_path, precision):
+    """train(m) in bf16 or fp16 leaves m's frozen base in that dtype and its adapter in float32: evaluate(m)
+    ran it without autocast and raised torch's dtype mismatch (a traceback). Now it scores under the
+    training's autocast, near the adapter attached to the float32 base, and m keeps its dtypes."""
+    import quantkit
+
+    m = quantkit.load(tiny_dir)
+    train(m, data=text, out=tmp_path / "a", steps=2, lr=0.05, dropout=0.0, rank=4, precision=precision, **SHORT)
+    held = {n: p.dtype for n, p in m.module.named_parameters()}
+    assert len(set(held.values())) == 2
+    kw = dict(data=TEST, ctx=32, max_windows=4, progress=False)
+    half, full = quantkit.evaluate(m, **kw), quantkit.evaluate(attach(tiny_dir, tmp_path / "a"), **kw)
+    assert math.isclose(half.perplexity, full.perplexity, rel_tol=2e-2) and half.perplexity != full.perplexity
+    assert {n: p.dtype for n, p in m.module.named_parameters()} == held
+
+
 @pytest.mark.parametrize("options", [{}, {"rslora": True}, {"dora": True}], ids=["lora", "rslora", "dora"])
 def test_peft_loads_our_adapter_and_merges_like_us(tiny_dir, text, tmp_path, options):
     from peft import PeftModel
