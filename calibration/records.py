@@ -32,7 +32,7 @@ def parse(p: Path, text: str) -> list[tuple[str, dict]]:
             whole = json.loads(text)
         except RecursionError:
             raise QuantkitError(f"{p}: nested too deeply to be records: pass a JSON list of flat records") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, ValueError) as e:  # ValueError: an integer of more digits than Python reads
             if text.lstrip().startswith("["):
                 raise QuantkitError(f"{p}: not valid JSON ({e}): pass a JSON list or JSON lines") from None
             whole = None  # an object per line
@@ -52,6 +52,8 @@ def parse(p: Path, text: str) -> list[tuple[str, dict]]:
             raise QuantkitError(f"{where}: nested too deeply to be a record: write one flat JSON object per line") from None
         except json.JSONDecodeError as e:
             raise QuantkitError(f"{where}: not valid JSON ({e.msg}): write one JSON object per line") from None
+        except ValueError as e:  # an integer of more digits than Python reads
+            raise QuantkitError(f"{where}: not valid JSON here ({e}): write one JSON object per line") from None
         if not isinstance(record, dict):
             raise QuantkitError(f"{where}: a JSON object per line is needed, not {type(record).__name__}")
         try:  # JSON's \ud800 escapes give half a character, which no tokenizer takes

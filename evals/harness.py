@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import random
+import sys
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -57,7 +58,8 @@ def documents(limit: object, said: str) -> int | float | None:
     if (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0
             or limit >= 1 and limit != int(limit)):
         raise QuantkitError(f"{said}: pass a whole number of documents per task, or a fraction of each below 1")
-    return int(limit) if limit >= 1 else limit  # lm-eval reads a float as a fraction
+    # lm-eval reads a float as a fraction, and slices documents by a count islice takes (any larger is every one)
+    return int(min(limit, sys.maxsize)) if limit >= 1 else limit
 
 
 def documents_said(limit: int | float) -> str:

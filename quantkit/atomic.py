@@ -26,6 +26,9 @@ def check_out(out: str | os.PathLike, overwrite: bool = False, directory: bool |
     if out.name in ("", "..") or Path.cwd().resolve().is_relative_to(out.resolve()):  # '', '.', 'x/..', '/', ...
         raise QuantkitError(f"{errors.option(option)} {str(out)!r} names no new file or directory: give the output a "
                             "name of its own, such as out/model")
+    if out.exists() and not (out.is_file() or out.is_dir()):  # the commit's rename would replace it
+        raise QuantkitError(f"{out} is a pipe, device or socket, not a file or directory this output can be or "
+                            f"replace: choose another {errors.option(option)}")
     if directory is False and out.is_dir():
         raise QuantkitError(f"{out} is a directory, and this output is a file: choose another {errors.option(option)}, "
                             f"such as {out / ('base.logits' if option == 'save_base' else 'model.gguf')}")

@@ -33,7 +33,7 @@ def check_bits_group(bits: int, group_size: int, named: bool = False) -> None:
     if not whole(bits) or bits not in BITS:
         said = f"{option('bits', bits)} is an unsupported bit width" if named else f"unsupported bit width {bits!r}"
         raise QuantkitError(f"{said}: use one of {', '.join(map(str, BITS))}")
-    if not whole(group_size) or group_size != -1 and group_size < 1:
+    if not whole(group_size) or group_size != -1 and not 1 <= group_size < 2**31:  # g_idx is int32
         said = option("group_size", group_size) if named else f"group size {group_size!r}"
         raise QuantkitError(f"{said} is invalid: use -1 (per channel) or a positive whole size such as 128")
 

@@ -5,6 +5,7 @@ a row's damage() may change first), {text} a short text file, {tmp} an empty dir
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -54,7 +55,15 @@ def chat_with_template(template: str) -> Callable[[Path], None]:
     return damage
 
 
+def pipe_beside(name: str) -> Callable[[Path], None]:
+    """A named pipe beside {model} ({model}/../name): an output the commit's rename would replace."""
+    def damage(model: Path) -> None:
+        os.mkfifo(model.parent / name)
+    return damage
+
+
 DEEP = "[" * 100_000 + "]" * 100_000
+HUGE_INT = "1" * 5001  # JSON takes it; Python reads integers of up to 4300 digits
 
 CATALOGUE = {
     # quantize: the model
@@ -227,6 +236,23 @@ CATALOGUE = {
     "train: chat template that does not parse": Bad(
         "train {model} --data {model}/chat.jsonl --out {tmp}/a --steps 1 --seqlen 32 --batch-size 2",
         "chat template fails (TemplateSyntaxError", chat_with_template("{% for m in messages %}")),
+    "train: a record's integer past Python's digits": Bad("train {model} --data {model}/big.jsonl --out {tmp}/a",
+                                                          "line 1: not valid JSON here (Exceeds the limit",
+                                                          write("big.jsonl", f'{{"text": {HUGE_INT}}}\n')),
+    "train: a .json list's integer past Python's digits": Bad("train {model} --data {model}/big.json --out {tmp}/a",
+                                                              "not valid JSON (Exceeds the limit",
+                                                              write("big.json", f'[{{"text": {HUGE_INT}}}]')),
+    # outputs that are neither files nor directories
+    "quantize: out a pipe": Bad("quantize {model} --out {model}/../pipe --overwrite", "is a pipe, device or socket",
+                                pipe_beside("pipe")),
+    "export: out a pipe": Bad("export {model} --out {model}/../pipe.gguf", "is a pipe, device or socket",
+                              pipe_beside("pipe.gguf")),
+    "merge: out a pipe": Bad("merge {model} --out {model}/../pipe", "is a pipe, device or socket", pipe_beside("pipe")),
+    # a group past g_idx's int32
+    "quantize: --group-size 2**32": Bad("quantize {model} --out {tmp}/q --group-size 4294967296", "is invalid"),
+    # a text where the model goes
+    "eval: a text file as the model": Bad("eval {text} --data {text}", "is not a model (a model directory or a GGUF file)"),
+    "export: a text file as the model": Bad("export {text} --out {tmp}/x.gguf", "is not a model"),
     # merge
     "merge: not an adapter": Bad("merge {model} --out {tmp}/m", "pass a LoRA adapter directory"),
     "merge: missing adapter": Bad("merge {tmp}/nope --out {tmp}/m", "pass a LoRA adapter directory"),

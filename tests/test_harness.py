@@ -65,6 +65,14 @@ def test_cli_runs_local_tasks_on_the_loaded_model(tiny_dir, capsys, monkeypatch)
     assert code == 0 and "1% of each task's documents" in out
 
 
+def test_a_limit_past_what_lm_eval_slices_by_is_every_document():
+    """--limit 1e30 reached lm-eval's islice, which takes counts up to sys.maxsize, and ended in its traceback."""
+    import sys
+
+    assert harness.documents(1e30, "--limit 1e30") == sys.maxsize and harness.documents(3.0, "--limit 3") == 3
+    assert harness.documents(0.5, "--limit 0.5") == 0.5
+
+
 def test_chat_template_on_request(chat_dir, tiny_dir, capsys, monkeypatch):
     """Prompts were always plain; --apply-chat-template renders them with the model's template (lm-eval's
     --apply_chat_template), and a model without one is refused."""
