@@ -78,9 +78,9 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, s
                 if c.needs_calibration:
                     warnings.warn(f"{name}: no calibration input reached it, so it was quantized without it")
                 return ggml.quantize(w, types[name])
+            if c.method == "rtn":  # an importance matrix: the Hessian's diagonal, all that was summed
+                return ggml.quantize(w, types[name], h.diagonal().cpu())
             hm = h.matrix().cpu()
-            if c.method == "rtn":
-                return ggml.quantize(w, types[name], hm.diagonal())
             r = ggml.gptq(w, hm, types[name], hm.diagonal(), damp=c.damp, name=name)
             losses[name] = r.loss
             return r.tensor
@@ -598,7 +598,8 @@ def quantize(
                                             sequential=config.true_sequential, device=dev, writer=writer,
                                             other=other if writes or keep else None, keep=keep,
                                             progress=progress and distributed.rank() == 0, resume=resume,
-                                            layer_fn=awq_layer if config.method == "awq" else None)
+                                            layer_fn=awq_layer if config.method == "awq" else None,
+                                            diagonal=types is not None and config.method == "rtn")
                 if writer is not None:
                     writer.close()
                     if progress:

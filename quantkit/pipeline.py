@@ -64,16 +64,21 @@ class Hessian:
     so only its blocks of rows from the diagonal on are summed (about half the memory and the products);
     the blocks also keep any product, and the float32 result, from needing a K x K matrix beside
     them (down_proj of a 7B model: 11008^2 values, 0.9 GiB in float64, 0.45 GiB as kept here). The
-    first matrix() drops the sums (linears sharing an input share the float32 matrix)."""
+    first matrix() drops the sums (linears sharing an input share the float32 matrix). diagonal: only
+    diag(H) is summed, for a quantizer that reads nothing else (an importance matrix): a K-vector where
+    the blocks are K^2 / 2 products a batch."""
 
-    def __init__(self, cols: int, device: str | torch.device = "cpu"):
+    def __init__(self, cols: int, device: str | torch.device = "cpu", diagonal: bool = False):
         step = min(per_slice(cols), -(-cols // 8))  # rows per block: a 16 MiB float32 product at most, 8 blocks at least
-        self.blocks = [torch.zeros(min(step, cols - r), cols - r, dtype=torch.float64, device=device)
-                       for r in range(0, cols, step)]
+        self.blocks = [] if diagonal else [torch.zeros(min(step, cols - r), cols - r, dtype=torch.float64,
+                                                       device=device) for r in range(0, cols, step)]
+        self.squares = torch.zeros(cols, dtype=torch.float64, device=device) if diagonal else None
         self.cols, self.count, self.result = cols, 0, None
 
     def add_batch(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
+        if self.squares is not None:
+            self.squares.add_(x.double().square().sum(0))
         r = 0
         for block in self.blocks:
             block.add_(x[:, r:r + len(block)].T @ x[:, r:])
@@ -82,13 +87,21 @@ class Hessian:
 
     def reduce(self) -> "Hessian":
         """The sums over the processes of a torchrun job (in one process, nothing changes)."""
-        for block in self.blocks:
+        sums = self.blocks if self.squares is None else [self.squares]
+        for block in sums:
             distributed.sum_(block)
-        count = torch.tensor(self.count, dtype=torch.float64, device=self.blocks[0].device)
+        count = torch.tensor(self.count, dtype=torch.float64, device=sums[0].device)
         self.count = int(distributed.sum_(count).item())
         return self
 
+    def diagonal(self) -> torch.Tensor:
+        if self.squares is None:
+            return self.matrix().diagonal()
+        return self.squares.mul(2).div_(max(self.count, 1)).float()
+
     def matrix(self) -> torch.Tensor:
+        if self.squares is not None:
+            raise ValueError("a Hessian summed as its diagonal has no matrix")
         if self.result is None:
             # float32 first, each float64 block freed as it goes: the sums and the result never live side by side
             # (down_proj of a 70B model: 3 GiB of sums beside a 3 GiB result, now 1.5 GiB beside it)
@@ -149,15 +162,15 @@ def run_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]]) 
 
 
 def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]],
-                    groups: tuple[tuple[str, ...], ...],
-                    capture: str | None = None) -> tuple[dict[str, Hessian], list[torch.Tensor]]:
-    """One Hessian per input shared by a group of linears, filled by running the layer once;
-    the run stops at the last group's input, since nothing after it is needed. The inputs of the
-    linear named capture are returned too."""
+                    groups: tuple[tuple[str, ...], ...], capture: str | None = None,
+                    diagonal: bool = False) -> tuple[dict[str, Hessian], list[torch.Tensor]]:
+    """One Hessian per input shared by a group of linears (diagonal: only its diagonal), filled by
+    running the layer once; the run stops at the last group's input, since nothing after it is needed.
+    The inputs of the linear named capture are returned too."""
     hessians, takes, kept = {}, {}, []
     for group in groups:
         first = layer.get_submodule(group[0])
-        h = Hessian(first.in_features, first.weight.device)
+        h = Hessian(first.in_features, first.weight.device, diagonal)
 
         def take(i, x, h=h, captured=group[0] == capture):
             h.add_batch(x)
@@ -401,7 +414,7 @@ class Lean:
 
 def quantize_layer(i: int, layer: torch.nn.Module, quantize: QuantizeFn, batches: list | None,
                    stages: list[tuple[tuple[str, ...], ...]],
-                   update: bool = True) -> dict[str, QuantizedTensor]:
+                   update: bool = True, diagonal: bool = False) -> dict[str, QuantizedTensor]:
     """One decoder layer's linears through quantize, group by group; with calibration batches the
     next group and layer see the quantized outputs. update: the weights become their dequantized
     values in place, in float32; otherwise, with batches, the layer is Lean while it is quantized
@@ -416,7 +429,7 @@ def quantize_layer(i: int, layer: torch.nn.Module, quantize: QuantizeFn, batches
                 # o_proj's inputs are final when q/k/v were quantized in an earlier stage
                 capture = "self_attn.o_proj" if stage == (("self_attn.o_proj",),) else None
                 with replaying_attention(layer, attention):
-                    hessians, o_inputs = gather_hessians(layer, batches, stage, capture)
+                    hessians, o_inputs = gather_hessians(layer, batches, stage, capture, diagonal)
             names = [name for group in stage for name in group]
             mine = {}
             for j, name in enumerate(names):
@@ -485,6 +498,7 @@ def quantize_layers(
     resume: tuple[Path, str] | None = None,
     layer_fn: LayerFn | None = None,
     desc: str = "quantizing layers",
+    diagonal: bool = False,
 ) -> dict[str, QuantizedTensor]:
     """Quantize every decoder linear, layer by layer; the quantized tensors by name.
 
@@ -498,7 +512,8 @@ def quantize_layers(
     gate/up, then down, each group seeing the inputs the already quantized ones produce.
     layer_fn, when given, quantizes each layer whole instead. resume (path, key), without keep:
     after each layer the state (the writer's, the calibration activations) is saved there; a run
-    with the same key starts after the last finished layer.
+    with the same key starts after the last finished layer. diagonal: quantize reads only each
+    Hessian's diagonal (Hessian.diagonal), so only that is summed.
     """
     tensors, start, n = {}, 0, len(model.layers)
     map_large_blocks()
@@ -548,7 +563,7 @@ def quantize_layers(
             if batches is not None:  # the next layer's inputs: this quantized layer's outputs
                 run_layer(layer, batches)
         else:
-            layer_tensors = quantize_layer(i, layer, quantize, batches, stages, update=keep)
+            layer_tensors = quantize_layer(i, layer, quantize, batches, stages, update=keep, diagonal=diagonal)
         if writer is not None:
             for name, qt in layer_tensors.items():
                 writer.add_quantized(name, qt)

@@ -535,6 +535,35 @@ def test_a_streamed_gguf_layer_dequantizes_each_linear_once(tiny256, tmp_path, m
     assert calls == ["Q4_0"] * 7 * 2
 
 
+def test_an_importance_matrix_sums_only_the_hessians_diagonal(tiny256, tmp_path, monkeypatch):
+    """GGUF's RTN reads only diag(H), yet the whole X^T X was summed (down_proj of a 70B model: 3.3 GB of
+    sums a layer, reduced over torchrun's processes and copied to the CPU whole): now only the diagonal,
+    the whole's to float32's precision. GPTQ onto GGUF types still sums the whole."""
+    from quantkit import pipeline
+
+    x = torch.randn(3, 40, 96, generator=torch.Generator().manual_seed(0))
+    whole, diagonal = pipeline.Hessian(96), pipeline.Hessian(96, diagonal=True)
+    for h in (whole, diagonal):
+        h.add_batch(x)
+        h.add_batch(3 * x[:1])
+    assert not diagonal.blocks and diagonal.count == whole.count == 160
+    assert torch.allclose(diagonal.diagonal(), whole.matrix().diagonal(), rtol=1e-6, atol=0)
+    made = []
+
+    class Seen(pipeline.Hessian):
+        def __init__(self, cols, device="cpu", diagonal=False):
+            made.append(diagonal)
+            super().__init__(cols, device, diagonal)
+
+    monkeypatch.setattr(pipeline, "Hessian", Seen)
+    kw = dict(format="gguf", gguf_type="Q4_0", calib_data=VALID, calib_samples=4, calib_seqlen=32, progress=False)
+    quantkit.quantize(str(tiny256), method="rtn", imatrix=True, out=tmp_path / "rtn.gguf", **kw)
+    assert made and all(made)
+    made.clear()
+    quantkit.quantize(str(tiny256), method="gptq", out=tmp_path / "gptq.gguf", **kw)
+    assert made and not any(made)
+
+
 def test_a_lean_layer_is_whole_again_when_quantization_fails(tiny_dir):
     """A quantizer failing midway through a layer leaves it whole: every linear float32 with its own
     forward again (the ones already quantized dequantized)."""
