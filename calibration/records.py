@@ -32,7 +32,7 @@ def parse(p: Path, text: str) -> list[tuple[str, dict]]:
             whole = json.loads(text)
         except RecursionError:
             raise QuantkitError(f"{p}: nested too deeply to be records: pass a JSON list of flat records") from None
-        except (json.JSONDecodeError, ValueError) as e:  # ValueError: an integer of more digits than Python reads
+        except ValueError as e:  # JSONDecodeError, or an integer of more digits than Python reads
             if text.lstrip().startswith("["):
                 raise QuantkitError(f"{p}: not valid JSON ({e}): pass a JSON list or JSON lines") from None
             whole = None  # an object per line

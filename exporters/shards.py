@@ -193,8 +193,12 @@ class ShardWriter:
     def release(self) -> None:
         """Close the open spill when the run fails: its files stay for the abort to keep or remove, and a
         failure kept with its traceback (a notebook's) would hold a removed spill's space until it goes."""
-        if self.spill is not None:
-            self.spill.close()
+        try:
+            if self.spill is not None:
+                self.spill.close()
+        except OSError:  # its buffer's flush, on the full disk that failed the run: the abort goes on
+            pass
+        finally:
             self.spill = None
 
     def scratch(self) -> list[Path]:

@@ -8,7 +8,7 @@ import re
 import sys
 import tempfile
 import warnings
-from contextlib import ExitStack, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Callable
@@ -295,7 +295,8 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
 
             def measure(i: int, layer: torch.nn.Module, batches: list) -> dict[str, QuantizedTensor]:
                 prefix = f"model.layers.{i}."
-                hessians = gather_hessians(layer, batches, GROUPS)[0] if hessian else dict.fromkeys(LINEARS)
+                hessians = gather_hessians(layer, batches, GROUPS, diagonal=gguf_run and config.method == "rtn")[0] \
+                    if hessian else dict.fromkeys(LINEARS)
                 sq = measurement.measure_layer(layer, batches, hessians, cores,
                                                torch.stack([weights[prefix + b] for b in measurement.BLOCKS]), units,
                                                prefix=prefix, labels=labels)
@@ -698,7 +699,7 @@ def check_dequantized(m: Model, packed: bool | None) -> None:
                             f"either way: {flag} changes nothing, so drop it")
 
 
-def scoring(m: Model):
+def scoring(m: Model) -> AbstractContextManager:
     """Within: the model computes as its consumer does (a GGUF's linears with llama.cpp's arithmetic,
     under either protocol: the same file is the same model); a Model a bf16 or fp16 training left (its
     frozen base in that dtype, its adapter in float32) under that autocast, as it trained."""

@@ -672,12 +672,12 @@ def load_gguf(path: Path) -> Model:
     from quantkit.exporters.gguf import ROPE_FREQS
 
     loaded = stamp(path)  # the file the header is read from
-    if path.suffix.lower() != ".gguf":
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":  # a text or data file passed where a model goes: not a damaged GGUF
-                raise QuantkitError(f"{path} is not a model (a model directory or a GGUF file): pass one; texts go to "
-                                    "the data options")
     with untrusted(path, "not a readable GGUF file, corrupt or truncated", "re-download or re-export it"):
+        if path.suffix.lower() != ".gguf":
+            with open(path, "rb") as f:
+                if f.read(4) != b"GGUF":  # a text or data file passed where a model goes: not a damaged GGUF
+                    raise QuantkitError(f"{path} is not a model (a model directory or a GGUF file): pass one; texts go "
+                                        "to the data options")
         metadata, header = gguf_header(path)
         names = tuple(t.name for t in header.tensors)
         arch = metadata["general.architecture"]

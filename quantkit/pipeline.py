@@ -77,8 +77,9 @@ class Hessian:
 
     def add_batch(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        if self.squares is not None:
-            self.squares.add_(x.double().square().sum(0))
+        if self.squares is not None:  # in float64 a slice at a time: no copies of the whole batch
+            for part in x.split(per_slice(x.shape[1])):
+                self.squares.add_(part.double().square_().sum(0))
         r = 0
         for block in self.blocks:
             block.add_(x[:, r:r + len(block)].T @ x[:, r:])
@@ -95,6 +96,7 @@ class Hessian:
         return self
 
     def diagonal(self) -> torch.Tensor:
+        """diag(H), in float32."""
         if self.squares is None:
             return self.matrix().diagonal()
         return self.squares.mul(2).div_(max(self.count, 1)).float()
@@ -376,8 +378,9 @@ def load_progress(path: Path, key: str) -> dict | None:
 class Lean:
     """A layer's linears kept small while it is quantized (a 7B layer is 0.8 GB in float32): each holds
     the checkpoint's weight, in the checkpoint's dtype, until it is quantized, then only its quantized
-    tensor. A linear's float32 weight is made when it is called and let go after; finish() leaves the
-    layer as the other paths do (float32, the quantized linears dequantized)."""
+    tensor. A linear's float32 weight is made when it is called and let go after (GGUF blocks, which
+    dequantize only in numpy, once on the CPU, and moved at each call); finish() leaves the layer as
+    the other paths do (float32, the quantized linears dequantized)."""
 
     def __init__(self, layer: torch.nn.Module):
         self.layer, self.quantized, self.dense = layer, {}, {}
@@ -391,9 +394,9 @@ class Lean:
             linear.forward = lambda x, name=name, linear=linear: F.linear(x, self.weight(name), linear.bias)
 
     def weight(self, name: str) -> torch.Tensor:
-        if name in self.dense:
-            return self.dense[name]
         qt, weight = self.quantized.get(name), self.layer.get_submodule(name).weight
+        if name in self.dense:
+            return self.dense[name].to(weight.device)
         return qt.dequantize().to(weight.device) if qt is not None else weight.float()
 
     def set(self, name: str, qt: QuantizedTensor) -> None:
@@ -401,8 +404,8 @@ class Lean:
         weight = self.layer.get_submodule(name).weight
         if qt.ggml is None:  # integer grids dequantize where the layer is, at each call
             self.quantized[name] = qt.to(weight.device)
-        else:  # GGUF blocks only on the CPU (numpy, a 70B layer in minutes): once, kept as finish() leaves it
-            self.dense[name] = qt.dequantize().to(weight.device)
+        else:  # GGUF blocks only on the CPU (numpy, a 70B layer's in minutes): once, kept there
+            self.dense[name] = qt.dequantize()
         weight.data = weight.new_empty(0)
 
     def finish(self) -> None:

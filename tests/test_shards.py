@@ -1,5 +1,6 @@
 """Sharded safetensors, written tensor by tensor: safetensors and transformers read them back."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +138,14 @@ def test_an_index_left_by_an_earlier_sharded_save_is_not_read(tiny_dir, tmp_path
 def test_cli_refuses_a_bad_shard_size_before_loading(tiny_dir, tmp_path, capsys, monkeypatch):
     code, line = run(["quantize", tiny_dir, "--out", tmp_path / "q", "--max-shard-size", "big"], capsys, monkeypatch)
     assert code == 2 and line.startswith("error: --max-shard-size big is not a size") and not (tmp_path / "q").exists()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_spill_released_on_a_full_disk_lets_the_abort_go_on(tmp_path):
+    """release() closes the spill, whose close flushes its buffer: on the full disk that failed the run, that
+    raised again, and the abort after it (the partial output's removal) was skipped."""
+    writer = ShardWriter(tmp_path)
+    writer.spill = open("/dev/full", "wb")
+    writer.spill.write(b"x" * 100)  # buffered: the close's flush meets ENOSPC
+    writer.release()
+    assert writer.spill is None
