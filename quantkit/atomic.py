@@ -319,13 +319,11 @@ class Staged:
 
     def commit(self, scratch: list[Path] = ()) -> Path:
         """Put the output in place; scratch: files or directories under it that only a resumed run needs,
-        removed once the rest is on the disk, so that a kill until then leaves a run that resumes."""
+        removed from the output once the rest is on the disk and in place: a kill until then leaves a run
+        that resumes, and a kill after, the output (with the scratch in it)."""
         self.check()
         sync(self.path, set(scratch))
-        for f in scratch:
-            remove(f)
-        if scratch:
-            fsync(self.path)
+        inside = [f.relative_to(self.path) for f in scratch]
         if not self.directory:
             os.replace(self.path, self.out)
         elif self.out.exists():
@@ -334,6 +332,8 @@ class Staged:
             self.path.rename(self.out)
         else:
             self.path.rename(self.out)
+        for f in inside:
+            remove(self.out / f)
         # also an old one a commit killed here left; and every process's progress, before the lock goes: a
         # kill after it left a file as big as the calibration's activations beside the finished output
         for stale in [*siblings(self.out, r"\.{name}\.old-\d+"), *progress_files(self.out)]:

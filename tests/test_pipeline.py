@@ -165,6 +165,36 @@ def test_a_run_killed_in_its_commit_resumes(tiny_dir, tmp_path, monkeypatch, cap
         assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "whole"]
 
 
+def test_a_kill_once_the_scratch_files_are_gone_loses_nothing(tmp_path, monkeypatch):
+    """commit removed the scratch files (an export's spill, the trainer's checkpoints) before the rename that
+    puts the output in place: killed in between, the output was whole but not in place, and nothing was left
+    to resume from, so the next run started afresh (hours of layers or of training). The output is now put
+    in place first and the scratch removed from it: a kill there leaves the output in place."""
+    from quantkit import atomic
+
+    out = tmp_path / "q"
+    staged = atomic.Staged(out)
+    d = staged.fresh()
+    (d / "adapter_model.safetensors").write_text("the adapter")
+    (d / "checkpoints").mkdir()
+    (d / "checkpoints" / "step-9").write_text("every step")
+    real = atomic.remove
+
+    def killed(path):  # the kill lands right after the scratch is gone
+        real(path)
+        if path.name == "checkpoints":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic, "remove", killed)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            staged.commit([d / "checkpoints"])
+    finally:
+        staged.abort()  # as its writer's caller does
+    assert (out / "adapter_model.safetensors").read_text() == "the adapter"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
+
+
 def test_an_output_moved_aside_by_a_killed_commit_is_put_back(tmp_path):
     """Killed between an --overwrite commit's two renames (the previous output moved aside, the new one
     not yet in place, its progress gone with the scratch files), the next run started afresh and
