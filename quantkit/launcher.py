@@ -1,6 +1,7 @@
 """What torchrun (or a launcher setting the same variables) told this process, read without torch: the
 command line consults it before torch-free commands such as a GGUF requantization."""
 import os
+import socket
 
 from .errors import QuantkitError
 
@@ -26,3 +27,9 @@ def check(size: int) -> None:
         raise QuantkitError(f"RANK={rank!r} is not a process of a job of WORLD_SIZE={size}: launch with torchrun")
     if not port.isdecimal() or not 0 < int(port) < 2**16:
         raise QuantkitError(f"MASTER_PORT={port!r} is not a port: launch with torchrun, or give a port such as 29500")
+    addr = os.environ["MASTER_ADDR"].strip()
+    try:  # a name that does not resolve: the rendezvous would retry it until its timeout
+        socket.getaddrinfo(addr, int(port))
+    except (OSError, UnicodeError) as e:
+        raise QuantkitError(f"MASTER_ADDR={addr!r} does not resolve ({getattr(e, 'strerror', None) or e}): give the "
+                            "first node's address or host name, as torchrun's --master-addr") from None

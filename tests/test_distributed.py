@@ -274,7 +274,11 @@ def test_commands_of_one_process_are_refused_under_torchrun(tiny_dir, tmp_path, 
 @pytest.mark.parametrize("env,said", [
     ({}, "WORLD_SIZE=2 is set, but not RANK, MASTER_ADDR, MASTER_PORT"),
     ({"RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "RANK='2' is not a process of a job of"),
-    ({"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, "MASTER_PORT='99999' is not a port")])
+    ({"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, "MASTER_PORT='99999' is not a port"),
+    # the rendezvous retried the name for its whole timeout (300 s) before failing
+    ({"RANK": "0", "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29500"},
+     "MASTER_ADDR='no-such-host.invalid' does not resolve"),
+])
 def test_world_size_without_torchrun_is_refused(tiny_dir, tmp_path, capsys, monkeypatch, env, said):
     """A process that inherited WORLD_SIZE from a torchrun or SLURM job printed torch's env:// traceback; a
     rank outside the job waited for peers, a bad port was called another process stopped, to resume."""
