@@ -58,8 +58,9 @@ def documents(limit: object, said: str) -> int | float | None:
     if (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0
             or limit >= 1 and limit != int(limit)):
         raise QuantkitError(f"{said}: pass a whole number of documents per task, or a fraction of each below 1")
-    # lm-eval reads a float as a fraction, and slices documents by a count islice takes (any larger is every one)
-    return int(min(limit, sys.maxsize)) if limit >= 1 else limit
+    if limit >= sys.maxsize:  # more than lm-eval's islice takes, and than any task holds: every document
+        return None
+    return int(limit) if limit >= 1 else limit  # lm-eval reads a float as a fraction
 
 
 def documents_said(limit: int | float) -> str:

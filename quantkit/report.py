@@ -322,7 +322,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
     """Run (or go on with) the sweep in out; returns the report (also out/report.json, report.md,
     perplexity.png, kld.png)."""
     from quantkit import calibration, evals
-    from quantkit.evals.harness import default_data_dir
+    from quantkit.evals.harness import default_data_dir, documents
 
     from . import api
     from .modelio import default_model_dir, fingerprint, load
@@ -337,6 +337,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
                        # scores its points on the same records or is refused
                        lm_eval_data_dir=str(Path(s.lm_eval_data_dir or default_data_dir()).resolve())
                        if s.tasks else None,
+                       lm_eval_limit=documents(s.lm_eval_limit, "") if s.tasks else s.lm_eval_limit,  # 1e30: every one
                        weights=fingerprint(s.model or default_model_dir()),
                        texts=" ".join(fingerprint(t) for t in (s.data, s.calib_data) if t))
     model, data, windows, ctx = settings.model or None, settings.data, settings.windows, settings.ctx

@@ -66,10 +66,12 @@ def test_cli_runs_local_tasks_on_the_loaded_model(tiny_dir, capsys, monkeypatch)
 
 
 def test_a_limit_past_what_lm_eval_slices_by_is_every_document():
-    """--limit 1e30 reached lm-eval's islice, which takes counts up to sys.maxsize, and ended in its traceback."""
+    """--limit 1e30 reached lm-eval's islice, which takes counts up to sys.maxsize, and ended in its traceback;
+    then it was said as "9.22e+18 documents per task". It is no limit."""
     import sys
 
-    assert harness.documents(1e30, "--limit 1e30") == sys.maxsize and harness.documents(3.0, "--limit 3") == 3
+    assert harness.documents(1e30, "--limit 1e30") is None and harness.documents(sys.maxsize, "") is None
+    assert harness.documents(sys.maxsize - 1, "") == sys.maxsize - 1 and harness.documents(3.0, "--limit 3") == 3
     assert harness.documents(0.5, "--limit 0.5") == 0.5
 
 
