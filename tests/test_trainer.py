@@ -120,6 +120,26 @@ def test_we_load_peft_adapters(tiny_dir, tmp_path):
     assert torch.allclose(logits(base(tmp_path / "m")), logits(peft.merge_and_unload()), atol=1e-4, rtol=1e-4)
 
 
+def test_merge_writes_each_tensor_in_its_dtype_in_the_base(tiny_dir, text, tmp_path):
+    """A base of bfloat16 linears beside float32 norms (as some releases keep them) was merged with every
+    layer tensor in the majority dtype: the norms came out rounded to bfloat16."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(tiny_dir, mixed)
+    state = load_file(mixed / "model.safetensors")
+    state = {k: t.float() if "norm" in k else t.bfloat16() for k, t in state.items()}
+    save_file(state, mixed / "model.safetensors", metadata={"format": "pt"})
+    train(mixed, data=text, out=tmp_path / "a", steps=1, lr=0.05, rank=4, precision="fp32", **SHORT)
+    merge(tmp_path / "a", tmp_path / "m", base=mixed, progress=False)
+    merged = load_file(tmp_path / "m" / "model.safetensors")
+    assert {k: t.dtype for k, t in merged.items()} == {k: t.dtype for k, t in state.items()}
+    assert all(torch.equal(merged[k], t) for k, t in state.items() if "norm" in k)
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], state["model.layers.0.self_attn.q_proj.weight"])
+
+
 def test_merge_an_adapter_on_lm_head(tiny_dir, tmp_path):
     """PEFT can target lm_head: merge adds it (it was dropped: the merged head was the base's), and
     refuses a head tied to the embedding, which one merged weight cannot express."""

@@ -1,5 +1,5 @@
 """Adapters merged into their base: W + scale*BA in float32 (DoRA renormalized), layer by layer
-from the base checkpoint into a new model directory in the base's dtype, so that the result feeds
+from the base checkpoint into a new model directory, each tensor in its dtype in the base, so that the result feeds
 `quantkit quantize` like any model. --onto-nf4 merges into the NF4-rounded base that QLoRA trained
 against instead of the original weights."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ from quantkit.errors import QuantkitError, ResumableError, option, space_for, un
 from quantkit.atomic import Staged, check_apart, check_out, progress_path, size_on_disk
 from quantkit.exporters.checkpoint import licences
 from quantkit.exporters.shards import DEFAULT_MAX_SIZE, INDEX, ShardWriter, parse_size, state_intact
-from quantkit.modelio import Model, fingerprint, hub_snapshot, load
+from quantkit.modelio import FLOAT_DTYPES, Model, fingerprint, hub_snapshot, load
 from quantkit.pipeline import load_progress, other_run, save_progress, write_other
 
 from . import lora
@@ -130,8 +130,8 @@ def fitted(m: Model, config: TrainConfig, tensors: dict[str, torch.Tensor], adap
 def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.PathLike | None = None,
           onto_nf4: bool = False, overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SIZE,
           progress: bool = True) -> Path:
-    """Write base + adapter to out as a model directory (safetensors shards in the base's dtype, its
-    config and tokenizer files). base: the adapter config's base_model_name_or_path by default."""
+    """Write base + adapter to out as a model directory (safetensors shards, each tensor in its dtype in
+    the base, its config and tokenizer files). base: the adapter config's base_model_name_or_path by default."""
     check_arguments(merge, locals())
     check_out(out, overwrite, directory=True, inputs=[adapter, base])  # before the base loads
     parse_size(max_shard_size)
@@ -142,7 +142,6 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
     if "lm_head" in by_linear and m.module.config.tie_word_embeddings:  # merged, it would change the embedding too
         raise QuantkitError(f"{adapter}: the adapter changes lm_head, which this model ties to its embedding, so it "
                             "cannot be merged into one weight: use the adapter unmerged (PEFT), or train without lm_head")
-    dtype = m.checkpoint.dtype
     needed = sum(f.stat().st_size for f in set(m.checkpoint.where.values()))  # the base's shards, in its dtype
     # what a killed merge's progress must match to be gone on from
     key = {"merge": merge_key(adapter, onto_nf4), "base": fingerprint(m.source), "max_shard_size": str(max_shard_size)}
@@ -171,12 +170,11 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
                 print(f"resuming after layer {state['next_layer']}/{n} from {saved}", file=sys.stderr)
             start = state["next_layer"] if state else 0
             for i in tqdm(range(start, n), initial=start, total=n, unit="layer", desc="merging", disable=not progress):
-                merge_part(m, f"model.layers.{i}", by_linear, config=config, onto_nf4=onto_nf4, writer=writer,
-                           dtype=dtype)
+                merge_part(m, f"model.layers.{i}", by_linear, config=config, onto_nf4=onto_nf4, writer=writer)
                 save_progress(saved, {"key": key, "next_layer": i + 1, "writer": writer.state()})
             for prefix in ("model.embed_tokens", "model.norm", "lm_head"):
                 if prefix in by_linear:  # PEFT can target lm_head (fitted: only linears have adapters)
-                    merge_part(m, prefix, by_linear, config=config, onto_nf4=onto_nf4, writer=writer, dtype=dtype)
+                    merge_part(m, prefix, by_linear, config=config, onto_nf4=onto_nf4, writer=writer)
                 else:
                     write_other(m, prefix, writer, None, keep=False)
             writer.close()
@@ -244,8 +242,9 @@ def merged_from(model: str | os.PathLike) -> str | None:
 
 
 def merge_part(m: Model, prefix: str, by_linear: dict[str, dict[str, torch.Tensor]], *, config: TrainConfig,
-               onto_nf4: bool, writer: ShardWriter, dtype: torch.dtype) -> None:
-    """The part of the model at prefix, read in float32, with the adapters on its linears merged, written in dtype."""
+               onto_nf4: bool, writer: ShardWriter) -> None:
+    """The part of the model at prefix, read in float32, with the adapters on its linears merged, each
+    tensor written in its dtype in the base (float32 norms beside bfloat16 linears stay float32)."""
     part = m.materialize(prefix, "cpu", torch.float32)
     for name, parts in by_linear.items():
         if name == prefix or name.startswith(prefix + "."):
@@ -254,7 +253,7 @@ def merge_part(m: Model, prefix: str, by_linear: dict[str, dict[str, torch.Tenso
             linear.weight.data = lora.merged(w, parts["A.weight"], parts["B.weight"], config.scale,
                                              parts.get("magnitude_vector"))
     for key, t in part.state_dict().items():
-        writer.add(f"{prefix}.{key}", t.to(dtype))
+        writer.add(f"{prefix}.{key}", t.to(FLOAT_DTYPES[m.checkpoint.dtypes[f"{prefix}.{key}"]]))
     m.release(prefix)
 
 
