@@ -2,7 +2,7 @@
 against llama-quantize (F16 GGUF to Q4_K_M) on the same model in the same run, and GPTQ against
 GPTQModel's.
 
-    python benchmarks/scale.py [--shape 7b|7b-8l|1b|135m] [--runs llama,rtn,gguf,gptq,gptq-no-mse,gptqmodel]
+    python benchmarks/scale.py [--shape 7b|7b-8l|1b|135m] [--runs llama,rtn,gguf,gptq,gptq-no-mse,gptqmodel,eval]
                                [--gptq-samples 4] [--device cpu|cuda] [--stop-after S] [--before DIR] [--keep]
 
 The model (7b: Llama-2-7B's shapes; 7b-8l: its first 8 layers, for runs that cannot stop partway;
@@ -21,7 +21,10 @@ RTN again with quantkit imported from DIR first (an older version installed with
 per layer, so the peak over the first layers is the run's, except that a stopped GGUF run has not
 yet quantized the output matrix (bounded by the same chunking as every other tensor). The gptqmodel run
 (GPTQModel importable; benchmarks/gpu.sh carries it to a GPU machine) quantizes on the same calibration
-windows at its own defaults for 4-bit g128, and is then the anchor of the ratios. Outputs go to a
+windows at its own defaults for 4-bit g128, and is then the anchor of the ratios. The eval runs score
+the float model on --eval-windows windows of 512 tokens of WikiText-2 test: float32 (a 7B does not fit 24
+GiB, so a layer at a time), bfloat16 whole and a layer at a time, against llama-perplexity on the F16
+GGUF of the model (the anchor; its export is measured too). Outputs go to a
 temporary directory, removed at the end unless --keep.
 """
 from __future__ import annotations
@@ -41,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 VALID = ROOT.parent / "shared" / "data" / "wikitext-2" / "wiki.valid.tokens"
+TEST = ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 
 SHAPES = {
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -137,14 +141,19 @@ def measure(label: str, cmd: list[str], env: dict | None = None, seconds: float 
     """Run cmd in its own process: wall time and peak RSS. seconds: stop it (SIGTERM) after that
     long and report how many layers it finished (from its progress bar) instead of failing."""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    if seconds is not None:
-        threading.Timer(seconds, proc.terminate).start()
-    err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.PIPE, text=True)
+        if seconds is not None:
+            threading.Timer(seconds, proc.terminate).start()
+        err = proc.stderr.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        out.seek(0)
+        said = out.read() + err
     proc.returncode = os.waitstatus_to_exitcode(status)
     result = {"run": label, "seconds": time.monotonic() - start, "peak_rss": usage.ru_maxrss * 1024}
+    ppl = re.findall(r"(?:: perplexity|Final estimate: PPL =) ([\d.]+)", said)  # quantkit's, llama.cpp's
+    if ppl:
+        result["perplexity"] = float(ppl[-1])
     gpu = re.findall(r"GPU ([\d.]+) GiB", err)
     if gpu:
         result["peak_gpu"] = float(gpu[-1]) * 2**30
@@ -170,6 +179,7 @@ def main() -> None:
                     "report the layers they finished")
     ap.add_argument("--before", type=Path, help="also run RTN with quantkit imported from this directory")
     ap.add_argument("--keep", action="store_true", help="keep the outputs")
+    ap.add_argument("--eval-windows", type=int, default=4, help="eval: windows of 512 tokens scored")
     ap.add_argument("--device", help="cpu or cuda (default: quantkit's, the GPU when there is one)")
     a = ap.parse_args()
     runs = a.runs.split(",")
@@ -213,6 +223,22 @@ def main() -> None:
                                        [*qk, "quantize", model, "--method", "gptq", "--calib-data", VALID,
                                         "--calib-samples", str(a.gptq_samples), "--calib-seqlen", "512",
                                         "--out", out / run, *extra, *common], seconds=a.stop_after))
+        if "eval" in runs:  # the float model scored: a layer at a time where it does not fit, and whole in bf16
+            data = ["--data", TEST, "--max-windows", str(a.eval_windows)]
+            results.append(measure("quantkit export F16 GGUF", [*qk, "export", model, "--gguf-type", "F16",
+                                                                "--out", out / "f16.gguf"]))
+            from tests import llamacpp
+
+            binaries = llamacpp.binaries()
+            results.append(measure(f"llama-perplexity F16 GGUF, {a.eval_windows} x 512 tokens",
+                                   [binaries / "llama-perplexity", "-m", out / "f16.gguf", "-f", TEST, "-c", "512",
+                                    "--chunks", str(a.eval_windows), "-t", str(os.cpu_count())],
+                                   {"LD_LIBRARY_PATH": str(binaries)}))
+            (out / "f16.gguf").unlink()
+            for label, extra in (("float32, by default (a layer at a time where it does not fit)", []),
+                                 ("bfloat16, whole", ["--dtype", "bfloat16", "--whole"]),
+                                 ("bfloat16, a layer at a time", ["--dtype", "bfloat16", "--layerwise"])):
+                results.append(measure(f"quantkit eval, {label}", [*qk, "eval", model, *data, *extra, *common]))
         if "gptqmodel" in runs:
             child = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import scale; "
                      f"scale.gptqmodel_child({str(model)!r}, {str(out / 'gptqmodel')!r}, {a.gptq_samples}, "
@@ -222,7 +248,8 @@ def main() -> None:
     finally:
         if not a.keep:
             shutil.rmtree(out, ignore_errors=True)
-    anchor = next((r for r in results if r["run"].startswith(("llama-quantize", "GPTQModel"))), None)
+    anchor = next((r for r in results if r["run"].startswith(("llama-quantize", "GPTQModel", "llama-perplexity"))),
+                  None)
     on_gpu = any("peak_gpu" in r for r in results)
     print(f"\n{a.shape}-shaped Llama, {disk / 1e9:.2f} GB of bf16 safetensors on disk\n")
     if on_gpu:
@@ -232,7 +259,8 @@ def main() -> None:
           + (f" time / {anchor['run'].split()[0].rstrip(':')} | RSS / it |" if anchor else ""))
     print("|---|---|---|---|" + ("---|" if on_gpu else "") + ("---|---|" if anchor else ""))
     for r in results:
-        run = r["run"] + (f" (stopped after {r['layers']} layers)" if "layers" in r else "")
+        run = r["run"] + (f" (stopped after {r['layers']} layers)" if "layers" in r else "") + \
+            (f": perplexity {r['perplexity']:.4f}" if "perplexity" in r else "")
         row = f"| {run} | {r['seconds']:.0f} | {r['peak_rss'] / 2**30:.2f} | {r['peak_rss'] / disk:.1%} |"
         if on_gpu:
             row += f" {r['peak_gpu'] / 2**30:.2f} |" if "peak_gpu" in r else " - |"

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from quantkit.errors import COMMAND_LINE, QuantkitError, option, untrusted
+from quantkit.gguf_constants import is_gguf
 from quantkit.requant import Header
 
 
@@ -48,9 +49,7 @@ def parse(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int, list[s
         raise QuantkitError(f"{option('imatrix_file', str(path))}: no such file: {fix()}")
     if not path.is_file():
         raise QuantkitError(f"{option('imatrix_file', str(path))}: not a regular file: {fix()}")
-    with open(path, "rb") as f:
-        gguf_file = f.read(4) == b"GGUF"
-    table, chunks, datasets = from_gguf(path) if gguf_file else legacy(path)
+    table, chunks, datasets = from_gguf(path) if is_gguf(path) else legacy(path)
     if not table:
         raise QuantkitError(f"{path}: no importance entries in it: {fix()}")
     bad = next((name for name, v in table.items() if not (torch.isfinite(v).all() and (v >= 0).all())), None)

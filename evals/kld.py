@@ -26,7 +26,7 @@ from quantkit.atomic import check_writable
 from quantkit.errors import QuantkitError, count, option, space_for
 from quantkit.modelio import adds_bos
 
-from .perplexity import ROWS, exp_or_inf, first_scored, ran_in, summed_nll, window_logits
+from .perplexity import ROWS, Forward, exp_or_inf, first_scored, ran_in, summed_nll, window_logits
 
 MAGIC = b"_logits_"
 HEADER = struct.Struct("<8sIii")
@@ -367,9 +367,11 @@ class Divergence:
 
 
 def save_base(module: torch.nn.Module, tokenizer, windows: torch.Tensor, path: str | os.PathLike,
-              batch_size: int = 4, progress: bool = True, overwrite: bool = False) -> float:
+              batch_size: int = 4, progress: bool = True, overwrite: bool = False,
+              forward: Forward | None = None) -> float:
     """Score windows (n, ctx) on the base model and save its log-probabilities at path (atomically);
     overwrite: replace a file there (else one that appeared while the base was scored is refused).
+    forward: how the model runs (window_logits).
     The base's perplexity, exact (the saved rows floor a target 16 nats under the top), as Sums takes a model's."""
     from quantkit.atomic import Staged
 
@@ -382,7 +384,7 @@ def save_base(module: torch.nn.Module, tokenizer, windows: torch.Tensor, path: s
             with open(staged.path, "wb") as f:
                 writer, nll, count = None, 0.0, 0
                 for logits, targets in window_logits(module, tokenizer, windows, "llamacpp", batch_size, progress,
-                                                     "base"):
+                                                     "base", forward):
                     writer = writer or BaseWriter(f, windows, logits.shape[-1])
                     logits = logits.cpu()
                     writer.add(logits)
@@ -420,16 +422,18 @@ def check_base(base: BaseFile, ctx: int, windows: torch.Tensor | None = None, vo
 
 
 def divergence(module: torch.nn.Module, tokenizer, windows: torch.Tensor, base: BaseFile,
-               batch_size: int = 4, progress: bool = True) -> Divergence:
-    """Score windows (n, ctx) on the model and compare each prediction with the saved base."""
+               batch_size: int = 4, progress: bool = True, forward: Forward | None = None) -> Divergence:
+    """Score windows (n, ctx) on the model and compare each prediction with the saved base (forward:
+    how the model runs, as in window_logits)."""
     n, ctx = windows.shape
     check_base(base, ctx, windows)
     sums, i = Sums(), 0
-    for logits, targets in window_logits(module, tokenizer, windows, "llamacpp", batch_size, progress, "divergence"):
+    for logits, targets in window_logits(module, tokenizer, windows, "llamacpp", batch_size, progress, "divergence",
+                                         forward):
         if logits.shape[-1] != base.n_vocab:
             raise QuantkitError(f"the model has a vocabulary of {logits.shape[-1]}, the base {base.n_vocab}: "
                                 "compare a model with its own base")
         for lg, tg in zip(logits.cpu(), targets.cpu()):
             sums.add(lg, base.logprobs(i), tg)
             i += 1
-    return sums.result(n, ctx, *ran_in(module))
+    return sums.result(n, ctx, *ran_in(module, forward))

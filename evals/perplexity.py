@@ -11,7 +11,7 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 from tqdm import tqdm
@@ -23,6 +23,14 @@ from quantkit.modelio import adds_bos, check_context, with_bos
 PROTOCOLS = ("wikitext", "llamacpp")
 TOKENS = 2048  # window tokens a batch holds at most (ctx 512: 4 windows)
 ROWS = 128  # predictions whose log-probabilities are taken in float64 at a time
+
+
+class Forward(Protocol):
+    """A model run some other way than whole (pipeline.Layerwise): batches of token windows and the
+    positions to keep -> each batch's logits of those positions, in order."""
+    ran: tuple[str, str]  # the float dtype and device type it computes in (ran_in)
+
+    def __call__(self, batches: list[torch.Tensor], keep: int) -> Iterator[torch.Tensor]: ...
 
 
 @dataclass
@@ -40,8 +48,11 @@ class Perplexity:
         return asdict(self)
 
 
-def ran_in(module: torch.nn.Module) -> tuple[str, str]:
-    """The float dtype and the device type a model computes in: a figure depends on them."""
+def ran_in(module: torch.nn.Module, forward: Forward | None = None) -> tuple[str, str]:
+    """The float dtype and the device type a model computes in (run by forward, when given): a figure
+    depends on them."""
+    if forward is not None:
+        return forward.ran
     p = next(p for p in module.parameters() if p.is_floating_point())
     return str(p.dtype).removeprefix("torch."), p.device.type
 
@@ -94,27 +105,32 @@ def first_scored(protocol: str, ctx: int) -> int:
 
 @torch.no_grad()
 def window_logits(module: torch.nn.Module, tokenizer, windows: torch.Tensor, protocol: str = "llamacpp",
-                  batch_size: int = 4, progress: bool = True, desc: str = "perplexity"
-                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                  batch_size: int = 4, progress: bool = True, desc: str = "perplexity",
+                  forward: Forward | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(logits, targets) of the scored predictions, a batch of windows at a time: logits (b, t, vocab)
     in float32, targets (b, t). Under llamacpp the first token of a window becomes BOS when the
-    tokenizer adds BOS."""
+    tokenizer adds BOS. forward: how the model runs (default: whole, a batch at a time)."""
     check_context(module.config, windows.shape[1], "ctx")
     first = first_scored(protocol, windows.shape[1])
     bos = protocol == "llamacpp" and adds_bos(tokenizer)
-    device = next(module.parameters()).device
     began = time.monotonic()
     # at most TOKENS a batch (one window at least): several long windows' logits of a large vocabulary take gigabytes
     batch_size = max(1, min(batch_size, TOKENS // windows.shape[1]))
+    batches = list(windows.split(batch_size))
+    inputs = [b.clone() for b in batches]
+    for x in inputs if bos else ():
+        x[:, 0] = tokenizer.bos_token_id
+    # the head computes only the scored positions' logits (half the window's under llamacpp)
+    keep = windows.shape[1] - first
+    if forward is None:
+        device = next(module.parameters()).device
+
+        def forward(xs: list[torch.Tensor], keep: int) -> Iterator[torch.Tensor]:  # whole, a batch at a time
+            return (module(x.to(device), use_cache=False, logits_to_keep=keep).logits for x in xs)
     with tqdm(total=len(windows), desc=desc, unit="window", disable=not progress) as bar:
-        for b, batch in enumerate(windows.split(batch_size)):
-            inputs = batch.clone()
-            if bos:
-                inputs[:, 0] = tokenizer.bos_token_id
-            # the head computes only the scored positions' logits (half the window's under llamacpp)
-            out = module(inputs.to(device), use_cache=False, logits_to_keep=windows.shape[1] - first)
-            computed = out.logits.dtype
-            logits = out.logits[:, :-1].float()
+        for b, (batch, out) in enumerate(zip(batches, forward(inputs, keep), strict=True)):
+            computed = out.dtype
+            logits = out[:, :-1].float()
             del out  # a float16 model's logits: not kept beside their float32 copy
             check_finite(logits, b * batch_size, len(windows), computed, "base" if desc == "base" else "model")
             yield logits, batch[:, first + 1:].to(logits.device)
@@ -170,13 +186,15 @@ def perplexity(
     max_windows: int | None = None,
     batch_size: int = 4,
     progress: bool = True,
+    forward: Forward | None = None,
 ) -> Perplexity:
+    """The perplexity of the text's windows (forward: how the model runs, as in window_logits)."""
     w = windows(tokenizer, text, protocol, ctx, max_windows, progress)
     nll, nll2, count = 0.0, 0.0, 0
-    for logits, targets in window_logits(module, tokenizer, w, protocol, batch_size, progress):
+    for logits, targets in window_logits(module, tokenizer, w, protocol, batch_size, progress, forward=forward):
         each = token_nll(logits, targets)
         nll, nll2, count = nll + each.sum().item(), nll2 + each.square().sum().item(), count + each.numel()
     ppl = exp_or_inf(nll / count)
     var = nll2 / count - (nll / count) ** 2  # as llama-perplexity: none for a single prediction
     unc = ppl * math.sqrt(var / (count - 1)) if var > 0 and count > 1 and math.isfinite(ppl) else 0.0
-    return Perplexity(ppl, unc, count, len(w), protocol, ctx, *ran_in(module))
+    return Perplexity(ppl, unc, count, len(w), protocol, ctx, *ran_in(module, forward))

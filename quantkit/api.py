@@ -24,14 +24,17 @@ from . import rules as layer_rules
 from .config import DTYPES, UNWEIGHTED, QuantConfig, check_fields, check_arguments, refuse_unused
 from .errors import COMMAND_LINE, Note, QuantkitError, ResumableError, option, space_for
 from .layers import GROUPS, LINEARS, fused, linear_shapes, shapes_by_name
-from .modelio import Checkpoint, GGUFCheckpoint, Model, check_context, fingerprint, linear_types, load
-from .pipeline import BATCH, Hessian, OtherFn, QuantizeFn, gather_hessians, other_run, quantize_layers
+from .modelio import (Checkpoint, GGUFCheckpoint, Model, check_context, fingerprint, linear_types, load,
+                      moved)
+from .pipeline import (BATCH, Hessian, Layerwise, OtherFn, QuantizeFn, free_bytes, gather_hessians, other_run,
+                       quantize_layers)
 from .qlinear import QuantLinear
 from .qtensor import QuantizedTensor
 from .requant import requantized_note
 from .quantizers import awq, exl2, ggml, gptq, nf4, rtn
 
 PathLike = str | os.PathLike
+FITS = 0.8  # of a device's free memory that a model's weights may take to be scored whole: the rest holds activations
 
 
 def kept_blocks(source: Checkpoint | None, name: str, kind: str, w: torch.Tensor, check: bool) -> QuantizedTensor | None:
@@ -56,6 +59,11 @@ def rounded_again(source: Checkpoint | None, kept: dict[str, str]) -> list[str]:
                    if t not in blocks.FLOAT_TYPES and kept.get(key.removesuffix(".weight")) != t})
 
 
+def diagonal_only(config: QuantConfig, gguf: bool) -> bool:
+    """Whether the quantizer reads only each Hessian's diagonal: RTN onto GGUF types, its importance matrix."""
+    return gguf and config.method == "rtn"
+
+
 def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, str] | None = None,
               importance: dict[str, torch.Tensor] | None = None, settings: dict[str, exl2.Setting] | None = None,
               kept: OtherFn | None = None) -> QuantizeFn | None:
@@ -78,7 +86,7 @@ def quantizer(qconfig: QuantConfig, losses: dict[str, float], types: dict[str, s
                 if c.needs_calibration:
                     warnings.warn(f"{name}: no calibration input reached it, so it was quantized without it")
                 return ggml.quantize(w, types[name])
-            if c.method == "rtn":  # an importance matrix: the Hessian's diagonal, all that was summed
+            if diagonal_only(c, gguf=True):  # an importance matrix: the Hessian's diagonal, all that was summed
                 return ggml.quantize(w, types[name], h.diagonal().cpu())
             hm = h.matrix().cpu()
             r = ggml.gptq(w, hm, types[name], hm.diagonal(), damp=c.damp, name=name)
@@ -295,7 +303,7 @@ def measured(m: Model, config: QuantConfig, windows: torch.Tensor, dev: torch.de
 
             def measure(i: int, layer: torch.nn.Module, batches: list) -> dict[str, QuantizedTensor]:
                 prefix = f"model.layers.{i}."
-                hessians = gather_hessians(layer, batches, GROUPS, diagonal=gguf_run and config.method == "rtn")[0] \
+                hessians = gather_hessians(layer, batches, GROUPS, diagonal=diagonal_only(config, gguf_run))[0] \
                     if hessian else dict.fromkeys(LINEARS)
                 sq = measurement.measure_layer(layer, batches, hessians, cores,
                                                torch.stack([weights[prefix + b] for b in measurement.BLOCKS]), units,
@@ -600,7 +608,7 @@ def quantize(
                                             other=other if writes or keep else None, keep=keep,
                                             progress=progress and distributed.rank() == 0, resume=resume,
                                             layer_fn=awq_layer if config.method == "awq" else None,
-                                            diagonal=types is not None and config.method == "rtn")
+                                            diagonal=diagonal_only(config, types is not None))
                 if writer is not None:
                     writer.close()
                     if progress:
@@ -649,8 +657,18 @@ def default_device(given: object, device: str | None) -> str | None:
 
 def ready(model: Model | PathLike | None, packed: bool | None = None, device: str | None = None,
           dtype: str | None = None) -> Model:
-    """A model to score, with every weight in memory. From a path: a quantized checkpoint runs packed
-    (its linears reading the exported tensors through quantkit.qlinear) unless packed=False, on device
+    """A model to score, with every weight in memory (runnable's, whole)."""
+    return runnable(model, packed, device, dtype, layerwise=False)[0]
+
+
+def runnable(model: Model | PathLike | None, packed: bool | None = None, device: str | None = None,
+             dtype: str | None = None, layerwise: bool | None = None,
+             progress: bool = True) -> tuple[Model, Layerwise | None]:
+    """A model to score, and how it runs: whole, with every weight in memory (None), or a layer at a
+    time (a Layerwise, showing progress) where layerwise says so (None: where a model read lazily from
+    its checkpoint, a float directory or a GGUF file, does not fit the device's free memory). From a
+    path: a quantized checkpoint runs packed (its linears reading the exported tensors through
+    quantkit.qlinear) unless packed=False, on device
     (default: CUDA, in float16, when there is a GPU; else the CPU in float32); a Model passed in is moved
     only when device or dtype is given. dtype: the activations' and float weights' dtype, one of DTYPES
     (on the CPU, bfloat16 runs 4-bit layers through torch's fused int4 matmul where they take up to
@@ -670,6 +688,11 @@ def ready(model: Model | PathLike | None, packed: bool | None = None, device: st
         raise QuantkitError(f"a GGUF file is scored in llama.cpp's float32 arithmetic: drop {option('dtype', dtype)}")
     where = default_device(model, device)
     gguf = bool(m.gguf_types)
+    if layerwise is not False:
+        dev = torch.device(where or "cpu")  # a lazy Model passed in is read onto the CPU
+        run = layer_at_a_time(m, dev, runs_in(dev, dtype, gguf), layerwise, progress)
+        if run is not None:
+            return m, run
     # read onto the device in the dtype it runs in: no float32 copy of the whole model in host memory first
     if where is not None:
         m.materialize(device=torch.device(where), dtype=runs_in(torch.device(where), dtype, gguf))
@@ -677,8 +700,37 @@ def ready(model: Model | PathLike | None, packed: bool | None = None, device: st
         m.materialize()  # a Model in memory stays where and as it is (materialize moves the whole model)
     if where is not None or dtype is not None:
         dev = torch.device(where) if where is not None else next(m.module.parameters()).device
-        m.module.to(dev, runs_in(dev, dtype, gguf))
-    return m
+        moved(m.module, dev, runs_in(dev, dtype, gguf))
+    return m, None
+
+
+def layer_at_a_time(m: Model, dev: torch.device, dtype: torch.dtype, layerwise: bool | None,
+                    progress: bool = True) -> Layerwise | None:
+    """m's Layerwise when layerwise, or (None) when m, read lazily, takes more than FITS of dev's free memory."""
+    flag = option("layerwise", True)
+    if not m.lazy:
+        if layerwise:
+            raise QuantkitError(f"{m.source} is held in memory whole, not read from its checkpoint as it runs: {flag} "
+                                "scores a float model or a GGUF file a layer at a time; drop it")
+        return None
+    # each layer is run with the first one's attention mask (capture_inputs): a sliding window's layers differ
+    mixed = sorted(set(getattr(m.module.config, "layer_types", None) or ()))
+    mixed = f"{m.source} mixes {' and '.join(mixed)} layers" if len(mixed) > 1 else ""
+    if layerwise and mixed:
+        raise QuantkitError(f"{mixed}, which a run a layer at a time does not mask apart: drop {flag}")
+    if layerwise is None:
+        need = sum(p.numel() for p in m.module.parameters()) * dtype.itemsize
+        free = free_bytes(dev)
+        if free is None or need <= FITS * free:
+            return None
+        where = "on the GPU" if dev.type == "cuda" else "in memory"
+        said = f"{m.source} takes {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}, more than {FITS:.0%} " \
+            f"of the {free / 2**30:.1f} GiB free {where}"
+        if mixed:
+            warnings.warn(f"{said}, and {mixed}, which a run a layer at a time does not mask apart: it runs whole", Note)
+            return None
+        warnings.warn(f"{said}: it is scored a layer at a time, each read from disk once", Note)
+    return Layerwise(m, dev, dtype, progress)
 
 
 def runs_in(dev: torch.device, dtype: str | None, gguf: bool) -> torch.dtype:
@@ -722,20 +774,25 @@ def evaluate(
     packed: bool | None = None,
     device: str | None = None,
     dtype: str | None = None,
+    layerwise: bool | None = None,
 ) -> evals.Perplexity:
     """Perplexity of a model (or a model path, or the embedded default) on a text file. A quantized
     checkpoint loaded from a path runs packed, its linears reading the exported tensors through
     quantkit.qlinear (Triton on CUDA, torch on the CPU); packed=False evaluates a dequantized copy. A Model
     passed in runs as it holds its linears (a packed given for it must agree).
     device, dtype: where and in what a model loaded from a path runs (default: CUDA, in float16, when
-    there is a GPU; else float32); a Model passed in is moved only when one is given."""
+    there is a GPU; else float32); a Model passed in is moved only when one is given.
+    layerwise: run the model a decoder layer at a time over all windows, reading each layer from the
+    checkpoint once, so that a float model or GGUF file larger than the device's memory is scored
+    (None: when it takes more than FITS of the free memory; the same figure either way)."""
     check_arguments(evaluate, locals())
     check_windows(ctx, max_windows, protocol)
     text = calibration.load_text(data, split="test")  # before the model loads
-    m = ready(model, packed, device, dtype)
+    m, forward = runnable(model, packed, device, dtype, layerwise, progress)
     text = calibration.chats(data, text, m.tokenizer)
     with scoring(m):  # a GGUF's blocks, scored with llama.cpp's arithmetic
-        return evals.perplexity(m.module, m.tokenizer, text, protocol, ctx, max_windows, progress=progress)
+        return evals.perplexity(m.module, m.tokenizer, text, protocol, ctx, max_windows, progress=progress,
+                                forward=forward)
 
 
 def compare(
@@ -750,13 +807,15 @@ def compare(
     device: str | None = None,
     dtype: str | None = None,
     overwrite: bool = False,
+    layerwise: bool | None = None,
 ) -> evals.Divergence:
     """Divergence of model from base, as `llama-perplexity --kl-divergence` measures it: perplexity of
     both, KL divergence, delta-p and top-token agreement on the second half of each window of data.
     base: a model (a Model, a path), or a file of its log-probabilities saved by save_base (or by
     llama-perplexity --kl-divergence-base), which skips running the base. One model is in memory at a
     time: the base's log-probabilities go to disk (save_base, or a temporary file) first. dtype: both
-    models run in it (as in evaluate). overwrite: replace a base saved at save_base."""
+    models run in it (as in evaluate). overwrite: replace a base saved at save_base. layerwise: each
+    model run a layer at a time (as in evaluate)."""
     check_arguments(compare, locals())
     check_windows(ctx, max_windows)
     check_dtype(dtype)
@@ -777,13 +836,18 @@ def compare(
         else:
             b = base if isinstance(base, Model) else load(base)
             warn_base(b, m)
+            if layerwise and not m.lazy and not b.lazy:
+                raise QuantkitError(f"neither {m.source} nor the base {b.source} is read from its checkpoint as it "
+                                    f"runs: {option('layerwise', True)} scores a float model or a GGUF file a layer at "
+                                    "a time; drop it")
             difference = evals.kld.tokenizer_difference(b.tokenizer, m.tokenizer, text)
             if difference:
                 raise QuantkitError(f"{b.source} and {m.source} have different tokenizers ({difference}): compare a "
                                     "model with the base it was quantized from")
             path = save_base or Path(tmp) / "base.logits"
             try:
-                write_base(b, path, text, ctx, max_windows, default_device(base, device), progress, dtype, overwrite)
+                write_base(b, path, text, ctx, max_windows, default_device(base, device), progress, dtype, overwrite,
+                           each(b, layerwise))
             except ResumableError as e:  # "write it elsewhere", of a file the user did not name
                 if save_base is not None:
                     raise
@@ -798,9 +862,16 @@ def compare(
         evals.kld.check_base(base_file, ctx, vocab=vocab)  # before the windows are cut and the model is read
         windows = evals.windows(m.tokenizer, text, "llamacpp", ctx, n, progress)
         evals.kld.check_base(base_file, ctx, windows, vocab)
-        m = ready(m, packed if isinstance(model, Model) else None, default_device(model, device), dtype)
+        m, forward = runnable(m, packed if isinstance(model, Model) else None, default_device(model, device), dtype,
+                              layerwise if saved else each(m, layerwise), progress)
         with scoring(m):
-            return evals.divergence(m.module, m.tokenizer, windows, base_file, progress=progress)
+            return evals.divergence(m.module, m.tokenizer, windows, base_file, progress=progress, forward=forward)
+
+
+def each(m: Model, layerwise: bool | None) -> bool | None:
+    """compare's layerwise for one of its two models: layerwise=True runs the one read lazily (the float
+    base, say) a layer at a time and leaves the other (its quantized export) to the automatic choice."""
+    return None if layerwise and not m.lazy else layerwise
 
 
 def warn_base(base: Model, model: Model) -> None:
@@ -816,13 +887,14 @@ def warn_base(base: Model, model: Model) -> None:
 
 def write_base(base: Model, path: PathLike, text: str, ctx: int = 512, max_windows: int | None = None,
                device: str | None = None, progress: bool = True, dtype: str | None = None,
-               overwrite: bool = False) -> float:
+               overwrite: bool = False, layerwise: bool | None = None) -> float:
     """Score the text's windows on the base and save its log-probabilities at path (llama.cpp's layout);
-    overwrite: replace a file there. The base's exact perplexity on them."""
-    b = ready(base, device=device, dtype=dtype)
+    overwrite: replace a file there; layerwise: as in evaluate. The base's exact perplexity on them."""
+    b, forward = runnable(base, device=device, dtype=dtype, layerwise=layerwise, progress=progress)
     with scoring(b):
         windows = evals.windows(b.tokenizer, text, "llamacpp", ctx, max_windows, progress)
-        return evals.save_base(b.module, b.tokenizer, windows, path, progress=progress, overwrite=overwrite)
+        return evals.save_base(b.module, b.tokenizer, windows, path, progress=progress, overwrite=overwrite,
+                               forward=forward)
 
 
 def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float | None = None,

@@ -223,8 +223,11 @@ def given_options() -> dict[str, str]:
 @click.option("--dtype", type=click.Choice(DTYPES), help="the activations' dtype [float16 on a GPU, float32 on "
               "the CPU; a .gguf file: float32 only]; on the CPU, where layers take few rows, bfloat16 runs 4-bit layers in torch's fused int4 matmul "
               "and float32 every layout in quantkit's compiled GEMV")
+@click.option("--layerwise/--whole", default=None, help="a float model or .gguf file: run it a decoder layer at a "
+              "time over all windows, each layer read from disk once, or whole [a layer at a time when it does not fit "
+              "the device's free memory]; the same figures")
 def evaluate(model, data, protocol, ctx, max_windows, base, save_base, overwrite, max_ppl_increase, max_kld,
-             min_same_top, as_json, dequantized, device, dtype) -> None:
+             min_same_top, as_json, dequantized, device, dtype, layerwise) -> None:
     """Perplexity of MODEL (a directory, an export, a .gguf file, or the embedded model). A quantized
     export runs packed: Triton kernels on a GPU; on the CPU a compiled GEMV or torch's int4 matmul for
     few rows (see --dtype), else a slice of the weight dequantized at a time. With --base, its
@@ -247,13 +250,14 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, overwrite
     if base is not None and protocol != "llamacpp":
         raise QuantkitError("--base compares under the llamacpp protocol (the second half of each window): drop --protocol")
     if base is None:
-        ppl = api.evaluate(model, data, protocol, ctx, max_windows, packed=not dequantized, device=device, dtype=dtype)
+        ppl = api.evaluate(model, data, protocol, ctx, max_windows, packed=not dequantized, device=device, dtype=dtype,
+                           layerwise=layerwise)
         show(model or "embedded model", ppl)
         if as_json:
             click.echo(report_.strict_json({**ppl.to_dict(), "model": model, "data": data}))
         return
     d = api.compare(model, base, data, ctx, max_windows, save_base, packed=not dequantized, device=device,
-                    dtype=dtype, overwrite=overwrite)
+                    dtype=dtype, overwrite=overwrite, layerwise=layerwise)
     click.echo(f"{model or 'embedded model'} against {base}: {count(d.windows, 'window')} of {d.ctx}, {d.tokens} predictions, "
                f"{d.dtype} on {d.device}")
     click.echo(d.report())

@@ -48,9 +48,10 @@ def export(model, out, gguf_type, pure, overrides, overwrite) -> None:
 
 
 def gguf_magic(path: str) -> bool:
+    from .gguf_constants import is_gguf
+
     try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
+        return is_gguf(path)
     except OSError:  # load() names the problem
         return False
 

@@ -31,3 +31,9 @@ LlamaFileType = _c.LlamaFileType
 GGML_QUANT_SIZES = _c.GGML_QUANT_SIZES
 GGML_QUANT_VERSION = _c.GGML_QUANT_VERSION
 GGUF_DEFAULT_ALIGNMENT = _c.GGUF_DEFAULT_ALIGNMENT
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether the file starts with GGUF's magic, whatever its name (OSError where it cannot be read)."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"

@@ -122,10 +122,12 @@ class Hessian:
 
 
 def capture_inputs(model: Model, windows: torch.Tensor, batch_size: int, device: str | torch.device = "cpu",
-                   store: str | torch.device | None = None) -> list[tuple[torch.Tensor, dict]]:
-    """The first decoder layer's inputs (hidden states and keyword arguments), one entry per batch;
-    the embedding is read for this and dropped after. The hidden states are kept on store (default:
-    device; a CUDA run whose activations do not fit keeps them in pinned CPU memory)."""
+                   store: str | torch.device | None = None, dtype: torch.dtype = torch.float32,
+                   share: bool = True) -> list[tuple[torch.Tensor, dict]]:
+    """The first decoder layer's inputs (hidden states and keyword arguments), one entry per batch
+    (share: under torchrun, of this process's share of the batches), computed in dtype; the embedding is
+    read for this and dropped after. The hidden states are kept on store (default: device; a CUDA run
+    whose activations do not fit keeps them in pinned CPU memory)."""
     captured, store = [], torch.device(store or device)
 
     def grab(module, args, kwargs):
@@ -133,17 +135,18 @@ def capture_inputs(model: Model, windows: torch.Tensor, batch_size: int, device:
         hidden = args[0] if args else kwargs.pop("hidden_states")
         kwargs.pop("past_key_values", None)
         kwargs["use_cache"] = False
-        hidden = hidden.detach().float().to(store)
+        hidden = hidden.detach().to(store, dtype)
         captured.append((hidden.pin_memory() if store.type == "cpu" and torch.device(device).type == "cuda" else hidden,
                          kwargs))
         raise Captured
 
     loaded = model.module.model.embed_tokens.weight.is_meta
-    model.materialize("model.embed_tokens", device)
+    model.materialize("model.embed_tokens", device, dtype)
     model.module.model.rotary_emb.to(device)
     handle = model.layers[0].register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        for batch in distributed.share(list(windows.split(batch_size))):  # under torchrun, a share of them
+        batches = list(windows.split(batch_size))
+        for batch in distributed.share(batches) if share else batches:
             try:
                 model.module(batch.to(device), use_cache=False)
             except Captured:
@@ -161,6 +164,68 @@ def run_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]]) 
         y = layer(on_device(layer, hidden), **kwargs)
         batches[j] = ((y[0] if isinstance(y, tuple) else y).to(hidden.device), kwargs)
     return batches
+
+
+class Layerwise:
+    """A model read lazily from its checkpoint, run a decoder layer at a time over every batch of
+    windows at once, as the GPTQ reference evaluates: one layer's weights are in memory beside all the
+    windows' hidden states, so a model larger than the device's memory is scored, each layer read once.
+    Called as evals' Forward: batches of token windows and the positions to keep -> each batch's logits."""
+
+    def __init__(self, model: Model, device: torch.device, dtype: torch.dtype, progress: bool = True):
+        self.model, self.device, self.dtype, self.progress = model, device, dtype, progress
+        self.ran = (str(dtype).removeprefix("torch."), device.type)
+
+    @torch.no_grad()
+    def __call__(self, batches: list[torch.Tensor], keep: int) -> Iterator[torch.Tensor]:
+        m, dev = self.model, self.device
+        windows = torch.cat(batches)
+        # every batch: under torchrun one process scores (quantize --eval-data's "before")
+        hidden = capture_inputs(m, windows, len(batches[0]), dev, store_of(m, windows, dev), self.dtype, share=False)
+        tokens, n, began = windows.numel(), len(m.layers), time.monotonic()
+        bar = tqdm(range(n), desc="scoring a layer at a time", unit="layer", disable=not self.progress, file=sys.stderr)
+        parts = ("model.norm", "lm_head")
+        try:  # whatever stops it, the model is left as lazy as it came: the next run may stream it again
+            for i in bar:
+                run_layer(m.materialize(f"model.layers.{i}", dev, self.dtype), hidden)
+                m.release(f"model.layers.{i}")
+                free_memory()
+                rate = tokens * (i + 1) / n / (time.monotonic() - began)  # through the whole model, at this pace
+                bar.set_postfix_str(f"{rate:.0f} tok/s, {peak_memory()}", refresh=False)
+            norm, head = (m.materialize(part, dev, self.dtype) for part in parts)
+            while hidden:  # each batch's hidden states freed once its logits are made
+                h, _ = hidden.pop(0)
+                yield head(norm(on_device(head, h))[:, -keep:])  # as the model's forward: norm, then the kept rows
+        finally:
+            for part in [f"model.layers.{i}" for i in range(n)] + list(parts):
+                m.release(part)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory free for weights on device: the GPU's free memory with what torch holds cached for reuse,
+    or the host's available memory within this process's cgroup limit (None where neither is said)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
+            torch.cuda.memory_allocated(device)
+    free = proc_field("/proc/meminfo", "MemAvailable")
+    try:  # a container's or a job's limit (cgroup v2), which MemAvailable does not know
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdecimal() and free is not None:
+            free = min(free, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+def proc_field(path: str, key: str) -> int | None:
+    """A /proc file's field given in kB (MemAvailable, VmHWM), in bytes; None where it is not there."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def gather_hessians(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]],
@@ -232,13 +297,7 @@ def free_memory() -> None:
 def peak_rss() -> int:
     """This process's peak resident memory in bytes. The kernel's VmHWM belongs to the address space
     (new at exec); getrusage's maxrss is carried over exec from the parent, whose peak it may be."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return proc_field("/proc/self/status", "VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def peak_memory() -> str:

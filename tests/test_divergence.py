@@ -66,6 +66,14 @@ def test_figures_match_a_direct_computation(pair, tmp_path):
     assert d.kld_percentiles[99.0] == d.to_dict()["kld_p99"] and d.kld_min <= d.kld_median <= d.kld_max
 
 
+def test_layerwise_gives_the_same_figures(quant_dir, tiny_dir):
+    """The float base run a layer at a time (the model of a 70B comparison that does not fit the GPU), and
+    the export, held whole, as it is."""
+    whole = quantkit.compare(quant_dir, tiny_dir, TEST, ctx=CTX, max_windows=WINDOWS, progress=False, layerwise=False)
+    assert quantkit.compare(quant_dir, tiny_dir, TEST, ctx=CTX, max_windows=WINDOWS, progress=False,
+                            layerwise=True) == whole
+
+
 def test_a_model_against_itself(pair):
     base, _ = pair
     d = quantkit.compare(base, base, TEST, ctx=CTX, max_windows=2, progress=False)
