@@ -479,6 +479,8 @@ def quantize(
         m = model if isinstance(model, Model) else load(model)
         if out is not None:
             check_apart(out, [m.source])
+        if targets and config.target_bpw is None:  # before the GGUF types are chosen, with their notes
+            consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
         types = None
         if config.gguf_type is not None:
             exporters.gguf.check(m.module, config.gguf_type)
@@ -508,8 +510,6 @@ def quantize(
         if config.rules:
             layer_rules.check(config.rules, [name for name, _, _ in linear_shapes(m.module)], option("rules"))
         candidates = grids(m, config, format, targets) if config.target_bpw is not None else None
-        if targets and candidates is None:  # grids checked each candidate: the base grid is none of them
-            consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
         windows = None
         if config.needs_calibration:
             windows = calibration_windows(m, calib_data, calib_samples, calib_seqlen, seed, progress)
@@ -934,12 +934,13 @@ def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: 
     check_arguments(export, locals())
     in_memory(model, "export")
     check_held(model, "export before evaluating with a dtype or device, or quantize again with keep=True")
+    exporters.check_format_name(format)  # before out's name is judged against it
     exporters.check_out_name(out, format)
     if format == "gguf" and model.qconfig is not None:
         if model.qconfig.gguf_type is None:
             raise QuantkitError(f"this Model is quantized to {model.qconfig.method}'s grids, not GGUF blocks: quantize "
-                                f"it with format='gguf' (a gguf_type mix, {exporters.gguf.DEFAULT_MIX} by default) and "
-                                "out, or keep=True and then export it")
+                                f"the float model with format='gguf' (a gguf_type mix, {exporters.gguf.DEFAULT_MIX} by "
+                                "default), with out to write the file, or with keep=True to export it after")
         if max_shard_size != exporters.DEFAULT_MAX_SIZE:
             refuse_unused({"max_shard_size": "max_shard_size"}, model.qconfig.method, format)
     return exporters.export(model, out, format, overwrite, max_shard_size, progress)

@@ -639,6 +639,10 @@ def check_config(cfg, shapes: dict[str, tuple[int, ...]], path: Path, source: st
         if not ok:
             raise QuantkitError(f"{path}: {source} gives {key} = {value!r}, where a {type(default).__name__} belongs: "
                                 f"fix {source}")
+    context = getattr(cfg, "max_position_embeddings", None)
+    if isinstance(context, int) and context < 1:  # else blamed on --ctx, "use --ctx -1 or less"
+        raise QuantkitError(f"{path}: {source} gives max_position_embeddings = {context}, not a context length: "
+                            f"fix {source}")
     layers = {n.split(".")[2] for n in shapes if n.startswith("model.layers.")}
     embed = shapes.get("model.embed_tokens.weight", (None, None))
     q = shapes.get("model.layers.0.self_attn.q_proj.weight", (None,))

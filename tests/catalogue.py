@@ -82,6 +82,8 @@ CATALOGUE = {
     "out is the model": Bad("quantize {model} --out {model} --overwrite", "which this command reads"),
     "2**31 layers": Bad("quantize {model} --out {tmp}/q", "gives num_hidden_layers = 2147483648",
                         edit_config(num_hidden_layers=2**31)),
+    "a context of -1": Bad("eval {model} --data {text}", "gives max_position_embeddings = -1, not a context length",
+                           edit_config(max_position_embeddings=-1)),
     "zero attention heads": Bad("quantize {model} --out {tmp}/q", "not a model configuration transformers accepts",
                                 edit_config(num_attention_heads=0)),
     "unknown activation": Bad("quantize {model} --out {tmp}/q", "describes no model transformers can build",

@@ -107,12 +107,13 @@ def cli(args, capsys, monkeypatch):
     return code, out.out, out.err.strip().splitlines()
 
 
-def refused(args, capsys, monkeypatch, match):
-    """The command ends with one `error:` line holding match (after any progress bars), exit 2."""
+def refused(args, capsys, monkeypatch, match) -> list[str]:
+    """The command ends with one `error:` line holding match (after any progress bars), exit 2; its stderr's lines."""
     code, _, err = cli(args, capsys, monkeypatch)
     errors = [line for line in err if line.startswith("error: ")]
     assert code == 2 and errors == err[-1:] and match in errors[0], err
     assert not any("Traceback" in line for line in err)
+    return err
 
 
 def stopping_saves(monkeypatch):

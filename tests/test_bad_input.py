@@ -230,9 +230,13 @@ def test_api_exports_gguf_blocks_kept_and_no_other_grids(tiny256, tmp_path):
     assert (tmp_path / "b.gguf").read_bytes() == (tmp_path / "a.gguf").read_bytes()
     with pytest.raises(quantkit.QuantkitError, match="max_shard_size does not apply to format='gguf'"):
         quantkit.export(m, tmp_path / "c.gguf", format="gguf", max_shard_size="1GB", progress=False)
+    rtn = quantkit.quantize(str(tiny256), **kw)
     with pytest.raises(quantkit.QuantkitError, match="this Model is quantized to rtn's grids, not GGUF blocks: quantize "
-                                                     "it with format='gguf'"):
-        quantkit.export(quantkit.quantize(str(tiny256), **kw), tmp_path / "c.gguf", format="gguf", progress=False)
+                                                     "the float model with format='gguf'"):
+        quantkit.export(rtn, tmp_path / "c.gguf", format="gguf", progress=False)
+    # a misspelt format was answered as a directory format given a .gguf name
+    with pytest.raises(quantkit.QuantkitError, match="unknown export format 'gguff'"):
+        quantkit.export(rtn, tmp_path / "c.gguf", format="gguff", progress=False)
     assert not (tmp_path / "c.gguf").exists()
 
 

@@ -74,10 +74,12 @@ def test_each_format_lists_its_own_loaders():
     (["--for", "vllm", "--method", "nf4"], "with --method rtn or gptq"),
     (["--for", "exllama", "--group-size", "48"], "group size 48 (it takes powers of two)"),
     (["--for", "vlm"], "unknown consumer 'vlm'"),
+    # the GGUF types' notes (the tiny model's rows take fallback types) came before the error
+    (["--for", "exllama", "--format", "gguf"], "exllama does not read the gguf format"),
 ])
 def test_for_refuses_before_any_work(tiny_dir, tmp_path, capsys, monkeypatch, args, match):
-    refused(["quantize", str(tiny_dir), "--out", str(tmp_path / "q"), *args], capsys, monkeypatch, match)
-    assert not (tmp_path / "q").exists()
+    err = refused(["quantize", str(tiny_dir), "--out", str(tmp_path / "q"), *args], capsys, monkeypatch, match)
+    assert not (tmp_path / "q").exists() and not [line for line in err if line.startswith("note:")]
 
 
 def test_export_names_who_loads_it(tiny_dir, tmp_path, capsys, monkeypatch):
