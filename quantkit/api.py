@@ -713,23 +713,15 @@ def layer_at_a_time(m: Model, dev: torch.device, dtype: torch.dtype, layerwise: 
             raise QuantkitError(f"{m.source} is held in memory whole, not read from its checkpoint as it runs: {flag} "
                                 "scores a float model or a GGUF file a layer at a time; drop it")
         return None
-    # each layer is run with the first one's attention mask (capture_inputs): a sliding window's layers differ
-    mixed = sorted(set(getattr(m.module.config, "layer_types", None) or ()))
-    mixed = f"{m.source} mixes {' and '.join(mixed)} layers" if len(mixed) > 1 else ""
-    if layerwise and mixed:
-        raise QuantkitError(f"{mixed}, which a run a layer at a time does not mask apart: drop {flag}")
     if layerwise is None:
         need = sum(p.numel() for p in m.module.parameters()) * dtype.itemsize
         free = free_bytes(dev)
         if free is None or need <= FITS * free:
             return None
         where = "on the GPU" if dev.type == "cuda" else "in memory"
-        said = f"{m.source} takes {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}, more than {FITS:.0%} " \
-            f"of the {free / 2**30:.1f} GiB free {where}"
-        if mixed:
-            warnings.warn(f"{said}, and {mixed}, which a run a layer at a time does not mask apart: it runs whole", Note)
-            return None
-        warnings.warn(f"{said}: it is scored a layer at a time, each read from disk once", Note)
+        warnings.warn(f"{m.source} takes {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}, more than "
+                      f"{FITS:.0%} of the {free / 2**30:.1f} GiB free {where}: it is scored a layer at a time, each "
+                      "read from disk once", Note)
     return Layerwise(m, dev, dtype, progress)
 
 

@@ -127,8 +127,12 @@ def capture_inputs(model: Model, windows: torch.Tensor, batch_size: int, device:
     """The first decoder layer's inputs (hidden states and keyword arguments), one entry per batch
     (share: under torchrun, of this process's share of the batches), computed in dtype; the embedding is
     read for this and dropped after. The hidden states are kept on store (default: device; a CUDA run
-    whose activations do not fit keeps them in pinned CPU memory)."""
-    captured, store = [], torch.device(store or device)
+    whose activations do not fit keeps them in pinned CPU memory). A model whose layers mask attention
+    differently (full and sliding-window layers) gets the mask of each kind, by kind (masked_by_kind)."""
+    captured, store, masks = [], torch.device(store or device), {}
+    kinds = getattr(model.module.config, "layer_types", None) or []
+    firsts = {kind: kinds.index(kind) for kind in dict.fromkeys(kinds)} if len(set(kinds)) > 1 else {}
+    last = max(firsts.values(), default=0)
 
     def grab(module, args, kwargs):
         kwargs = dict(kwargs)
@@ -138,12 +142,26 @@ def capture_inputs(model: Model, windows: torch.Tensor, batch_size: int, device:
         hidden = hidden.detach().to(store, dtype)
         captured.append((hidden.pin_memory() if store.type == "cpu" and torch.device(device).type == "cuda" else hidden,
                          kwargs))
-        raise Captured
+        if not firsts:
+            raise Captured
+
+    def mask(i: int, kind: str):
+        def take(module, args, kwargs):
+            masks[kind] = kwargs.get("attention_mask")
+            if i == last:
+                captured[-1][1]["attention_mask"] = dict(masks)
+                raise Captured
+        return take
 
     loaded = model.module.model.embed_tokens.weight.is_meta
     model.materialize("model.embed_tokens", device, dtype)
     model.module.model.rotary_emb.to(device)
-    handle = model.layers[0].register_forward_pre_hook(grab, with_kwargs=True)
+    handles = [model.layers[0].register_forward_pre_hook(grab, with_kwargs=True)]
+    handles += [model.layers[i].register_forward_pre_hook(mask(i, kind), with_kwargs=True) for kind, i in firsts.items()]
+    if firsts:
+        masked_by_kind(model.module)
+        for layer in model.layers[:last]:  # reached for their masks only: passed through, not run
+            layer.forward = lambda hidden_states, *args, **kwargs: hidden_states
     try:
         batches = list(windows.split(batch_size))
         for batch in distributed.share(batches) if share else batches:
@@ -152,10 +170,29 @@ def capture_inputs(model: Model, windows: torch.Tensor, batch_size: int, device:
             except Captured:
                 pass
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
+        for layer in model.layers[:last]:
+            del layer.forward  # the class's forward again
         if loaded:
             model.release("model.embed_tokens")
     return captured
+
+
+def masked_by_kind(module: torch.nn.Module) -> None:
+    """Each decoder layer's attention takes, from captured inputs holding the mask of each kind of layer
+    (capture_inputs), its own kind's: whichever way it is called (a whole layer, or its attention alone,
+    as AWQ and the measurement do), also after a resumed run read them from its progress. Once per model."""
+    kinds = getattr(module.config, "layer_types", None) or []
+    if len(set(kinds)) < 2 or getattr(module, "_masked_by_kind", False):
+        return
+    for layer, kind in zip(module.model.layers, kinds):
+        def own(mod, args, kwargs, kind=kind):
+            if isinstance(kwargs.get("attention_mask"), dict):
+                kwargs = {**kwargs, "attention_mask": kwargs["attention_mask"][kind]}
+            return args, kwargs
+        layer.self_attn.register_forward_pre_hook(own, with_kwargs=True)
+    module._masked_by_kind = True
 
 
 def run_layer(layer: torch.nn.Module, batches: list[tuple[torch.Tensor, dict]]) -> list[tuple[torch.Tensor, dict]]:
@@ -596,6 +633,7 @@ def quantize_layers(
                   "agree on the last finished layer, so the job starts afresh", file=sys.stderr)
         state = None
     if state is not None:
+        masked_by_kind(model.module)
         start, batches = state["next_layer"], state["batches"]
         store = store_of(model, windows, device) if windows is not None else device
         batches = [(h.to(store), {k: to(v, device) for k, v in kw.items()}) for h, kw in batches] \
@@ -661,9 +699,12 @@ def quantize_layers(
 
 
 def to(value, device):
-    """A calibration keyword argument on device (tensors, and the tuples of them such as rotary embeddings)."""
+    """A calibration keyword argument on device (tensors, and the tuples of them such as rotary embeddings,
+    and the masks by kind of layer)."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, tuple):
         return tuple(to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: to(v, device) for k, v in value.items()}
     return value

@@ -193,51 +193,47 @@ def test_a_run_stopped_in_a_layer_leaves_the_model_lazy(tiny_dir, monkeypatch):
         quantkit.evaluate(tiny_dir, TEST, ctx=64, max_windows=2, progress=False, layerwise=False)
 
 
-def test_a_model_mixing_sliding_window_layers_runs_whole(tmp_path, monkeypatch):
-    """A run a layer at a time gives every layer the first layer's attention mask: a Qwen2 whose later layers
-    have a sliding window scored 498.2357 there against 498.0522 whole. It is refused, and not chosen."""
-    import warnings
-
+def test_a_model_mixing_sliding_window_layers_is_masked_by_kind(tmp_path, monkeypatch):
+    """Every layer got the first layer's attention mask from the captured inputs: a Qwen2 whose later
+    layers have a sliding window scored 498.2357 a layer at a time against 498.0522 whole, and GPTQ and
+    AWQ calibrated those layers on the wrong mask. The capture now keeps each kind's mask, and each
+    layer's attention takes its own: the same figures, and the same layer outputs as the whole model's."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     import quantkit
-    from quantkit import api
+    from quantkit.pipeline import capture_inputs, run_layer
 
     from .conftest import tiny_tokenizer
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=1)
-    assert len(set(cfg.layer_types)) == 2
+    assert cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
     Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "q")
     tiny_tokenizer(tmp_path / "q")
-    with pytest.raises(QuantkitError, match="mixes full_attention and sliding_attention layers, which a run a layer "
-                                            "at a time does not mask apart: drop layerwise=True"):
-        quantkit.evaluate(tmp_path / "q", TEST, ctx=64, max_windows=2, progress=False, layerwise=True)
-    whole = quantkit.evaluate(tmp_path / "q", TEST, ctx=64, max_windows=2, progress=False, layerwise=False)
-    monkeypatch.setattr(api, "free_bytes", lambda dev: 2**16)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert quantkit.evaluate(tmp_path / "q", TEST, ctx=64, max_windows=2, progress=False) == whole
-    assert any("does not mask apart: it runs whole" in str(w.message) for w in caught)
+    kw = dict(data=TEST, ctx=64, max_windows=3, progress=False)
+    whole = quantkit.evaluate(tmp_path / "q", **kw, layerwise=False)
+    assert quantkit.evaluate(tmp_path / "q", **kw, layerwise=True) == whole
+    m = quantkit.load(tmp_path / "q")
+    m.materialize()
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = m.module(ids, output_hidden_states=True).hidden_states
+        batches = capture_inputs(m, ids, 2)
+        for i, layer in enumerate(m.layers):
+            run_layer(layer, batches)
+            assert torch.equal(batches[0][0], want[i + 1]) or i == len(m.layers) - 1  # the last: before the norm
+    # GPTQ stopped after layer 1 resumes from masks by kind read back from its progress, to the same bytes
+    from quantkit import pipeline
 
+    from .conftest import VALID, stopping_saves
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_rotary_frequencies_stay_float32_in_a_narrower_dtype(tiny_dir, dtype):
-    """evaluate(dtype="bfloat16") cast the whole module, the rotary frequencies too, which transformers
-    keeps in float32 in any dtype: each position turned by a rounded angle (the embedded model's perplexity
-    23.627 against transformers' 23.582 in bfloat16, 8 windows). Found as the layer-at-a-time run, which
-    leaves them alone, disagreed with the whole run in bfloat16."""
-    from transformers import AutoModelForCausalLM
-
-    import quantkit
-    from quantkit import api
-
-    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=getattr(torch, dtype))
-    m = api.ready(tiny_dir, device="cpu", dtype=dtype)
-    assert m.module.model.rotary_emb.inv_freq.dtype == torch.float32
-    assert torch.equal(m.module.model.rotary_emb.inv_freq, hf.model.rotary_emb.inv_freq)
-    assert {p.dtype for p in m.module.parameters()} == {getattr(torch, dtype)}
-    whole = quantkit.evaluate(tiny_dir, TEST, ctx=64, max_windows=3, progress=False, dtype=dtype, layerwise=False)
-    assert quantkit.evaluate(tiny_dir, TEST, ctx=64, max_windows=3, progress=False, dtype=dtype,
-                             layerwise=True) == whole
+    q = dict(method="gptq", calib_data=VALID, calib_samples=4, calib_seqlen=64, progress=False)
+    quantkit.quantize(tmp_path / "q", out=tmp_path / "whole", **q)
+    real = stopping_saves(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(tmp_path / "q", out=tmp_path / "resumed", **q)
+    monkeypatch.setattr(pipeline, "save_progress", real)
+    quantkit.quantize(tmp_path / "q", out=tmp_path / "resumed", **q)
+    assert (tmp_path / "resumed" / "model.safetensors").read_bytes() == \
+        (tmp_path / "whole" / "model.safetensors").read_bytes()

@@ -194,6 +194,8 @@ def head(x: torch.Tensor, kwargs: dict, tokens: int) -> tuple[torch.Tensor, dict
     def rows(v):
         if isinstance(v, tuple):
             return tuple(rows(u) for u in v)
+        if isinstance(v, dict):  # masks by kind of layer (pipeline.capture_inputs)
+            return {k: rows(u) for k, u in v.items()}
         return v[:n] if torch.is_tensor(v) and v.dim() and len(v) == len(x) else v
     return x[:n], {k: rows(v) for k, v in kwargs.items()}
 
