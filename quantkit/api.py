@@ -479,8 +479,7 @@ def quantize(
         m = model if isinstance(model, Model) else load(model)
         if out is not None:
             check_apart(out, [m.source])
-        if targets and config.target_bpw is None:  # before the GGUF types are chosen, with their notes
-            consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
+        consumers.check_readers(format, config.method, targets)  # before the GGUF types are chosen, with their notes
         types = None
         if config.gguf_type is not None:
             exporters.gguf.check(m.module, config.gguf_type)
@@ -510,6 +509,8 @@ def quantize(
         if config.rules:
             layer_rules.check(config.rules, [name for name, _, _ in linear_shapes(m.module)], option("rules"))
         candidates = grids(m, config, format, targets) if config.target_bpw is not None else None
+        if targets and candidates is None:  # grids checked each candidate: the base grid is none of them
+            consumers.check_targets(consumers.Export.of(format, config, m.module), targets)
         windows = None
         if config.needs_calibration:
             windows = calibration_windows(m, calib_data, calib_samples, calib_seqlen, seed, progress)

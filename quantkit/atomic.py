@@ -332,12 +332,12 @@ class Staged:
             self.path.rename(self.out)
         else:
             self.path.rename(self.out)
-        for f in inside:
-            remove(self.out / f)
         # also an old one a commit killed here left; and every process's progress, before the lock goes: a
         # kill after it left a file as big as the calibration's activations beside the finished output
         for stale in [*siblings(self.out, r"\.{name}\.old-\d+"), *progress_files(self.out)]:
             remove(stale)
+        for f in inside:  # last: a kill from here leaves only scratch in the finished output, which loaders skip
+            remove(self.out / f)
         fsync(self.out.parent)  # the rename itself
         self.unlock()
         return self.out

@@ -184,17 +184,24 @@ def verdicts(e: Export) -> list[tuple[Consumer, str | None]]:
     return [(c, c.refuses(e)) for c in CONSUMERS if c.format == fmt]
 
 
-def check_targets(e: Export, targets: tuple[str, ...]) -> None:
-    """Refuse, before quantizing, an export that no loader of each named target reads."""
+def check_readers(fmt: str, method: str, targets: tuple[str, ...]) -> None:
+    """Refuse, before any work, a named target that is unknown or has no loader of the format at all
+    (check_targets judges the settings, once the format has judged them)."""
     for target in targets:
         if target not in TARGETS:
             raise QuantkitError(f"unknown consumer {target!r} for {option('targets')}: use one of {', '.join(TARGETS)}")
-        mine = [(c, why) for c, why in verdicts(e) if c.target == target]
-        if not mine:
+        if not any(c.target == target and c.format == layout(fmt, method) for c in CONSUMERS):
             readers = sorted({c.format for c in CONSUMERS if c.target == target} - {"bitsandbytes"})
-            raise QuantkitError(f"{target} does not read the {layout(e.format, e.method)} format as quantkit writes "
+            raise QuantkitError(f"{target} does not read the {layout(fmt, method)} format as quantkit writes "
                                 f"it: use {option('format', *readers)}"
-                                + (f" with {option('method', 'rtn', 'gptq')}" if e.method in CODEBOOK_METHODS else ""))
+                                + (f" with {option('method', 'rtn', 'gptq')}" if method in CODEBOOK_METHODS else ""))
+
+
+def check_targets(e: Export, targets: tuple[str, ...]) -> None:
+    """Refuse, before quantizing, an export that no loader of each named target reads."""
+    check_readers(e.format, e.method, targets)
+    for target in targets:
+        mine = [(c, why) for c, why in verdicts(e) if c.target == target]
         if all(why is not None for _, why in mine):
             reasons = "; ".join(f"{c.name} refuses {why}" for c, why in mine)
             raise QuantkitError(f"{target} cannot load this export: {reasons}: change those settings or drop "

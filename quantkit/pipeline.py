@@ -158,6 +158,7 @@ def capture_inputs(model: Model, windows: torch.Tensor, batch_size: int, device:
     model.module.model.rotary_emb.to(device)
     handles = [model.layers[0].register_forward_pre_hook(grab, with_kwargs=True)]
     handles += [model.layers[i].register_forward_pre_hook(mask(i, kind), with_kwargs=True) for kind, i in firsts.items()]
+    own = [layer.__dict__.get("forward") for layer in model.layers[:last]]  # a hook's wrapper (accelerate's)
     if firsts:
         masked_by_kind(model.module)
         for layer in model.layers[:last]:  # reached for their masks only: passed through, not run
@@ -172,8 +173,11 @@ def capture_inputs(model: Model, windows: torch.Tensor, batch_size: int, device:
     finally:
         for handle in handles:
             handle.remove()
-        for layer in model.layers[:last]:
-            del layer.forward  # the class's forward again
+        for layer, forward in zip(model.layers[:last], own):  # as it was: the class's, or its own wrapper
+            if forward is None:
+                del layer.forward
+            else:
+                layer.forward = forward
         if loaded:
             model.release("model.embed_tokens")
     return captured

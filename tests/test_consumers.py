@@ -76,6 +76,10 @@ def test_each_format_lists_its_own_loaders():
     (["--for", "vlm"], "unknown consumer 'vlm'"),
     # the GGUF types' notes (the tiny model's rows take fallback types) came before the error
     (["--for", "exllama", "--format", "gguf"], "exllama does not read the gguf format"),
+    # with --target-bpw: after the types' notes, and the candidates' "none of the grids fits" for any mistake
+    (["--for", "exllama", "--format", "gguf", "--target-bpw", "4.5"], "exllama does not read the gguf format"),
+    (["--for", "vlm", "--target-bpw", "4.5"], "unknown consumer 'vlm'"),
+    (["--for", "llama.cpp", "--target-bpw", "4.5"], "use --format gguf"),
 ])
 def test_for_refuses_before_any_work(tiny_dir, tmp_path, capsys, monkeypatch, args, match):
     err = refused(["quantize", str(tiny_dir), "--out", str(tmp_path / "q"), *args], capsys, monkeypatch, match)
