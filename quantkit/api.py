@@ -689,11 +689,10 @@ def runnable(model: Model | PathLike | None, packed: bool | None = None, device:
         raise QuantkitError(f"a GGUF file is scored in llama.cpp's float32 arithmetic: drop {option('dtype', dtype)}")
     where = default_device(model, device)
     gguf = bool(m.gguf_types)
-    if layerwise is not False:
-        dev = torch.device(where or "cpu")  # a lazy Model passed in is read onto the CPU
-        run = layer_at_a_time(m, dev, runs_in(dev, dtype, gguf), layerwise, progress)
-        if run is not None:
-            return m, run
+    dev = torch.device(where or "cpu")  # a lazy Model passed in is read onto the CPU
+    run = layer_at_a_time(m, dev, runs_in(dev, dtype, gguf), layerwise, progress)
+    if run is not None:
+        return m, run
     # read onto the device in the dtype it runs in: no float32 copy of the whole model in host memory first
     if where is not None:
         m.materialize(device=torch.device(where), dtype=runs_in(torch.device(where), dtype, gguf))
@@ -707,22 +706,27 @@ def runnable(model: Model | PathLike | None, packed: bool | None = None, device:
 
 def layer_at_a_time(m: Model, dev: torch.device, dtype: torch.dtype, layerwise: bool | None,
                     progress: bool = True) -> Layerwise | None:
-    """m's Layerwise when layerwise, or (None) when m, read lazily, takes more than FITS of dev's free memory."""
-    flag = option("layerwise", True)
+    """m's Layerwise when layerwise, or (None) when m, read lazily, takes more than FITS of dev's free
+    memory; layerwise=False (lm-eval's run, or --whole) runs such a model whole, with a note."""
     if not m.lazy:
         if layerwise:
-            raise QuantkitError(f"{m.source} is held in memory whole, not read from its checkpoint as it runs: {flag} "
-                                "scores a float model or a GGUF file a layer at a time; drop it")
+            raise QuantkitError(f"{m.source} is held in memory whole, not read from its checkpoint as it runs: "
+                                f"{option('layerwise', True)} scores a float model or a GGUF file a layer at a time; "
+                                "drop it")
         return None
-    if layerwise is None:
+    if layerwise is not True:
         need = sum(p.numel() for p in m.module.parameters()) * dtype.itemsize
         free = free_bytes(dev)
         if free is None or need <= FITS * free:
             return None
         where = "on the GPU" if dev.type == "cuda" else "in memory"
-        warnings.warn(f"{m.source} takes {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}, more than "
-                      f"{FITS:.0%} of the {free / 2**30:.1f} GiB free {where}: it is scored a layer at a time, each "
-                      "read from disk once", Note)
+        said = f"{m.source} takes {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}, more than " \
+            f"{FITS:.0%} of the {free / 2**30:.1f} GiB free {where}"
+        if layerwise is False:
+            warnings.warn(f"{said}: it runs whole as asked, and may run out of memory; quantkit eval can score it a "
+                          "layer at a time", Note)
+            return None
+        warnings.warn(f"{said}: it is scored a layer at a time, each read from disk once", Note)
     return Layerwise(m, dev, dtype, progress)
 
 

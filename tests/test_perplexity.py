@@ -139,6 +139,10 @@ def test_a_model_larger_than_free_memory_is_scored_a_layer_at_a_time_with_the_sa
     assert held == [1] * 3 * 2  # 3 layers, each alone, run on 2 batches (4 windows and 1)
     assert "scoring a layer at a time" not in capsys.readouterr().err  # progress=False
     assert all(t.is_meta for t in m.module.state_dict(keep_vars=True).values())  # nothing left in memory
+    with warnings.catch_warnings(record=True) as caught:  # whole as asked (lm-eval's run too): said to be a risk
+        warnings.simplefilter("always")
+        assert quantkit.evaluate(model, TEST, ctx=64, max_windows=5, progress=False, layerwise=False) == whole
+    assert any("it runs whole as asked, and may run out of memory" in str(w.message) for w in caught)
     monkeypatch.setattr(api, "free_bytes", lambda dev: 2**40)
     monkeypatch.setattr(distributed, "world", lambda: 2)  # quantize --eval-data's "before" under torchrun: rank 0's
     assert quantkit.evaluate(model, TEST, ctx=64, max_windows=5, progress=False, layerwise=True) == whole
