@@ -40,8 +40,7 @@ def check(module: torch.nn.Module, qconfig: QuantConfig) -> None:
         low = max(exl2.Setting.reach(n, k)[0] for n, k in shapes.values())
         high = min(exl2.Setting.reach(n, k)[1] for n, k in shapes.values())
         if not low <= qconfig.exl2 <= high:
-            said = exl2.outside(qconfig.exl2, "every linear of this model", low, high)
-            raise QuantkitError(f"{option('exl2')}: {said}")
+            raise QuantkitError(exl2.outside(option("exl2", qconfig.exl2), "every linear of this model", low, high))
     else:
         measurement.check_target(shapes, qconfig.exl2, exl2.CANDIDATES, "EXL2")
     if qconfig.head_bits is not None:

@@ -378,7 +378,7 @@ def test_a_tied_models_quantized_head_is_read_as_its_own(uniform, tmp_path):
 @pytest.mark.parametrize("args,match", [
     (["--format", "exl2", "--method", "gptq", "--bits", "4.0", "--head-bits", "6"], "ties its output head"),
     (["--head-bits", "6"], "--head-bits quantizes the output head of an EXL2 export"),
-    (["--format", "exl2", "--method", "gptq", "--bits", "9"], "--bits: 9.0 bits per weight is outside what EXL2 reaches"),
+    (["--format", "exl2", "--method", "gptq", "--bits", "9"], "--bits 9 is outside what EXL2 reaches"),
     (["--format", "exl2", "--bits", "4.5"], "EXL2 is filled by GPTQ"),
     (["--bits", "4.5"], "only --format exl2 takes a bits-per-weight target"),
     (["--measurement", "m.json"], "use it with --target-bpw, or"),

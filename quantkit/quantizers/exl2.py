@@ -72,7 +72,7 @@ class Setting:
         after its scales and permutation (and the padding of its outputs), the wider on the first inputs."""
         bits = (bpw - cls.overhead(n, k, group_size)) * n / padded(n)  # a code bit per padded output
         if not EXL2_BITS[0] <= bits <= EXL2_BITS[-1]:
-            raise QuantkitError(outside(bpw, f"a {n}x{k} linear", *cls.reach(n, k, group_size)))
+            raise QuantkitError(outside(f"{bpw} bits per weight", f"a {n}x{k} linear", *cls.reach(n, k, group_size)))
         lo = max(b for b in EXL2_BITS if b <= bits)
         hi = min(b for b in EXL2_BITS if b >= bits)
         wide = math.floor(k * (bits - lo) / (hi - lo) / group_size) if hi > lo else 0  # whole groups, not over
@@ -87,9 +87,10 @@ def padded(n: int) -> int:
     return -(-n // 32) * 32
 
 
-def outside(bpw: float, what: str, low: float, high: float) -> str:
-    """The refusal of a target outside [low, high], the bounds shown inside it (rounded inwards)."""
-    return (f"{bpw} bits per weight is outside what EXL2 reaches for {what} ({math.ceil(low * 1000) / 1000:.3f} to "
+def outside(target: str, what: str, low: float, high: float) -> str:
+    """The refusal of a target (as its option gives it) outside [low, high], the bounds shown inside it
+    (rounded inwards)."""
+    return (f"{target} is outside what EXL2 reaches for {what} ({math.ceil(low * 1000) / 1000:.3f} to "
             f"{math.floor(high * 1000) / 1000:.3f}): choose a target in that range")
 
 
