@@ -695,11 +695,12 @@ def runnable(model: Model | PathLike | None, packed: bool | None = None, device:
         return m, run
     # read onto the device in the dtype it runs in: no float32 copy of the whole model in host memory first
     if where is not None:
-        m.materialize(device=torch.device(where), dtype=runs_in(torch.device(where), dtype, gguf))
+        m.materialize(device=dev, dtype=runs_in(dev, dtype, gguf))
     elif any(t.is_meta for t in m.module.state_dict(keep_vars=True).values()):  # a Model not read whole: the CPU's
         m.materialize()  # a Model in memory stays where and as it is (materialize moves the whole model)
     if where is not None or dtype is not None:
-        dev = torch.device(where) if where is not None else next(m.module.parameters()).device
+        if where is None:  # dtype alone: where the Model is
+            dev = next(m.module.parameters()).device
         moved(m.module, dev, runs_in(dev, dtype, gguf))
     return m, None
 

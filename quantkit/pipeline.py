@@ -225,21 +225,23 @@ class Layerwise:
         hidden = capture_inputs(m, windows, len(batches[0]), dev, store_of(m, windows, dev), self.dtype, share=False)
         tokens, n, began = windows.numel(), len(m.layers), time.monotonic()
         bar = tqdm(range(n), desc="scoring a layer at a time", unit="layer", disable=not self.progress, file=sys.stderr)
-        parts = ("model.norm", "lm_head")
-        try:  # whatever stops it, the model is left as lazy as it came: the next run may stream it again
-            for i in bar:
+        # whatever stops it, each part read is dropped: the model is left as lazy as it came, to stream again
+        for i in bar:
+            try:
                 run_layer(m.materialize(f"model.layers.{i}", dev, self.dtype), hidden)
+            finally:
                 m.release(f"model.layers.{i}")
-                free_memory()
-                rate = tokens * (i + 1) / n / (time.monotonic() - began)  # through the whole model, at this pace
-                bar.set_postfix_str(f"{rate:.0f} tok/s, {peak_memory()}", refresh=False)
-            norm, head = (m.materialize(part, dev, self.dtype) for part in parts)
+            free_memory()
+            rate = tokens * (i + 1) / n / (time.monotonic() - began)  # through the whole model, at this pace
+            bar.set_postfix_str(f"{rate:.0f} tok/s, {peak_memory()}", refresh=False)
+        try:
+            norm, head = m.materialize("model.norm", dev, self.dtype), m.materialize("lm_head", dev, self.dtype)
             while hidden:  # each batch's hidden states freed once its logits are made
                 h, _ = hidden.pop(0)
                 yield head(norm(on_device(head, h))[:, -keep:])  # as the model's forward: norm, then the kept rows
         finally:
-            for part in [f"model.layers.{i}" for i in range(n)] + list(parts):
-                m.release(part)
+            m.release("model.norm")
+            m.release("lm_head")
 
 
 def free_bytes(device: torch.device) -> int | None:
