@@ -2,8 +2,10 @@
 against llama-quantize (F16 GGUF to Q4_K_M) on the same model in the same run, and GPTQ against
 GPTQModel's.
 
-    python benchmarks/scale.py [--shape 7b|7b-8l|1b|135m] [--runs llama,rtn,gguf,gptq,gptq-no-mse,gptqmodel,eval]
+    python benchmarks/scale.py [--shape 7b|7b-8l|1b|135m]
+                               [--runs llama,rtn,gguf,gptq,gptq-no-mse,gptqmodel,eval,lm-eval]
                                [--gptq-samples 4] [--device cpu|cuda] [--stop-after S] [--before DIR] [--keep]
+                               [--eval-windows 4] [--lm-eval-limit 8]
 
 The model (7b: Llama-2-7B's shapes; 7b-8l: its first 8 layers, for runs that cannot stop partway;
 1b: TinyLlama-1.1B's; 135m: SmolLM2-135M's) is written once,
@@ -24,7 +26,10 @@ yet quantized the output matrix (bounded by the same chunking as every other ten
 windows at its own defaults for 4-bit g128, and is then the anchor of the ratios. The eval runs score
 the float model on --eval-windows windows of 512 tokens of WikiText-2 test: float32 (a 7B does not fit 24
 GiB, so a layer at a time), bfloat16 whole and a layer at a time, against llama-perplexity on the F16
-GGUF of the model (the anchor; its export is measured too). Outputs go to a
+GGUF of the model (the anchor; its export is measured too). The lm-eval runs score dolly_mc's first
+--lm-eval-limit documents: lm-eval's own command on the model as transformers loads it in bfloat16 (the
+anchor), then `quantkit lm-eval` in bfloat16 whole and a layer at a time, and in float32 (a layer at a time
+where it does not fit). Each row's ratios are against the anchor above it. Outputs go to a
 temporary directory, removed at the end unless --keep.
 """
 from __future__ import annotations
@@ -154,6 +159,10 @@ def measure(label: str, cmd: list[str], env: dict | None = None, seconds: float 
     ppl = re.findall(r"(?:: perplexity|Final estimate: PPL =) ([\d.]+)", said)  # quantkit's, llama.cpp's
     if ppl:
         result["perplexity"] = float(ppl[-1])
+    for metric in ("acc", "acc_norm"):  # quantkit lm-eval's line ("dolly_mc: acc 0.2500 ± ..."), lm-eval's table
+        score = re.findall(rf"(?:[:,] {metric} |\|{metric}\s*\|[^|]*\|)([\d.]+)", said)
+        if score:
+            result[metric] = float(score[-1])
     gpu = re.findall(r"GPU ([\d.]+) GiB", err)
     if gpu:
         result["peak_gpu"] = float(gpu[-1]) * 2**30
@@ -180,6 +189,7 @@ def main() -> None:
     ap.add_argument("--before", type=Path, help="also run RTN with quantkit imported from this directory")
     ap.add_argument("--keep", action="store_true", help="keep the outputs")
     ap.add_argument("--eval-windows", type=int, default=4, help="eval: windows of 512 tokens scored")
+    ap.add_argument("--lm-eval-limit", type=int, default=8, help="lm-eval: dolly_mc's documents scored")
     ap.add_argument("--device", help="cpu or cuda (default: quantkit's, the GPU when there is one)")
     a = ap.parse_args()
     runs = a.runs.split(",")
@@ -239,6 +249,20 @@ def main() -> None:
                                  ("bfloat16, whole", ["--dtype", "bfloat16", "--whole"]),
                                  ("bfloat16, a layer at a time", ["--dtype", "bfloat16", "--layerwise"])):
                 results.append(measure(f"quantkit eval, {label}", [*qk, "eval", model, *data, *extra, *common]))
+        if "lm-eval" in runs:  # the float model on dolly_mc: lm-eval's own command, then quantkit's
+            data = ROOT.parent / "shared" / "data"
+            tasks = ["--tasks", "dolly_mc", "--limit", str(a.lm_eval_limit), "--seed", "0"]
+            results.append(measure(f"lm_eval (lm-eval's command; transformers' model, bfloat16), dolly_mc, "
+                                   f"{a.lm_eval_limit} documents",
+                                   ["lm_eval", "run", "--model", "hf", "--model_args", f"pretrained={model}",
+                                    "dtype=bfloat16", "--device", a.device or "cpu", *tasks, "--batch_size", "4",
+                                    "--include_path", ROOT / "evals" / "tasks", "--metadata",
+                                    json.dumps({"data_dir": str(data)})]))
+            for label, extra in (("bfloat16, whole", ["--dtype", "bfloat16", "--whole"]),
+                                 ("bfloat16, a layer at a time", ["--dtype", "bfloat16", "--layerwise"]),
+                                 ("float32, by default (a layer at a time where it does not fit)", [])):
+                results.append(measure(f"quantkit lm-eval, {label}", [*qk, "lm-eval", model, *tasks, "--data-dir", data,
+                                                                       *extra, *common]))
         if "gptqmodel" in runs:
             child = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import scale; "
                      f"scale.gptqmodel_child({str(model)!r}, {str(out / 'gptqmodel')!r}, {a.gptq_samples}, "
@@ -248,19 +272,24 @@ def main() -> None:
     finally:
         if not a.keep:
             shutil.rmtree(out, ignore_errors=True)
-    anchor = next((r for r in results if r["run"].startswith(("llama-quantize", "GPTQModel", "llama-perplexity"))),
-                  None)
+    anchors = ("llama-quantize", "GPTQModel", "llama-perplexity", "lm_eval")
+    anchor = next((r for r in results if r["run"].startswith(anchors)), None)
+    names = {r["run"].split()[0].rstrip(":") for r in results if r["run"].startswith(anchors)}
+    named = names.pop() if len(names) == 1 else "its anchor"
     on_gpu = any("peak_gpu" in r for r in results)
     print(f"\n{a.shape}-shaped Llama, {disk / 1e9:.2f} GB of bf16 safetensors on disk\n")
     if on_gpu:
         print(f"GPTQ's GPU memory bound: {bound(a.shape, a.gptq_samples) / 2**30:.2f} GiB (2 x (a layer's float32 "
               "weights + its Hessians + its calibration inputs and outputs))\n")
     print("| run | time (s) | peak RSS (GiB) | peak RSS / model on disk |" + (" peak GPU (GiB) |" if on_gpu else "")
-          + (f" time / {anchor['run'].split()[0].rstrip(':')} | RSS / it |" if anchor else ""))
+          + (f" time / {named} | RSS / it |" if anchor else ""))
     print("|---|---|---|---|" + ("---|" if on_gpu else "") + ("---|---|" if anchor else ""))
     for r in results:
+        if r["run"].startswith(anchors):  # the rows after it are measured against it
+            anchor = r
         run = r["run"] + (f" (stopped after {r['layers']} layers)" if "layers" in r else "") + \
-            (f": perplexity {r['perplexity']:.4f}" if "perplexity" in r else "")
+            (f": perplexity {r['perplexity']:.4f}" if "perplexity" in r else "") + \
+            "".join(f", {metric} {r[metric]:.4f}" for metric in ("acc", "acc_norm") if metric in r)
         row = f"| {run} | {r['seconds']:.0f} | {r['peak_rss'] / 2**30:.2f} | {r['peak_rss'] / disk:.1%} |"
         if on_gpu:
             row += f" {r['peak_gpu'] / 2**30:.2f} |" if "peak_gpu" in r else " - |"

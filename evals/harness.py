@@ -24,7 +24,7 @@ from quantkit import hub
 from quantkit.errors import Note, QuantkitError, option
 from quantkit.modelio import check_context
 
-from .perplexity import overflow
+from .perplexity import Forward, overflow
 
 TASKS = Path(__file__).parent / "tasks"
 LOCAL = tuple(sorted(p.stem for p in TASKS.glob("*.yaml")))
@@ -36,6 +36,7 @@ class Tasks:
     names: list[str]
     manager: object  # lm-eval's TaskManager, with the local tasks
     plain: list[str]  # those that score rolling windows of plain text (wikitext): no prompt to shape
+    generating: list[str]  # those that generate text (gsm8k), a token at a time: only a model run whole can
 
 
 MANAGERS: dict[tuple[bool, str], object] = {}  # lm-eval's TaskManager by (with its own tasks, data_dir)
@@ -122,7 +123,9 @@ def prepare(names: list[str], data_dir: str | os.PathLike | None = None) -> Task
         raise QuantkitError(f"lm-eval could not load the data of {', '.join(names)} ({type(e).__name__}: "
                             f"{str(e)[:300]}): hub tasks need the network; the local tasks ({', '.join(LOCAL)}) "
                             f"read {data_dir}") from None
-    return Tasks(names, manager, [n for n, t in loaded.items() if t.OUTPUT_TYPE == "loglikelihood_rolling"])
+    kinds = {n: t.OUTPUT_TYPE for n, t in loaded.items()}
+    return Tasks(names, manager, [n for n, k in kinds.items() if k == "loglikelihood_rolling"],
+                 [n for n, k in kinds.items() if k == "generate_until"])
 
 
 def check_prompts(tasks: Tasks, num_fewshot: int | None, chat: bool) -> None:
@@ -149,19 +152,37 @@ def check_settings(config, tokenizer, max_length: int | None, chat: bool) -> Non
         raise QuantkitError(f"the model's tokenizer has no chat template: drop {option('chat')}")
 
 
+def generating(tasks: Tasks) -> str:
+    """The tasks that generate text, said so ("gsm8k generates text")."""
+    return f"{', '.join(tasks.generating)} generate{'s' if len(tasks.generating) == 1 else ''} text"
+
+
+def check_layerwise(tasks: Tasks) -> None:
+    """Refuse tasks a model run a layer at a time cannot score."""
+    if tasks.generating:
+        raise QuantkitError(f"{generating(tasks)} a token at a time, which a model run a layer at a time cannot: "
+                            f"drop {option('layerwise', True)}, or score the other tasks alone")
+
+
 def run(tasks: Tasks, module: torch.nn.Module, tokenizer, limit: int | float | None = None,
         num_fewshot: int | None = None, batch_size: int = 4, max_length: int | None = None,
-        seed: int | None = None, chat: bool = False) -> dict[str, dict[str, float]]:
+        seed: int | None = None, chat: bool = False, forward: Forward | None = None) -> dict[str, dict[str, float]]:
     """lm-eval's results by task ({"wikitext": {"word_perplexity": ..., ...}}), each metric's
     standard error beside it as METRIC_stderr where lm-eval gives one. seed None takes lm-eval's own
     seeds (its few-shot examples are then those `lm_eval` picks); chat renders each prompt with the
-    tokenizer's chat template (lm-eval's --apply_chat_template)."""
+    tokenizer's chat template (lm-eval's --apply_chat_template). forward: how the model runs (a
+    pipeline.Layerwise, its module lazy), where not whole."""
     from lm_eval import evaluator
     from lm_eval.models.huggingface import HFLM
 
     check_settings(module.config, tokenizer, max_length, chat)
-    lm = rolling_in_one_bar(HFLM)(pretrained=module, tokenizer=tokenizer, batch_size=batch_size,
-                                  max_length=max_length)
+    kind = rolling_in_one_bar(HFLM)
+    if forward is not None:
+        check_layerwise(tasks)
+        kind = replayed(kind)
+    lm = kind(pretrained=module, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    if forward is not None:
+        lm.forward, lm._device = forward, forward.device  # HFLM took the lazy module's: meta
     seeds = {} if seed is None else {k: seed for k in ("random_seed", "numpy_random_seed", "torch_random_seed",
                                                        "fewshot_random_seed")}
     # lm-eval asks git for the working directory's commit, which prints "fatal: not a git repository"
@@ -192,6 +213,7 @@ def rolling_in_one_bar(hflm: type) -> type:
 
     class OneBar(hflm):
         bar = None
+        forward: Forward | None = None  # how the model runs, where not whole (replayed)
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
             self.bar = tqdm(desc="scoring windows", unit="window", disable=disable_tqdm or self.rank != 0)
@@ -204,12 +226,53 @@ def rolling_in_one_bar(hflm: type) -> type:
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
             scores = super()._loglikelihood_tokens(requests, disable_tqdm or self.bar is not None, override_bs)
             if not all(math.isfinite(logprob) for logprob, _ in scores):  # every score after would be NaN or inf
-                raise QuantkitError(f"the model's log-likelihoods are not finite: {overflow(self.model.dtype)}")
+                raise QuantkitError(f"the model's log-likelihoods are not finite: {overflow((self.forward or self.model).dtype)}")
             if self.bar is not None:
                 self.bar.update(len(requests))
             return scores
 
     return OneBar
+
+
+def replayed(hflm: type) -> type:
+    """HFLM scoring its requests through a model run a layer at a time (its forward): lm-eval's loop is
+    run once with stand-in logits to learn the batches it makes, every batch then goes through the model
+    together, each layer read once, and the loop runs again on their logits, in the same order. The
+    results are those of the model run whole."""
+    from lm_eval.api.model import CacheHook
+
+    class Replayed(hflm):
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return self.replay(super().loglikelihood, requests, disable_tqdm)
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            return self.replay(super().loglikelihood_rolling, requests, disable_tqdm)
+
+        def replay(self, score, requests, disable_tqdm: bool):
+            batches, vocab = [], self.model.config.vocab_size
+
+            def record(inps: torch.Tensor, **kwargs) -> torch.Tensor:
+                batches.append(inps.cpu())
+                return torch.zeros((), device=inps.device).expand(*inps.shape, vocab)
+
+            def made(inps: torch.Tensor, **kwargs) -> torch.Tensor:
+                expected = batches.pop(0)
+                if not torch.equal(inps.cpu(), expected):  # lm-eval's batching is deterministic
+                    raise RuntimeError("lm-eval made other batches when its requests were scored again")
+                return next(logits)
+
+            hook, self.cache_hook = self.cache_hook, CacheHook(None)  # the stand-in scores are cached nowhere
+            self._model_call = record
+            try:
+                score(requests, disable_tqdm=True)
+                logits = self.forward(list(batches), 0)
+                self._model_call, self.cache_hook = made, hook
+                return score(requests, disable_tqdm=disable_tqdm)
+            finally:
+                del self._model_call
+                self.cache_hook = hook
+
+    return Replayed
 
 
 def metrics(values: dict) -> dict[str, float]:

@@ -664,7 +664,7 @@ def ready(model: Model | PathLike | None, packed: bool | None = None, device: st
 
 def runnable(model: Model | PathLike | None, packed: bool | None = None, device: str | None = None,
              dtype: str | None = None, layerwise: bool | None = None,
-             progress: bool = True) -> tuple[Model, Layerwise | None]:
+             progress: bool = True, whole_why: str = "as asked") -> tuple[Model, Layerwise | None]:
     """A model to score, and how it runs: whole, with every weight in memory (None), or a layer at a
     time (a Layerwise, showing progress) where layerwise says so (None: where a model read lazily from
     its checkpoint, a float directory or a GGUF file, does not fit the device's free memory). From a
@@ -674,7 +674,8 @@ def runnable(model: Model | PathLike | None, packed: bool | None = None, device:
     only when device or dtype is given. dtype: the activations' and float weights' dtype, one of DTYPES
     (on the CPU, bfloat16 runs 4-bit layers through torch's fused int4 matmul where they take up to
     qlinear.FUSED_ROWS rows, as in decoding, and the other layers, and float32 all, through the compiled
-    GEMV up to qlinear.GEMV_ROWS rows; evaluation windows take the sliced fallback)."""
+    GEMV up to qlinear.GEMV_ROWS rows; evaluation windows take the sliced fallback). whole_why: why
+    layerwise=False, said in the note where the model does not fit."""
     check_dtype(dtype)
     if device is not None:
         device_of(device)  # before loading: a device torch cannot use is named, not a traceback
@@ -690,7 +691,7 @@ def runnable(model: Model | PathLike | None, packed: bool | None = None, device:
     where = default_device(model, device)
     gguf = bool(m.gguf_types)
     dev = torch.device(where or "cpu")  # a lazy Model passed in is read onto the CPU
-    run = layer_at_a_time(m, dev, runs_in(dev, dtype, gguf), layerwise, progress)
+    run = layer_at_a_time(m, dev, runs_in(dev, dtype, gguf), layerwise, progress, whole_why)
     if run is not None:
         return m, run
     # read onto the device in the dtype it runs in: no float32 copy of the whole model in host memory first
@@ -706,9 +707,10 @@ def runnable(model: Model | PathLike | None, packed: bool | None = None, device:
 
 
 def layer_at_a_time(m: Model, dev: torch.device, dtype: torch.dtype, layerwise: bool | None,
-                    progress: bool = True) -> Layerwise | None:
+                    progress: bool = True, whole_why: str = "as asked") -> Layerwise | None:
     """m's Layerwise when layerwise, or (None) when m, read lazily, takes more than FITS of dev's free
-    memory; layerwise=False (lm-eval's run, or --whole) runs such a model whole, with a note."""
+    memory; layerwise=False (--whole, or lm-eval's tasks that generate text) runs such a model whole, with
+    a note saying whole_why."""
     if not m.lazy:
         if layerwise:
             raise QuantkitError(f"{m.source} is held in memory whole, not read from its checkpoint as it runs: "
@@ -724,8 +726,7 @@ def layer_at_a_time(m: Model, dev: torch.device, dtype: torch.dtype, layerwise: 
         said = f"{m.source} takes {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}, more than " \
             f"{FITS:.0%} of the {free / 2**30:.1f} GiB free {where}"
         if layerwise is False:
-            warnings.warn(f"{said}: it runs whole as asked, and may run out of memory; quantkit eval can score it a "
-                          "layer at a time", Note)
+            warnings.warn(f"{said}: it runs whole {whole_why}, and may run out of memory", Note)
             return None
         warnings.warn(f"{said}: it is scored a layer at a time, each read from disk once", Note)
     return Layerwise(m, dev, dtype, progress)
@@ -898,11 +899,14 @@ def write_base(base: Model, path: PathLike, text: str, ctx: int = 512, max_windo
 def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float | None = None,
             num_fewshot: int | None = None, batch_size: int = 4, max_length: int | None = None,
             data_dir: PathLike | None = None, seed: int | None = None, packed: bool | None = None,
-            device: str | None = None, chat: bool = False, dtype: str | None = None) -> dict[str, dict[str, float]]:
+            device: str | None = None, chat: bool = False, dtype: str | None = None,
+            layerwise: bool | None = None) -> dict[str, dict[str, float]]:
     """lm-eval's results by task for a model (a Model, a path, or the embedded default), run through
     lm-eval's HFLM wrapper around the loaded model. Local tasks (wikitext, dolly_mc) read data_dir.
     limit: documents per task, or below 1 a fraction of each; seed: every seed lm-eval takes (None:
-    lm-eval's own); chat: prompts in the tokenizer's chat template; device, dtype: as in evaluate."""
+    lm-eval's own); chat: prompts in the tokenizer's chat template; device, dtype, layerwise: as in
+    evaluate (a model run a layer at a time scores every request of a kind together; tasks that generate
+    text run the model whole)."""
     check_arguments(lm_eval, locals())
     from quantkit.evals import harness
 
@@ -918,10 +922,13 @@ def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float
     with harness.kept_state():  # a library call leaves the caller's seeds and loggers as they were
         prepared = harness.prepare(tasks, data_dir)  # a wrong name or missing data fails before the model loads
         harness.check_prompts(prepared, num_fewshot, chat)
-        m = ready(model, packed, device, dtype)
+        if layerwise:
+            harness.check_layerwise(prepared)
+        m, forward = runnable(model, packed, device, dtype, False if prepared.generating else layerwise,
+                              whole_why=f"because {harness.generating(prepared)}")
         with scoring(m):
             return harness.run(prepared, m.module, m.tokenizer, limit, num_fewshot, batch_size, max_length, seed,
-                               chat)
+                               chat, forward)
 
 
 def export(model: Model, out: PathLike, format: str = "safetensors", overwrite: bool = False,

@@ -294,8 +294,11 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, overwrite
 @click.option("--device", help="cpu or cuda [cuda, in float16 (a .gguf file: float32), when there is a GPU]")
 @click.option("--dtype", type=click.Choice(DTYPES), help="the activations' dtype [float16 on a GPU, float32 on the CPU; "
               "a .gguf file: float32 only]")
+@click.option("--layerwise/--whole", default=None, help="a float model or .gguf file: run every request through it "
+              "a decoder layer at a time, each layer read from disk once, or whole [a layer at a time when it does not "
+              "fit the device's free memory, unless a task generates text]; the same scores")
 def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, seed, chat, as_json, dequantized,
-            device, dtype) -> None:
+            device, dtype, layerwise) -> None:
     """Run EleutherAI's lm-evaluation-harness tasks on MODEL (any model quantkit loads: float, a packed
     export, a .gguf file; by default the embedded model), through lm-eval's HFLM wrapper around the loaded model."""
     import torch
@@ -309,8 +312,8 @@ def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, 
     limit = harness.documents(limit, f"--limit {limit}")
     results = api.lm_eval(model, names, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size,
                           max_length=max_length, data_dir=data_dir, seed=seed, chat=chat, packed=not dequantized,
-                          device=device, dtype=dtype)
-    where = torch.device(api.default_device(model, device))  # where lm_eval ran it, and in what (api.ready)
+                          device=device, dtype=dtype, layerwise=layerwise)
+    where = torch.device(api.default_device(model, device))  # where lm_eval ran it, and in what (api.runnable)
     ran = api.runs_in(where, dtype, model is not None and os.path.isfile(model) and gguf_magic(model))
     config = {"model": model, "tasks": names, "limit": limit, "num_fewshot": num_fewshot, "max_length": max_length,
               "batch_size": batch_size, "seed": seed, "chat": chat,

@@ -41,6 +41,8 @@ OtherFn = Callable[[str, torch.Tensor], "QuantizedTensor | None"]
 
 
 BATCH = 8  # calibration windows run through a layer at once
+# what a layer progress holds, raised when its meaning changes: 2 keeps each kind of layer's attention mask
+LAYERS_FORMAT = 2
 
 
 class Writer(Protocol):
@@ -121,11 +123,12 @@ class Hessian:
         return self.result
 
 
-def capture_inputs(model: Model, windows: torch.Tensor, batch_size: int, device: str | torch.device = "cpu",
-                   store: str | torch.device | None = None, dtype: torch.dtype = torch.float32,
-                   share: bool = True) -> list[tuple[torch.Tensor, dict]]:
-    """The first decoder layer's inputs (hidden states and keyword arguments), one entry per batch
-    (share: under torchrun, of this process's share of the batches), computed in dtype; the embedding is
+def capture_inputs(model: Model, windows: torch.Tensor | list[torch.Tensor], batch_size: int,
+                   device: str | torch.device = "cpu", store: str | torch.device | None = None,
+                   dtype: torch.dtype = torch.float32, share: bool = True) -> list[tuple[torch.Tensor, dict]]:
+    """The first decoder layer's inputs (hidden states and keyword arguments), one entry per batch of
+    windows (a LongTensor [n, seqlen] cut into batch_size, or the batches themselves, of any lengths;
+    share: under torchrun, of this process's share of the batches), computed in dtype; the embedding is
     read for this and dropped after. The hidden states are kept on store (default: device; a CUDA run
     whose activations do not fit keeps them in pinned CPU memory). A model whose layers mask attention
     differently (full and sliding-window layers) gets the mask of each kind, by kind (masked_by_kind)."""
@@ -164,7 +167,7 @@ def capture_inputs(model: Model, windows: torch.Tensor, batch_size: int, device:
         for layer in model.layers[:last]:  # reached for their masks only: passed through, not run
             layer.forward = lambda hidden_states, *args, **kwargs: hidden_states
     try:
-        batches = list(windows.split(batch_size))
+        batches = windows if isinstance(windows, list) else list(windows.split(batch_size))
         for batch in distributed.share(batches) if share else batches:
             try:
                 model.module(batch.to(device), use_cache=False)
@@ -217,14 +220,37 @@ class Layerwise:
         self.model, self.device, self.dtype, self.progress = model, device, dtype, progress
         self.ran = (str(dtype).removeprefix("torch."), device.type)
 
-    @torch.no_grad()
     def __call__(self, batches: list[torch.Tensor], keep: int) -> Iterator[torch.Tensor]:
+        """Each batch's logits of its last keep positions (0: of every one). The batches may differ in
+        length. Those whose hidden states take more than half the host's free memory run in parts, as
+        many batches at a time as fit, each part reading the model again."""
+        parts = self.parts(batches)
+        for k, part in enumerate(parts):
+            yield from self.part(part, keep, f" (part {k + 1}/{len(parts)})" if len(parts) > 1 else "")
+
+    def parts(self, batches: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """batches in order, cut where their hidden states fill half the host's free memory (one batch at least)."""
+        free = free_bytes(torch.device("cpu"))
+        budget = free // 2 if free is not None else float("inf")
+        per_token = self.model.module.config.hidden_size * self.dtype.itemsize
+        parts, used = [[]], 0
+        for batch in batches:
+            need = batch.numel() * per_token
+            if parts[-1] and used + need > budget:
+                parts.append([])
+                used = 0
+            parts[-1].append(batch)
+            used += need
+        return parts
+
+    @torch.no_grad()
+    def part(self, batches: list[torch.Tensor], keep: int, said: str) -> Iterator[torch.Tensor]:
         m, dev = self.model, self.device
-        windows = torch.cat(batches)
+        tokens, n, began = sum(b.numel() for b in batches), len(m.layers), time.monotonic()
         # every batch: under torchrun one process scores (quantize --eval-data's "before")
-        hidden = capture_inputs(m, windows, len(batches[0]), dev, store_of(m, windows, dev), self.dtype, share=False)
-        tokens, n, began = windows.numel(), len(m.layers), time.monotonic()
-        bar = tqdm(range(n), desc="scoring a layer at a time", unit="layer", disable=not self.progress, file=sys.stderr)
+        hidden = capture_inputs(m, batches, 0, dev, store_of(m, tokens, dev), self.dtype, share=False)
+        bar = tqdm(range(n), desc=f"scoring a layer at a time{said}", unit="layer", disable=not self.progress,
+                   file=sys.stderr)
         # whatever stops it, each part read is dropped: the model is left as lazy as it came, to stream again
         for i in bar:
             try:
@@ -310,13 +336,13 @@ def replaying_attention(layer: torch.nn.Module, outputs: list[torch.Tensor] | No
         del layer.self_attn.forward  # the class's forward again
 
 
-def store_of(model: Model, windows: torch.Tensor, device: str | torch.device) -> torch.device:
-    """Where calibration activations live: on the GPU when a quarter of its free memory holds them,
-    else in pinned CPU memory (each batch then goes to the GPU when it is used)."""
+def store_of(model: Model, tokens: int, device: str | torch.device) -> torch.device:
+    """Where the activations of so many tokens live: on the GPU when a quarter of its free memory holds
+    them, else in pinned CPU memory (each batch then goes to the GPU when it is used)."""
     device = torch.device(device)
     if device.type != "cuda":
         return device
-    need = windows.numel() * model.module.config.hidden_size * 4
+    need = tokens * model.module.config.hidden_size * 4
     return device if need < torch.cuda.mem_get_info(device)[0] // 4 else torch.device("cpu")
 
 
@@ -446,7 +472,7 @@ def other_run(paths: list[Path], key) -> tuple[Path, object, int] | None:
 def resumed(resume: tuple[Path, str], writer) -> dict | None:
     """The state to go on from: the last saved of the same run, where the partial output it describes is
     still as it was."""
-    state = load_progress(*resume)
+    state = load_progress(*resume, LAYERS_FORMAT)
     if state is not None and writer is not None and not writer.resumable(state["writer"]):
         if distributed.rank() == 0:  # under torchrun, one process speaks for the job
             print(f"ignoring progress file {resume[0]}: the partial output it describes is gone or changed",
@@ -455,8 +481,9 @@ def resumed(resume: tuple[Path, str], writer) -> dict | None:
     return state
 
 
-def load_progress(path: Path, key: str) -> dict | None:
-    """The state saved after the last finished layer of the same run (same model, config, data)."""
+def load_progress(path: Path, key: str, format: int) -> dict | None:
+    """The state saved after the last finished layer of the same run (same model, config, data), by a
+    quantkit that saves the same format (a state saved before the format had a number is format 1)."""
     for stale in siblings(path, r"{name}\.tmp-\d+"):  # a killed save's (one process per output: atomic.Staged)
         stale.unlink(missing_ok=True)
     if not path.is_file():
@@ -472,6 +499,11 @@ def load_progress(path: Path, key: str) -> dict | None:
     if not isinstance(state, dict) or state.get("key") != key:
         print(f"ignoring progress file {path}: it is from another model, configuration or calibration set",
               file=sys.stderr)
+        path.unlink()
+        return None
+    if state.get("format", 1) != format:  # the same run, stopped under another version: its layers may differ
+        print(f"ignoring progress file {path}: another version of quantkit saved it (format {state.get('format', 1)}, "
+              f"this one reads {format}), so the run starts afresh", file=sys.stderr)
         path.unlink()
         return None
     return state
@@ -641,7 +673,7 @@ def quantize_layers(
     if state is not None:
         masked_by_kind(model.module)
         start, batches = state["next_layer"], state["batches"]
-        store = store_of(model, windows, device) if windows is not None else device
+        store = store_of(model, windows.numel(), device) if windows is not None else device
         batches = [(h.to(store), {k: to(v, device) for k, v in kw.items()}) for h, kw in batches] \
             if batches is not None else None
         if writer is not None:
@@ -651,7 +683,7 @@ def quantize_layers(
     else:
         if writer is not None:  # a resuming run's progress was checked to be its own (api.check_progress)
             writer.start(None, own="layers" if resume and not keep else None)
-        batches = capture_inputs(model, windows, batch_size, device, store_of(model, windows, device)) \
+        batches = capture_inputs(model, windows, batch_size, device, store_of(model, windows.numel(), device)) \
             if windows is not None else None
         tensors |= write_other(model, "model.embed_tokens", writer, other, keep)
     stages = [(group,) for group in GROUPS] if sequential else [GROUPS]
@@ -684,7 +716,7 @@ def quantize_layers(
         del layer, layer_tensors
         free_memory()
         if resume and not keep:
-            saved = {"key": resume[1], "next_layer": i + 1, "batches": batches,
+            saved = {"format": LAYERS_FORMAT, "key": resume[1], "next_layer": i + 1, "batches": batches,
                      "writer": writer.state() if writer is not None else None}
             if distributed.world() > 1:  # every process's state whole on disk before any replaces its last one
                 waiting = waiting_path(resume[0], i + 1)

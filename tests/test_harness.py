@@ -287,3 +287,83 @@ def test_log_likelihoods_that_are_nan_stop_the_run(tiny_dir, tmp_path, capsys, m
     refused(["lm-eval", hot, "--tasks", "dolly_mc", "--limit", 2, "--dtype", "float16"], capsys, monkeypatch,
             "the model's log-likelihoods are not finite: it overflows float16: run it in float32 or bfloat16 "
             "(--dtype float32)")
+
+
+def scored(monkeypatch, tasks: list[str], **kw):
+    """A run of lm_eval on a model giving its results and the log-likelihoods lm-eval scored, by kind of
+    request (each kind's last call: a model run a layer at a time calls twice, the first on stand-ins)."""
+    from lm_eval.models.huggingface import HFLM
+
+    scores = []
+    for name in ("loglikelihood", "loglikelihood_rolling"):
+        def kept(self, requests, disable_tqdm=False, real=getattr(HFLM, name), name=name):
+            scores.append((name, real(self, requests, disable_tqdm=disable_tqdm)))
+            return scores[-1][1]
+        monkeypatch.setattr(HFLM, name, kept)
+
+    def run(model, **more):
+        scores.clear()
+        return quantkit.lm_eval(model, tasks, **kw, **more), dict(scores)
+
+    return run
+
+
+def test_a_model_run_a_layer_at_a_time_gets_the_scores_of_the_whole_model(tmp_path, capsys, monkeypatch):
+    """lm-eval's requests run through a model read a layer at a time (every request of a kind together,
+    each layer read once; in parts, each reading the model again, where their hidden states do not fit
+    half the free memory): each log-likelihood is the whole model's, rolling (wikitext) and not (dolly_mc),
+    and the model is left unread. A model that does not fit is run so unless told otherwise."""
+    from quantkit import api, pipeline
+
+    from .conftest import make_tiny
+
+    model = make_tiny(tmp_path / "m", layers=3)
+    run = scored(monkeypatch, ["wikitext", "dolly_mc"], limit=3, batch_size=2, max_length=128, seed=0)
+
+    whole = run(model, layerwise=False)
+    assert "scoring a layer at a time" not in capsys.readouterr().err
+    assert run(model, layerwise=True) == whole
+    assert capsys.readouterr().err.count("scoring a layer at a time:   0%") == 2  # once a kind of request
+    monkeypatch.setattr(pipeline, "free_bytes", lambda dev: 2 * 256 * 64 * 4)  # half of it: 256 tokens' states
+    m = quantkit.load(model)
+    monkeypatch.setattr(api, "free_bytes", lambda dev: 2**16)  # 64 KiB free: the model does not fit
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert run(m) == whole
+    assert any(issubclass(w.category, Note) and "scored a layer at a time" in str(w.message) for w in caught)
+    assert "(part 2/" in capsys.readouterr().err
+    assert all(t.is_meta for t in m.module.state_dict(keep_vars=True).values())
+
+
+def test_tasks_that_generate_text_run_the_model_whole(tiny_dir, capsys, monkeypatch):
+    """A model a layer at a time generates no text: asked for, refused before the model loads; chosen
+    because the model does not fit, the model runs whole instead, with a note saying why."""
+    from quantkit import api
+
+    real = harness.prepare
+
+    def generating(names, data_dir=None):  # dolly_mc as if it generated its answers
+        tasks = real(names, data_dir)
+        tasks.generating = ["dolly_mc"]
+        return tasks
+
+    monkeypatch.setattr(harness, "prepare", generating)
+    refused(["lm-eval", tiny_dir, "--tasks", "dolly_mc", "--layerwise"], capsys, monkeypatch,
+            "dolly_mc generates text a token at a time, which a model run a layer at a time cannot: drop --layerwise, "
+            "or score the other tasks alone")
+    monkeypatch.setattr(api, "free_bytes", lambda dev: 2**16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quantkit.lm_eval(tiny_dir, ["dolly_mc"], limit=1, max_length=128, device="cpu")
+    assert any("it runs whole because dolly_mc generates text, and may run out of memory" in str(w.message)
+               for w in caught)
+    assert "scoring a layer at a time" not in capsys.readouterr().err
+
+
+def test_a_gguf_file_gets_the_same_scores_a_layer_at_a_time(tiny256, tmp_path, monkeypatch):
+    """Each layer dequantized from the file as lm-eval's requests reach it, under llama.cpp's arithmetic."""
+    f = tmp_path / "q.gguf"
+    quantkit.api.export_gguf(quantkit.load(tiny256), f, "Q4_K_M", progress=False)
+    run = scored(monkeypatch, ["dolly_mc"], limit=2, max_length=128, seed=0)
+    whole = run(f, layerwise=False)
+    assert whole[1]["loglikelihood"] and run(f, layerwise=True) == whole

@@ -477,6 +477,31 @@ def test_a_torchrun_jobs_layers_are_kept_from_one_process(tiny_dir, tmp_path, mo
     assert progress_path(out, 0).is_file()
 
 
+def test_a_progress_saved_by_an_earlier_format_starts_afresh(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A run stopped under a quantkit whose progress meant something else (format 1: one attention mask
+    for every kind of layer) is the same run by its key, but its layers are not gone on from: the
+    command says so and writes what an uninterrupted run writes."""
+    from quantkit import pipeline
+    from quantkit.atomic import progress_path
+
+    kw = dict(method="gptq", bits=4, group_size=32, calib_data=VALID, calib_samples=4, calib_seqlen=48, progress=False)
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "whole", **kw)
+    real = stopping_saves(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **kw)
+    monkeypatch.setattr(pipeline, "save_progress", real)
+    state = pipeline.read_progress(progress_path(tmp_path / "q"))
+    del state["format"]  # as quantkit saved it before the format had a number
+    pipeline.save_progress(progress_path(tmp_path / "q"), state)
+    capsys.readouterr()
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **kw)
+    err = capsys.readouterr().err
+    assert f"ignoring progress file {progress_path(tmp_path / 'q')}: another version of quantkit saved it " \
+           f"(format 1, this one reads {pipeline.LAYERS_FORMAT}), so the run starts afresh" in err
+    assert "resuming" not in err
+    assert files(tmp_path / "q") == files(tmp_path / "whole")
+
+
 def test_another_runs_progress_is_not_used(tiny_dir, tmp_path, capsys):
     kw = dict(method="gptq", bits=4, group_size=32, calib_data=VALID, calib_samples=4, calib_seqlen=48, progress=False)
     (tmp_path / ".q.progress.pt").write_bytes(b"cut short by a kill")

@@ -210,6 +210,37 @@ def test_an_interrupted_merge_resumes_after_the_last_merged_layer(tiny_dir, text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "m", "whole"]  # no progress, partial or lock left
 
 
+def test_a_merge_stopped_under_an_earlier_format_starts_afresh(tiny_dir, text, tmp_path, monkeypatch, capsys):
+    """A merge's progress from before each tensor kept its own dtype (format 1) is not gone on from: its
+    layers may hold norms rounded to the checkpoint's majority dtype."""
+    from quantkit import pipeline
+    from quantkit.atomic import progress_path
+    from quantkit.trainer import merging
+
+    train(tiny_dir, data=text, out=tmp_path / "a", steps=1, lr=0.05, dropout=0.0, rank=4, precision="fp32", warmup=0,
+          **SHORT)
+    merge(tmp_path / "a", tmp_path / "whole", progress=False)
+    real = pipeline.save_progress
+
+    def save_then_stop(path, state):
+        del state["format"]  # as quantkit saved it before the format had a number
+        real(path, state)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(merging, "save_progress", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        merge(tmp_path / "a", tmp_path / "m", progress=False)
+    monkeypatch.setattr(merging, "save_progress", real)
+    capsys.readouterr()
+    merge(tmp_path / "a", tmp_path / "m", progress=False)
+    err = capsys.readouterr().err
+    assert f"ignoring progress file {progress_path(tmp_path / 'm')}: another version of quantkit saved it " \
+           f"(format 1, this one reads {merging.FORMAT}), so the run starts afresh" in err
+    assert "resuming" not in err
+    assert {f.name: f.read_bytes() for f in (tmp_path / "m").iterdir()} == \
+        {f.name: f.read_bytes() for f in (tmp_path / "whole").iterdir()}
+
+
 def test_dora_is_the_base_at_its_start_under_autocast_and_keeps_no_weight_for_the_backward():
     """DoRA's norm was taken in the autocast dtype and its magnitudes in float32: under bf16 an untrained
     layer was not the base (ratios off by up to 0.4%), and the merge rescaled rows by what training had

@@ -34,6 +34,7 @@ VARIANTS = {"alora_invocation_tokens": "an activated LoRA (aLoRA)", "use_qalora"
             "kasa_config": "a KaSA adapter", "layer_replication": "LoRA on replicated layers",
             "target_parameters": "LoRA on parameters rather than linear layers",
             "fan_in_fan_out": "LoRA on transposed (Conv1D) weights"}  # PEFT's LoraConfig fields, by what they make
+FORMAT = 2  # what a merge's progress holds, raised when its meaning changes: 2 writes each tensor in its own dtype
 MERGED_FROM = "quantkit.merged_from"  # a merged model's shards' metadata: merge_key of what was merged into it
 
 
@@ -157,7 +158,7 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
         with space_for(out, needed - size_on_disk(staged.path), "the merged model",
                        "run the same command again: it resumes after the last merged layer"):
             writer = ShardWriter(staged.path, max_shard_size, {MERGED_FROM: key["merge"]})
-            state = load_progress(saved, key)
+            state = load_progress(saved, key, FORMAT)
             if state is not None and not (staged.path.is_dir() and not staged.path.is_symlink()
                                           and state_intact(staged.path, state["writer"])):
                 print(f"ignoring progress file {saved}: the partial output it describes is gone or changed",
@@ -171,7 +172,7 @@ def merge(adapter: str | os.PathLike, out: str | os.PathLike, base: str | os.Pat
             start = state["next_layer"] if state else 0
             for i in tqdm(range(start, n), initial=start, total=n, unit="layer", desc="merging", disable=not progress):
                 merge_part(m, f"model.layers.{i}", by_linear, config=config, onto_nf4=onto_nf4, writer=writer)
-                save_progress(saved, {"key": key, "next_layer": i + 1, "writer": writer.state()})
+                save_progress(saved, {"format": FORMAT, "key": key, "next_layer": i + 1, "writer": writer.state()})
             for prefix in ("model.embed_tokens", "model.norm", "lm_head"):
                 if prefix in by_linear:  # PEFT can target lm_head (fitted: only linears have adapters)
                     merge_part(m, prefix, by_linear, config=config, onto_nf4=onto_nf4, writer=writer)
