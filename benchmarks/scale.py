@@ -28,8 +28,9 @@ the float model on --eval-windows windows of 512 tokens of WikiText-2 test: floa
 GiB, so a layer at a time), bfloat16 whole and a layer at a time, against llama-perplexity on the F16
 GGUF of the model (the anchor; its export is measured too). The lm-eval runs score dolly_mc's first
 --lm-eval-limit documents: lm-eval's own command on the model as transformers loads it in bfloat16 (the
-anchor), then `quantkit lm-eval` in bfloat16 whole and a layer at a time, and in float32 (a layer at a time
-where it does not fit). Each row's ratios are against the anchor above it. Outputs go to a
+anchor, on quantkit's device), then `quantkit lm-eval` in bfloat16 whole and a layer at a time, and by
+default (a CPU's float32: a layer at a time where it does not fit). Each row's ratios are against the
+anchor above it (rows above every anchor: against the first). Outputs go to a
 temporary directory, removed at the end unless --keep.
 """
 from __future__ import annotations
@@ -175,6 +176,13 @@ def measure(label: str, cmd: list[str], env: dict | None = None, seconds: float 
     return result
 
 
+def quantkits_device() -> str:
+    """Where quantkit runs a model when no --device is given: the GPU when there is one."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def size_of(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
 
@@ -249,26 +257,26 @@ def main() -> None:
                                  ("bfloat16, whole", ["--dtype", "bfloat16", "--whole"]),
                                  ("bfloat16, a layer at a time", ["--dtype", "bfloat16", "--layerwise"])):
                 results.append(measure(f"quantkit eval, {label}", [*qk, "eval", model, *data, *extra, *common]))
-        if "lm-eval" in runs:  # the float model on dolly_mc: lm-eval's own command, then quantkit's
-            data = ROOT.parent / "shared" / "data"
-            tasks = ["--tasks", "dolly_mc", "--limit", str(a.lm_eval_limit), "--seed", "0"]
-            results.append(measure(f"lm_eval (lm-eval's command; transformers' model, bfloat16), dolly_mc, "
-                                   f"{a.lm_eval_limit} documents",
-                                   ["lm_eval", "run", "--model", "hf", "--model_args", f"pretrained={model}",
-                                    "dtype=bfloat16", "--device", a.device or "cpu", *tasks, "--batch_size", "4",
-                                    "--include_path", ROOT / "evals" / "tasks", "--metadata",
-                                    json.dumps({"data_dir": str(data)})]))
-            for label, extra in (("bfloat16, whole", ["--dtype", "bfloat16", "--whole"]),
-                                 ("bfloat16, a layer at a time", ["--dtype", "bfloat16", "--layerwise"]),
-                                 ("float32, by default (a layer at a time where it does not fit)", [])):
-                results.append(measure(f"quantkit lm-eval, {label}", [*qk, "lm-eval", model, *tasks, "--data-dir", data,
-                                                                       *extra, *common]))
         if "gptqmodel" in runs:
             child = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import scale; "
                      f"scale.gptqmodel_child({str(model)!r}, {str(out / 'gptqmodel')!r}, {a.gptq_samples}, "
                      f"{a.device or 'cuda'!r})")
             results.append(measure(f"GPTQModel: GPTQ 4-bit g128, {a.gptq_samples} x 512 tokens -> safetensors",
                                    [sys.executable, "-c", child]))
+        if "lm-eval" in runs:  # the float model on dolly_mc: lm-eval's own command, then quantkit's
+            data = ROOT.parent / "shared" / "data"
+            tasks = ["--tasks", "dolly_mc", "--limit", str(a.lm_eval_limit), "--seed", "0"]
+            results.append(measure(f"lm_eval (lm-eval's command; transformers' model, bfloat16), dolly_mc, "
+                                   f"{a.lm_eval_limit} documents",
+                                   ["lm_eval", "run", "--model", "hf", "--model_args", f"pretrained={model}",
+                                    "dtype=bfloat16", "--device", a.device or quantkits_device(), *tasks, "--batch_size", "4",
+                                    "--include_path", ROOT / "evals" / "tasks", "--metadata",
+                                    json.dumps({"data_dir": str(data)})]))
+            for label, extra in (("bfloat16, whole", ["--dtype", "bfloat16", "--whole"]),
+                                 ("bfloat16, a layer at a time", ["--dtype", "bfloat16", "--layerwise"]),
+                                 ("by default (a CPU's float32, a GPU's float16; a layer at a time where it does not fit)", [])):
+                results.append(measure(f"quantkit lm-eval, {label}", [*qk, "lm-eval", model, *tasks, "--data-dir", data,
+                                                                       *extra, *common]))
     finally:
         if not a.keep:
             shutil.rmtree(out, ignore_errors=True)

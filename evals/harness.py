@@ -253,22 +253,23 @@ def replayed(hflm: type) -> type:
 
             def record(inps: torch.Tensor, **kwargs) -> torch.Tensor:
                 batches.append(inps.cpu())
-                return torch.zeros((), device=inps.device).expand(*inps.shape, vocab)
+                return torch.zeros((), dtype=self.forward.dtype, device=inps.device).expand(*inps.shape, vocab)
 
             def made(inps: torch.Tensor, **kwargs) -> torch.Tensor:
-                expected = batches.pop(0)
-                if not torch.equal(inps.cpu(), expected):  # lm-eval's batching is deterministic
+                if not batches or not torch.equal(inps.cpu(), batches.pop(0)):  # lm-eval's batching is deterministic
                     raise RuntimeError("lm-eval made other batches when its requests were scored again")
                 return next(logits)
 
             hook, self.cache_hook = self.cache_hook, CacheHook(None)  # the stand-in scores are cached nowhere
-            self._model_call = record
+            self._model_call, logits = record, None
             try:
                 score(requests, disable_tqdm=True)
                 logits = self.forward(list(batches), 0)
                 self._model_call, self.cache_hook = made, hook
                 return score(requests, disable_tqdm=disable_tqdm)
             finally:
+                if logits is not None:  # stopped midway: the head and the hidden states left are let go now
+                    logits.close()
                 del self._model_call
                 self.cache_hook = hook
 

@@ -29,6 +29,8 @@ class Forward(Protocol):
     """A model run some other way than whole (pipeline.Layerwise): batches of token windows and the
     positions to keep -> each batch's logits of those positions, in order."""
     ran: tuple[str, str]  # the float dtype and device type it computes in (ran_in)
+    dtype: torch.dtype
+    device: torch.device
 
     def __call__(self, batches: list[torch.Tensor], keep: int) -> Iterator[torch.Tensor]: ...
 

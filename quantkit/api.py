@@ -925,7 +925,8 @@ def lm_eval(model: Model | PathLike | None, tasks: list[str], limit: int | float
         if layerwise:
             harness.check_layerwise(prepared)
         m, forward = runnable(model, packed, device, dtype, False if prepared.generating else layerwise,
-                              whole_why=f"because {harness.generating(prepared)}")
+                              whole_why=f"because {harness.generating(prepared)}" if prepared.generating
+                              else "as asked")
         with scoring(m):
             return harness.run(prepared, m.module, m.tokenizer, limit, num_fewshot, batch_size, max_length, seed,
                                chat, forward)

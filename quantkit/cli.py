@@ -224,8 +224,9 @@ def given_options() -> dict[str, str]:
               "the CPU; a .gguf file: float32 only]; on the CPU, where layers take few rows, bfloat16 runs 4-bit layers in torch's fused int4 matmul "
               "and float32 every layout in quantkit's compiled GEMV")
 @click.option("--layerwise/--whole", default=None, help="a float model or .gguf file: run it a decoder layer at a "
-              "time over all windows, each layer read from disk once, or whole [a layer at a time when it does not fit "
-              "the device's free memory]; the same figures")
+              "time over all windows, each layer read from disk once (once a part, where the windows' hidden states "
+              "exceed half the free host memory), or whole [a layer at a time when it does not fit the device's free "
+              "memory]; the same figures")
 def evaluate(model, data, protocol, ctx, max_windows, base, save_base, overwrite, max_ppl_increase, max_kld,
              min_same_top, as_json, dequantized, device, dtype, layerwise) -> None:
     """Perplexity of MODEL (a directory, an export, a .gguf file, or the embedded model). A quantized
@@ -294,9 +295,10 @@ def evaluate(model, data, protocol, ctx, max_windows, base, save_base, overwrite
 @click.option("--device", help="cpu or cuda [cuda, in float16 (a .gguf file: float32), when there is a GPU]")
 @click.option("--dtype", type=click.Choice(DTYPES), help="the activations' dtype [float16 on a GPU, float32 on the CPU; "
               "a .gguf file: float32 only]")
-@click.option("--layerwise/--whole", default=None, help="a float model or .gguf file: run every request through it "
-              "a decoder layer at a time, each layer read from disk once, or whole [a layer at a time when it does not "
-              "fit the device's free memory, unless a task generates text]; the same scores")
+@click.option("--layerwise/--whole", default=None, help="a float model or .gguf file: run all requests of a kind "
+              "through it together a decoder layer at a time, each layer read from disk once a kind (and a part, where "
+              "their hidden states exceed half the free host memory), or whole [a layer at a time when it does not fit "
+              "the device's free memory, unless a task generates text]; the same scores")
 def lm_eval(model, tasks, limit, num_fewshot, batch_size, max_length, data_dir, seed, chat, as_json, dequantized,
             device, dtype, layerwise) -> None:
     """Run EleutherAI's lm-evaluation-harness tasks on MODEL (any model quantkit loads: float, a packed

@@ -287,6 +287,11 @@ def test_log_likelihoods_that_are_nan_stop_the_run(tiny_dir, tmp_path, capsys, m
     refused(["lm-eval", hot, "--tasks", "dolly_mc", "--limit", 2, "--dtype", "float16"], capsys, monkeypatch,
             "the model's log-likelihoods are not finite: it overflows float16: run it in float32 or bfloat16 "
             "(--dtype float32)")
+    m = quantkit.load(hot)  # a layer at a time, stopped by it at its first batch: nothing of the model is left,
+    with pytest.raises(QuantkitError, match="the model's log-likelihoods are not finite: it overflows float16") as e:
+        quantkit.lm_eval(m, ["wikitext"], limit=1, max_length=64, dtype="float16", layerwise=True)
+    assert all(t.is_meta for t in m.module.state_dict(keep_vars=True).values())
+    assert e.value  # also while the traceback is kept (a notebook's last error)
 
 
 def scored(monkeypatch, tasks: list[str], **kw):
@@ -358,6 +363,11 @@ def test_tasks_that_generate_text_run_the_model_whole(tiny_dir, capsys, monkeypa
     assert any("it runs whole because dolly_mc generates text, and may run out of memory" in str(w.message)
                for w in caught)
     assert "scoring a layer at a time" not in capsys.readouterr().err
+    monkeypatch.setattr(harness, "prepare", real)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quantkit.lm_eval(tiny_dir, ["dolly_mc"], limit=1, max_length=128, device="cpu", layerwise=False)
+    assert any("it runs whole as asked, and may run out of memory" in str(w.message) for w in caught)
 
 
 def test_a_gguf_file_gets_the_same_scores_a_layer_at_a_time(tiny256, tmp_path, monkeypatch):
