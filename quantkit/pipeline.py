@@ -7,7 +7,6 @@ quantized, and the layer is run again so the next layer sees the quantized layer
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import resource
@@ -25,13 +24,8 @@ from tqdm import tqdm
 from . import distributed
 from .atomic import NEXT, siblings, waiting_path
 from .layers import GROUPS, LINEARS, Captured, on_device, run_hooked
-from .modelio import Model
+from .modelio import LIBC, Model
 from .qtensor import QuantizedTensor, per_slice
-
-try:
-    LIBC = ctypes.CDLL("libc.so.6")
-except OSError:  # not glibc
-    LIBC = None
 
 QuantizeFn = Callable[[str, torch.Tensor, "Hessian | None"], QuantizedTensor]
 # a whole layer at once (AWQ): (index, layer, its input batches) -> quantized tensors by name
@@ -41,6 +35,7 @@ OtherFn = Callable[[str, torch.Tensor], "QuantizedTensor | None"]
 
 
 BATCH = 8  # calibration windows run through a layer at once
+CGROUP = Path("/sys/fs/cgroup")  # this process's cgroup (v2), as a container sees it
 # what a layer progress holds, raised when its meaning changes: 2 keeps each kind of layer's attention mask
 LAYERS_FORMAT = 2
 
@@ -276,14 +271,25 @@ def free_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
             torch.cuda.memory_allocated(device)
-    free = proc_field("/proc/meminfo", "MemAvailable")
-    try:  # a container's or a job's limit (cgroup v2), which MemAvailable does not know
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit.isdecimal() and free is not None:
-            free = min(free, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    free, left = proc_field("/proc/meminfo", "MemAvailable"), cgroup_left()
+    return left if free is None else free if left is None else min(free, left)
+
+
+def cgroup_left(root: Path = CGROUP) -> int | None:
+    """What a container's or a job's memory limit (cgroup v2), which MemAvailable does not know, leaves
+    this process: the limit less what the group uses, the page cache the kernel drops first (inactive
+    files) counted as free, as MemAvailable counts it. None where there is no limit."""
+    try:
+        limit = (root / "memory.max").read_text().strip()
+        if not limit.isdecimal():
+            return None
+        used = int((root / "memory.current").read_text())
+        stat = root / "memory.stat"
+        cache = dict(line.split() for line in stat.read_text().splitlines()).get("inactive_file", 0) \
+            if stat.is_file() else 0
+        return int(limit) - used + int(cache)
     except (OSError, ValueError):
-        pass
-    return free
+        return None
 
 
 def proc_field(path: str, key: str) -> int | None:

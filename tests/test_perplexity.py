@@ -174,6 +174,25 @@ def test_a_gguf_file_scores_the_same_a_layer_at_a_time(tiny256, tmp_path):
     assert quantkit.compare(f, tiny256, **kw, layerwise=True) == quantkit.compare(f, tiny256, **kw, layerwise=False)
 
 
+def test_a_containers_page_cache_counts_as_free(tmp_path):
+    """Under a cgroup (v2) memory limit, what the group uses includes the page cache, which fills to
+    the limit as a checkpoint is read: counted as used, a model that fits looked like none would,
+    and its windows ran in parts of a batch, each reading the model again. The cache the kernel
+    drops first (inactive files) is free, as the host's MemAvailable counts it."""
+    from quantkit.pipeline import cgroup_left
+
+    gib = 2**30
+    (tmp_path / "memory.max").write_text(f"{8 * gib}\n")
+    (tmp_path / "memory.current").write_text(f"{int(7.5 * gib)}\n")
+    (tmp_path / "memory.stat").write_text(f"anon {gib}\nfile {int(6.5 * gib)}\ninactive_file {4 * gib}\n")
+    assert cgroup_left(tmp_path) == int(4.5 * gib)
+    (tmp_path / "memory.stat").unlink()  # without the breakdown: the limit less all that is used
+    assert cgroup_left(tmp_path) == gib // 2
+    (tmp_path / "memory.max").write_text("max\n")  # no limit
+    assert cgroup_left(tmp_path) is None
+    assert cgroup_left(tmp_path / "none") is None
+
+
 def test_a_run_stopped_in_a_layer_leaves_the_model_lazy(tiny_dir, monkeypatch):
     """Stopped in a layer, the layer stayed in memory: the Model was no longer read lazily, so the next
     evaluate of it ran it whole (a 70B out of memory) or refused layerwise=True."""
