@@ -177,10 +177,11 @@ def measure(label: str, cmd: list[str], env: dict | None = None, seconds: float 
 
 
 def quantkits_device() -> str:
-    """Where quantkit runs a model when no --device is given: the GPU when there is one."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """Where quantkit runs a model when no --device is given: the GPU when there is one. Asked of a
+    child: torch imported here would raise this process's peak RSS, which the next children inherit."""
+    said = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                          capture_output=True, text=True, check=True).stdout
+    return "cuda" if said.strip() == "True" else "cpu"
 
 
 def size_of(path: Path) -> int:

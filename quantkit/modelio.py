@@ -39,6 +39,13 @@ except OSError:  # not glibc
     LIBC = None
 
 
+def trim_heap() -> None:
+    """Give the system back what glibc holds of freed memory (its heap keeps the blocks of many
+    differently sized temporaries otherwise)."""
+    if LIBC is not None:
+        LIBC.malloc_trim(0)
+
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # decoders with model.layers[i].{self_attn,mlp}.*_proj
 DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")  # llama.cpp: "\p{N}" first
 
@@ -104,9 +111,11 @@ class Model:
             # not emptying the GPU's cache after each tensor, as accelerate does by default
             set_module_tensor_to_device(self.module, name, device, t, dtype=dtype or t.dtype, clear_cache=False)
             read += t.nbytes
-            if read > 2**30 and LIBC is not None:  # glibc held the reads' freed temporaries: 2.9-5.1 GiB of the
-                LIBC.malloc_trim(0)  # 7B shape's, read whole, in 4 runs of 8
+            if read > 2**30:  # glibc held the reads' freed temporaries: 2.9-5.1 GiB of the 7B shape's, read
+                trim_heap()  # whole, in 4 runs of 8
                 read = 0
+        if read:
+            trim_heap()
         if meta:
             if not prefix:
                 self.module.tie_weights()
@@ -203,8 +212,9 @@ def weight_map(path: Path) -> dict[str, str]:
 
 
 class Checkpoint:
-    """A float safetensors checkpoint read tensor by tensor: each read maps its shard (mmap) only
-    for as long as it takes, so what was read is not counted against the process afterwards.
+    """A float safetensors checkpoint read tensor by tensor: each tensor read is a view on a private
+    mapping of its shard (safetensors), which lasts as long as the tensor, so weights held count as the
+    file's pages (the page cache can drop them and read them again) and weights dropped as nothing.
     Tensors are known by the names transformers gives them: saved without the `model.` prefix,
     they are found under their own (key)."""
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from . import distributed
 from .atomic import NEXT, siblings, waiting_path
 from .layers import GROUPS, LINEARS, Captured, on_device, run_hooked
-from .modelio import LIBC, Model
+from .modelio import LIBC, Model, trim_heap
 from .qtensor import QuantizedTensor, per_slice
 
 QuantizeFn = Callable[[str, torch.Tensor, "Hessian | None"], QuantizedTensor]
@@ -246,23 +246,27 @@ class Layerwise:
         hidden = capture_inputs(m, batches, 0, dev, store_of(m, tokens, dev), self.dtype, share=False)
         bar = tqdm(range(n), desc=f"scoring a layer at a time{said}", unit="layer", disable=not self.progress,
                    file=sys.stderr)
-        # whatever stops it, each part read is dropped: the model is left as lazy as it came, to stream again
-        for i in bar:
-            try:
-                run_layer(m.materialize(f"model.layers.{i}", dev, self.dtype), hidden)
-            finally:
-                m.release(f"model.layers.{i}")
-            free_memory()
-            rate = tokens * (i + 1) / n / (time.monotonic() - began)  # through the whole model, at this pace
-            bar.set_postfix_str(f"{rate:.0f} tok/s, {peak_memory()}", refresh=False)
+        # whatever stops it, each part read is dropped: the model is left as lazy as it came, to stream again,
+        # and the hidden states go (a traceback kept after an error holds this frame)
         try:
-            norm, head = m.materialize("model.norm", dev, self.dtype), m.materialize("lm_head", dev, self.dtype)
-            while hidden:  # each batch's hidden states freed once its logits are made
-                h, _ = hidden.pop(0)
-                yield head(norm(on_device(head, h))[:, -keep:])  # as the model's forward: norm, then the kept rows
+            for i in bar:
+                try:
+                    run_layer(m.materialize(f"model.layers.{i}", dev, self.dtype), hidden)
+                finally:
+                    m.release(f"model.layers.{i}")
+                free_memory()
+                rate = tokens * (i + 1) / n / (time.monotonic() - began)  # through the whole model, at this pace
+                bar.set_postfix_str(f"{rate:.0f} tok/s, {peak_memory()}", refresh=False)
+            try:
+                norm, head = m.materialize("model.norm", dev, self.dtype), m.materialize("lm_head", dev, self.dtype)
+                while hidden:  # each batch's hidden states freed once its logits are made
+                    h, _ = hidden.pop(0)
+                    yield head(norm(on_device(head, h))[:, -keep:])  # as the model's forward: norm, then the kept rows
+            finally:
+                m.release("model.norm")
+                m.release("lm_head")
         finally:
-            m.release("model.norm")
-            m.release("lm_head")
+            hidden.clear()
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -275,21 +279,31 @@ def free_bytes(device: torch.device) -> int | None:
     return left if free is None else free if left is None else min(free, left)
 
 
-def cgroup_left(root: Path = CGROUP) -> int | None:
-    """What a container's or a job's memory limit (cgroup v2), which MemAvailable does not know, leaves
-    this process: the limit less what the group uses, the page cache the kernel drops first (inactive
-    files) counted as free, as MemAvailable counts it. None where there is no limit."""
-    try:
-        limit = (root / "memory.max").read_text().strip()
-        if not limit.isdecimal():
-            return None
-        used = int((root / "memory.current").read_text())
-        stat = root / "memory.stat"
-        cache = dict(line.split() for line in stat.read_text().splitlines()).get("inactive_file", 0) \
-            if stat.is_file() else 0
-        return int(limit) - used + int(cache)
-    except (OSError, ValueError):
-        return None
+def cgroup_left(root: Path = CGROUP, own: str | None = None) -> int | None:
+    """What the memory limits (cgroup v2) of this process's group and the groups above it, which
+    MemAvailable does not know, leave it: the least of each limit less what its group uses, the page
+    cache the kernel drops first (inactive files) counted as free. None where no group has a limit.
+    own: the group's path under root (default: this process's, from /proc/self/cgroup)."""
+    if own is None:
+        try:
+            own = next((line[3:].strip() for line in Path("/proc/self/cgroup").read_text().splitlines()
+                        if line.startswith("0::")), "/")
+        except OSError:
+            own = "/"
+    group, lefts = root / own.strip("/"), []
+    for level in [group, *group.parents]:
+        if not level.is_relative_to(root):
+            break
+        try:
+            limit = (level / "memory.max").read_text().strip()
+            if limit.isdecimal():
+                stat = level / "memory.stat"
+                cache = dict(line.split() for line in stat.read_text().splitlines()).get("inactive_file", 0) \
+                    if stat.is_file() else 0
+                lefts.append(max(0, int(limit) - int((level / "memory.current").read_text()) + int(cache)))
+        except (OSError, ValueError):
+            pass
+    return min(lefts, default=None)
 
 
 def proc_field(path: str, key: str) -> int | None:
@@ -365,8 +379,7 @@ def free_memory() -> None:
     differently sized temporaries in its heap, which grows layer after layer without this."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-    if LIBC is not None:
-        LIBC.malloc_trim(0)
+    trim_heap()
 
 
 def peak_rss() -> int:

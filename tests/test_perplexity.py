@@ -182,15 +182,21 @@ def test_a_containers_page_cache_counts_as_free(tmp_path):
     from quantkit.pipeline import cgroup_left
 
     gib = 2**30
-    (tmp_path / "memory.max").write_text(f"{8 * gib}\n")
-    (tmp_path / "memory.current").write_text(f"{int(7.5 * gib)}\n")
-    (tmp_path / "memory.stat").write_text(f"anon {gib}\nfile {int(6.5 * gib)}\ninactive_file {4 * gib}\n")
-    assert cgroup_left(tmp_path) == int(4.5 * gib)
-    (tmp_path / "memory.stat").unlink()  # without the breakdown: the limit less all that is used
-    assert cgroup_left(tmp_path) == gib // 2
-    (tmp_path / "memory.max").write_text("max\n")  # no limit
-    assert cgroup_left(tmp_path) is None
-    assert cgroup_left(tmp_path / "none") is None
+    job = tmp_path / "system.slice" / "job.scope"  # the process's own group, below the root (no namespace)
+    job.mkdir(parents=True)
+    (job / "memory.max").write_text(f"{8 * gib}\n")
+    (job / "memory.current").write_text(f"{int(7.5 * gib)}\n")
+    (job / "memory.stat").write_text(f"anon {gib}\nfile {int(6.5 * gib)}\ninactive_file {4 * gib}\n")
+    assert cgroup_left(tmp_path, "/system.slice/job.scope") == int(4.5 * gib)
+    (job / "memory.stat").unlink()  # without the breakdown: the limit less all that is used
+    assert cgroup_left(tmp_path, "/system.slice/job.scope") == gib // 2
+    (tmp_path / "system.slice" / "memory.max").write_text(f"{gib}\n")  # a tighter limit above it
+    (tmp_path / "system.slice" / "memory.current").write_text(f"{2 * gib}\n")  # over it: none left, not less
+    assert cgroup_left(tmp_path, "/system.slice/job.scope") == 0
+    for path in (job / "memory.max", tmp_path / "system.slice" / "memory.max"):
+        path.write_text("max\n")  # no limit
+    assert cgroup_left(tmp_path, "/system.slice/job.scope") is None
+    assert cgroup_left(tmp_path, "/") is None and cgroup_left(tmp_path / "none", "/") is None
 
 
 def test_a_run_stopped_in_a_layer_leaves_the_model_lazy(tiny_dir, monkeypatch):
