@@ -49,8 +49,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-VALID = ROOT.parent / "shared" / "data" / "wikitext-2" / "wiki.valid.tokens"
-TEST = ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+DATA = ROOT.parent / "shared" / "data"
+VALID = DATA / "wikitext-2" / "wiki.valid.tokens"
+TEST = DATA / "wikitext-2-raw" / "wiki.test.raw"
 
 SHAPES = {
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -265,18 +266,18 @@ def main() -> None:
             results.append(measure(f"GPTQModel: GPTQ 4-bit g128, {a.gptq_samples} x 512 tokens -> safetensors",
                                    [sys.executable, "-c", child]))
         if "lm-eval" in runs:  # the float model on dolly_mc: lm-eval's own command, then quantkit's
-            data = ROOT.parent / "shared" / "data"
             tasks = ["--tasks", "dolly_mc", "--limit", str(a.lm_eval_limit), "--seed", "0"]
             results.append(measure(f"lm_eval (lm-eval's command; transformers' model, bfloat16), dolly_mc, "
                                    f"{a.lm_eval_limit} documents",
                                    ["lm_eval", "run", "--model", "hf", "--model_args", f"pretrained={model}",
-                                    "dtype=bfloat16", "--device", a.device or quantkits_device(), *tasks, "--batch_size", "4",
-                                    "--include_path", ROOT / "evals" / "tasks", "--metadata",
-                                    json.dumps({"data_dir": str(data)})]))
+                                    "dtype=bfloat16", "--device", a.device or quantkits_device(), *tasks,
+                                    "--batch_size", "4", "--include_path", ROOT / "evals" / "tasks", "--metadata",
+                                    json.dumps({"data_dir": str(DATA)})]))
             for label, extra in (("bfloat16, whole", ["--dtype", "bfloat16", "--whole"]),
                                  ("bfloat16, a layer at a time", ["--dtype", "bfloat16", "--layerwise"]),
-                                 ("by default (a CPU's float32, a GPU's float16; a layer at a time where it does not fit)", [])):
-                results.append(measure(f"quantkit lm-eval, {label}", [*qk, "lm-eval", model, *tasks, "--data-dir", data,
+                                 ("by default (a CPU's float32, a GPU's float16; a layer at a time where it does not "
+                                  "fit)", [])):
+                results.append(measure(f"quantkit lm-eval, {label}", [*qk, "lm-eval", model, *tasks, "--data-dir", DATA,
                                                                        *extra, *common]))
     finally:
         if not a.keep:

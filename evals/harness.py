@@ -226,7 +226,8 @@ def rolling_in_one_bar(hflm: type) -> type:
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
             scores = super()._loglikelihood_tokens(requests, disable_tqdm or self.bar is not None, override_bs)
             if not all(math.isfinite(logprob) for logprob, _ in scores):  # every score after would be NaN or inf
-                raise QuantkitError(f"the model's log-likelihoods are not finite: {overflow((self.forward or self.model).dtype)}")
+                computed = (self.forward or self.model).dtype
+                raise QuantkitError(f"the model's log-likelihoods are not finite: {overflow(computed)}")
             if self.bar is not None:
                 self.bar.update(len(requests))
             return scores
