@@ -18,6 +18,8 @@
 #   gptq7b   GPTQ of the 7b shape, stopped when its share is spent
 #   gptqmodel  GPTQ of the 7b shape's first 8 layers against GPTQModel's (benchmarks/scale.py), 32 windows
 #   devices  benchmarks/devices.py
+#   progress benchmarks/progress_save.py on the random model of SmolLM2-135M's shapes: progress saved behind
+#            the next layer against waited for, where a layer on the GPU takes less than its save
 # Each step's log goes to $OUT (or .gpu/out), its exit status and end time to times.log. The GPU
 # machine has no network: what it lacks travels as wheels.
 set -u
@@ -130,6 +132,11 @@ run)
     t=$(($(left) - 20)); [ $t -gt 130 ] && t=130; [ $t -lt 5 ] && t=5
     timeout $t python3 benchmarks/devices.py --methods rtn,gptq --samples 32 --windows 10 > "$out/devices.log" 2>&1
     mark devices $?
+  fi
+  if has progress; then
+    m=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import scale; print(scale.model_dir('135m'))" 2>> "$out/progress.log" | tail -1)
+    timeout "$(upto 240)" python3 benchmarks/progress_save.py --model "$m" --repeat 1 >> "$out/progress.log" 2>&1
+    mark progress $?
   fi
   ;;
 *)

@@ -7,10 +7,12 @@ quantized, and the layer is run again so the next layer sees the quantized layer
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import resource
 import sys
+import threading
 import time
 import zipfile
 from contextlib import contextmanager
@@ -458,6 +460,66 @@ def save_progress(path: Path, state: dict) -> None:
     tmp.replace(path)
 
 
+class Saver:
+    """A run's progress saved behind its next layer: a thread writes each state while the next layer is
+    quantized (a 7B layer's 128 calibration windows are 1 GiB, seconds to hash and write), one save in
+    flight at a time; a save's error reaches the run at its next save or at its end. The activations
+    are replaced, never changed in place, so the thread holds the ones it writes: up to a second copy
+    of them in host memory (a GPU's copied out at once), so a save is made behind only where they take
+    at most half the free host memory. Under torchrun each save is made at once: a process's state
+    waits under its own name until every process has written its own, then replaces the last one, and
+    that agreement is a collective (the main thread's, between the layer's own)."""
+
+    def __init__(self, path: Path):
+        self.path, self.thread, self.error, self.waiting, self.pending = path, None, None, None, 0
+
+    def save(self, state: dict, next_layer: int) -> None:
+        self.wait()
+        self.pending = next_layer
+        self.waiting = waiting_path(self.path, next_layer) if distributed.world() > 1 else None
+        batches = state["batches"] or []
+        free = free_bytes(torch.device("cpu"))
+        if self.waiting is None and (free is None or 2 * sum(h.nbytes for h, _ in batches) <= free):
+            # what the run changes next must not change what is written: new lists, the writer's state copied
+            state = {k: to(v, "cpu") if k == "batches" else copy.deepcopy(v) for k, v in state.items()}
+            self.thread = threading.Thread(target=self.write, args=(self.path, state), name="saving progress",
+                                           daemon=True)
+            self.thread.start()
+        else:
+            self.write(self.waiting or self.path, state)
+            self.wait()
+
+    def write(self, path: Path, state: dict) -> None:
+        try:
+            save_progress(path, state)
+        except BaseException as e:  # the save's own (a test's KeyboardInterrupt too): the run raises it
+            self.error = e
+
+    def wait(self) -> None:
+        """The save in flight finished, its error raised; under torchrun in place once every process's is."""
+        if not self.pending:
+            return
+        if self.thread is not None:
+            self.thread.join()
+        self.pending, self.thread, error, self.error = 0, None, self.error, None
+        if error is not None:
+            raise error
+        if self.waiting is not None:  # every process's state whole on disk before any replaces its last one
+            distributed.agree(0, "min", "saving the progress")
+            self.waiting.replace(self.path)
+
+    def stop(self) -> None:
+        """The save in flight finished as the run stops for another reason, the one raised."""
+        if self.thread is not None:
+            if self.thread.is_alive():
+                print(f"finishing the save of the progress after layer {self.pending}", file=sys.stderr)
+            self.thread.join()
+            if self.error is not None and not isinstance(self.error, KeyboardInterrupt):
+                print(f"the progress after layer {self.pending} was not saved ({type(self.error).__name__}: {self.error})",
+                      file=sys.stderr)
+        self.pending, self.thread, self.error = 0, None, None
+
+
 def read_progress(path: Path, checked: bool = True) -> dict:
     """A state save_progress wrote, checked against its digest (ValueError when it was changed); unchecked,
     its tensors mapped from the file, not read (a look at its key costs nothing)."""
@@ -710,44 +772,45 @@ def quantize_layers(
     bar = tqdm(range(start, n), desc=desc, unit="layer", initial=start, total=n,
                disable=not progress, file=sys.stderr)
     began = time.monotonic()
-    for i in bar:
-        prefix = f"model.layers.{i}"
-        layer = model.materialize(prefix, device, dtype=None)
-        if keep or layer_fn is not None:  # computed in float32 (quantize_layer keeps the rest Lean)
-            layer.float()
-        if layer_fn is not None:
-            layer_tensors = {name: qt.to("cpu") for name, qt in layer_fn(i, layer, batches).items()}
-            if batches is not None:  # the next layer's inputs: this quantized layer's outputs
-                run_layer(layer, batches)
-        else:
-            layer_tensors = quantize_layer(i, layer, quantize, batches, stages, update=keep, diagonal=diagonal)
-        if writer is not None:
-            for name, qt in layer_tensors.items():
-                writer.add_quantized(name, qt)
-            for key, t in layer.state_dict().items():
-                if f"{prefix}.{key}".removesuffix(".weight") not in layer_tensors:
-                    writer.add(f"{prefix}.{key}", t)
-        if keep or model.checkpoint is None:
-            layer.to("cpu")
-            tensors |= layer_tensors
-        else:
-            model.release(prefix)
-        del layer, layer_tensors
-        free_memory()
-        if resume and not keep:
-            saved = {"format": LAYERS_FORMAT, "key": resume[1], "next_layer": i + 1, "batches": batches,
-                     "writer": writer.state() if writer is not None else None}
-            if distributed.world() > 1:  # every process's state whole on disk before any replaces its last one
-                waiting = waiting_path(resume[0], i + 1)
-                save_progress(waiting, saved)
-                distributed.agree(0, "min", "saving the progress")
-                waiting.replace(resume[0])
+    saver = Saver(resume[0]) if resume and not keep else None
+    try:
+        for i in bar:
+            prefix = f"model.layers.{i}"
+            layer = model.materialize(prefix, device, dtype=None)
+            if keep or layer_fn is not None:  # computed in float32 (quantize_layer keeps the rest Lean)
+                layer.float()
+            if layer_fn is not None:
+                layer_tensors = {name: qt.to("cpu") for name, qt in layer_fn(i, layer, batches).items()}
+                if batches is not None:  # the next layer's inputs: this quantized layer's outputs
+                    run_layer(layer, batches)
             else:
-                save_progress(resume[0], saved)
-        rate = tokens * (i + 1 - start) / (time.monotonic() - began)
-        bar.set_postfix_str(", ".join(filter(None, [
-            f"{rate:.0f} tok/s" if tokens else "", f"{writer.written / 2**20:.0f} MiB written" if writer else "",
-            peak_memory()])), refresh=False)  # drawn with the count, by the next update
+                layer_tensors = quantize_layer(i, layer, quantize, batches, stages, update=keep, diagonal=diagonal)
+            if writer is not None:
+                for name, qt in layer_tensors.items():
+                    writer.add_quantized(name, qt)
+                for key, t in layer.state_dict().items():
+                    if f"{prefix}.{key}".removesuffix(".weight") not in layer_tensors:
+                        writer.add(f"{prefix}.{key}", t)
+            if keep or model.checkpoint is None:
+                layer.to("cpu")
+                tensors |= layer_tensors
+            else:
+                model.release(prefix)
+            del layer, layer_tensors
+            free_memory()
+            if saver is not None:
+                saver.wait()  # on disk before the writer's state is taken: that lets go of what only the last needed
+                saver.save({"format": LAYERS_FORMAT, "key": resume[1], "next_layer": i + 1, "batches": batches,
+                            "writer": writer.state() if writer is not None else None}, i + 1)
+            rate = tokens * (i + 1 - start) / (time.monotonic() - began)
+            bar.set_postfix_str(", ".join(filter(None, [
+                f"{rate:.0f} tok/s" if tokens else "", f"{writer.written / 2**20:.0f} MiB written" if writer else "",
+                peak_memory()])), refresh=False)  # drawn with the count, by the next update
+        if saver is not None:
+            saver.wait()
+    finally:
+        if saver is not None:
+            saver.stop()
     for prefix in ("model.norm", "lm_head"):
         tensors |= write_other(model, prefix, writer, other, keep)
     if keep:
@@ -757,11 +820,13 @@ def quantize_layers(
 
 def to(value, device):
     """A calibration keyword argument on device (tensors, and the tuples of them such as rotary embeddings,
-    and the masks by kind of layer)."""
+    and the masks by kind of layer), or the batches themselves (a list: a new one)."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, tuple):
         return tuple(to(v, device) for v in value)
+    if isinstance(value, list):
+        return [to(v, device) for v in value]
     if isinstance(value, dict):
         return {k: to(v, device) for k, v in value.items()}
     return value

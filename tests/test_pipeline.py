@@ -502,6 +502,68 @@ def test_a_progress_saved_by_an_earlier_format_starts_afresh(tiny_dir, tmp_path,
     assert files(tmp_path / "q") == files(tmp_path / "whole")
 
 
+def test_progress_is_saved_behind_the_next_layer(tiny_dir, tmp_path, monkeypatch):
+    """Layer 0's progress is written while layer 1 is quantized (it waited on the disk: 3.3 s a layer for
+    a 7B's 128 windows), and holds layer 0's end: held back until layer 1 has replaced the calibration
+    activations and written its tensors, then stopped there, the run resumes into what an uninterrupted
+    run writes."""
+    import threading
+
+    from quantkit import pipeline
+    from quantkit.modelio import Model
+
+    kw = dict(method="gptq", bits=4, group_size=32, calib_data=VALID, calib_samples=4, calib_seqlen=48, progress=False)
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "whole", **kw)
+    real_save, real_release, released = pipeline.save_progress, Model.release, threading.Event()
+
+    def release(self, prefix):  # after the layer's tensors went to the writer
+        real_release(self, prefix)
+        if prefix == "model.layers.1":
+            released.set()
+
+    def save_late(path, state):
+        assert released.wait(60), "the save held up the next layer"
+        real_save(path, state)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Model, "release", release)
+    monkeypatch.setattr(pipeline, "save_progress", save_late)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **kw)
+    monkeypatch.setattr(pipeline, "save_progress", real_save)
+    assert pipeline.read_progress(tmp_path / ".q.progress.pt")["next_layer"] == 1
+    quantkit.quantize(str(tiny_dir), out=tmp_path / "q", **kw)
+    assert files(tmp_path / "q") == files(tmp_path / "whole")
+
+
+def test_progress_is_saved_at_once_where_a_copy_would_not_fit(tiny_dir, tmp_path, monkeypatch):
+    """Where the activations take more than half the free host memory, each save is made before the next
+    layer begins (its thread would hold a second copy of them)."""
+    import threading
+
+    from quantkit import pipeline
+    from quantkit.modelio import Model
+
+    real_save, real_release, released, overlapped = pipeline.save_progress, Model.release, threading.Event(), []
+
+    def release(self, prefix):
+        real_release(self, prefix)
+        if prefix == "model.layers.1":
+            released.set()
+
+    def save(path, state):
+        if state["next_layer"] == 1:
+            overlapped.append(released.wait(2))
+        real_save(path, state)
+
+    monkeypatch.setattr(Model, "release", release)
+    monkeypatch.setattr(pipeline, "save_progress", save)
+    monkeypatch.setattr(pipeline, "free_bytes", lambda device: 1)
+    quantkit.quantize(str(tiny_dir), method="gptq", group_size=32, calib_data=VALID, calib_samples=4, calib_seqlen=48,
+                      out=tmp_path / "q", progress=False)
+    assert overlapped == [False] and released.is_set()
+
+
 def test_another_runs_progress_is_not_used(tiny_dir, tmp_path, capsys):
     kw = dict(method="gptq", bits=4, group_size=32, calib_data=VALID, calib_samples=4, calib_seqlen=48, progress=False)
     (tmp_path / ".q.progress.pt").write_bytes(b"cut short by a kill")
