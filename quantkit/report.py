@@ -200,6 +200,11 @@ LM_EVAL_FLAGS = MappingProxyType({"limit": "--lm-eval-limit", "num_fewshot": "--
                                   "data_dir": "--lm-eval-data-dir"})
 
 
+# report's flags for what each point passes on to quantize
+POINT_FLAGS = MappingProxyType({"method": "--methods", "format": "--methods", "exl2": "--exl2-bits",
+                                "gguf_type": "--gguf-types", "max_windows": "--windows"})
+
+
 def lm_eval_flags() -> AbstractContextManager[None]:
     return errors.renamed(LM_EVAL_FLAGS)
 
@@ -417,7 +422,7 @@ def report(out: str | os.PathLike, settings: Settings, sweep: Sweep | None = Non
         eta = f", about {duration((time.monotonic() - began) / k * (len(left) - k))} left" if k else ""
         echo(f"[{todo.index(p) + 1}/{len(todo)}] {p.name} (log: {log}{eta})")
         spec = {"point": asdict(p), "settings": asdict(settings), "out": str(out), "keep_exports": sweep.keep_exports,
-                "parent": os.getpid()}
+                "parent": os.getpid(), "command_line": errors.COMMAND_LINE.get()}
         try:
             with atomic.created(log) as f:
                 r = subprocess.run([sys.executable, "-m", "quantkit.report", json.dumps(spec)], stdout=f, stderr=f)
@@ -648,8 +653,10 @@ def main(argv: list[str]) -> None:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.set_verbosity_error()
+    errors.COMMAND_LINE.set(spec["command_line"])  # a point's errors in its parent's words
     try:
-        result = run_point(spec)
+        with errors.renamed(POINT_FLAGS):
+            result = run_point(spec)
     except QuantkitError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

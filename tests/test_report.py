@@ -53,7 +53,7 @@ def test_sweep_resume_and_refusal(tiny_dir, tmp_path, capsys, monkeypatch, text)
     assert "| base (float) |" in md and f"| {base['acc']:.4f} ± {base['acc_stderr']:.4f} |" in md
     rtn = by_name["rtn-w4"]["lm_eval"]["dolly_mc"]
     assert f"| {rtn['acc_norm']:.4f} ± {rtn['acc_norm_stderr']:.4f} |" in md
-    assert all(f"| {name} |" in md for name in by_name) and "failed: error: exl2=9 is outside" in md
+    assert all(f"| {name} |" in md for name in by_name) and "failed: error: --exl2-bits 9 is outside" in md
     for png in ("perplexity.png", "kld.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (out / "exports").exists()  # exports measured, then dropped
