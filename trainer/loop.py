@@ -36,6 +36,9 @@ from . import dataset, lora
 from .config import TrainConfig, held_out_twice
 
 LOG = "train_log.json"
+# what a checkpoint's state means, raised when that changes: one saved under another is not resumed from
+# (a checkpoint saved before it had a number is format 1)
+CHECKPOINT_FORMAT = 1
 PLOT = "loss.png"
 # free to change on resume (checkpoints hold whole tensors, so also --fsdp and the number of processes)
 SAME_RUN = ("save_every", "eval_every", "patience", "compile", "gradient_checkpointing", "fsdp")
@@ -461,6 +464,10 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
         try:
             if resume:
                 state = checkpoints.load()
+                if state.get("format", 1) != CHECKPOINT_FORMAT:
+                    raise QuantkitError(f"the checkpoint in {partial} was saved by another version of quantkit (format "
+                                        f"{state.get('format', 1)}, this one reads {CHECKPOINT_FORMAT}): resume it with "
+                                        f"that version, or pass {option('overwrite', True)} to start over")
                 if state["key"] != key:
                     raise QuantkitError(f"the checkpoint in {partial} is of another run (a different model, data or "
                                         f"settings): resume with the command that started it, or choose another {option('out')}")
@@ -632,7 +639,7 @@ def run(m: Model, config: TrainConfig, names: list[str], *, train_set: list[data
                 adapter, opt_state = lora.adapter_state(layers), optimizer_state(opt)  # every process: FSDP gathers
                 if rank == 0:
                     checkpoints.save(adapter, {
-                        "key": key, "step": step + 1, "optimizer": opt_state, "scheduler": sched.state_dict(),
+                        "format": CHECKPOINT_FORMAT, "key": key, "step": step + 1, "optimizer": opt_state, "scheduler": sched.state_dict(),
                         # LoRA's dropout has its own seeds; the RNG is for the model's own dropout, if any
                         "scaler": scaler.state_dict() if scaler else None, "rng": torch.get_rng_state(),
                         "cuda_rng": torch.cuda.get_rng_state() if dev.type == "cuda" else None, "log": result.log,
