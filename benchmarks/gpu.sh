@@ -135,7 +135,8 @@ run)
   fi
   if has progress; then
     m=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import scale; print(scale.model_dir('135m'))" 2>> "$out/progress.log" | tail -1)
-    timeout "$(upto 240)" python3 benchmarks/progress_save.py --model "$m" --repeat 1 >> "$out/progress.log" 2>&1
+    [ -n "$m" ]; mark progress-model $?
+    [ -n "$m" ] && timeout "$(upto 240)" python3 benchmarks/progress_save.py --model "$m" --repeat 1 >> "$out/progress.log" 2>&1
     mark progress $?
   fi
   ;;

@@ -5,9 +5,9 @@ saved before).
 
     python benchmarks/progress_save.py [--model DIR] [--samples 128] [--repeat 2] [--dir DIR]
 
-The two settings alternate, --repeat times each. Each row: the run's time, the time its saves took
-(save_progress, in the saving thread), the time the layer loop spent waiting for them, and the size
-of one save; ratios are against the anchor's median time. --model: default the embedded model;
+The two settings alternate, --repeat times each. Each row: the runs' times, the time their saves
+took (save_progress, in the saving thread) and the time the layer loop spent waiting for them, with
+the size of one save; ratios are of the medians, against the anchor's. --model: default the embedded model;
 --samples: calibration windows of 512 tokens of wiki.valid.tokens (the command line's default, 128).
 --dir: where the exports and progress go (default: a temporary directory, on the disk of /tmp).
 """
@@ -81,18 +81,19 @@ def main() -> None:
                       f"waited {r['waiting']:.1f} s", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    anchor = statistics.median(r["time"] for r in runs[False])
+    anchor = {k: statistics.median(r[k] for r in runs[False]) for k in ("time", "waiting")}
     r0 = runs[False][0]
     print(f"GPTQ of {a.model or 'the embedded model'}, {a.samples} windows of 512: {r0['saves']} saves of "
           f"{r0['size'] / 2**20:.0f} MiB")
-    print("| saves | run (s), median | runs | saves took (s), median | loop waited (s), median | time / anchor |")
-    print("|---|---|---|---|---|---|")
+    print("| saves | runs (s) | median (s) | saves took (s), median | loop waited (s), median | waited / anchor's | "
+          "time / anchor |")
+    print("|---|---|---|---|---|---|---|")
     for behind, label in ((False, "waited for at once (anchor)"), (True, "behind the next layer")):
         rs = runs[behind]
         med = {k: statistics.median(r[k] for r in rs) for k in ("time", "saving", "waiting")}
         each = ", ".join(f"{r['time']:.1f}" for r in rs)
-        print(f"| {label} | {med['time']:.1f} | {each} | {med['saving']:.1f} | {med['waiting']:.1f} | "
-              f"{med['time'] / anchor:.3f} |")
+        print(f"| {label} | {each} | {med['time']:.1f} | {med['saving']:.1f} | {med['waiting']:.1f} | "
+              f"{med['waiting'] / anchor['waiting']:.3f} | {med['time'] / anchor['time']:.3f} |")
 
 
 if __name__ == "__main__":

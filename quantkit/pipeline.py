@@ -470,11 +470,11 @@ class Saver:
     waits under its own name until every process has written its own, then replaces the last one, and
     that agreement is a collective (the main thread's, between the layer's own)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path) -> None:
         self.path, self.thread, self.error, self.waiting, self.pending = path, None, None, None, 0
 
     def save(self, state: dict, next_layer: int) -> None:
-        self.wait()
+        self.wait()  # one in flight
         self.pending = next_layer
         self.waiting = waiting_path(self.path, next_layer) if distributed.world() > 1 else None
         batches = state["batches"] or []
@@ -515,8 +515,8 @@ class Saver:
                 print(f"finishing the save of the progress after layer {self.pending}", file=sys.stderr)
             self.thread.join()
             if self.error is not None and not isinstance(self.error, KeyboardInterrupt):
-                print(f"the progress after layer {self.pending} was not saved ({type(self.error).__name__}: {self.error})",
-                      file=sys.stderr)
+                print(f"the progress after layer {self.pending} was not saved "
+                      f"({type(self.error).__name__}: {self.error})", file=sys.stderr)
         self.pending, self.thread, self.error = 0, None, None
 
 

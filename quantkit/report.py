@@ -201,8 +201,8 @@ LM_EVAL_FLAGS = MappingProxyType({"limit": "--lm-eval-limit", "num_fewshot": "--
 
 
 # report's flags for what each point passes on to quantize
-POINT_FLAGS = MappingProxyType({"method": "--methods", "format": "--methods", "exl2": "--exl2-bits",
-                                "gguf_type": "--gguf-types", "max_windows": "--windows"})
+POINT_FLAGS = MappingProxyType({"method": "--methods", "exl2": "--exl2-bits", "gguf_type": "--gguf-types",
+                                "max_windows": "--windows"})
 
 
 def lm_eval_flags() -> AbstractContextManager[None]:

@@ -390,7 +390,8 @@ def test_resume_another_runs_checkpoint(tiny_dir, text, capsys, monkeypatch, tmp
 
 def test_resume_a_checkpoint_of_another_format(tiny_dir, text, capsys, monkeypatch, tmp_path):
     """A checkpoint whose state means something else to this quantkit (another format number) is not
-    resumed from, even of the same run: it is refused naming both formats, and stays for its version."""
+    resumed from, even of the same run, nor cleared by a run without --resume: it is refused naming both
+    formats, and stays for its version."""
     from quantkit.pipeline import read_progress, save_progress
     from quantkit.trainer import loop
 
@@ -398,13 +399,15 @@ def test_resume_a_checkpoint_of_another_format(tiny_dir, text, capsys, monkeypat
     state_file = tmp_path / ".out.partial" / "checkpoint" / "state.pt"
     state = read_progress(state_file)
     assert state["format"] == loop.CHECKPOINT_FORMAT
-    state["format"] = loop.CHECKPOINT_FORMAT + 1  # as a later quantkit would save it
+    state["format"] = loop.CHECKPOINT_FORMAT + 1  # as a later quantkit would save it, without a key this one needs:
+    del state["bad"]  # refused for its format, not called damaged
     save_progress(state_file, state)
-    fails(["train", tiny_dir, "--data", text, "--out", tmp_path / "out", *FAST, "--steps", 6, "--save-every", 2,
-           "--resume"], capsys, monkeypatch, f"was saved by another version of quantkit (format "
-          f"{loop.CHECKPOINT_FORMAT + 1}, this one reads {loop.CHECKPOINT_FORMAT}): resume it with that version, or "
-          "pass --overwrite to start over")
-    assert left(tmp_path) == [".out.partial"] and saved_step(tmp_path) == 2
+    args = ["train", tiny_dir, "--data", text, "--out", tmp_path / "out", *FAST, "--steps", 6, "--save-every", 2]
+    for more in (["--resume"], []):  # nor is it cleared by a run that does not resume
+        fails([*args, *more], capsys, monkeypatch, f"was saved by another version of quantkit (format "
+              f"{loop.CHECKPOINT_FORMAT + 1}, this one reads {loop.CHECKPOINT_FORMAT}): resume it with that version, "
+              "or pass --overwrite to start over")
+        assert left(tmp_path) == [".out.partial"] and saved_step(tmp_path) == 2
 
 
 def test_resumed_where_auto_precision_is_float16(tiny_dir, text, monkeypatch, tmp_path):

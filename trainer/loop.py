@@ -274,6 +274,10 @@ STATE_KEYS = {"key", "step", "optimizer", "scheduler", "scaler", "rng", "cuda_rn
               "best", "best_loss", "bad"}  # what a checkpoint's state.pt holds (run() saves and reads them)
 
 
+class OtherFormat(QuantkitError):
+    """A checkpoint saved by a quantkit whose checkpoints mean something else."""
+
+
 class Checkpoints:
     """The latest checkpoint in directory/checkpoint: adapter tensors, optimizer, scheduler, scaler,
     RNG, step and log, written beside it and swapped in whole."""
@@ -331,6 +335,8 @@ class Checkpoints:
         """The latest checkpoint, or None when there is none or it is damaged (a fresh start clears it)."""
         try:
             return self.load() if self.latest() is not None else None
+        except OtherFormat:  # not damaged: kept for the version that saved it
+            raise
         except QuantkitError:
             return None
 
@@ -338,6 +344,11 @@ class Checkpoints:
         path = self.latest()
         with untrusted(path, "the checkpoint is damaged", f"run again without {option('resume', True)}"):
             state = read_progress(path / "state.pt")
+            saved = state.get("format", 1) if isinstance(state, dict) else CHECKPOINT_FORMAT
+            if saved != CHECKPOINT_FORMAT:  # before its keys: another format may have others
+                raise OtherFormat(f"the checkpoint in {self.path.parent} was saved by another version of quantkit "
+                                  f"(format {saved}, this one reads {CHECKPOINT_FORMAT}): resume it with that version, "
+                                  f"or pass {option('overwrite', True)} to start over")
             missing = sorted(STATE_KEYS - state.keys()) if isinstance(state, dict) else ["every key"]
             if missing:
                 raise ValueError(f"its state lacks {', '.join(missing)}")
@@ -464,10 +475,6 @@ def train(model: str | os.PathLike | Model | None = None, config: TrainConfig | 
         try:
             if resume:
                 state = checkpoints.load()
-                if state.get("format", 1) != CHECKPOINT_FORMAT:
-                    raise QuantkitError(f"the checkpoint in {partial} was saved by another version of quantkit (format "
-                                        f"{state.get('format', 1)}, this one reads {CHECKPOINT_FORMAT}): resume it with "
-                                        f"that version, or pass {option('overwrite', True)} to start over")
                 if state["key"] != key:
                     raise QuantkitError(f"the checkpoint in {partial} is of another run (a different model, data or "
                                         f"settings): resume with the command that started it, or choose another {option('out')}")
